@@ -1,0 +1,13 @@
+// fusedist._C: declarations only. Each area registers itself; logic lives in csrc/ops.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+void register_symmetric(py::module_& m);
+void register_allreduce(py::module_& m);
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
+  register_symmetric(m);
+  register_allreduce(m);
+}

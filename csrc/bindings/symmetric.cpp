@@ -1,0 +1,44 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "fusedist/api.h"
+
+namespace py = pybind11;
+using namespace fusedist;
+
+void register_symmetric(py::module_& m) {
+  py::class_<DeviceInfo>(m, "DeviceInfo")
+      .def_readonly("device", &DeviceInfo::device)
+      .def_readonly("sm_count", &DeviceInfo::sm_count)
+      .def_readonly("major", &DeviceInfo::major)
+      .def_readonly("minor", &DeviceInfo::minor)
+      .def_readonly("name", &DeviceInfo::name)
+      .def_readonly("pci_bus_id", &DeviceInfo::pci_bus_id)
+      .def_readonly("total_mem", &DeviceInfo::total_mem);
+  m.def("device_info", &device_info, py::arg("device"));
+  m.def("current_device", &current_device);
+  m.def("device_alloc", &device_alloc, py::arg("bytes"));
+  m.def("device_free", &device_free, py::arg("ptr"));
+  m.def("ipc_get_handle", [](uintptr_t p) { return py::bytes(ipc_get_handle(p)); }, py::arg("ptr"));
+  m.def("ipc_open_handle", [](py::bytes h) { return ipc_open_handle(std::string(h)); }, py::arg("handle"));
+  m.def("ipc_close_handle", &ipc_close_handle, py::arg("ptr"));
+  m.def("can_access_peer_by_bus_id", &can_access_peer_by_bus_id, py::arg("peer_bus_id"));
+  m.def("fill_u32", &fill_u32, py::arg("ptr"), py::arg("value"), py::arg("count"), py::arg("stream"));
+  m.def("host_mapped_alloc", &host_mapped_alloc, py::arg("bytes"));
+  m.def("host_mapped_device_ptr", &host_mapped_device_ptr, py::arg("host_ptr"));
+  m.def("host_mapped_free", &host_mapped_free, py::arg("host_ptr"));
+  m.def("stream_synchronize", &stream_synchronize, py::arg("stream"),
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("MAX_RANKS") = kMaxRanks;
+  m.attr("GENERATIONS") = kGenerations;
+  m.attr("EMPTY_WORD") = kEmptyWord;
+  m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
+  m.attr("CONTROL_BYTES") = sizeof(Control);
+  py::class_<SymmComm>(m, "SymmComm")
+      .def(py::init<int, int, const std::vector<uintptr_t>&, uint64_t, uint64_t, uintptr_t,
+                    uintptr_t, double, int>(),
+           py::arg("rank"), py::arg("world"), py::arg("bases"), py::arg("gen_bytes"),
+           py::arg("slot_bytes"), py::arg("control"), py::arg("error_record"),
+           py::arg("timeout_s"), py::arg("max_blocks"))
+      .def_readonly("max_blocks", &SymmComm::max_blocks);
+}

@@ -1,0 +1,74 @@
+// fusedist/allreduce_twoshot.cuh -- barrier-free two-shot (reduce-scatter + all-gather).
+//
+// The input's nvec vectors are cut into `world` chunks of C = ceil(nvec / world) vectors;
+// rank j owns chunk j. Per call:
+//   1. scatter: for each peer j, push chunk j of my input into slot `rank` of j's buffer.
+//   2. reduce:  for my chunk, sum all ranks' shares in fp32, rank order 0..world-1; the
+//               rounded (and sanitized) result goes to my output and into the gather region
+//               of every peer at the same offsets.
+//   3. gather:  for every other chunk, wait for its owner's result in my gather region.
+// Each vector is reduced exactly once, by its owner, so all ranks hold bitwise the same
+// output. Each rank sends and receives 2 (world-1)/world of the tensor, the bus-bandwidth
+// optimum. Readers clear what they read (signals.cuh); no barrier, one launch.
+#pragma once
+#include "fusedist/symmetric.cuh"
+
+namespace fusedist {
+
+template <typename T>
+__global__ void __launch_bounds__(512)
+    allreduce_twoshot_kernel(const __grid_constant__ SymmView v, const T* __restrict__ in, T* out, int64_t n) {
+  constexpr int kPer = ElemTraits<T>::kPerVec;
+  const uint32_t epoch = read_epoch(v.ctl);
+  const int64_t nvec = (n + kPer - 1) / kPer;
+  const int64_t chunk = (nvec + v.world - 1) / v.world;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+
+  // 1. scatter
+#pragma unroll 1
+  for (int d = 1; d < v.world; ++d) {
+    const int j = (v.rank + d) % v.world;  // stagger so ranks do not all hit one peer first
+    Vec16* dst = slot_ptr(v, j, epoch, v.rank);
+    for (int64_t k = first; k < chunk; k += stride) {
+      const int64_t i = j * chunk + k;
+      if (i >= nvec) break;
+      st_volatile(dst + k, sanitize(load_vec_tail(in, i, n)));
+    }
+  }
+
+  // 2. reduce my chunk, broadcast the result
+  for (int64_t k = first; k < chunk; k += stride) {
+    const int64_t i = v.rank * chunk + k;
+    if (i >= nvec) break;
+    float acc[kPer];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+#pragma unroll 1
+    for (int s = 0; s < v.world; ++s) {
+      const Vec16 y = (s == v.rank)
+                          ? sanitize(load_vec_tail(in, i, n))
+                          : receive(v, slot_ptr(v, v.rank, epoch, s), k, s, epoch, kOpTwoShot);
+      vec_accumulate<T>(acc, y);
+    }
+    const Vec16 r = sanitize(vec_from_floats<T>(acc));
+    store_vec_tail(out, i, n, r);
+#pragma unroll 1
+    for (int d = 1; d < v.world; ++d) st_volatile(gather_ptr(v, (v.rank + d) % v.world, epoch) + i, r);
+  }
+
+  // 3. gather the other chunks
+  Vec16* gather = gather_ptr(v, v.rank, epoch);
+#pragma unroll 1
+  for (int d = 1; d < v.world; ++d) {
+    const int j = (v.rank + d) % v.world;
+    for (int64_t k = first; k < chunk; k += stride) {
+      const int64_t i = j * chunk + k;
+      if (i >= nvec) break;
+      store_vec_tail(out, i, n, receive(v, gather, i, j, epoch, kOpTwoShot));
+    }
+  }
+  finish_epoch(v.ctl);
+}
+
+}  // namespace fusedist

@@ -1,0 +1,65 @@
+// fusedist/layout.h -- host-visible layout of a symmetric communicator: the control block,
+// the error record, the buffer layout and the SymmView that kernels receive by value (so a
+// CUDA graph captures it once). Plain structs, no device code: the bindings include it too.
+//
+// Buffer layout, identical on every rank (byte offsets from that rank's base):
+//
+//   generation g (g = epoch % kGenerations), at g * gen_bytes:
+//     slot s, s = 0..world-1, at s * slot_bytes   one-shot: rank s's whole input;
+//                                                  two-shot: rank s's share of MY chunk
+//     gather, at world * slot_bytes               two-shot: reduced chunks from their owners
+//
+// Writers: rank s writes only slot s of a peer's generation (and owners write the gather
+// region at their own chunk's offsets). Readers: only the owning rank reads its buffer, and
+// it writes kEmptyWord back behind itself. A generation is written again kGenerations calls
+// later; by then every reader has consumed and cleared it (see docs/design/allreduce.md).
+#pragma once
+#include <cstdint>
+
+#include "fusedist/common.h"
+
+namespace fusedist {
+
+// Value of every free 32-bit word of a receive slot (signals.cuh explains the protocol).
+constexpr uint32_t kEmptyWord = 0x80008000u;
+constexpr uint32_t kSanitizedWord = 0x00008000u;
+
+// Error record in host-mapped (zero-copy) memory: the host reads it without a CUDA call,
+// so a timed-out wait is reported even while the device is stuck elsewhere.
+struct ErrorRecord {
+  uint32_t code;      // 0 = ok, kErrTimeout = a peer never arrived
+  int32_t rank;       // the rank that gave up waiting
+  int32_t peer;       // the peer it was waiting for
+  uint32_t epoch;     // the communicator call index (low 32 bits)
+  uint32_t op;        // OpCode of the kernel
+  uint32_t pad[3];
+};
+constexpr uint32_t kErrTimeout = 1;
+enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3 };
+
+// Per-rank control block in local device memory (not shared with peers).
+//   epoch:  calls completed on this communicator; generation = epoch % kGenerations. The last
+//           block of each kernel increments it, so CUDA-graph replays rotate buffers too.
+//   arrive: blocks of the running kernel that finished (reset by the last one).
+//   failed: set once any wait timed out; later kernels skip their waits (fail fast).
+struct Control {
+  uint32_t epoch;
+  uint32_t arrive;
+  uint32_t failed;
+  uint32_t pad;
+};
+
+constexpr int kGenerations = 3;
+
+struct SymmView {
+  uint8_t* base[kMaxRanks];  // rank p's symmetric buffer, mapped into this process
+  uint64_t gen_bytes;        // bytes of one generation
+  uint64_t slot_bytes;       // bytes of one slot (one-shot capacity, two-shot chunk capacity)
+  Control* ctl;              // this rank's control block (device memory)
+  ErrorRecord* err;          // device alias of this rank's host-mapped error record
+  uint64_t timeout_ns;       // bounded wait for a peer
+  int rank;
+  int world;
+};
+
+}  // namespace fusedist
