@@ -1,6 +1,6 @@
 // fusedist/allreduce_rmsnorm.cuh -- one-shot all-reduce fused with residual add and RMSNorm.
 //
-//   h        = round_T(sum_r x_r + residual)       -> residual_out
+//   h        = round_T(round_T(sum_r x_r) + residual)   -> residual_out
 //   normed   = round_T(h * rsqrt(mean(h^2) + eps) * weight)   (or e4m3 + per-token scale)
 //
 // Communication is the one-shot protocol of allreduce_oneshot.cuh (same slots, same
@@ -82,6 +82,11 @@ __global__ void __launch_bounds__(1024)
                                                 kOpOneShotRmsNorm);
         vec_accumulate<T>(h[u], y);
       }
+      // Round the all-reduce result to T first: same semantics as all_reduce, then add.
+      const Vec16 ar = vec_from_floats<T>(h[u]);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) h[u][e] = 0.f;
+      vec_accumulate<T>(h[u], ar);
       vec_accumulate<T>(h[u], reinterpret_cast<const Vec16*>(residual)[i]);
       // Round h to T once: the stored residual and the normalized value agree.
       const Vec16 hr = vec_from_floats<T>(h[u]);

@@ -1,0 +1,31 @@
+"""fusedist: communication/compute overlap for tensor-parallel LLM inference.
+
+    import fusedist
+    rt = fusedist.init()                      # torchrun / mpirun / srun / explicit
+    y = fusedist.all_reduce(x)                # over the tensor-parallel group
+    normed, res = fusedist.all_reduce_add_rmsnorm(x, res, w, 1e-6)
+    fusedist.shutdown()
+
+Importing fusedist needs neither a GPU, nor libnccl, nor the compiled extension: CPU
+tensors take the plain-torch reference path over gloo.
+"""
+
+from ._version import __version__
+from .communicator import Communicator, get_communicator
+from .errors import (CommunicatorClosedError, CommunicatorTimeoutError, ExtensionMissingError,
+                     FusedistError, NcclUnavailableError, NotInitializedError, PeerAccessError)
+from .groups import Group
+from .launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
+from .ops import all_reduce, all_reduce_, all_reduce_add_rmsnorm
+from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
+from .streams import AsyncHandle, comm_stream
+from .topology import Topology
+
+__all__ = [
+    "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
+    "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
+    "all_reduce_add_rmsnorm", "AsyncHandle", "comm_stream", "LaunchEnv", "LaunchEnvError",
+    "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
+    "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
+    "CommunicatorClosedError",
+]

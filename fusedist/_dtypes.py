@@ -1,0 +1,17 @@
+"""torch dtype <-> fusedist._C dtype codes (csrc/include/fusedist/common.h DType)."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
+
+_CODES = {torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16}
+if hasattr(torch, "float8_e4m3fn"):
+    _CODES[torch.float8_e4m3fn] = FLOAT8_E4M3
+
+REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def code(dtype: torch.dtype) -> int:
+    return _CODES[dtype]

@@ -1,0 +1,237 @@
+"""Communicator: owns a group's symmetric buffers, its NCCL communicator and the tuned
+all-reduce table, and runs the collectives. Construct it once per group (before CUDA-graph
+capture), call it many times. ``fusedist.all_reduce`` & co. use the group's default
+communicator (get_communicator)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _dtypes, _ext, tuning
+from .errors import CommunicatorClosedError, PeerAccessError
+from .groups import Group
+from .runtime import get_runtime
+from .streams import AsyncHandle, nvtx_range, run_on_comm_stream
+from .symmetric import SymmetricMemory
+
+GroupLike = Union[Group, dist.ProcessGroup, "Communicator", None]
+
+DEFAULT_MAX_BYTES = 32 << 20
+DEFAULT_ONE_SHOT_MAX_BYTES = 1 << 20
+_ALGO_CODE = {"one_shot": 0, "two_shot": 1}
+_by_name: dict[str, "Communicator"] = {}
+
+
+def resolve_group(group: GroupLike) -> Group:
+    if isinstance(group, Group):
+        return group
+    rt = get_runtime()
+    if group is None:
+        return rt.tp
+    if isinstance(group, dist.ProcessGroup):
+        return Group.from_process_group(group, device=rt.device, topology=rt.topology)
+    raise TypeError(f"fusedist: group must be a fusedist.Group, a torch ProcessGroup or None, "
+                    f"got {type(group).__name__}")
+
+
+def get_communicator(group: GroupLike = None) -> "Communicator":
+    """The default communicator of `group` (tensor-parallel group when None), created on
+    first use. Create it before CUDA-graph capture."""
+    if isinstance(group, Communicator):
+        return group
+    g = resolve_group(group)
+    if g._communicator is None or g._communicator.closed:
+        g._communicator = Communicator(g)
+    return g._communicator
+
+
+def communicator_by_name(name: str) -> "Communicator":
+    comm = _by_name.get(name)
+    if comm is None or comm.closed:
+        raise RuntimeError(f"fusedist: no open communicator for group {name!r}")
+    return comm
+
+
+class Communicator:
+    """Collectives over one group.
+
+    max_bytes: largest all-reduce served by symmetric memory (two-shot); larger ones use NCCL.
+    one_shot_max_bytes: one-shot capacity (per-rank slot size). timeout_s: bounded wait for a
+    peer inside symmetric kernels (default FUSEDIST_TIMEOUT_S or 30 s). symmetric=False skips
+    symmetric memory (NCCL only).
+    """
+
+    def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
+                 timeout_s: Optional[float] = None, symmetric: bool = True):
+        rt = get_runtime()
+        self.group = resolve_group(group)
+        if not self.group.is_member:
+            raise ValueError(f"fusedist.Communicator: this rank is not in group "
+                             f"{self.group.name} {list(self.group.ranks)}")
+        for name, v in (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"fusedist.Communicator: {name} must be a positive int, got {v!r}")
+        self.device = self.group.device
+        self.closed = False
+        self.symm: Optional[SymmetricMemory] = None
+        self.nccl = None
+        self._pending_async: Optional[torch.cuda.Event] = None
+        self.table = {"allreduce": {}, "source": "cpu"}
+        if self.device.type == "cuda":
+            _ext.load()
+            from .nccl import NcclComm
+
+            if symmetric and self.group.size > 1:
+                try:
+                    self.symm = SymmetricMemory(self.group, max_bytes, min(one_shot_max_bytes,
+                                                max_bytes), timeout_s)
+                except PeerAccessError as e:
+                    warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
+            self.nccl = NcclComm(self.group)
+            name = torch.cuda.get_device_name(self.device)
+            self.table = self.group.all_gather_object(tuning.load_table(name, self.group.size))[0]
+        rt.communicators.append(self)
+        _by_name[self.group.name] = self
+
+    # ---- validation ------------------------------------------------------------------
+    def _check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fusedist.{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != self.device.type:
+            if self.device.type == "cuda":
+                fix = f"move it with {arg}.to('{self.device}')"
+            else:
+                fix = (f"move it with {arg}.cpu(), or run fusedist.init(backend='nccl') for GPU "
+                       "tensors")
+            raise ValueError(f"fusedist.{op}: {arg} is on {t.device} but group "
+                             f"{self.group.name} runs on {self.device.type}; {fix}")
+        if self.device.type == "cuda" and t.device.index != self.device.index:
+            raise ValueError(f"fusedist.{op}: {arg} is on {t.device} but this rank's device is "
+                             f"{self.device}; allocate it on {self.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"fusedist.{op}: {arg} is non-contiguous (stride {tuple(t.stride())}"
+                             f"); call .contiguous() first")
+        if t.dtype not in dtypes:
+            raise TypeError(f"fusedist.{op}: {arg} has dtype {t.dtype}; supported: "
+                            f"{', '.join(str(d) for d in dtypes)}")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise CommunicatorClosedError(
+                f"fusedist: the communicator of group {self.group.name} is closed (after "
+                "fusedist.shutdown() or close()); create a new one after fusedist.init()")
+        if self.symm is not None:
+            self.symm.check()
+
+    def check(self) -> None:
+        """Raise if a symmetric kernel recorded a timeout (cheap host read; call after a sync
+        or between graph replays to surface a dead peer)."""
+        self._check_open()
+
+    # ---- all-reduce ------------------------------------------------------------------
+    def choose_algo(self, nbytes: int, dtype: torch.dtype, algo: str = "auto") -> str:
+        if algo == "auto":
+            algo = tuning.forced_algo() or tuning.choose(self.table, nbytes, self.group.size)
+            if algo != "nccl" and (self.symm is None or nbytes > self._capacity(algo, dtype)):
+                algo = "nccl"
+        return algo
+
+    def _capacity(self, algo: str, dtype: torch.dtype) -> int:
+        C = _ext.load()
+        return C.allreduce_max_numel(self.symm.handle, _dtypes.code(dtype),
+                                     _ALGO_CODE[algo]) * dtype.itemsize
+
+    def all_reduce(self, x: torch.Tensor, *, algo: str = "auto", out: Optional[torch.Tensor] = None,
+                   async_op: bool = False):
+        """Sum `x` over the group. Returns `out` (a new tensor when None; pass out=x for in
+        place), or an AsyncHandle when async_op=True."""
+        op = "all_reduce"
+        self._check_open()
+        self._check_tensor(op, "x", x)
+        if out is None:
+            out = torch.empty_like(x)
+        else:
+            self._check_tensor(op, "out", out)
+            if out.shape != x.shape or out.dtype != x.dtype:
+                raise ValueError(f"fusedist.all_reduce: out has shape {tuple(out.shape)} and dtype "
+                                 f"{out.dtype}, x has {tuple(x.shape)} and {x.dtype}; they must match")
+        if algo not in ("auto",) + tuning.ALGOS:
+            raise ValueError(f"fusedist.all_reduce: algo must be 'auto' or one of "
+                             f"{tuning.ALGOS}, got {algo!r}")
+        if self.device.type == "cpu":
+            result = self._all_reduce_cpu(x, out)
+            return AsyncHandle(result) if async_op else result
+        nbytes = x.numel() * x.element_size()
+        chosen = self.choose_algo(nbytes, x.dtype, algo)
+        if chosen != "nccl":
+            if self.symm is None:
+                raise PeerAccessError(
+                    f"fusedist.all_reduce: algo={algo!r} needs symmetric memory, which group "
+                    f"{self.group.name} does not have (peer access unavailable, size 1, or "
+                    "symmetric=False); use algo='nccl' or 'auto'")
+            cap = self._capacity(chosen, x.dtype)
+            if nbytes > cap:
+                raise ValueError(
+                    f"fusedist.all_reduce: x has {nbytes} bytes, more than the {cap} bytes "
+                    f"{chosen} holds on this communicator; create fusedist.Communicator("
+                    f"max_bytes>={nbytes}) or use algo='nccl' or 'auto'")
+        if async_op:
+            handle = run_on_comm_stream(lambda s: self._launch(x, out, chosen), (x, out),
+                                        self.device)
+            # A later synchronous op on another stream must not overlap this one: the
+            # symmetric kernels of one communicator run one at a time.
+            self._pending_async = handle._event
+            return handle
+        return self._launch(x, out, chosen)
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device)
+        if self._pending_async is not None:
+            stream.wait_event(self._pending_async)
+            self._pending_async = None
+        with nvtx_range(f"fusedist.all_reduce.{algo}"):
+            if algo == "nccl" or self.group.size == 1:
+                return self.nccl.all_reduce(x, out)
+            C = _ext.load()
+            # Kernels move 16-byte vectors: misaligned views go through aligned copies.
+            src = x if x.data_ptr() % 16 == 0 else x.clone()
+            dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+            C.allreduce(self.symm.handle, src.data_ptr(), dst.data_ptr(), x.numel(),
+                        _dtypes.code(x.dtype), _ALGO_CODE[algo], stream.cuda_stream)
+            if dst is not out:
+                out.copy_(dst)
+            return out
+
+    def _all_reduce_cpu(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Reference path: fp32 accumulation over gloo, rounded once to x.dtype."""
+        acc = x.to(torch.float32, copy=True)
+        if self.group.size > 1:
+            dist.all_reduce(acc, group=self.group.pg)
+        out.copy_(acc)
+        return out
+
+    # ---- teardown --------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective: release symmetric buffers and the NCCL communicator."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.symm is not None:
+                self.symm.close()
+            if self.nccl is not None:
+                self.nccl.close()
+        finally:
+            if _by_name.get(self.group.name) is self:
+                del _by_name[self.group.name]
+            if self.group._communicator is self:
+                self.group._communicator = None
+            try:
+                get_runtime().communicators.remove(self)
+            except (ValueError, Exception):
+                pass

@@ -1,0 +1,32 @@
+"""Exceptions raised by fusedist. Argument errors are plain ValueError/TypeError whose message
+names the function, the argument and the fix; these classes are for everything else."""
+
+from __future__ import annotations
+
+
+class FusedistError(RuntimeError):
+    """Base class of fusedist's runtime errors."""
+
+
+class NotInitializedError(FusedistError):
+    """fusedist.init() was not called, or fusedist.shutdown() already ran."""
+
+
+class ExtensionMissingError(FusedistError, ImportError):
+    """The CUDA extension fusedist._C is not built or cannot be loaded."""
+
+
+class PeerAccessError(FusedistError):
+    """Symmetric memory cannot be set up: peers are on other nodes or P2P is unavailable."""
+
+
+class NcclUnavailableError(FusedistError):
+    """nccl4py or libnccl is missing where a GPU op needs NCCL."""
+
+
+class CommunicatorTimeoutError(FusedistError):
+    """A symmetric-memory kernel waited longer than the timeout for a peer."""
+
+
+class CommunicatorClosedError(FusedistError):
+    """The communicator was closed (or broke after a timeout) and cannot be used."""

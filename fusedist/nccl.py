@@ -1,0 +1,76 @@
+"""NCCL through nccl4py: one communicator per fusedist Group, created collectively with a
+unique id shared over the group's torch process group, always driven on torch's current
+stream (never stream 0). FUSEDIST_NCCL=torch uses torch.distributed's NCCL instead."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import NcclUnavailableError
+from .groups import Group
+
+
+def backend_choice() -> str:
+    choice = os.environ.get("FUSEDIST_NCCL", "nccl4py")
+    if choice not in ("nccl4py", "torch"):
+        raise ValueError(f"fusedist: FUSEDIST_NCCL must be 'nccl4py' or 'torch', got {choice!r}")
+    return choice
+
+
+def _import_nccl():
+    try:
+        import nccl.core as nc  # nccl4py
+    except Exception as e:  # ImportError, or cuda-bindings missing underneath
+        raise NcclUnavailableError(
+            f"fusedist: nccl4py is not importable ({type(e).__name__}: {e}); "
+            "`pip install nccl4py cuda-bindings`, or set FUSEDIST_NCCL=torch to use "
+            "torch.distributed's NCCL") from e
+    return nc
+
+
+class NcclComm:
+    """A group's NCCL communicator (nccl4py, or torch.distributed with FUSEDIST_NCCL=torch)."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.kind = backend_choice()
+        self._comm = None
+        if self.kind == "torch" or group.size == 1:
+            return
+        nc = _import_nccl()
+        # Every rank learns whether rank 0 could make an id, so all fail or none does.
+        uid, err = None, None
+        if group.rank == 0:
+            try:
+                uid = bytes(nc.get_unique_id())
+            except Exception as e:  # DynamicLibNotFoundError when libnccl is missing
+                err = f"{type(e).__name__}: {e}"
+        uid, err = group.all_gather_object((uid, err))[0]
+        if err is not None:
+            raise NcclUnavailableError(
+                f"fusedist: NCCL is unusable through nccl4py ({err}); install libnccl "
+                "(e.g. `pip install nvidia-nccl-cu13`) or set FUSEDIST_NCCL=torch")
+        self._nc = nc
+        self._comm = nc.Communicator.init(group.size, group.rank, nc.UniqueId.from_bytes(uid))
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            if out.data_ptr() != x.data_ptr():
+                out.copy_(x)
+            return out
+        stream = torch.cuda.current_stream(x.device)
+        if self._comm is None:
+            if out.data_ptr() != x.data_ptr():
+                out.copy_(x)
+            dist.all_reduce(out, group=self.group.pg)
+            return out
+        self._comm.allreduce(x, out, self._nc.SUM, stream=stream.cuda_stream)
+        return out
+
+    def close(self) -> None:
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None

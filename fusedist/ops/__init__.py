@@ -1,0 +1,6 @@
+"""Public functional ops (also registered as torch.ops.fusedist.*)."""
+
+from .allreduce import all_reduce, all_reduce_
+from .allreduce_rmsnorm import all_reduce_add_rmsnorm, rmsnorm_reference
+
+__all__ = ["all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "rmsnorm_reference"]

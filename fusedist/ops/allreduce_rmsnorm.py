@@ -1,0 +1,123 @@
+"""all_reduce_add_rmsnorm: the tensor-parallel layer epilogue in one kernel.
+
+    normed, residual = fusedist.all_reduce_add_rmsnorm(x, residual, weight, eps)
+    q, residual, scale = fusedist.all_reduce_add_rmsnorm(x, residual, weight, eps,
+                                                         out_dtype=torch.float8_e4m3fn)
+
+with h = round(round(all_reduce(x)) + residual) returned as the new residual and
+normed = round(h * rsqrt(mean(h^2) + eps) * weight); in FP8 mode normed is e4m3 with one fp32
+scale per token (scale = amax / 448, normed_fp32 ~= q * scale). x and residual are
+[..., hidden]; weight is [hidden]. On NVLink groups it runs fused on one-shot symmetric memory
+when the message fits; otherwise all_reduce + torch epilogue (same results up to rounding).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _dtypes, _ext
+from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
+from ..streams import nvtx_range
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+
+
+def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out_dtype: Optional[torch.dtype] = None):
+    """Plain-torch epilogue on the already-added residual h (fp32 math)."""
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if out_dtype is not None and out_dtype == FP8:
+        scale = y.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+        return (y / scale.unsqueeze(-1)).to(FP8), scale
+    return y.to(h.dtype), None
+
+
+def _validate(comm: Communicator, x, residual, weight, eps, out_dtype):
+    op = "all_reduce_add_rmsnorm"
+    comm._check_open()
+    comm._check_tensor(op, "x", x)
+    comm._check_tensor(op, "residual", residual)
+    comm._check_tensor(op, "weight", weight)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"fusedist.{op}: x must be [..., hidden] with hidden > 0, got "
+                         f"{tuple(x.shape)}")
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"fusedist.{op}: residual has shape {tuple(residual.shape)} / "
+                         f"{residual.dtype}; it must match x ({tuple(x.shape)} / {x.dtype})")
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype:
+        raise ValueError(f"fusedist.{op}: weight must be [{x.shape[-1]}] of {x.dtype}, got "
+                         f"{tuple(weight.shape)} of {weight.dtype}")
+    if not (isinstance(eps, float) and eps > 0):
+        raise ValueError(f"fusedist.{op}: eps must be a positive float, got {eps!r}")
+    if out_dtype is not None and out_dtype not in (x.dtype, FP8):
+        raise ValueError(f"fusedist.{op}: out_dtype must be None, {x.dtype} or "
+                         f"torch.float8_e4m3fn, got {out_dtype}")
+
+
+def _fused_ok(comm: Communicator, x: torch.Tensor) -> bool:
+    if comm.symm is None or comm.device.type != "cuda":
+        return False
+    hidden = x.shape[-1]
+    per = 16 // x.element_size()
+    return (hidden % per == 0 and hidden // per <= 4096 and
+            x.numel() * x.element_size() <= comm._capacity("one_shot", x.dtype))
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float = 1e-6, *, out_dtype: Optional[torch.dtype] = None,
+                           group: GroupLike = None, fused: Optional[bool] = None):
+    """Returns (normed, new_residual), or (normed_fp8, new_residual, scale) for FP8 output.
+    fused=None picks the fused kernel when it applies; True requires it; False never uses it."""
+    comm = get_communicator(group)
+    _validate(comm, x, residual, weight, eps, out_dtype)
+    fp8 = out_dtype is not None and out_dtype == FP8
+    with nvtx_range("fusedist.all_reduce_add_rmsnorm"):
+        can_fuse = _fused_ok(comm, x)
+        if fused and not can_fuse:
+            raise ValueError(
+                "fusedist.all_reduce_add_rmsnorm: fused=True but the fused kernel does not apply "
+                f"(x {tuple(x.shape)} {x.dtype}: needs NVLink symmetric memory, hidden a multiple "
+                "of the 16-byte vector and <= 4096 vectors, and x within the one-shot capacity); "
+                "pass fused=None")
+        if can_fuse and fused is not False:
+            return _fused(comm, x, residual, weight, eps, fp8)
+        ar = comm.all_reduce(x)
+        h = (ar.float() + residual.float()).to(x.dtype)
+        normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
+        return (normed, h, scale) if fp8 else (normed, h)
+
+
+def _fused(comm, x, residual, weight, eps, fp8):
+    C = _ext.load()
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    stream = torch.cuda.current_stream(comm.device)
+    if comm._pending_async is not None:
+        stream.wait_event(comm._pending_async)
+        comm._pending_async = None
+    tensors = [t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight)]
+    xs, rs, ws = tensors
+    normed = torch.empty(x.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)
+    res_out = torch.empty_like(x)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if fp8 else None
+    C.allreduce_rmsnorm(comm.symm.handle, xs.data_ptr(), rs.data_ptr(), ws.data_ptr(),
+                        normed.data_ptr(), res_out.data_ptr(),
+                        scale.data_ptr() if fp8 else 0, tokens, hidden, float(eps),
+                        _dtypes.code(x.dtype), _dtypes.FLOAT8_E4M3 if fp8 else _dtypes.code(x.dtype),
+                        stream.cuda_stream)
+    return (normed, res_out, scale) if fp8 else (normed, res_out)
+
+
+@torch.library.custom_op("fusedist::all_reduce_add_rmsnorm", mutates_args=())
+def _op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return all_reduce_add_rmsnorm(x, residual, weight, eps, group=communicator_by_name(group_name))
+
+
+@_op.register_fake
+def _(x, residual, weight, eps, group_name):
+    return torch.empty_like(x), torch.empty_like(x)

@@ -1,0 +1,202 @@
+"""fusedist.init / fusedist.shutdown: one runtime per process.
+
+init() detects the launcher (launch_env.py), picks the local GPU before anything touches
+CUDA, starts torch.distributed (nccl on GPU, gloo on CPU; under mpirun without MASTER_ADDR the
+address is bootstrapped through mpi4py), gathers the topology and creates the world,
+tensor-parallel, data-parallel, intra-node and inter-node groups. An engine that already
+initialized torch.distributed keeps its process group: init() adopts it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import NotInitializedError
+from .groups import Group, build_rank_lists, new_groups, validate_tp_size
+from .launch_env import LaunchEnv, detect_launch_env
+from .topology import Topology
+
+# Environment a GPU host of this project must keep (shared/TESTBED.md): multicast stays off.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(eq=False)
+class Runtime:
+    env: LaunchEnv
+    topology: Topology
+    device: torch.device
+    backend: str
+    world: Group
+    tp: Group
+    dp: Group
+    intra_node: Group
+    inter_node: Optional[Group]
+    owns_process_group: bool
+    communicators: list = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+
+_runtime: Optional[Runtime] = None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def get_runtime() -> Runtime:
+    if _runtime is None:
+        raise NotInitializedError(
+            "fusedist: not initialized; call fusedist.init() first (after fusedist.shutdown(), "
+            "call init() again before using fusedist)")
+    return _runtime
+
+
+def _timeout_s(explicit: Optional[float]) -> float:
+    if explicit is not None:
+        return float(explicit)
+    return float(os.environ.get("FUSEDIST_INIT_TIMEOUT_S", "300"))
+
+
+def _mpi_bootstrap_address(env: LaunchEnv) -> tuple[str, int]:
+    """Under mpirun without MASTER_ADDR: rank 0 picks its host and a free port, MPI broadcasts."""
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ValueError(
+            "fusedist.init: launched by MPI without MASTER_ADDR/MASTER_PORT and mpi4py is not "
+            "installed; `pip install mpi4py` or export MASTER_ADDR and MASTER_PORT") from e
+    addr = port = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        addr = socket.gethostbyname(socket.gethostname()) if env.world_size > env.local_world_size \
+            else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    return MPI.COMM_WORLD.bcast((addr, port), root=0)
+
+
+def _pick_device(env: LaunchEnv, backend: str, device) -> torch.device:
+    if backend == "gloo" and device is None:
+        return torch.device("cpu")
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
+    n = torch.cuda.device_count()
+    if env.local_rank >= n:
+        raise ValueError(
+            f"fusedist.init: local rank {env.local_rank} has no GPU (this node shows {n}); "
+            f"start at most {n} ranks per node or pass device=")
+    dev = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
+         backend: Optional[str] = None, device=None, timeout_s: Optional[float] = None,
+         rank: Optional[int] = None, world_size: Optional[int] = None,
+         local_rank: Optional[int] = None, local_world_size: Optional[int] = None,
+         master_addr: Optional[str] = None, master_port: Optional[int] = None,
+         node_id: Optional[str] = None) -> Runtime:
+    """Start fusedist in this process and return its :class:`Runtime`.
+
+    tp_size: tensor-parallel size (default: ranks per node). backend: "nccl" or "gloo"
+    (default: nccl when a GPU is visible). timeout_s bounds every bootstrap step and collective
+    of the process groups (default FUSEDIST_INIT_TIMEOUT_S or 300 s). The launch arguments
+    (rank=, world_size=, ...) override what the launcher's environment says.
+    """
+    global _runtime
+    if _runtime is not None:
+        raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"fusedist.init: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("fusedist.init: backend='nccl' needs a CUDA GPU and none is visible; "
+                         "use backend='gloo' for the CPU reference path")
+    timeout = datetime.timedelta(seconds=_timeout_s(timeout_s))
+
+    owns = not dist.is_initialized()
+    if owns:
+        env = detect_launch_env(rank=rank, world_size=world_size, local_rank=local_rank,
+                                local_world_size=local_world_size, master_addr=master_addr,
+                                master_port=master_port, node_id=node_id)
+        dev = _pick_device(env, backend, device)
+        if env.world_size == 1:
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            addr, port = env.master_addr, env.master_port
+            if addr is None:
+                addr, port = _mpi_bootstrap_address(env)
+            kwargs = {}
+            if backend == "nccl":
+                kwargs["device_id"] = dev
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout, **kwargs)
+    else:
+        # Adopt the engine's process group; the launch environment only supplies node identity.
+        backend = dist.get_backend()
+        env = detect_launch_env(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                local_rank=local_rank, local_world_size=local_world_size,
+                                node_id=node_id)
+        dev = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+               else torch.device("cpu")) if device is None else torch.device(device)
+
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
+    node_ids = tuple(world_group.all_gather_object(env.node_id))
+    topo = Topology(world_size=world, rank=me, node_ids=node_ids)
+    world_group.topology = topo
+
+    tp = topo.ranks_per_node if tp_size is None else tp_size
+    if tp_size is None and world % tp:
+        tp = 1
+    validate_tp_size(world, tp, topo, tp_spans_nodes)
+    lists = build_rank_lists(world, tp, topo)
+    groups = {k: new_groups(k, v, world, dev, topo) for k, v in lists.items()}
+    _runtime = Runtime(env=env, topology=topo, device=dev, backend=backend, world=world_group,
+                       tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
+                       inter_node=groups["inter_node"], owns_process_group=owns)
+    return _runtime
+
+
+def shutdown() -> None:
+    """Free every communicator (symmetric buffers, IPC mappings, NCCL comms) and, if init()
+    created it, destroy the process group. Safe to call twice."""
+    global _runtime
+    rt = _runtime
+    if rt is None:
+        return
+    try:
+        for comm in reversed(list(rt.communicators)):
+            comm.close()
+        rt.communicators.clear()
+    finally:
+        _runtime = None
+        from . import streams
+
+        streams.reset_pools()
+        if rt.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""Symmetric memory: one equally sized buffer per rank of a single-node group, mapped into
+every peer through CUDA IPC, plus this rank's control block and host-mapped error record.
+
+Layout and protocol: csrc/include/fusedist/layout.h and docs/design/allreduce.md. In short,
+the buffer holds kGenerations generations of `world` receive slots and one gather region; every
+free 32-bit word holds EMPTY_WORD; writers push into their own slot of a peer's buffer and the
+owner clears what it reads. Created collectively, before any CUDA-graph capture; freed by
+close() after a group barrier so no peer still writes into freed memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from . import _ext
+from .errors import CommunicatorClosedError, CommunicatorTimeoutError, PeerAccessError
+from .groups import Group
+
+_OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm"}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def default_timeout_s() -> float:
+    return float(os.environ.get("FUSEDIST_TIMEOUT_S", "30"))
+
+
+class SymmetricMemory:
+    """Symmetric buffers for `group` able to all-reduce up to `max_bytes` with two-shot and
+    `one_shot_max_bytes` with one-shot."""
+
+    def __init__(self, group: Group, max_bytes: int, one_shot_max_bytes: int,
+                 timeout_s: Optional[float] = None):
+        C = _ext.load()
+        self.group = group
+        self._C = C
+        self._closed = True
+        W, r = group.size, group.rank
+        if W > C.MAX_RANKS:
+            raise PeerAccessError(f"fusedist: symmetric memory supports at most {C.MAX_RANKS} "
+                                  f"ranks per group, this group has {W}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fusedist: symmetric memory must be created before CUDA-graph "
+                               "capture; create the Communicator first, then capture")
+        dev = torch.cuda.current_device()
+        info = C.device_info(dev)
+        me = {"node": group.topology.node_ids[group.ranks[r]] if group.topology else
+              socket.gethostname(), "host": socket.gethostname(), "bus": info.pci_bus_id,
+              "sms": info.sm_count, "cc": (info.major, info.minor)}
+        peers = group.all_gather_object(me)
+        if len({(p["node"], p["host"]) for p in peers}) != 1:
+            raise PeerAccessError(
+                "fusedist: symmetric memory needs every rank of the group on one node; group "
+                f"{group.name} spans {sorted({p['node'] for p in peers})}")
+        # P2P check where the peer's GPU is visible here; IPC open decides otherwise.
+        ok = all(C.can_access_peer_by_bus_id(p["bus"]) != 0 for p in peers)
+        if not all(group.all_gather_object(ok)):
+            raise PeerAccessError(
+                f"fusedist: GPUs {[p['bus'] for p in peers]} of group {group.name} cannot "
+                "access each other (no P2P); ops fall back to NCCL")
+
+        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
+        self.one_shot_max_bytes = _align(max(16, one_shot_max_bytes), 16)
+        self.max_bytes = _align(max(16, max_bytes), 16)
+        chunk_bytes = _align(-(-self.max_bytes // W), 16)
+        self.slot_bytes = max(self.one_shot_max_bytes, chunk_bytes)
+        self.gen_bytes = W * self.slot_bytes + self.max_bytes
+        total = C.GENERATIONS * self.gen_bytes
+        stream = torch.cuda.current_stream().cuda_stream
+
+        self._base = C.device_alloc(total)
+        self._control = C.device_alloc(C.CONTROL_BYTES)
+        self._err_host = C.host_mapped_alloc(C.ERROR_RECORD_BYTES)
+        self._opened: list[int] = []
+        try:
+            C.fill_u32(self._base, C.EMPTY_WORD, total // 4, stream)
+            C.fill_u32(self._control, 0, C.CONTROL_BYTES // 4, stream)
+            C.stream_synchronize(stream)  # slots are empty before any peer learns our handle
+            handles = group.all_gather_object(C.ipc_get_handle(self._base))
+            bases, err = [], None
+            for i, h in enumerate(handles):
+                if i == r:
+                    bases.append(self._base)
+                    continue
+                try:
+                    p = C.ipc_open_handle(h)
+                    self._opened.append(p)
+                    bases.append(p)
+                except RuntimeError as e:
+                    err = f"rank {group.ranks[i]}: {e}"
+                    break
+            errs = [e for e in group.all_gather_object(err) if e]
+            if errs:
+                raise PeerAccessError(f"fusedist: cannot map peers' symmetric buffers through "
+                                      f"CUDA IPC ({errs[0]}); ops fall back to NCCL")
+            self.max_blocks = min(p["sms"] for p in peers)
+            self.handle = C.SymmComm(r, W, bases, self.gen_bytes, self.slot_bytes, self._control,
+                                     C.host_mapped_device_ptr(self._err_host), self.timeout_s,
+                                     self.max_blocks)
+        except BaseException:
+            self._free()
+            raise
+        self._closed = False
+        self.total_bytes = total
+
+    # ---- errors ------------------------------------------------------------------------
+    def error(self) -> Optional[str]:
+        """The recorded device-side failure, read from host-mapped memory (no CUDA call)."""
+        if self._err_host is None:
+            return None
+        words = (ctypes.c_int32 * 5).from_address(self._err_host)
+        if words[0] == 0:
+            return None
+        return (f"{_OP_NAMES.get(words[4], 'kernel')} on group {self.group.name}: rank "
+                f"{self.group.ranks[words[1]]} waited more than {self.timeout_s:g} s for rank "
+                f"{self.group.ranks[words[2]]} at call #{words[3] & 0xffffffff}; the peer never "
+                "arrived (it skipped the collective, called a different op, or died). The "
+                "communicator is unusable now; outputs of that call are NaN.")
+
+    def check(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"fusedist: communicator of group {self.group.name} "
+                                          "is closed")
+        msg = self.error()
+        if msg is not None:
+            raise CommunicatorTimeoutError("fusedist: " + msg)
+
+    # ---- teardown ----------------------------------------------------------------------
+    def _free(self) -> None:
+        C = self._C
+        for p in self._opened:
+            try:
+                C.ipc_close_handle(p)
+            except RuntimeError:
+                pass
+        self._opened = []
+        if getattr(self, "_base", None):
+            C.device_free(self._base)
+            self._base = None
+        if getattr(self, "_control", None):
+            C.device_free(self._control)
+            self._control = None
+        if getattr(self, "_err_host", None):
+            C.host_mapped_free(self._err_host)
+            self._err_host = None
+
+    def close(self) -> None:
+        """Collective: wait for local work, barrier so no peer still writes here, unmap, free."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize()
+        self.group.barrier()
+        self._free()

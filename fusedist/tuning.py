@@ -1,0 +1,73 @@
+"""All-reduce algorithm choice per (bytes, world size, dtype, peer access).
+
+The table maps a world size to ascending byte thresholds: the first rule whose `max_bytes`
+is >= the message size names the algorithm. Sources, first match wins:
+  1. FUSEDIST_ALLREDUCE_ALGO=one_shot|two_shot|nccl forces one algorithm (auto = the table);
+  2. FUSEDIST_TUNING_FILE=path.json;
+  3. the cache written by `python benchmarks/allreduce.py --tune`
+     (~/.cache/fusedist/allreduce-<gpu>-w<world>.json);
+  4. the shipped default, fusedist/tuning_default.json (measured on 2x H200 NVLink).
+A Communicator takes rank 0's table at creation, so every rank makes the same choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+ALGOS = ("one_shot", "two_shot", "nccl")
+_DEFAULT = Path(__file__).with_name("tuning_default.json")
+
+
+def cache_path(gpu_name: str, world: int) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-")
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusedist"
+    return root / f"allreduce-{slug}-w{world}.json"
+
+
+def _valid(table: dict) -> dict:
+    for w, rules in table.get("allreduce", {}).items():
+        int(w)
+        for rule in rules:
+            if rule["algo"] not in ALGOS:
+                raise ValueError(f"fusedist: tuning table has unknown algo {rule['algo']!r}")
+    return table
+
+
+def load_table(gpu_name: str, world: int) -> dict:
+    path = os.environ.get("FUSEDIST_TUNING_FILE")
+    candidates = [Path(path)] if path else []
+    candidates += [cache_path(gpu_name, world), _DEFAULT]
+    for p in candidates:
+        if p.is_file():
+            with open(p) as f:
+                t = _valid(json.load(f))
+            t["source"] = str(p)
+            return t
+    return {"allreduce": {}, "source": "none"}
+
+
+def forced_algo() -> Optional[str]:
+    a = os.environ.get("FUSEDIST_ALLREDUCE_ALGO", "auto")
+    if a == "auto":
+        return None
+    if a not in ALGOS:
+        raise ValueError(f"fusedist: FUSEDIST_ALLREDUCE_ALGO must be auto or one of {ALGOS}, "
+                         f"got {a!r}")
+    return a
+
+
+def choose(table: dict, nbytes: int, world: int) -> str:
+    """Table lookup; the world size falls back to the nearest one in the table."""
+    rules_by_world = table.get("allreduce", {})
+    if not rules_by_world:
+        return "one_shot" if nbytes <= 256 * 1024 else "two_shot"
+    key = str(world) if str(world) in rules_by_world else \
+        min(rules_by_world, key=lambda w: abs(int(w) - world))
+    for rule in rules_by_world[key]:
+        if rule.get("max_bytes") is None or nbytes <= rule["max_bytes"]:
+            return rule["algo"]
+    return "nccl"
