@@ -29,6 +29,8 @@ void register_symmetric(py::module_& m) {
   m.def("host_mapped_free", &host_mapped_free, py::arg("host_ptr"));
   m.def("stream_synchronize", &stream_synchronize, py::arg("stream"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("copy_to_host", [](uintptr_t p, uint64_t n) { return py::bytes(copy_to_host(p, n)); },
+        py::arg("device_ptr"), py::arg("bytes"));
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("GENERATIONS") = kGenerations;
   m.attr("EMPTY_WORD") = kEmptyWord;

@@ -101,6 +101,13 @@ void stream_synchronize(uintptr_t stream) {
   FUSEDIST_CUDA_CHECK(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)));
 }
 
+std::string copy_to_host(uintptr_t device_ptr, uint64_t bytes) {
+  std::string out(bytes, '\0');
+  FUSEDIST_CUDA_CHECK(cudaMemcpy(out.data(), reinterpret_cast<void*>(device_ptr), bytes,
+                                 cudaMemcpyDeviceToHost));
+  return out;
+}
+
 SymmComm::SymmComm(int rank, int world, const std::vector<uintptr_t>& bases,
                    uint64_t gen_bytes, uint64_t slot_bytes, uintptr_t control,
                    uintptr_t error_record_device, double timeout_s, int max_blocks_)

@@ -1,0 +1,141 @@
+"""Shared benchmark harness: CUDA-graph timing, metadata, and result writers.
+
+Timing (docs/benchmarks.md): each measurement captures `ops` calls of the op in one CUDA
+graph (inputs rotate over `ops` distinct buffers so small messages do not sit in L2), replays
+it `reps` times between CUDA events after warm-up, and reports the median per-op time. Every
+rank times itself; the row reports the slowest rank's median. CPU (gloo) runs time eager
+calls with perf_counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else \
+            os.environ.get("FUSEDIST_COMMIT", "unknown")
+    except Exception:
+        return os.environ.get("FUSEDIST_COMMIT", "unknown")
+
+
+def metadata(world: int) -> dict:
+    meta = {"commit": git_commit(), "world_size": world, "torch": torch.__version__,
+            "python": platform.python_version(), "host": platform.node(),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["cuda"] = torch.version.cuda
+        try:
+            meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 text=True, capture_output=True, timeout=10).stdout.split()
+            meta["driver"] = smi[0] if smi else "?"
+        except Exception:
+            meta["driver"] = "?"
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        meta[k] = os.environ.get(k)
+    return meta
+
+
+def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3) -> float:
+    """Median microseconds per call of step(i), i = 0..ops-1, captured in one CUDA graph."""
+    for i in range(ops):  # eager warm-up (lazy init, allocator) outside capture
+        step(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(ops):
+            step(i)
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    del g
+    return median(times)
+
+
+def time_eager(step: Callable[[int], None], ops: int, reps: int) -> float:
+    for i in range(ops):
+        step(i)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(ops):
+            step(i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6 / ops)
+    return median(times)
+
+
+def slowest(t_us: float) -> float:
+    """The slowest rank's time: a collective is as fast as its last rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t_us
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t_us)
+    return max(out)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, k in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=None) -> list[Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = f"{stem}-{meta.get('gpu', 'cpu').replace(' ', '_')}-w{meta['world_size']}"
+    out = os.environ.get("FUSEDIST_RESULTS_DIR")
+    base = Path(out) if out else RESULTS
+    base.mkdir(parents=True, exist_ok=True)
+    paths = [base / f"{tag}.json", base / f"{tag}.md"]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    head = "\n".join(f"- {k}: {v}" for k, v in meta.items())
+    paths[1].write_text(f"# {stem}\n\n{head}\n\n{markdown}\n")
+    if plot is not None:
+        try:
+            p = base / f"{tag}.png"
+            plot(p)
+            paths.append(p)
+        except Exception as e:  # matplotlib missing: JSON + Markdown still stand
+            print(f"(plot skipped: {e})")
+    return paths

@@ -1,0 +1,83 @@
+"""Shared harness for multi-process test workers (launched by torchrun or mpirun).
+
+Every rank runs every check; failures are gathered so one failing rank fails all of them
+(no rank hangs waiting for another); the worker exits non-zero if any rank failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fusedist  # noqa: E402
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def rank_seed(*parts) -> int:
+    """Stable across processes (unlike hash() of a str)."""
+    h = 1469598103934665603
+    for p in parts:
+        v = zlib.crc32(str(p).encode())
+        h = ((h ^ v) * 1099511628211) & ((1 << 62) - 1)
+    return h
+
+
+def fresh(shape, dtype, device, seed) -> torch.Tensor:
+    """Fresh random input from a seed every rank can recompute (so every rank can build the
+    float64 reference of all ranks' inputs locally)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+
+
+def assert_identical_across_ranks(rt, y, what):
+    """Bitwise equality of `y` on every rank of the tp group (a positional digest)."""
+    y = y.reshape(-1)
+    bits = y.view(torch.uint8) if y.element_size() == 1 else y.view(
+        {4: torch.int32, 2: torch.int16}[y.element_size()])
+    digest = (int(bits.long().sum()), int((bits.long() * torch.arange(
+        bits.numel(), device=bits.device) % 1000003).sum()))
+    got = rt.tp.all_gather_object(digest)
+    assert all(d == got[0] for d in got), f"{what}: outputs differ across ranks: {got}"
+
+
+def main(select: str | None = None) -> None:
+    rt = fusedist.init()
+    failures = []
+    run_id = int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time()))))
+    only = select or os.environ.get("FUSEDIST_TEST_ONLY")
+    for fn in CHECKS:
+        if only and only not in fn.__name__:
+            continue
+        t0 = time.time()
+        try:
+            fn(rt, run_id)
+            status = "ok"
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then gathered
+            status = "FAIL"
+            failures.append(f"rank {rt.rank} {fn.__name__}: {type(e).__name__}: {e}\n"
+                            + traceback.format_exc(limit=4))
+        if rt.rank == 0:
+            print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s)", flush=True)
+    all_failures = rt.world.all_gather_object(failures)
+    fusedist.shutdown()
+    flat = [f for fs in all_failures for f in fs]
+    if flat:
+        if rt.rank == 0:
+            print("\n".join(flat), flush=True)
+        sys.exit(1)
+    print(f"rank {rt.rank}: all checks passed (seed {run_id})", flush=True)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Build fusedist on a GPU host, run the GPU test tier, compute-sanitizer and the quick
+# benchmarks, and print a short summary table last. One call does everything:
+#
+#   bash tests/gpu/run.sh                 # logs and results land in $OUT (default ./_out)
+#   FUSEDIST_GPU_STAGES="build tests bench" bash tests/gpu/run.sh   # a subset
+#
+# Offline hosts: wheels it lacks (nccl4py, CUTLASS headers) are installed from ./.whl
+# (bash shared/prepare-wheels.sh .whl on a machine with package access).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/_out}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench"}
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+
+if compgen -G ".whl/nccl4py*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nccl4py*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+stage() {  # stage NAME TIMEOUT_S CMD...: log to $OUT/NAME.log, one summary line
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)" >> "$OUT/summary.txt"
+  return $rc
+}
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
+{ nvidia-smi; nvidia-smi topo -m; } > "$OUT/nvidia-smi.txt" 2>&1
+if want build; then
+  CMAKE_BUILD_PARALLEL_LEVEL=16 stage build 900 python3 -m pip install --no-build-isolation \
+    --no-deps -v . || { tail -40 "$OUT/build.log"; cat "$OUT/summary.txt"; exit 1; }
+  grep -E "spill|stack frame" "$OUT/build.log" | sort -u > "$OUT/ptxas.txt" || true
+fi
+if want tests; then
+  stage tests 1500 python3 -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
+    -p no:cacheprovider
+fi
+if want sanitizer && [[ $NGPU -ge 2 ]]; then
+  for tool in memcheck racecheck; do
+    FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_SEED=7 stage "san_$tool" 600 \
+      python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
+      compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
+      python3 tests/dist/worker_allreduce.py
+  done
+fi
+if want bench && [[ $NGPU -ge 2 ]]; then
+  FUSEDIST_RESULTS_DIR="$OUT" stage bench 900 python3 -m torch.distributed.run \
+    --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused --tune}
+fi
+
+echo "=================== fusedist GPU run ($FUSEDIST_COMMIT, $NGPU GPU) ==================="
+grep -E '^\|' "$OUT/bench.log" 2>/dev/null | head -60
+echo
+cat "$OUT/summary.txt"

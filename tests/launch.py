@@ -1,0 +1,71 @@
+"""Start multi-process test workers with torchrun or mpirun and return their output; a
+worker that hangs is killed at the timeout (the test fails, the suite goes on)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST = Path(__file__).resolve().parent / "dist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def _run(cmd, env, timeout) -> subprocess.CompletedProcess:
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s\n{out}")
+    return p
+
+
+def torchrun(worker: str, nproc: int, env: dict | None = None, timeout: int = 600,
+             args=()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(DIST / worker), *args]
+    return _run(cmd, _env(env), timeout)
+
+
+def mpirun_available() -> bool:
+    return shutil.which("mpirun") is not None
+
+
+def mpirun(worker: str, nproc: int, env: dict | None = None, timeout: int = 600,
+           args=()) -> subprocess.CompletedProcess:
+    e = _env(env)
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    e.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    # No MASTER_ADDR: fusedist bootstraps the rendezvous address through mpi4py.
+    e.pop("MASTER_ADDR", None)
+    e.pop("MASTER_PORT", None)
+    e["PYTHON"] = sys.executable  # launchers/mpirun.sh runs "$PYTHON script args"
+    cmd = ["bash", str(ROOT / "launchers" / "mpirun.sh"), "-np", str(nproc), "--",
+           str(DIST / worker), *args]
+    return _run(cmd, e, timeout)
+
+
+def assert_passed(p: subprocess.CompletedProcess, nproc: int) -> None:
+    passed = p.stdout.count("all checks passed")
+    assert p.returncode == 0 and passed == nproc, \
+        f"exit {p.returncode}, {passed}/{nproc} ranks passed\n{p.stdout[-6000:]}"

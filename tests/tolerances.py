@@ -1,0 +1,32 @@
+"""One tolerance table for every test: |out - ref| <= atol + rtol * |ref|, NaN never passes.
+
+The references are float64. A symmetric all-reduce of exact inputs rounds once, so its error
+is half an ulp of the output dtype (fp32 2^-24, fp16 2^-11, bf16 2^-8 relative); the table
+leaves headroom for fp32 accumulation of up to 8 ranks and the RMSNorm epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOL = {
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (8e-3, 1e-5),
+}
+# Epilogues that round an intermediate (all-reduce output, new residual) before further math.
+TOL_EPILOGUE = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+
+
+def count_bad(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, table=TOL) -> int:
+    """Number of elements outside tolerance (NaN/inf count as bad)."""
+    rtol, atol = table[dtype]
+    o = out.double()
+    r = ref.double()
+    ok = (o - r).abs() <= atol + rtol * r.abs()
+    ok &= torch.isfinite(o)
+    return int((~ok).sum())
