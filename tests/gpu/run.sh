@@ -42,19 +42,19 @@ if want build; then
   grep -E "spill|stack frame" "$OUT/build.log" | sort -u > "$OUT/ptxas.txt" || true
 fi
 if want tests; then
-  stage tests 1500 python3 -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
+  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
     -p no:cacheprovider
 fi
 if want sanitizer && [[ $NGPU -ge 2 ]]; then
   for tool in memcheck racecheck; do
-    FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_SEED=7 stage "san_$tool" 600 \
+    FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_SEED=7 stage "san_$tool" "${FUSEDIST_SAN_TIMEOUT:-600}" \
       python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
       compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
       python3 tests/dist/worker_allreduce.py
   done
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench 900 python3 -m torch.distributed.run \
+  FUSEDIST_RESULTS_DIR="$OUT" stage bench "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused --tune}
 fi
 
