@@ -11,10 +11,25 @@ constexpr int kThreads = 512;
 
 int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Grid from the vector count and the group-wide minimum SM count only, so every rank picks
-// the same grid and block b of every rank covers the same vectors.
-int grid_for(int64_t vectors, int max_blocks) {
-  return int(std::max<int64_t>(1, std::min<int64_t>(div_up(vectors, kThreads), max_blocks)));
+// Blocks of `kernel` that fit on one SM at kThreads threads: a property of the build and the
+// GPU model, so identical on every rank of a homogeneous group. Cached per kernel.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel) {
+  static int occ = [&] {
+    int o = 0;
+    FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, kThreads, 0));
+    return std::max(1, o);
+  }();
+  return occ;
+}
+
+// Grid from the vector count, the group-wide minimum SM count and the kernel's occupancy only,
+// so every rank picks the same grid and block b of every rank covers the same vectors. The
+// grid never exceeds what is resident at once: a block waits only for the same block of its
+// peers, and all of them are running.
+int grid_for(int64_t vectors, int max_blocks, int per_sm) {
+  return int(std::max<int64_t>(
+      1, std::min<int64_t>(div_up(vectors, kThreads), int64_t(max_blocks) * per_sm)));
 }
 
 template <typename T>
@@ -23,12 +38,15 @@ void launch(const SymmComm& c, uintptr_t in, uintptr_t out, int64_t n, AllReduce
   constexpr int kPer = ElemTraits<T>::kPerVec;
   const int64_t nvec = div_up(n, kPer);
   if (algo == AllReduceAlgo::kOneShot) {
-    allreduce_oneshot_kernel<T><<<grid_for(nvec, c.max_blocks), kThreads, 0, s>>>(
+    const int grid = grid_for(nvec, c.max_blocks, blocks_per_sm(allreduce_oneshot_kernel<T>));
+    allreduce_oneshot_kernel<T><<<grid, kThreads, 0, s>>>(
         c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
     FUSEDIST_LAUNCH_CHECK("allreduce_oneshot_kernel");
   } else {
     const int64_t chunk = div_up(nvec, c.view.world);
-    allreduce_twoshot_kernel<T><<<grid_for(chunk, c.max_blocks), kThreads, 0, s>>>(
+    const int grid = grid_for(div_up(chunk, kTwoShotUnroll), c.max_blocks,
+                              blocks_per_sm(allreduce_twoshot_kernel<T>));
+    allreduce_twoshot_kernel<T><<<grid, kThreads, 0, s>>>(
         c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
     FUSEDIST_LAUNCH_CHECK("allreduce_twoshot_kernel");
   }

@@ -35,22 +35,28 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $OUT/NAME.log, one summary line
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-{ nvidia-smi; nvidia-smi topo -m; } > "$OUT/nvidia-smi.txt" 2>&1
+# At most 8 files come back from a lent GPU: build.log, tests.log, sanitizer.log, bench.log,
+# summary.txt and the benchmark's json/md/png.
+{ nvidia-smi; nvidia-smi topo -m; } > "$OUT/summary.txt.head" 2>&1
 if want build; then
   CMAKE_BUILD_PARALLEL_LEVEL=16 stage build 900 python3 -m pip install --no-build-isolation \
-    --no-deps -v . || { tail -40 "$OUT/build.log"; cat "$OUT/summary.txt"; exit 1; }
-  grep -E "spill|stack frame" "$OUT/build.log" | sort -u > "$OUT/ptxas.txt" || true
+    --no-deps -v . || { tail -40 "$OUT/build.log"; cat "$OUT/summary.txt"
+cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
+rm -f "$OUT/summary.txt.head"; exit 1; }
+  grep -E "spill|stack frame" "$OUT/build.log" | sort -u | sed 's/^ */ptxas: /' >> "$OUT/summary.txt.head" || true
 fi
 if want tests; then
-  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
+  # -P: keep the source tree off sys.path so the installed fusedist (with _C) is imported.
+  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
     -p no:cacheprovider
 fi
 if want sanitizer && [[ $NGPU -ge 2 ]]; then
   for tool in memcheck racecheck; do
-    FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_SEED=7 stage "san_$tool" "${FUSEDIST_SAN_TIMEOUT:-600}" \
+    FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_MAX_N=65537 FUSEDIST_TEST_SEED=7 stage "san_$tool" "${FUSEDIST_SAN_TIMEOUT:-600}" \
       python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
       compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
       python3 tests/dist/worker_allreduce.py
+    { echo "== $tool"; tail -30 "$OUT/san_$tool.log"; } >> "$OUT/sanitizer.log"; rm -f "$OUT/san_$tool.log"
   done
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
@@ -58,7 +64,10 @@ if want bench && [[ $NGPU -ge 2 ]]; then
     --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused --tune}
 fi
 
+grep -E "^(FAILED|ERROR)|Error:|\[FAIL\]|^rank [0-9]+ [a-z_]+: " "$OUT/tests.log" 2>/dev/null | head -30
 echo "=================== fusedist GPU run ($FUSEDIST_COMMIT, $NGPU GPU) ==================="
 grep -E '^\|' "$OUT/bench.log" 2>/dev/null | head -60
 echo
 cat "$OUT/summary.txt"
+cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
+rm -f "$OUT/summary.txt.head"

@@ -15,10 +15,16 @@
 
 namespace fusedist {
 
+// kUnroll vectors per thread per step keep that many independent loads in flight (the
+// large messages this kernel serves are bandwidth-bound, not latency-bound).
+constexpr int kTwoShotUnroll = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(512)
-    allreduce_twoshot_kernel(const __grid_constant__ SymmView v, const T* __restrict__ in, T* out, int64_t n) {
+    allreduce_twoshot_kernel(const __grid_constant__ SymmView v, const T* __restrict__ in, T* out,
+                             int64_t n) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
+  constexpr int U = kTwoShotUnroll;
   const uint32_t epoch = read_epoch(v.ctl);
   const int64_t nvec = (n + kPer - 1) / kPer;
   const int64_t chunk = (nvec + v.world - 1) / v.world;
@@ -30,31 +36,71 @@ __global__ void __launch_bounds__(512)
   for (int d = 1; d < v.world; ++d) {
     const int j = (v.rank + d) % v.world;  // stagger so ranks do not all hit one peer first
     Vec16* dst = slot_ptr(v, j, epoch, v.rank);
-    for (int64_t k = first; k < chunk; k += stride) {
-      const int64_t i = j * chunk + k;
-      if (i >= nvec) break;
-      st_volatile(dst + k, sanitize(load_vec_tail(in, i, n)));
+    const int64_t lim = min(chunk, nvec - j * chunk);
+    for (int64_t k0 = first; k0 < lim; k0 += U * stride) {
+      Vec16 x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k < lim) x[u] = sanitize(load_vec_tail(in, j * chunk + k, n));
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k < lim) st_volatile(dst + k, x[u]);
+      }
     }
   }
 
   // 2. reduce my chunk, broadcast the result
-  for (int64_t k = first; k < chunk; k += stride) {
-    const int64_t i = v.rank * chunk + k;
-    if (i >= nvec) break;
-    float acc[kPer];
+  {
+    const int64_t lim = min(chunk, nvec - v.rank * chunk);
+    for (int64_t k0 = first; k0 < lim; k0 += U * stride) {
+      float acc[U][kPer];
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[u][e] = 0.f;
 #pragma unroll 1
-    for (int s = 0; s < v.world; ++s) {
-      const Vec16 y = (s == v.rank)
-                          ? sanitize(load_vec_tail(in, i, n))
-                          : receive(v, slot_ptr(v, v.rank, epoch, s), k, s, epoch, kOpTwoShot);
-      vec_accumulate<T>(acc, y);
+      for (int s = 0; s < v.world; ++s) {
+        Vec16 y[U];
+        if (s == v.rank) {
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int64_t k = k0 + u * stride;
+            if (k < lim) y[u] = sanitize(load_vec_tail(in, v.rank * chunk + k, n));
+          }
+        } else {
+          Vec16* mine = slot_ptr(v, v.rank, epoch, s);
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int64_t k = k0 + u * stride;
+            if (k < lim) y[u] = ld_volatile(mine + k);  // all U loads in flight first
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int64_t k = k0 + u * stride;
+            if (k < lim) {
+              if (has_empty(y[u])) y[u] = receive(v, mine, k, s, epoch, kOpTwoShot);
+              else mine[k] = empty_vec();
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) vec_accumulate<T>(acc[u], y[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k >= lim) continue;
+        const int64_t i = v.rank * chunk + k;
+        const Vec16 r = sanitize(vec_from_floats<T>(acc[u]));
+        store_vec_tail(out, i, n, r);
+#pragma unroll 1
+        for (int d = 1; d < v.world; ++d)
+          st_volatile(gather_ptr(v, (v.rank + d) % v.world, epoch) + i, r);
+      }
     }
-    const Vec16 r = sanitize(vec_from_floats<T>(acc));
-    store_vec_tail(out, i, n, r);
-#pragma unroll 1
-    for (int d = 1; d < v.world; ++d) st_volatile(gather_ptr(v, (v.rank + d) % v.world, epoch) + i, r);
   }
 
   // 3. gather the other chunks
@@ -62,10 +108,23 @@ __global__ void __launch_bounds__(512)
 #pragma unroll 1
   for (int d = 1; d < v.world; ++d) {
     const int j = (v.rank + d) % v.world;
-    for (int64_t k = first; k < chunk; k += stride) {
-      const int64_t i = j * chunk + k;
-      if (i >= nvec) break;
-      store_vec_tail(out, i, n, receive(v, gather, i, j, epoch, kOpTwoShot));
+    const int64_t lim = min(chunk, nvec - j * chunk);
+    for (int64_t k0 = first; k0 < lim; k0 += U * stride) {
+      Vec16 y[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k < lim) y[u] = ld_volatile(gather + j * chunk + k);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + u * stride;
+        if (k >= lim) continue;
+        const int64_t i = j * chunk + k;
+        if (has_empty(y[u])) y[u] = receive(v, gather, i, j, epoch, kOpTwoShot);
+        else gather[i] = empty_vec();
+        store_vec_tail(out, i, n, y[u]);
+      }
     }
   }
   finish_epoch(v.ctl);
