@@ -3,6 +3,7 @@
 #include "fusedist/allreduce_oneshot.cuh"
 #include "fusedist/allreduce_twoshot.cuh"
 #include "fusedist/api.h"
+#include "fusedist/launch.h"
 
 namespace fusedist {
 
@@ -39,16 +40,14 @@ void launch(const SymmComm& c, uintptr_t in, uintptr_t out, int64_t n, AllReduce
   const int64_t nvec = div_up(n, kPer);
   if (algo == AllReduceAlgo::kOneShot) {
     const int grid = grid_for(nvec, c.max_blocks, blocks_per_sm(allreduce_oneshot_kernel<T>));
-    allreduce_oneshot_kernel<T><<<grid, kThreads, 0, s>>>(
-        c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
-    FUSEDIST_LAUNCH_CHECK("allreduce_oneshot_kernel");
+    launch_kernel("allreduce_oneshot_kernel", allreduce_oneshot_kernel<T>, grid, kThreads, s,
+                  c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
   } else {
     const int64_t chunk = div_up(nvec, c.view.world);
     const int grid = grid_for(div_up(chunk, kTwoShotUnroll), c.max_blocks,
                               blocks_per_sm(allreduce_twoshot_kernel<T>));
-    allreduce_twoshot_kernel<T><<<grid, kThreads, 0, s>>>(
-        c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
-    FUSEDIST_LAUNCH_CHECK("allreduce_twoshot_kernel");
+    launch_kernel("allreduce_twoshot_kernel", allreduce_twoshot_kernel<T>, grid, kThreads, s,
+                  c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
   }
 }
 }  // namespace

@@ -1,6 +1,7 @@
 // Host launcher for the fused one-shot all-reduce + residual add + RMSNorm kernel.
 #include "fusedist/allreduce_rmsnorm.cuh"
 #include "fusedist/api.h"
+#include "fusedist/launch.h"
 
 namespace fusedist {
 
@@ -10,18 +11,17 @@ void launch_vpt(const SymmComm& c, uintptr_t x, uintptr_t residual, uintptr_t we
                 uintptr_t normed, uintptr_t residual_out, uintptr_t scales, int tokens,
                 int hidden, float eps, bool fp8, int threads, cudaStream_t s) {
   const int grid = std::max(1, std::min(tokens, c.max_blocks));
-  auto args = [&](auto kernel) {
-    kernel<<<grid, threads, 0, s>>>(
-        c.view, reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(residual),
-        reinterpret_cast<const T*>(weight), reinterpret_cast<T*>(normed),
-        reinterpret_cast<T*>(residual_out), reinterpret_cast<__nv_fp8_e4m3*>(normed),
-        reinterpret_cast<float*>(scales), tokens, hidden, eps);
+  auto go = [&](auto kernel) {
+    launch_kernel("allreduce_rmsnorm_kernel", kernel, grid, threads, s, c.view,
+                  reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(residual),
+                  reinterpret_cast<const T*>(weight), reinterpret_cast<T*>(normed),
+                  reinterpret_cast<T*>(residual_out), reinterpret_cast<__nv_fp8_e4m3*>(normed),
+                  reinterpret_cast<float*>(scales), tokens, hidden, eps);
   };
   if (fp8)
-    args(allreduce_rmsnorm_kernel<T, kVpt, true>);
+    go(allreduce_rmsnorm_kernel<T, kVpt, true>);
   else
-    args(allreduce_rmsnorm_kernel<T, kVpt, false>);
-  FUSEDIST_LAUNCH_CHECK("allreduce_rmsnorm_kernel");
+    go(allreduce_rmsnorm_kernel<T, kVpt, false>);
 }
 
 template <typename T>

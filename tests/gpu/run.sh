@@ -56,7 +56,8 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
       python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
       compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
       python3 tests/dist/worker_allreduce.py
-    { echo "== $tool"; tail -30 "$OUT/san_$tool.log"; } >> "$OUT/sanitizer.log"; rm -f "$OUT/san_$tool.log"
+    { echo "== $tool"; grep -E "^=========" "$OUT/san_$tool.log" | head -60; tail -5 "$OUT/san_$tool.log"; } \
+      >> "$OUT/sanitizer.log"; rm -f "$OUT/san_$tool.log"
   done
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then

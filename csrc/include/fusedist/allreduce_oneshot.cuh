@@ -16,13 +16,18 @@ template <typename T>
 __global__ void __launch_bounds__(512)
     allreduce_oneshot_kernel(const __grid_constant__ SymmView v, const T* __restrict__ in, T* out, int64_t n) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
-  const uint32_t epoch = read_epoch(v.ctl);
   const int64_t nvec = (n + kPer - 1) / kPer;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  pdl_wait();
+  pdl_trigger();
+  // The first input load and the epoch load are independent: both in flight at once.
+  Vec16 x0 = {{0u, 0u, 0u, 0u}};
+  if (first < nvec) x0 = load_vec_tail(in, first, n);
+  const uint32_t epoch = load_epoch(v.ctl);
 
   for (int64_t i = first; i < nvec; i += stride) {
-    const Vec16 x = sanitize(load_vec_tail(in, i, n));
+    const Vec16 x = sanitize(i == first ? x0 : load_vec_tail(in, i, n));
 #pragma unroll 1
     for (int p = 0; p < v.world; ++p)
       if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, x);
@@ -41,7 +46,7 @@ __global__ void __launch_bounds__(512)
     }
     store_vec_tail(out, i, n, vec_from_floats<T>(acc));
   }
-  finish_epoch(v.ctl);
+  finish_epoch(v.ctl, epoch);
 }
 
 }  // namespace fusedist

@@ -52,9 +52,11 @@ __global__ void __launch_bounds__(1024)
                              __nv_fp8_e4m3* normed_fp8, float* scales, int tokens, int hidden,
                              float eps) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
-  const uint32_t epoch = read_epoch(v.ctl);
   const int hv = hidden / kPer;
   const Vec16* xv = reinterpret_cast<const Vec16*>(x);
+  pdl_wait();
+  pdl_trigger();
+  const uint32_t epoch = load_epoch(v.ctl);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x)
     for (int c = threadIdx.x; c < hv; c += blockDim.x) {
@@ -68,6 +70,16 @@ __global__ void __launch_bounds__(1024)
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     float h[kVpt][kPer];
     float sumsq = 0.f;
+    // Residual and weight do not depend on the peers: load them before waiting on the peers'
+    // data so their latency hides behind the NVLink transfer.
+    Vec16 res_v[kVpt], w_v[kVpt];
+#pragma unroll
+    for (int u = 0; u < kVpt; ++u) {
+      const int c = threadIdx.x + u * blockDim.x;
+      if (c >= hv) continue;
+      res_v[u] = reinterpret_cast<const Vec16*>(residual)[int64_t(t) * hv + c];
+      w_v[u] = reinterpret_cast<const Vec16*>(weight)[c];
+    }
 #pragma unroll
     for (int u = 0; u < kVpt; ++u) {
       const int c = threadIdx.x + u * blockDim.x;
@@ -87,7 +99,7 @@ __global__ void __launch_bounds__(1024)
 #pragma unroll
       for (int e = 0; e < kPer; ++e) h[u][e] = 0.f;
       vec_accumulate<T>(h[u], ar);
-      vec_accumulate<T>(h[u], reinterpret_cast<const Vec16*>(residual)[i]);
+      vec_accumulate<T>(h[u], res_v[u]);
       // Round h to T once: the stored residual and the normalized value agree.
       const Vec16 hr = vec_from_floats<T>(h[u]);
       reinterpret_cast<Vec16*>(residual_out)[i] = hr;
@@ -109,7 +121,7 @@ __global__ void __launch_bounds__(1024)
       float w[kPer];
 #pragma unroll
       for (int e = 0; e < kPer; ++e) w[e] = 0.f;
-      vec_accumulate<T>(w, reinterpret_cast<const Vec16*>(weight)[c]);
+      vec_accumulate<T>(w, w_v[u]);
 #pragma unroll
       for (int e = 0; e < kPer; ++e) {
         h[u][e] = h[u][e] * rstd * w[e];
@@ -132,7 +144,7 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
-  finish_epoch(v.ctl);
+  finish_epoch(v.ctl, epoch);
 }
 
 }  // namespace fusedist

@@ -25,7 +25,9 @@ __global__ void __launch_bounds__(512)
                              int64_t n) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
   constexpr int U = kTwoShotUnroll;
-  const uint32_t epoch = read_epoch(v.ctl);
+  pdl_wait();
+  pdl_trigger();
+  const uint32_t epoch = load_epoch(v.ctl);
   const int64_t nvec = (n + kPer - 1) / kPer;
   const int64_t chunk = (nvec + v.world - 1) / v.world;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  finish_epoch(v.ctl);
+  finish_epoch(v.ctl, epoch);
 }
 
 }  // namespace fusedist

@@ -83,22 +83,38 @@ __device__ __forceinline__ bool wait_vec(const Vec16* p, Vec16& out, Control* ct
   }
 }
 
-// Kernel prologue/epilogue for the epoch rotation. Every block reads the epoch before it
-// arrives, and only the last block to arrive advances it, so all blocks of one launch agree.
-__device__ __forceinline__ uint32_t read_epoch(Control* ctl) {
-  __shared__ uint32_t s_epoch;
-  if (threadIdx.x == 0) s_epoch = ld_volatile_u32(&ctl->epoch);
-  __syncthreads();
-  return s_epoch;
+// Programmatic dependent launch (launch.h): wait for the previous grid before touching any
+// memory it may write; let the next fusedist kernel get scheduled early.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
-// No fence here on purpose: nothing but the epoch read must precede the arrival (it has: the
-// value is in shared memory), and the next kernel sees the new epoch through the kernel
-// boundary. A __threadfence() would make thread 0 wait for its NVLink stores to be
-// acknowledged (sm_90: MEMBAR.GPU drains outstanding remote writes), costing ~1 us a call.
-__device__ __forceinline__ void finish_epoch(Control* ctl) {
-  __syncthreads();
+// Every thread reads the epoch itself (one L2 line, broadcast within a warp), so the read
+// overlaps the thread's first input load instead of costing a round trip + __syncthreads.
+__device__ __forceinline__ uint32_t load_epoch(const Control* ctl) {
+  return ld_volatile_u32(&ctl->epoch);
+}
+
+// Kernel epilogue for the epoch rotation: every block read the epoch before it arrives, and
+// only the last block to arrive advances it, so all blocks of one launch agree. The barrier's
+// predicate consumes each thread's epoch value, so no thread passes it with its epoch load
+// still in flight. No fence on purpose: the next kernel sees the new epoch through the kernel
+// boundary, and a __threadfence() would make thread 0 wait for its NVLink stores to be
+// acknowledged (sm_90: MEMBAR.GPU drains outstanding remote writes), about 1 us a call.
+__device__ __forceinline__ void finish_epoch(Control* ctl, uint32_t epoch) {
+  __syncthreads_or(epoch == 0xFFFFFFFFu);
   if (threadIdx.x == 0) {
+    if (gridDim.x == 1) {  // one block: no arrival count, a fire-and-forget increment
+      atomicAdd(&ctl->epoch, 1u);
+      return;
+    }
     const uint32_t done = atomicAdd(&ctl->arrive, 1u);
     if (done == gridDim.x - 1) {
       atomicExch(&ctl->arrive, 0u);
