@@ -21,7 +21,7 @@ from .symmetric import SymmetricMemory
 GroupLike = Union[Group, dist.ProcessGroup, "Communicator", None]
 
 DEFAULT_MAX_BYTES = 32 << 20
-DEFAULT_ONE_SHOT_MAX_BYTES = 1 << 20
+DEFAULT_ONE_SHOT_MAX_BYTES = 8 << 20
 _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
 _by_name: dict[str, "Communicator"] = {}
 
@@ -137,7 +137,12 @@ class Communicator:
     def choose_algo(self, nbytes: int, dtype: torch.dtype, algo: str = "auto") -> str:
         if algo == "auto":
             algo = tuning.forced_algo() or tuning.choose(self.table, nbytes, self.group.size)
-            if algo != "nccl" and (self.symm is None or nbytes > self._capacity(algo, dtype)):
+            if algo != "nccl" and self.symm is None:
+                return "nccl"
+            # Past an algorithm's capacity: two-shot if the message fits there, else NCCL.
+            if algo == "one_shot" and nbytes > self._capacity("one_shot", dtype):
+                algo = "two_shot"
+            if algo == "two_shot" and nbytes > self._capacity("two_shot", dtype):
                 algo = "nccl"
         return algo
 
