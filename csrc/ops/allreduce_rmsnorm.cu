@@ -6,6 +6,8 @@
 namespace fusedist {
 
 namespace {
+constexpr int kMaxRmsNormVectors = 2 * 1024;  // 16-byte vectors per row: 2 per thread x 1024
+
 template <typename T, int kVpt>
 void launch_vpt(const SymmComm& c, uintptr_t x, uintptr_t residual, uintptr_t weight,
                 uintptr_t normed, uintptr_t residual_out, uintptr_t scales, int tokens,
@@ -30,14 +32,15 @@ void launch(const SymmComm& c, uintptr_t x, uintptr_t residual, uintptr_t weight
             float eps, bool fp8, cudaStream_t s) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
   const int hv = hidden / kPer;
-  // Fewest vectors per thread that fit the row in one block of <= 1024 threads.
-  const int vpt = hv <= 1024 ? 1 : hv <= 2048 ? 2 : 4;
+  // Fewest vectors per thread that fit the row in one block of <= 1024 threads. Two is the
+  // most: at four the row no longer fits the 64 registers a 1024-thread block allows
+  // (ptxas spilled ~600 bytes), so wider rows take the unfused path in Python.
+  const int vpt = hv <= 1024 ? 1 : 2;
   const int threads = std::max(32, ((hv + vpt - 1) / vpt + 31) / 32 * 32);
-  switch (vpt) {
-    case 1: launch_vpt<T, 1>(c, x, residual, weight, normed, residual_out, scales, tokens, hidden, eps, fp8, threads, s); break;
-    case 2: launch_vpt<T, 2>(c, x, residual, weight, normed, residual_out, scales, tokens, hidden, eps, fp8, threads, s); break;
-    default: launch_vpt<T, 4>(c, x, residual, weight, normed, residual_out, scales, tokens, hidden, eps, fp8, threads, s); break;
-  }
+  if (vpt == 1)
+    launch_vpt<T, 1>(c, x, residual, weight, normed, residual_out, scales, tokens, hidden, eps, fp8, threads, s);
+  else
+    launch_vpt<T, 2>(c, x, residual, weight, normed, residual_out, scales, tokens, hidden, eps, fp8, threads, s);
 }
 }  // namespace
 
@@ -51,9 +54,10 @@ void allreduce_rmsnorm(const SymmComm& c, uintptr_t x, uintptr_t residual, uintp
                      "all_reduce_add_rmsnorm: hidden (" + std::to_string(hidden) +
                          ") must be a multiple of " + std::to_string(per) + " for " +
                          dtype_name(dtype));
-  FUSEDIST_CHECK_ARG(hidden / per <= 4 * 1024,
+  FUSEDIST_CHECK_ARG(hidden / per <= kMaxRmsNormVectors,
                      "all_reduce_add_rmsnorm: hidden " + std::to_string(hidden) +
-                         " too large (at most " + std::to_string(4 * 1024 * per) + ")");
+                         " too large for the fused kernel (at most " +
+                         std::to_string(kMaxRmsNormVectors * per) + ")");
   FUSEDIST_CHECK_ARG(int64_t(tokens) * hidden <= allreduce_max_numel(c, dtype, AllReduceAlgo::kOneShot),
                      "all_reduce_add_rmsnorm: tokens x hidden exceeds the one-shot capacity");
   for (uintptr_t p : {x, residual, weight, normed, residual_out})

@@ -23,6 +23,9 @@ from ..streams import nvtx_range
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
+# Widest row of the fused kernel in 16-byte vectors (csrc/ops/allreduce_rmsnorm.cu): hidden up
+# to 16384 for fp16/bf16, 8192 for fp32.
+MAX_FUSED_VECTORS = 2048
 
 
 def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -63,7 +66,7 @@ def _fused_ok(comm: Communicator, x: torch.Tensor) -> bool:
         return False
     hidden = x.shape[-1]
     per = 16 // x.element_size()
-    return (hidden % per == 0 and hidden // per <= 4096 and
+    return (hidden % per == 0 and hidden // per <= MAX_FUSED_VECTORS and
             x.numel() * x.element_size() <= comm._capacity("one_shot", x.dtype))
 
 
@@ -81,7 +84,8 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
             raise ValueError(
                 "fusedist.all_reduce_add_rmsnorm: fused=True but the fused kernel does not apply "
                 f"(x {tuple(x.shape)} {x.dtype}: needs NVLink symmetric memory, hidden a multiple "
-                "of the 16-byte vector and <= 4096 vectors, and x within the one-shot capacity); "
+                f"of the 16-byte vector and <= {MAX_FUSED_VECTORS} vectors, and x within the one-shot "
+                "capacity); "
                 "pass fused=None")
         if can_fuse and fused is not False:
             return _fused(comm, x, residual, weight, eps, fp8)

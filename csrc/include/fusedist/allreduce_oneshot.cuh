@@ -23,11 +23,11 @@ __global__ void __launch_bounds__(512)
   pdl_trigger();
   // The first input load and the epoch load are independent: both in flight at once.
   Vec16 x0 = {{0u, 0u, 0u, 0u}};
-  if (first < nvec) x0 = load_vec_tail(in, first, n);
-  const uint32_t epoch = load_epoch(v.ctl);
+  if (first < nvec) x0 = sanitize(load_vec_tail(in, first, n));
+  const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
 
   for (int64_t i = first; i < nvec; i += stride) {
-    const Vec16 x = sanitize(i == first ? x0 : load_vec_tail(in, i, n));
+    const Vec16 x = i == first ? x0 : sanitize(load_vec_tail(in, i, n));
 #pragma unroll 1
     for (int p = 0; p < v.world; ++p)
       if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, x);
@@ -39,14 +39,16 @@ __global__ void __launch_bounds__(512)
     for (int k = 0; k < kPer; ++k) acc[k] = 0.f;
 #pragma unroll 1
     for (int s = 0; s < v.world; ++s) {
-      const Vec16 y = (s == v.rank)
-                          ? sanitize(load_vec_tail(in, i, n))
-                          : receive(v, slot_ptr(v, v.rank, epoch, s), i, s, epoch, kOpOneShot);
+      // My own share comes from registers for the first vector (no reload on the critical
+      // path), from L1/L2 for the rest.
+      const Vec16 y = (s == v.rank) ? (i == first ? x0 : sanitize(load_vec_tail(in, i, n)))
+                                    : receive(v, slot_ptr(v, v.rank, epoch, s), i, s, epoch,
+                                              kOpOneShot);
       vec_accumulate<T>(acc, y);
     }
     store_vec_tail(out, i, n, vec_from_floats<T>(acc));
   }
-  finish_epoch(v.ctl, epoch);
+  finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpOneShot);
 }
 
 }  // namespace fusedist

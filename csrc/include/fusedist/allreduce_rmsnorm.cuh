@@ -56,12 +56,23 @@ __global__ void __launch_bounds__(1024)
   const Vec16* xv = reinterpret_cast<const Vec16*>(x);
   pdl_wait();
   pdl_trigger();
-  const uint32_t epoch = load_epoch(v.ctl);
+  // The block's first row stays in registers (xr) for the reduction; its loads are in flight
+  // together with the epoch load.
+  Vec16 xr[kVpt];
+#pragma unroll
+  for (int u = 0; u < kVpt; ++u) {
+    const int c = threadIdx.x + u * blockDim.x;
+    if (c < hv) xr[u] = sanitize(xv[int64_t(blockIdx.x) * hv + c]);
+  }
+  const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x)
-    for (int c = threadIdx.x; c < hv; c += blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < kVpt; ++u) {
+      const int c = threadIdx.x + u * blockDim.x;
+      if (c >= hv) continue;
       const int64_t i = int64_t(t) * hv + c;
-      const Vec16 xi = sanitize(xv[i]);
+      const Vec16 xi = t == int(blockIdx.x) ? xr[u] : sanitize(xv[i]);
 #pragma unroll 1
       for (int p = 0; p < v.world; ++p)
         if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, xi);
@@ -89,7 +100,7 @@ __global__ void __launch_bounds__(1024)
       const int64_t i = int64_t(t) * hv + c;
 #pragma unroll 1
       for (int s = 0; s < v.world; ++s) {
-        const Vec16 y = (s == v.rank) ? sanitize(xv[i])
+        const Vec16 y = (s == v.rank) ? (t == int(blockIdx.x) ? xr[u] : sanitize(xv[i]))
                                       : receive(v, slot_ptr(v, v.rank, epoch, s), i, s, epoch,
                                                 kOpOneShotRmsNorm);
         vec_accumulate<T>(h[u], y);
@@ -144,7 +155,7 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
-  finish_epoch(v.ctl, epoch);
+  finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpOneShotRmsNorm);
 }
 
 }  // namespace fusedist

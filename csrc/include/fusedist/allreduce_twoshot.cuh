@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(512)
   constexpr int U = kTwoShotUnroll;
   pdl_wait();
   pdl_trigger();
-  const uint32_t epoch = load_epoch(v.ctl);
+  const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
   const int64_t nvec = (n + kPer - 1) / kPer;
   const int64_t chunk = (nvec + v.world - 1) / v.world;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
-  finish_epoch(v.ctl, epoch);
+  finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpTwoShot);
 }
 
 }  // namespace fusedist

@@ -96,31 +96,56 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// Every thread reads the epoch itself (one L2 line, broadcast within a warp), so the read
-// overlaps the thread's first input load instead of costing a round trip + __syncthreads.
+// Epoch rotation. Every block must read the epoch before anyone advances it, and all blocks
+// of one launch must agree on it.
+//  * begin_epoch: every thread loads the epoch (one L2 line, broadcast within a warp; issued
+//    beside the thread's first input load). The barrier's predicate consumes each thread's
+//    value, so once it passes the whole block holds the epoch; thread 0 then announces the
+//    block with a fire-and-forget add to `arrive`.
+//  * finish_epoch: thread 0 of block 0, after its own work, checks that every block arrived
+//    (by then they all have: they are resident and arrive first thing), clears the count and
+//    advances the epoch. No block waits on a returning atomic, and no fence is needed: the
+//    next kernel reads the new epoch after this one completed (pdl_wait or stream order). A
+//    __threadfence() here would make thread 0 wait for its NVLink stores to be acknowledged
+//    (sm_90: MEMBAR.GPU drains outstanding remote writes), about 1 us a call.
 __device__ __forceinline__ uint32_t load_epoch(const Control* ctl) {
   return ld_volatile_u32(&ctl->epoch);
 }
 
-// Kernel epilogue for the epoch rotation: every block read the epoch before it arrives, and
-// only the last block to arrive advances it, so all blocks of one launch agree. The barrier's
-// predicate consumes each thread's epoch value, so no thread passes it with its epoch load
-// still in flight. No fence on purpose: the next kernel sees the new epoch through the kernel
-// boundary, and a __threadfence() would make thread 0 wait for its NVLink stores to be
-// acknowledged (sm_90: MEMBAR.GPU drains outstanding remote writes), about 1 us a call.
-__device__ __forceinline__ void finish_epoch(Control* ctl, uint32_t epoch) {
+__device__ __forceinline__ uint32_t begin_epoch(Control* ctl, uint32_t epoch) {
   __syncthreads_or(epoch == 0xFFFFFFFFu);
-  if (threadIdx.x == 0) {
-    if (gridDim.x == 1) {  // one block: no arrival count, a fire-and-forget increment
-      atomicAdd(&ctl->epoch, 1u);
-      return;
+  if (threadIdx.x == 0 && gridDim.x > 1) atomicAdd(&ctl->arrive, 1u);
+  return epoch;
+}
+
+__device__ __forceinline__ void finish_epoch(Control* ctl, ErrorRecord* err,
+                                             uint64_t timeout_ns, int rank, uint32_t epoch,
+                                             uint32_t op) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (gridDim.x > 1) {
+    uint64_t start = 0;
+    for (uint32_t spins = 0; ld_volatile_u32(&ctl->arrive) != gridDim.x; ++spins) {
+      if ((spins & 255u) == 255u) {  // resident blocks arrive within microseconds
+        const uint64_t now = globaltimer_ns();
+        if (start == 0) {
+          start = now;
+        } else if (now - start > timeout_ns) {
+          if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {
+            volatile ErrorRecord* e = err;
+            e->rank = rank;
+            e->peer = rank;
+            e->epoch = epoch;
+            e->op = op;
+            __threadfence_system();
+            e->code = kErrTimeout;
+          }
+          break;
+        }
+      }
     }
-    const uint32_t done = atomicAdd(&ctl->arrive, 1u);
-    if (done == gridDim.x - 1) {
-      atomicExch(&ctl->arrive, 0u);
-      atomicAdd(&ctl->epoch, 1u);
-    }
+    ctl->arrive = 0;
   }
+  atomicAdd(&ctl->epoch, 1u);
 }
 
 }  // namespace fusedist
