@@ -70,6 +70,29 @@ class NcclComm:
         self._comm.allreduce(x, out, self._nc.SUM, stream=stream.cuda_stream)
         return out
 
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = concat over ranks of x (rank order), on torch's current stream."""
+        if self.group.size == 1:
+            out.copy_(x.reshape(out.shape))
+            return out
+        if self._comm is None:
+            dist.all_gather_into_tensor(out, x, group=self.group.pg)
+            return out
+        self._comm.allgather(x, out, stream=torch.cuda.current_stream(x.device).cuda_stream)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = block `rank` of the sum over ranks of x, on torch's current stream."""
+        if self.group.size == 1:
+            out.copy_(x.reshape(out.shape))
+            return out
+        if self._comm is None:
+            dist.reduce_scatter_tensor(out, x, group=self.group.pg)
+            return out
+        self._comm.reduce_scatter(x, out, self._nc.SUM,
+                                  stream=torch.cuda.current_stream(x.device).cuda_stream)
+        return out
+
     def close(self) -> None:
         if self._comm is not None:
             self._comm.destroy()

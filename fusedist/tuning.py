@@ -71,3 +71,23 @@ def choose(table: dict, nbytes: int, world: int) -> str:
         if rule.get("max_bytes") is None or nbytes <= rule["max_bytes"]:
             return rule["algo"]
     return "nccl"
+
+
+# ---- GEMM + collective ------------------------------------------------------------------
+# Default when the table has no "gemm_comm" section: overlap once M*N*K reaches 2^33 (about
+# 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs).
+_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4}
+
+
+def _gemm_rule(table: dict, op: str) -> dict:
+    return {**_GEMM_DEFAULT, **table.get("gemm_comm", {}).get(op, {})}
+
+
+def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int) -> str:
+    """Engine for a GEMM + collective: "overlap" above the size threshold, else "unfused"."""
+    rule = _gemm_rule(table, op)
+    return "overlap" if world > 1 and m * n * k >= rule["min_mnk"] else "unfused"
+
+
+def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int) -> int:
+    return int(_gemm_rule(table, op)["chunks"])

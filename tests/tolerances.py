@@ -30,3 +30,18 @@ def count_bad(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, table=TO
     ok = (o - r).abs() <= atol + rtol * r.abs()
     ok &= torch.isfinite(o)
     return int((~ok).sum())
+
+
+# GEMM outputs: ||out - ref|| / ||ref|| (elementwise tolerances do not fit sums of K products,
+# whose small elements carry large relative error). bf16/fp16 operands with fp32 accumulation
+# land near 2^-9 / 2^-12 relative from the final rounding alone.
+GEMM_REL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def gemm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error; inf when any element is not finite."""
+    o = out.double()
+    if not bool(torch.isfinite(o).all()):
+        return float("inf")
+    r = ref.double()
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))

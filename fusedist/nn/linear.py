@@ -1,0 +1,151 @@
+"""Tensor-parallel linears with the Megatron / vLLM conventions.
+
+ColumnParallelLinear  Y = X A^T + b, A [out, in] split by rows (output features):
+    rank r holds A_r [out/W, in] and b_r. Input X replicated [M, in] -> Y_r = X A_r^T + b_r
+    [M, out/W]; gather_output=True all-gathers the columns into [M, out]. With
+    sequence_parallel=True the input is this rank's row shard [m, in] and the all-gather of X
+    is fused with the GEMM: Y_r = ag_gemm(X_shard, A_r^T) [W m, out/W].
+RowParallelLinear     Y = X A^T + b, A [out, in] split by columns (input features):
+    rank r holds A_r [out, in/W]. input_is_parallel=True: X_r [M, in/W] -> Y = all_reduce(X_r
+    A_r^T) + b via gemm_ar [M, out]; input_is_parallel=False: the module slices its columns
+    of X first. With sequence_parallel=True the output is reduce-scattered by rows (gemm_rs):
+    [M / W, out]. The bias is added once, after the reduction.
+Weights load from the full matrix with from_full()/load_full(), which take this rank's shard.
+These are inference modules: parameters do not require grad (the ops write into preallocated
+outputs, which autograd does not support).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..communicator import GroupLike, get_communicator
+from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+def _split(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"fusedist.nn: {what}={n} is not divisible by the tensor-parallel size "
+                         f"{parts}; pick a size that is")
+    return n // parts
+
+
+class _TPLinear(torch.nn.Module):
+    def __init__(self, group: GroupLike, engine: str):
+        super().__init__()
+        self.comm = get_communicator(group)
+        self.tp_size = self.comm.group.size
+        self.tp_rank = self.comm.group.rank
+        self.engine = engine
+
+    def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        lead = tuple(x.shape[:-1])
+        return x.reshape(-1, x.shape[-1]).contiguous(), lead
+
+
+class ColumnParallelLinear(_TPLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 group: GroupLike = None, dtype=None, device=None, engine: str = "auto"):
+        super().__init__(group, engine)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = _split(out_features, self.tp_size, "out_features")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        device = device if device is not None else self.comm.device
+        self.weight = _param(torch.empty(self.out_per_rank, in_features, dtype=dtype,
+                                         device=device))
+        self.bias = _param(torch.zeros(self.out_per_rank, dtype=dtype, device=device)) \
+            if bias else None
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
+        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
+                device=kw.pop("device", None), **kw)
+        return m.load_full(weight, bias)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"ColumnParallelLinear.load_full: weight must be "
+                             f"[{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
+        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
+        self.weight.copy_(weight[rows])
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("ColumnParallelLinear.load_full: the module has a bias; pass bias=")
+            self.bias.copy_(bias[rows])
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2, lead = self._flat(x)
+        if self.sequence_parallel:
+            y = ag_gemm(x2, self.weight.t(), self.bias, group=self.comm, engine=self.engine)
+            lead = (y.shape[0],)
+        elif self.bias is not None:
+            y = torch.addmm(self.bias, x2, self.weight.t())
+        else:
+            y = x2 @ self.weight.t()
+        if self.gather_output and self.tp_size > 1:
+            y = _gather_columns(self.comm, y)
+        return y.reshape(*lead, y.shape[-1])
+
+
+class RowParallelLinear(_TPLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 group: GroupLike = None, dtype=None, device=None, engine: str = "auto"):
+        super().__init__(group, engine)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = _split(in_features, self.tp_size, "in_features")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        device = device if device is not None else self.comm.device
+        self.weight = _param(torch.empty(out_features, self.in_per_rank, dtype=dtype,
+                                         device=device))
+        self.bias = _param(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
+        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
+                device=kw.pop("device", None), **kw)
+        return m.load_full(weight, bias)
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"RowParallelLinear.load_full: weight must be "
+                             f"[{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
+        cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
+        self.weight.copy_(weight[:, cols])
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("RowParallelLinear.load_full: the module has a bias; pass bias=")
+            self.bias.copy_(bias)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x[..., self.tp_rank * self.in_per_rank:(self.tp_rank + 1) * self.in_per_rank]
+        x2, lead = self._flat(x)
+        if self.sequence_parallel:
+            y = gemm_rs(x2, self.weight.t(), self.bias, group=self.comm, engine=self.engine)
+            return y
+        y = gemm_ar(x2, self.weight.t(), self.bias, group=self.comm, engine=self.engine)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _gather_columns(comm, y: torch.Tensor) -> torch.Tensor:
+    """[M, n] per rank -> [M, W n] with rank r's columns at block r."""
+    W = comm.group.size
+    if comm.device.type == "cpu":
+        parts = [torch.empty_like(y) for _ in range(W)]
+        torch.distributed.all_gather(parts, y.contiguous(), group=comm.group.pg)
+        return torch.cat(parts, dim=-1)
+    stacked = torch.empty((W * y.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+    comm.nccl.all_gather(y.contiguous(), stacked)
+    return stacked.view(W, y.shape[0], y.shape[1]).permute(1, 0, 2).reshape(y.shape[0], -1)

@@ -1,0 +1,294 @@
+"""GEMM + collective for tensor-parallel linears.
+
+    y = fusedist.ag_gemm(x_shard, w)     # all_gather(x_shard, rows) @ w     column-parallel,
+                                         #                                   sequence-parallel in
+    y = fusedist.gemm_rs(x, w_shard)     # reduce_scatter(x @ w_shard, rows) row-parallel, SP out
+    y = fusedist.gemm_ar(x, w_shard)     # all_reduce(x @ w_shard)           row-parallel
+
+w is [K, N] (pass linear.weight.t() for a [N, K] nn.Linear weight); bias [N] is added once,
+after the collective. Engines (engine=):
+  * "unfused": the collective and one cuBLAS GEMM (torch.matmul), back to back.
+  * "overlap": the stream-overlapped decomposition: the GEMM is cut into chunks on the
+    caller's stream while the chunks' collectives run on a high-priority communication stream,
+    ordered by events, no host sync, capturable in CUDA graphs, any world size, across nodes.
+      ag_gemm: all-gather on the comm stream while the local shard's rows are multiplied; then
+               the other ranks' rows, one GEMM per rank block.
+      gemm_rs: GEMM chunk c (the same row slice of every rank's output block) -> reduce-scatter
+               of chunk c on the comm stream while chunk c+1 is multiplied.
+      gemm_ar: GEMM chunk c (rows, or columns when M is small) -> fusedist all_reduce of chunk c
+               on the comm stream while chunk c+1 is multiplied.
+  * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides).
+A fused engine (GEMM kernels that publish per-tile flags consumed by the communication) is the
+next step; see docs/design/gemm_comm.md.
+CPU tensors (gloo) take the plain-torch reference path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .. import tuning
+from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
+from ..streams import comm_stream, nvtx_range
+
+ENGINES = ("unfused", "overlap")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator) -> str:
+    if engine not in ("auto",) + ENGINES:
+        raise ValueError(f"fusedist.{op}: engine must be 'auto' or one of {ENGINES}, got "
+                         f"{engine!r}")
+    if comm.device.type == "cpu" or comm.group.size == 1:
+        return "unfused"
+    if engine == "auto":
+        forced = os.environ.get("FUSEDIST_GEMM_ENGINE", "auto")
+        if forced != "auto":
+            if forced not in ENGINES:
+                raise ValueError(f"fusedist: FUSEDIST_GEMM_ENGINE must be auto or one of "
+                                 f"{ENGINES}, got {forced!r}")
+            return forced
+        return tuning.choose_gemm(comm.table, op, m, n, k, comm.group.size)
+    return engine
+
+
+def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int) -> int:
+    if chunks is None:
+        return tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"fusedist.{op}: chunks must be a positive int, got {chunks!r}")
+    return chunks
+
+
+def _validate(op: str, comm: Communicator, x, w, bias, x_name: str, w_name: str):
+    comm._check_open()
+    comm._check_tensor(op, x_name, x, DTYPES)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"fusedist.{op}: {w_name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.device != x.device or w.dtype != x.dtype:
+        raise ValueError(f"fusedist.{op}: {w_name} is {w.dtype} on {w.device}, {x_name} is "
+                         f"{x.dtype} on {x.device}; they must match")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fusedist.{op}: expected {x_name} [M, K] and {w_name} [K, N], got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)} (for an nn.Linear weight [N, K] "
+                         "pass weight.t())")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (w.shape[1],)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"fusedist.{op}: bias must be a [{w.shape[1]}] tensor of {x.dtype} on "
+                         f"{x.device}, got {getattr(bias, 'shape', type(bias).__name__)}")
+
+
+def _out(op, out, shape, like):
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or \
+            out.dtype != like.dtype or out.device != like.device or not out.is_contiguous():
+        raise ValueError(f"fusedist.{op}: out must be a contiguous {tuple(shape)} tensor of "
+                         f"{like.dtype} on {like.device}")
+    return out
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias=None) -> torch.Tensor:
+    if bias is None:
+        return torch.matmul(a, b, out=out)
+    return torch.addmm(bias, a, b, out=out)
+
+
+def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The pool's communication stream, ordered after everything queued on `stream`."""
+    cs = comm_stream(stream.device)
+    cs.wait_stream(stream)
+    return cs
+
+
+# ---- ag_gemm ------------------------------------------------------------------------------
+def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+            group: GroupLike = None, engine: str = "auto", out: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+    """all_gather(x_shard over the group, along rows) @ w (+ bias). x_shard [m, K] on every rank,
+    w [K, N]; returns [world * m, N], bitwise the same on every rank."""
+    op = "ag_gemm"
+    comm = get_communicator(group)
+    _validate(op, comm, x_shard, w, bias, "x_shard", "w")
+    W, r = comm.group.size, comm.group.rank
+    m, k = x_shard.shape
+    n = w.shape[1]
+    out = _out(op, out, (W * m, n), x_shard)
+    eng = _engine(op, engine, W * m, n, k, comm)
+    with nvtx_range(f"fusedist.ag_gemm.{eng}"):
+        if comm.device.type == "cpu":
+            parts = [torch.empty_like(x_shard, dtype=torch.float32) for _ in range(W)]
+            torch.distributed.all_gather(parts, x_shard.float(), group=comm.group.pg)
+            ref = torch.cat(parts) @ w.float()
+            if bias is not None:
+                ref += bias.float()
+            return out.copy_(ref)
+        gathered = torch.empty((W * m, k), dtype=x_shard.dtype, device=x_shard.device)
+        if eng == "unfused":
+            comm.nccl.all_gather(x_shard, gathered)
+            return _mm(gathered, w, out, bias)
+        main = torch.cuda.current_stream(x_shard.device)
+        cs = _fork(main)
+        with torch.cuda.stream(cs):
+            comm.nccl.all_gather(x_shard, gathered)
+            gathered_ev = torch.cuda.Event()
+            gathered_ev.record(cs)
+        x_shard.record_stream(cs)
+        gathered.record_stream(cs)
+        # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
+        # takes the same path everywhere and the output is bitwise identical across ranks.
+        _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
+        main.wait_event(gathered_ev)
+        for d in range(1, W):
+            j = (r + d) % W
+            _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
+        return out
+
+
+# ---- gemm_rs ------------------------------------------------------------------------------
+def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+            group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """reduce_scatter(x @ w_shard, rows) (+ bias): x [M, K_local], w_shard [K_local, N], M a
+    multiple of the world size; returns this rank's [M / world, N] block of the sum."""
+    op = "gemm_rs"
+    comm = get_communicator(group)
+    _validate(op, comm, x, w_shard, bias, "x", "w_shard")
+    W = comm.group.size
+    M, k = x.shape
+    n = w_shard.shape[1]
+    if M % W:
+        raise ValueError(f"fusedist.gemm_rs: x has {M} rows, not a multiple of the world size "
+                         f"{W}; pad M to a multiple of {W}")
+    m = M // W
+    out = _out(op, out, (m, n), x)
+    eng = _engine(op, engine, M, n, k, comm)
+    with nvtx_range(f"fusedist.gemm_rs.{eng}"):
+        if comm.device.type == "cpu":
+            part = x.float() @ w_shard.float()
+            res = torch.empty((m, n), dtype=torch.float32)
+            _cpu_reduce_scatter(comm, part, res)
+            if bias is not None:
+                res += bias.float()
+            return out.copy_(res)
+        if eng == "unfused":
+            part = torch.matmul(x, w_shard)
+            comm.nccl.reduce_scatter(part, out)
+            return out.add_(bias) if bias is not None else out
+        C = max(1, min(_chunks(op, chunks, comm, M, n, k), m))
+        bounds = [m * c // C for c in range(C + 1)]
+        xv = x.view(W, m, k)
+        main = torch.cuda.current_stream(x.device)
+        cs = _fork(main)
+        for c in range(C):
+            a, b = bounds[c], bounds[c + 1]
+            # Rows a..b of every rank's block: one batched GEMM, [W, b-a, N] contiguous.
+            part = torch.matmul(xv[:, a:b], w_shard)
+            ev = torch.cuda.Event()
+            ev.record(main)
+            cs.wait_event(ev)
+            with torch.cuda.stream(cs):
+                comm.nccl.reduce_scatter(part.view(-1), out[a:b].view(-1))
+            part.record_stream(cs)
+        x.record_stream(cs)
+        out.record_stream(cs)
+        main.wait_stream(cs)
+        return out.add_(bias) if bias is not None else out
+
+
+def _cpu_reduce_scatter(comm, part, res):
+    """gloo lacks reduce_scatter: all_reduce then take this rank's block (reference path)."""
+    torch.distributed.all_reduce(part, group=comm.group.pg)
+    m = res.shape[0]
+    r = comm.group.rank
+    res.copy_(part[r * m:(r + 1) * m])
+    return res
+
+
+# ---- gemm_ar ------------------------------------------------------------------------------
+def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+            group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """all_reduce(x @ w_shard) (+ bias): x [M, K_local], w_shard [K_local, N]; returns [M, N],
+    bitwise the same on every rank."""
+    op = "gemm_ar"
+    comm = get_communicator(group)
+    _validate(op, comm, x, w_shard, bias, "x", "w_shard")
+    M, k = x.shape
+    n = w_shard.shape[1]
+    out = _out(op, out, (M, n), x)
+    eng = _engine(op, engine, M, n, k, comm)
+    with nvtx_range(f"fusedist.gemm_ar.{eng}"):
+        if comm.device.type == "cpu" or eng == "unfused":
+            torch.matmul(x, w_shard, out=out)
+            comm.all_reduce(out, out=out)
+            return out.add_(bias) if bias is not None else out
+        C = _chunks(op, chunks, comm, M, n, k)
+        main = torch.cuda.current_stream(x.device)
+        cs = _fork(main)
+        by_rows = M >= 2 * C * 64
+        if by_rows:
+            C = max(1, min(C, M))
+            bounds = [M * c // C for c in range(C + 1)]
+        else:  # decode-sized M: cut N into column blocks of whole 16-byte vectors
+            C = max(1, min(C, n // 8))
+            bounds = [(n * c // C) // 8 * 8 for c in range(C)] + [n]
+        for c in range(C):
+            a, b = bounds[c], bounds[c + 1]
+            if by_rows:
+                dst = out[a:b]
+                torch.matmul(x[a:b], w_shard, out=dst)
+            else:
+                dst = torch.matmul(x, w_shard[:, a:b])  # [M, b-a] contiguous
+            ev = torch.cuda.Event()
+            ev.record(main)
+            cs.wait_event(ev)
+            with torch.cuda.stream(cs):
+                comm.all_reduce(dst, out=dst)
+                if not by_rows:
+                    out[:, a:b].copy_(dst)
+            dst.record_stream(cs)
+        out.record_stream(cs)
+        x.record_stream(cs)
+        main.wait_stream(cs)
+        comm._pending_async = None  # the caller's stream now follows the comm stream
+        return out.add_(bias) if bias is not None else out
+
+
+# ---- torch.library registrations ----------------------------------------------------------
+@torch.library.custom_op("fusedist::ag_gemm", mutates_args=())
+def _ag_gemm_op(x_shard: torch.Tensor, w: torch.Tensor, group_name: str, engine: str
+                ) -> torch.Tensor:
+    return ag_gemm(x_shard, w, group=communicator_by_name(group_name), engine=engine)
+
+
+@_ag_gemm_op.register_fake
+def _(x_shard, w, group_name, engine):
+    W = communicator_by_name(group_name).group.size
+    return x_shard.new_empty((W * x_shard.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("fusedist::gemm_rs", mutates_args=())
+def _gemm_rs_op(x: torch.Tensor, w_shard: torch.Tensor, group_name: str, engine: str
+                ) -> torch.Tensor:
+    return gemm_rs(x, w_shard, group=communicator_by_name(group_name), engine=engine)
+
+
+@_gemm_rs_op.register_fake
+def _(x, w_shard, group_name, engine):
+    W = communicator_by_name(group_name).group.size
+    return x.new_empty((x.shape[0] // W, w_shard.shape[1]))
+
+
+@torch.library.custom_op("fusedist::gemm_ar", mutates_args=())
+def _gemm_ar_op(x: torch.Tensor, w_shard: torch.Tensor, group_name: str, engine: str
+                ) -> torch.Tensor:
+    return gemm_ar(x, w_shard, group=communicator_by_name(group_name), engine=engine)
+
+
+@_gemm_ar_op.register_fake
+def _(x, w_shard, group_name, engine):
+    return x.new_empty((x.shape[0], w_shard.shape[1]))

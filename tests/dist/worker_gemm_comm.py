@@ -1,0 +1,203 @@
+"""ag_gemm / gemm_rs / gemm_ar and the tensor-parallel linears, on every rank (CPU/gloo or one
+GPU per rank). Every rank rebuilds every rank's inputs from seeds for the float64 reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import assert_identical_across_ranks, check, fresh, main, rank_seed  # noqa: E402
+
+import torch  # noqa: E402
+
+import fusedist  # noqa: E402
+from fusedist.nn import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+
+
+def engines(rt):
+    return ("unfused", "overlap", "auto") if rt.device.type == "cuda" else ("auto",)
+
+
+def dtypes(rt):
+    return (torch.bfloat16, torch.float16) if rt.device.type == "cuda" else (torch.float32,
+                                                                               torch.bfloat16)
+
+
+# (rows per rank m, K, N): odd, not multiples of tiles or of the world size; one large enough
+# that the overlap engine's chunks are real GEMMs.
+SHAPES = ((1, 72, 40), (37, 200, 136), (129, 1000, 776))
+
+
+def poison(t):
+    return t.fill_(float("nan"))
+
+
+@check
+def ag_gemm_matches_reference(rt, seed):
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    for eng in engines(rt):
+        for dt in dtypes(rt):
+            for m, k, n in SHAPES:
+                for with_bias in (False, True):
+                    s = (seed, "ag", eng, str(dt), m, k, n, with_bias)
+                    xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
+                    w = fresh((k, n), dt, dev, rank_seed(s, "w"))
+                    b = fresh((n,), dt, dev, rank_seed(s, "b")) if with_bias else None
+                    ref = torch.cat(xs).double() @ w.double()
+                    if b is not None:
+                        ref += b.double()
+                    out = poison(torch.empty((W * m, n), dtype=dt, device=dev))
+                    y = fusedist.ag_gemm(xs[me], w, b, engine=eng, out=out)
+                    what = f"ag_gemm {eng} {dt} m={m} K={k} N={n} bias={with_bias}"
+                    err = gemm_rel_err(y, ref)
+                    assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+                    assert_identical_across_ranks(rt, y, what)
+
+
+@check
+def gemm_rs_matches_reference(rt, seed):
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    for eng in engines(rt):
+        for dt in dtypes(rt):
+            for m, k, n in SHAPES:
+                M = W * m
+                s = (seed, "rs", eng, str(dt), m, k, n)
+                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+                b = fresh((n,), dt, dev, rank_seed(s, "b"))
+                full = sum(x.double() @ w.double() for x, w in zip(xs, ws)) + b.double()
+                ref = full[me * m:(me + 1) * m]
+                for chunks in ((None, 3) if eng == "overlap" else (None,)):
+                    out = poison(torch.empty((m, n), dtype=dt, device=dev))
+                    y = fusedist.gemm_rs(xs[me], ws[me], b, engine=eng, chunks=chunks, out=out)
+                    err = gemm_rel_err(y, ref)
+                    assert err < GEMM_REL[dt], f"gemm_rs {eng} {dt} {m} {k} {n} chunks={chunks}: " \
+                                               f"rel err {err:.3g}"
+
+
+@check
+def gemm_ar_matches_reference(rt, seed):
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    for eng in engines(rt):
+        for dt in dtypes(rt):
+            # decode-sized M (column chunks) and prefill-sized M (row chunks)
+            for M, k, n in ((1, 72, 40), (5, 200, 136), (W * 300 + 1, 264, 520)):
+                s = (seed, "ar", eng, str(dt), M, k, n)
+                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+                ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+                for chunks in ((None, 3) if eng == "overlap" else (None,)):
+                    out = poison(torch.empty((M, n), dtype=dt, device=dev))
+                    y = fusedist.gemm_ar(xs[me], ws[me], engine=eng, chunks=chunks, out=out)
+                    what = f"gemm_ar {eng} {dt} M={M} K={k} N={n} chunks={chunks}"
+                    err = gemm_rel_err(y, ref)
+                    assert err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+                    assert_identical_across_ranks(rt, y, what)
+
+
+@check
+def overlap_in_cuda_graph_fresh_inputs(rt, seed):
+    if rt.device.type != "cuda":
+        return
+    W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    m, k, n = 129, 1000, 776
+    sx = torch.zeros((m, k), dtype=dt, device=dev)
+    sw = torch.zeros((k, n), dtype=dt, device=dev)
+    rx = torch.zeros((W * m, k), dtype=dt, device=dev)
+    outs = {}
+
+    def body():
+        outs["ag"] = fusedist.ag_gemm(sx, sw, engine="overlap")
+        outs["rs"] = fusedist.gemm_rs(rx, sw, engine="overlap", chunks=3)
+        outs["ar"] = fusedist.gemm_ar(rx, sw, engine="overlap", chunks=3)
+
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    for i in range(5):
+        s = (seed, "graph", i)
+        xs = [fresh((m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+        rxs = [fresh((W * m, k), dt, dev, rank_seed(s, "rx", p)) for p in range(W)]
+        w = fresh((k, n), dt, dev, rank_seed(s, "w"))
+        sx.copy_(xs[me])
+        rx.copy_(rxs[me])
+        sw.copy_(w)
+        for o in outs.values():
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_ag = torch.cat(xs).double() @ w.double()
+        ref_ar = sum(x.double() for x in rxs) @ w.double()
+        assert gemm_rel_err(outs["ag"], ref_ag) < GEMM_REL[dt], f"graph ag replay {i}"
+        assert gemm_rel_err(outs["ar"], ref_ar) < GEMM_REL[dt], f"graph ar replay {i}"
+        assert gemm_rel_err(outs["rs"], ref_ar[me * m:(me + 1) * m]) < GEMM_REL[dt], \
+            f"graph rs replay {i}"
+    del g
+
+
+@check
+def parallel_linears_match_full_layer(rt, seed):
+    W, dev = rt.tp.size, rt.device
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fin, fout, M = 96 * W, 40 * W, 2 * W + 2
+    s = (seed, "linear")
+    w1 = fresh((fout, fin), dt, dev, rank_seed(s, "w1"))
+    b1 = fresh((fout,), dt, dev, rank_seed(s, "b1"))
+    w2 = fresh((fin, fout), dt, dev, rank_seed(s, "w2"))
+    b2 = fresh((fin,), dt, dev, rank_seed(s, "b2"))
+    x = fresh((M, fin), dt, dev, rank_seed(s, "x"))  # replicated input
+    col = ColumnParallelLinear.from_full(w1, b1)
+    row = RowParallelLinear.from_full(w2, b2, input_is_parallel=True)
+    h_ref = x.double() @ w1.double().t() + b1.double()
+    y_ref = h_ref @ w2.double().t() + b2.double()
+    y = row(col(x))  # the Megatron MLP pattern: column -> row, one all-reduce
+    err = gemm_rel_err(y, y_ref)
+    assert err < 2 * GEMM_REL[dt], f"column->row linear: rel err {err:.3g}"
+    full = ColumnParallelLinear.from_full(w1, b1, gather_output=True)
+    err = gemm_rel_err(full(x), h_ref)
+    assert err < GEMM_REL[dt], f"column gather_output: rel err {err:.3g}"
+    # Sequence parallel: column takes this rank's row shard, row reduce-scatters the output.
+    m = M // W
+    me = rt.tp.rank
+    sp_col = ColumnParallelLinear.from_full(w1, b1, sequence_parallel=True)
+    sp_row = RowParallelLinear.from_full(w2, b2, sequence_parallel=True)
+    y_sp = sp_row(sp_col(x[me * m:(me + 1) * m].contiguous()))
+    err = gemm_rel_err(y_sp, y_ref[me * m:(me + 1) * m])
+    assert err < 2 * GEMM_REL[dt], f"sequence-parallel linears: rel err {err:.3g}"
+
+
+@check
+def bad_inputs(rt, seed):
+    dev = rt.device
+    dt = torch.float32
+    x = torch.ones(6, 8, device=dev, dtype=dt)
+    cases = [
+        (lambda: fusedist.ag_gemm(x, torch.ones(9, 4, device=dev)), ValueError, "[K, N]"),
+        (lambda: fusedist.ag_gemm(x, torch.ones(8, 4, device=dev, dtype=torch.float16)),
+         ValueError, "must match"),
+        (lambda: fusedist.gemm_ar(x, torch.ones(8, 4, device=dev), engine="magic"), ValueError,
+         "engine must be"),
+        (lambda: fusedist.gemm_ar(x, torch.ones(8, 4, device=dev), torch.ones(5, device=dev)),
+         ValueError, "bias must be"),
+        (lambda: fusedist.gemm_ar(x.t(), torch.ones(6, 4, device=dev)), ValueError,
+         "non-contiguous"),
+    ]
+    if rt.tp.size > 1:
+        cases.append((lambda: fusedist.gemm_rs(torch.ones(rt.tp.size + 1, 8, device=dev),
+                                               torch.ones(8, 4, device=dev)), ValueError,
+                      "multiple of the world size"))
+    for fn, exc, match in cases:
+        try:
+            fn()
+        except exc as e:
+            assert match in str(e), (match, str(e))
+        else:
+            raise AssertionError(f"no {exc.__name__} for {match!r}")
+
+
+if __name__ == "__main__":
+    main()
