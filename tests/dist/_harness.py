@@ -57,8 +57,11 @@ def assert_identical_across_ranks(rt, y, what):
 
 def main(select: str | None = None) -> None:
     rt = fusedist.init()
-    failures = []
-    run_id = int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time()))))
+    failures, statuses = [], []
+    # Rank 0's seed for everyone: ranks rebuild each other's inputs from it, and clocks read
+    # on different ranks can straddle a second.
+    run_id = rt.world.all_gather_object(
+        int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time())))))[0]
     only = select or os.environ.get("FUSEDIST_TEST_ONLY")
     for fn in CHECKS:
         if only and only not in fn.__name__:
@@ -71,13 +74,18 @@ def main(select: str | None = None) -> None:
             status = "FAIL"
             failures.append(f"rank {rt.rank} {fn.__name__}: {type(e).__name__}: {e}\n"
                             + traceback.format_exc(limit=4))
+        statuses.append((fn.__name__, status))
         if rt.rank == 0:
             print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s)", flush=True)
+    if rt.rank == 0:
+        print("summary: " + " ".join(f"{n}={s}" for n, s in statuses), flush=True)
     all_failures = rt.world.all_gather_object(failures)
     fusedist.shutdown()
     flat = [f for fs in all_failures for f in fs]
     if flat:
         if rt.rank == 0:
+            # Short first (the launcher keeps only the tail), tracebacks after.
             print("\n".join(flat), flush=True)
+            print("failed: " + " | ".join(f.splitlines()[0][:200] for f in flat), flush=True)
         sys.exit(1)
     print(f"rank {rt.rank}: all checks passed (seed {run_id})", flush=True)

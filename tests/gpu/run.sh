@@ -10,11 +10,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/_out}
-mkdir -p "$OUT"
+LOGS=${FUSEDIST_LOG_DIR:-/tmp/fusedist-gpu-logs}
+mkdir -p "$OUT" "$LOGS"
 : > "$OUT/summary.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench"}
+STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -23,27 +24,28 @@ if compgen -G ".whl/nccl4py*.whl" >/dev/null; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-stage() {  # stage NAME TIMEOUT_S CMD...: log to $OUT/NAME.log, one summary line
+stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
   printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)" >> "$OUT/summary.txt"
+    "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$LOGS/$name.log" | tail -1 | cut -c1-90)" \
+    >> "$OUT/summary.txt"
   return $rc
 }
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-# At most 8 files come back from a lent GPU: build.log, tests.log, sanitizer.log, bench.log,
-# summary.txt and the benchmark's json/md/png.
+# At most 8 files come back from a lent GPU: summary.txt (nvidia-smi, ptxas spills, sanitizer
+# summaries, stage results), tests.log, bench.log and the benchmarks' json/md/png.
 { nvidia-smi; nvidia-smi topo -m; } > "$OUT/summary.txt.head" 2>&1
 if want build; then
   CMAKE_BUILD_PARALLEL_LEVEL=16 stage build 900 python3 -m pip install --no-build-isolation \
-    --no-deps -v . || { tail -40 "$OUT/build.log"; cat "$OUT/summary.txt"
+    --no-deps -v . || { tail -40 "$LOGS/build.log"; cat "$OUT/summary.txt"
 cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
 rm -f "$OUT/summary.txt.head"; exit 1; }
-  grep -E "spill|stack frame" "$OUT/build.log" | sort -u | sed 's/^ */ptxas: /' >> "$OUT/summary.txt.head" || true
+  grep -E "spill|stack frame" "$LOGS/build.log" | sort -u | sed 's/^ */ptxas: /' >> "$OUT/summary.txt.head" || true
 fi
 if want tests; then
   # -P: keep the source tree off sys.path so the installed fusedist (with _C) is imported.
@@ -57,18 +59,24 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
       compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
       --report-api-errors no \
       python3 tests/dist/worker_allreduce.py
-    { echo "== $tool"; grep -E "^=========" "$OUT/san_$tool.log" | head -60; tail -5 "$OUT/san_$tool.log"; } \
-      >> "$OUT/sanitizer.log"; rm -f "$OUT/san_$tool.log"
+    { echo "== compute-sanitizer $tool"; grep -E "^=========" "$LOGS/san_$tool.log" | head -40; } \
+      >> "$OUT/summary.txt.head"
   done
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+  FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused --tune}
 fi
+if want gemm && [[ $NGPU -ge 2 ]]; then
+  FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+    --nproc-per-node "$NGPU" benchmarks/gemm_comm.py ${FUSEDIST_GEMM_ARGS:---quick}
+fi
+cp "$LOGS/tests.log" "$OUT/" 2>/dev/null
+cat "$LOGS"/bench_*.log > "$OUT/bench.log" 2>/dev/null
 
-grep -E "^(FAILED|ERROR)|Error:|\[FAIL\]|^rank [0-9]+ [a-z_]+: " "$OUT/tests.log" 2>/dev/null | head -30
+grep -E "^(FAILED|ERROR)|Error:|\[FAIL\]|^rank [0-9]+ [a-z_]+: " "$LOGS/tests.log" 2>/dev/null | head -30
 echo "=================== fusedist GPU run ($FUSEDIST_COMMIT, $NGPU GPU) ==================="
-grep -E '^\|' "$OUT/bench.log" 2>/dev/null | head -60
+grep -E '^\|' "$OUT/bench.log" 2>/dev/null | head -90
 echo
 cat "$OUT/summary.txt"
 cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
