@@ -52,6 +52,7 @@ class Runtime:
 
 
 _runtime: Optional[Runtime] = None
+_generation = 0  # process groups init() created in this process; names their store keys
 
 
 def is_initialized() -> bool:
@@ -121,7 +122,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     of the process groups (default FUSEDIST_INIT_TIMEOUT_S or 300 s). The launch arguments
     (rank=, world_size=, ...) override what the launcher's environment says.
     """
-    global _runtime
+    global _runtime, _generation
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
     for k, v in SAFE_ENV.items():
@@ -152,7 +153,15 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
             kwargs = {}
             if backend == "nccl":
                 kwargs["device_id"] = dev
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=env.rank,
+            store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=env.rank,
+                                               world_size=env.world_size, timeout=timeout))
+            store.set_timeout(timeout)
+            # torchrun's agent store outlives our process group: after shutdown(), a second
+            # init() would read the first group's keys (stale peer addresses) without a fresh
+            # prefix. Every rank calls init() the same number of times, so prefixes agree.
+            store = dist.PrefixStore(f"fusedist/{_generation}", store)
+            _generation += 1
+            dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout, **kwargs)
     else:
         # Adopt the engine's process group; the launch environment only supplies node identity.
@@ -163,19 +172,26 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         dev = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                else torch.device("cpu")) if device is None else torch.device(device)
 
-    world = dist.get_world_size()
-    me = dist.get_rank()
-    world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
-    node_ids = tuple(world_group.all_gather_object(env.node_id))
-    topo = Topology(world_size=world, rank=me, node_ids=node_ids)
-    world_group.topology = topo
+    try:
+        world = dist.get_world_size()
+        me = dist.get_rank()
+        world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
+        node_ids = tuple(world_group.all_gather_object(env.node_id))
+        topo = Topology(world_size=world, rank=me, node_ids=node_ids)
+        world_group.topology = topo
 
-    tp = topo.ranks_per_node if tp_size is None else tp_size
-    if tp_size is None and world % tp:
-        tp = 1
-    validate_tp_size(world, tp, topo, tp_spans_nodes)
-    lists = build_rank_lists(world, tp, topo)
-    groups = {k: new_groups(k, v, world, dev, topo) for k, v in lists.items()}
+        tp = topo.ranks_per_node if tp_size is None else tp_size
+        if tp_size is None and world % tp:
+            tp = 1
+        validate_tp_size(world, tp, topo, tp_spans_nodes)
+        lists = build_rank_lists(world, tp, topo)
+        groups = {k: new_groups(k, v, world, dev, topo) for k, v in lists.items()}
+    except BaseException:
+        # Leave no half-initialized state: a process group created here would otherwise be
+        # adopted (and never destroyed) by the next init().
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     _runtime = Runtime(env=env, topology=topo, device=dev, backend=backend, world=world_group,
                        tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
                        inter_node=groups["inter_node"], owns_process_group=owns)

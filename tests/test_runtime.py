@@ -1,0 +1,220 @@
+"""fusedist.init / fusedist.shutdown in one process (world size 1, CPU, gloo): lifecycle
+errors, argument errors, and the world-size-1 collectives against plain torch.
+
+Every test starts and ends with neither fusedist nor torch.distributed initialized (the
+autouse fixture checks the start and cleans up after a failing test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedist
+from fusedist.ops import rmsnorm_reference
+from tolerances import TOL_EPILOGUE, count_bad
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LAUNCHER_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR", "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_LOCALID", "SLURM_NODEID",
+)
+
+
+def _teardown():
+    fusedist.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    # A launcher's variables in the pytest process must not change what init() detects.
+    for v in LAUNCHER_VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("FUSEDIST_ALLREDUCE_ALGO", raising=False)
+    if fusedist.is_initialized() or dist.is_initialized():
+        _teardown()
+        pytest.fail("a previous test left fusedist or torch.distributed initialized")
+    yield
+    _teardown()
+
+
+@pytest.fixture
+def rt():
+    runtime = fusedist.init(rank=0, world_size=1, backend="gloo")
+    yield runtime
+    fusedist.shutdown()
+
+
+def poisoned_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+# ------------------------------------------------------------------ lifecycle
+
+def test_init_world1(rt):
+    assert fusedist.is_initialized()
+    assert fusedist.get_runtime() is rt
+    assert rt.rank == 0 and rt.world_size == 1
+    assert rt.backend == "gloo" and rt.device == torch.device("cpu")
+    assert rt.owns_process_group
+    assert rt.topology.num_nodes == 1 and rt.topology.ranks_per_node == 1
+    for g in (rt.world, rt.tp, rt.dp, rt.intra_node, rt.inter_node):
+        assert g.ranks == (0,) and g.rank == 0 and g.size == 1
+
+
+def test_init_twice_raises(rt):
+    with pytest.raises(RuntimeError, match="already initialized"):
+        fusedist.init(rank=0, world_size=1, backend="gloo")
+    assert fusedist.get_runtime() is rt  # the first runtime is untouched
+
+
+def test_shutdown_destroys_owned_group_and_is_idempotent(rt):
+    fusedist.shutdown()
+    assert not fusedist.is_initialized()
+    assert not dist.is_initialized()
+    fusedist.shutdown()
+
+
+def test_use_after_shutdown_raises_not_initialized(rt):
+    fusedist.shutdown()
+    with pytest.raises(fusedist.NotInitializedError, match="fusedist.init"):
+        fusedist.get_runtime()
+    with pytest.raises(fusedist.NotInitializedError):
+        fusedist.all_reduce(torch.ones(4))
+    with pytest.raises(fusedist.NotInitializedError):
+        fusedist.all_reduce_(torch.ones(4))
+    with pytest.raises(fusedist.NotInitializedError):
+        fusedist.get_communicator()
+
+
+def test_communicator_after_shutdown_raises_closed(rt):
+    comm = fusedist.Communicator()
+    default = fusedist.get_communicator()
+    x = torch.randn(7)
+    assert torch.equal(comm.all_reduce(x), x)
+    fusedist.shutdown()
+    assert comm.closed and default.closed
+    for c in (comm, default):
+        with pytest.raises(fusedist.CommunicatorClosedError, match="closed"):
+            c.all_reduce(x)
+    assert issubclass(fusedist.CommunicatorClosedError, fusedist.FusedistError)
+
+
+def test_reinit_after_shutdown():
+    for _ in range(3):
+        rt = fusedist.init(rank=0, world_size=1, backend="gloo")
+        assert rt.owns_process_group and dist.is_initialized()
+        x = torch.randn(5)
+        assert torch.equal(fusedist.all_reduce(x), x)
+        fusedist.shutdown()
+        assert not dist.is_initialized()
+
+
+def test_init_with_no_launcher_env_is_single():
+    rt = fusedist.init(backend="gloo")
+    assert rt.env.launcher == "single" and rt.world_size == 1
+
+
+# ------------------------------------------------------------------ argument errors
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_backend_nccl_without_gpu():
+    with pytest.raises(ValueError) as e:
+        fusedist.init(rank=0, world_size=1, backend="nccl")
+    assert "backend='nccl'" in str(e.value) and "gloo" in str(e.value)
+    assert not fusedist.is_initialized() and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["mpi", "NCCL", "ucc", ""])
+def test_backend_unknown(backend):
+    with pytest.raises(ValueError) as e:
+        fusedist.init(rank=0, world_size=1, backend=backend)
+    assert "backend" in str(e.value) and repr(backend) in str(e.value)
+    assert not fusedist.is_initialized() and not dist.is_initialized()
+
+
+def test_tp_size_not_dividing_world_leaves_nothing_initialized():
+    with pytest.raises(ValueError, match="tp_size=3"):
+        fusedist.init(rank=0, world_size=1, backend="gloo", tp_size=3)
+    # The process group init() created must be gone, so the next init() owns a fresh one.
+    assert not fusedist.is_initialized()
+    assert not dist.is_initialized()
+    rt = fusedist.init(rank=0, world_size=1, backend="gloo")
+    assert rt.owns_process_group
+    fusedist.shutdown()
+    assert not dist.is_initialized()
+
+
+def test_partial_launcher_env(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(fusedist.LaunchEnvError) as e:
+        fusedist.init(backend="gloo")
+    assert "WORLD_SIZE" in str(e.value)
+    assert str(e.value).startswith("fusedist.init: ")
+    assert isinstance(e.value, ValueError)
+    assert not fusedist.is_initialized() and not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ world-size-1 collectives
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 65), (1023,)])
+def test_all_reduce_world1_is_a_copy(rt, dtype, shape):
+    x = torch.randn(shape, dtype=torch.float32).to(dtype)
+    x_copy = x.clone()
+    y = fusedist.all_reduce(x)
+    assert y.data_ptr() != x.data_ptr()
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(y, x)
+    assert torch.equal(x, x_copy)
+    out = poisoned_like(x)
+    assert fusedist.all_reduce(x, out=out) is out
+    assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_inplace_world1(rt, dtype):
+    x = torch.randn(3, 65, dtype=torch.float32).to(dtype)
+    expected = x.clone()
+    y = fusedist.all_reduce_(x)
+    assert y.data_ptr() == x.data_ptr()
+    assert torch.equal(x, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_async_on_cpu_is_complete(rt, dtype):
+    x = torch.randn(33, dtype=torch.float32).to(dtype)
+    h = fusedist.all_reduce(x, async_op=True)
+    assert isinstance(h, fusedist.AsyncHandle)
+    assert h.is_completed()
+    assert torch.equal(h.wait(), x)
+    assert h.synchronize() is h.result
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_add_rmsnorm_world1(rt, dtype):
+    eps = 1e-6
+    x = torch.randn(3, 64, dtype=torch.float32).to(dtype)
+    residual = torch.randn(3, 64, dtype=torch.float32).to(dtype)
+    weight = (1 + 0.1 * torch.randn(64, dtype=torch.float32)).to(dtype)
+    x_in, res_in = x.clone(), residual.clone()
+
+    normed, new_res = fusedist.all_reduce_add_rmsnorm(x, residual, weight, eps)
+
+    # Reference kept here on purpose (not rmsnorm_reference): fp32 math, rounded like the op.
+    h = (x.float() + residual.float()).to(dtype)
+    hf = h.float()
+    ref = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float())
+    assert normed.dtype == dtype and new_res.dtype == dtype
+    assert normed.shape == (3, 64) and new_res.shape == (3, 64)
+    assert torch.equal(new_res, h)
+    assert count_bad(normed, ref, dtype, TOL_EPILOGUE) == 0
+    assert torch.equal(x, x_in) and torch.equal(residual, res_in)
+    # And the library's own reference agrees with ours.
+    lib, _ = rmsnorm_reference(h, weight, eps)
+    assert count_bad(lib, ref, dtype, TOL_EPILOGUE) == 0
