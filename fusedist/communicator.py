@@ -5,6 +5,7 @@ communicator (get_communicator)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional, Union
 
@@ -33,7 +34,12 @@ def resolve_group(group: GroupLike) -> Group:
     if group is None:
         return rt.tp
     if isinstance(group, dist.ProcessGroup):
-        return Group.from_process_group(group, device=rt.device, topology=rt.topology)
+        # One Group (hence one default Communicator) per engine process group, not per call.
+        g = rt.adopted_groups.get(group)
+        if g is None:
+            g = Group.from_process_group(group, device=rt.device, topology=rt.topology)
+            rt.adopted_groups[group] = g
+        return g
     raise TypeError(f"fusedist: group must be a fusedist.Group, a torch ProcessGroup or None, "
                     f"got {type(group).__name__}")
 
@@ -80,6 +86,7 @@ class Communicator:
         self.closed = False
         self.symm: Optional[SymmetricMemory] = None
         self.nccl = None
+        self.nccl_overlap = None
         self._pending_async: Optional[torch.cuda.Event] = None
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
@@ -93,8 +100,16 @@ class Communicator:
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
             self.nccl = NcclComm(self.group)
+            # The GEMM + collective overlap engine runs NCCL beside a GEMM: a second
+            # communicator limited to a few CTAs leaves the SMs to the GEMM.
+            self.nccl_overlap = NcclComm(self.group, max_ctas=int(
+                os.environ.get("FUSEDIST_OVERLAP_NCCL_CTAS", "8"))) \
+                if self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
-            self.table = self.group.all_gather_object(tuning.load_table(name, self.group.size))[0]
+            # Rank 0's table and forced algorithm for everyone: one choice on all ranks.
+            table = tuning.load_table(name, self.group.size)
+            table["forced"] = tuning.forced_algo()
+            self.table = self.group.all_gather_object(table)[0]
         rt.communicators.append(self)
         _by_name[self.group.name] = self
 
@@ -136,7 +151,7 @@ class Communicator:
     # ---- all-reduce ------------------------------------------------------------------
     def choose_algo(self, nbytes: int, dtype: torch.dtype, algo: str = "auto") -> str:
         if algo == "auto":
-            algo = tuning.forced_algo() or tuning.choose(self.table, nbytes, self.group.size)
+            algo = self.table.get("forced") or tuning.choose(self.table, nbytes, self.group.size)
             if algo != "nccl" and self.symm is None:
                 return "nccl"
             # Past an algorithm's capacity: two-shot if the message fits there, else NCCL.
@@ -229,6 +244,8 @@ class Communicator:
         try:
             if self.symm is not None:
                 self.symm.close()
+            if self.nccl_overlap is not None and self.nccl_overlap is not self.nccl:
+                self.nccl_overlap.close()
             if self.nccl is not None:
                 self.nccl.close()
         finally:

@@ -34,7 +34,7 @@ def _import_nccl():
 class NcclComm:
     """A group's NCCL communicator (nccl4py, or torch.distributed with FUSEDIST_NCCL=torch)."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, max_ctas: int | None = None):
         self.group = group
         self.kind = backend_choice()
         self._comm = None
@@ -54,7 +54,9 @@ class NcclComm:
                 f"fusedist: NCCL is unusable through nccl4py ({err}); install libnccl "
                 "(e.g. `pip install nvidia-nccl-cu13`) or set FUSEDIST_NCCL=torch")
         self._nc = nc
-        self._comm = nc.Communicator.init(group.size, group.rank, nc.UniqueId.from_bytes(uid))
+        config = nc.NCCLConfig(max_ctas=max_ctas) if max_ctas else None
+        self._comm = nc.Communicator.init(group.size, group.rank, nc.UniqueId.from_bytes(uid),
+                                          config)
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

@@ -41,6 +41,7 @@ class Runtime:
     inter_node: Optional[Group]
     owns_process_group: bool
     communicators: list = field(default_factory=list)
+    adopted_groups: dict = field(default_factory=dict)  # torch ProcessGroup -> Group
 
     @property
     def rank(self) -> int:

@@ -118,10 +118,15 @@ class SymmetricMemory:
         words = (ctypes.c_int32 * 5).from_address(self._err_host)
         if words[0] == 0:
             return None
-        return (f"{_OP_NAMES.get(words[4], 'kernel')} on group {self.group.name}: rank "
-                f"{self.group.ranks[words[1]]} waited more than {self.timeout_s:g} s for rank "
-                f"{self.group.ranks[words[2]]} at call #{words[3] & 0xffffffff}; the peer never "
-                "arrived (it skipped the collective, called a different op, or died). The "
+        op = _OP_NAMES.get(words[4], "kernel")
+        me, peer = self.group.ranks[words[1]], self.group.ranks[words[2]]
+        if peer == me:  # finish_epoch: a block of this rank's own launch never started
+            what = (f"rank {me} waited more than {self.timeout_s:g} s for its own kernel's "
+                    "blocks to start (the GPU is held by a kernel that never yields)")
+        else:
+            what = (f"rank {me} waited more than {self.timeout_s:g} s for rank {peer}; the peer "
+                    "never arrived (it skipped the collective, called a different op, or died)")
+        return (f"{op} on group {self.group.name} at call #{words[3] & 0xffffffff}: {what}. The "
                 "communicator is unusable now; outputs of that call are NaN.")
 
     def check(self) -> None:

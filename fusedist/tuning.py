@@ -39,6 +39,9 @@ def _valid(table: dict) -> dict:
 
 def load_table(gpu_name: str, world: int) -> dict:
     path = os.environ.get("FUSEDIST_TUNING_FILE")
+    if path and not Path(path).is_file():
+        raise ValueError(f"fusedist: FUSEDIST_TUNING_FILE={path!r} does not exist; point it at a "
+                         "table written by benchmarks/allreduce.py --tune, or unset it")
     candidates = [Path(path)] if path else []
     candidates += [cache_path(gpu_name, world), _DEFAULT]
     for p in candidates:
@@ -86,7 +89,9 @@ def _gemm_rule(table: dict, op: str) -> dict:
 def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int) -> str:
     """Engine for a GEMM + collective: "overlap" above the size threshold, else "unfused"."""
     rule = _gemm_rule(table, op)
-    return "overlap" if world > 1 and m * n * k >= rule["min_mnk"] else "unfused"
+    if world < 2 or rule["min_mnk"] is None:
+        return "unfused"
+    return "overlap" if m * n * k >= rule["min_mnk"] else "unfused"
 
 
 def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int) -> int:

@@ -18,6 +18,13 @@ if ! (cd /tmp && python3 -c "import fusedist._C" 2>/dev/null); then
   python3 -m pip install -q --no-build-isolation --no-deps . 
 fi
 ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+if [[ $ngpu -gt 0 ]] && ! python3 -c "import nccl.core" 2>/dev/null; then
+  python3 -m pip install -q nccl4py 2>/dev/null || true
+  if ! python3 -c "import nccl.core" 2>/dev/null; then
+    echo "quickstart: nccl4py unavailable; using torch.distributed's NCCL (FUSEDIST_NCCL=torch)" >&2
+    export FUSEDIST_NCCL=torch
+  fi
+fi
 nproc=$(( ngpu > 0 ? ngpu : 2 ))
 exec python3 -P -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
   benchmarks/allreduce.py --quick "$@"

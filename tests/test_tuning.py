@@ -156,3 +156,9 @@ def test_valid_rejects_unknown_algo(algo):
 def test_valid_rejects_non_integer_world_size():
     with pytest.raises(ValueError):
         tuning._valid({"allreduce": {"two": [{"max_bytes": None, "algo": "nccl"}]}})
+
+
+def test_missing_tuning_file_is_an_error(clean_env, monkeypatch):
+    monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(clean_env / "nope.json"))
+    with pytest.raises(ValueError, match="FUSEDIST_TUNING_FILE=.*does not exist"):
+        tuning.load_table("NVIDIA H200", 2)

@@ -19,7 +19,7 @@ after the collective. Engines (engine=):
                on the comm stream while chunk c+1 is multiplied.
   * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides).
 A fused engine (GEMM kernels that publish per-tile flags consumed by the communication) is the
-next step; see docs/design/gemm_comm.md.
+next step; docs/design/gemm_comm.md has both engines and what is measured.
 CPU tensors (gloo) take the plain-torch reference path.
 """
 
@@ -133,7 +133,7 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         main = torch.cuda.current_stream(x_shard.device)
         cs = _fork(main)
         with torch.cuda.stream(cs):
-            comm.nccl.all_gather(x_shard, gathered)
+            comm.nccl_overlap.all_gather(x_shard, gathered)
             gathered_ev = torch.cuda.Event()
             gathered_ev.record(cs)
         x_shard.record_stream(cs)
@@ -191,7 +191,7 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             ev.record(main)
             cs.wait_event(ev)
             with torch.cuda.stream(cs):
-                comm.nccl.reduce_scatter(part.view(-1), out[a:b].view(-1))
+                comm.nccl_overlap.reduce_scatter(part.view(-1), out[a:b].view(-1))
             part.record_stream(cs)
         x.record_stream(cs)
         out.record_stream(cs)

@@ -65,7 +65,7 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
-    --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused --tune}
+    --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused}
 fi
 if want gemm && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \

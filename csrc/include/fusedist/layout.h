@@ -38,10 +38,12 @@ constexpr uint32_t kErrTimeout = 1;
 enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3 };
 
 // Per-rank control block in local device memory (not shared with peers).
-//   epoch:  calls completed on this communicator; generation = epoch % kGenerations. The last
-//           block of each kernel increments it, so CUDA-graph replays rotate buffers too.
-//   arrive: blocks of the running kernel that finished (reset by the last one).
-//   failed: set once any wait timed out; later kernels skip their waits (fail fast).
+//   epoch:  calls completed on this communicator; generation = epoch % kGenerations. Block 0
+//           of each kernel advances it once every block has arrived, so CUDA-graph replays
+//           rotate buffers too (signals.cuh: begin_epoch / finish_epoch).
+//   arrive: blocks of the running kernel that have read the epoch (block 0 resets it).
+//   failed: set once any wait timed out; later waits give up at their first clock check
+//           (256 spins) instead of waiting out the timeout again.
 struct Control {
   uint32_t epoch;
   uint32_t arrive;

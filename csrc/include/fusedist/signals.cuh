@@ -8,10 +8,10 @@
 //    lands in pieces is still read correctly (each aligned 32-bit word is single-copy atomic).
 //  * The reader of a slot -- always the rank that owns the memory -- writes kEmptyWord back
 //    after consuming it. No memset and no barrier between calls.
-//  * kEmptyWord = 0x80008000 is a pair of -0.0 in fp16/bf16 and a negative fp32 denormal.
-//    sanitize() turns it into 0x00008000: (+0.0, -0.0) for 16-bit types, and -4.6e-41 into
-//    -0.0 for fp32. Only the sign of a zero (16-bit) or that single denormal (fp32) changes,
-//    identically on every rank.
+//  * kEmptyWord = 0x80008000 is a pair of -0.0 in fp16/bf16 and the fp32 denormal -4.59e-41.
+//    sanitize() turns it into 0x00008000: elements (-0.0, +0.0) for 16-bit types (little
+//    endian: the low half is the first element), and +4.59e-41 for fp32. Only the sign of a
+//    zero (16-bit) or of that single denormal (fp32) changes, identically on every rank.
 #pragma once
 #include <cstdint>
 

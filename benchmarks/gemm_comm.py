@@ -1,0 +1,165 @@
+"""GEMM + collective benchmark: fusedist's engines beside unfused and torch async-TP.
+
+    torchrun --nproc-per-node 2 benchmarks/gemm_comm.py            # the issue's shapes
+    torchrun --nproc-per-node 2 benchmarks/gemm_comm.py --quick    # a subset
+
+Shapes: w is the per-rank [K, N] weight. ag_gemm: x_shard [M / world, K] -> [M, N];
+gemm_rs: x [M, K] -> [M / world, N]; gemm_ar: x [M, K] -> [M, N] (K is per rank).
+Rows: time_us (slowest rank's median; CUDA-graph replays), TFLOP/s of the GEMM (2 M N K per
+rank), overlap efficiency E = (t_unfused - t_engine) / t_collective, speedups vs unfused and
+vs torch async-TP (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fusedist  # noqa: E402
+from _harness import metadata, slowest, time_graph, write_results  # noqa: E402
+
+
+def shapes(quick: bool):
+    ms = [4096, 8192] if quick else [2048, 4096, 8192, 16384]
+    ns = [8192] if quick else [8192, 14336]
+    out = [("ag_gemm", m, n, 8192) for m in ms for n in ns]
+    out += [("gemm_rs", m, n, 8192) for m in ms for n in ns]
+    out += [("gemm_ar", m, 8192, 4096) for m in ([2048, 4096] if quick else [2048, 4096, 8192])]
+    out += [("gemm_ar", m, n, k) for m in ([1, 32] if quick else [1, 8, 32, 128])
+            for (k, n) in ((4096, 8192), (14336, 8192))]
+    return out
+
+
+def bench_shape(rt, comm, op, M, N, K, dtype):
+    W, dev = rt.tp.size, rt.device
+    gname = rt.tp.pg.group_name
+    g = torch.Generator(device=dev)
+    g.manual_seed(7 + rt.rank)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g, device=dev, dtype=torch.float32).to(dtype) * 0.1
+
+    w = rnd(K, N)
+    steps = {}
+    if op == "ag_gemm":
+        x = rnd(M // W, K)
+        gathered = torch.empty(M, K, dtype=dtype, device=dev)
+        out = torch.empty(M, N, dtype=dtype, device=dev)
+        steps["gemm_only"] = lambda i: torch.matmul(gathered, w, out=out)
+        steps["collective_only"] = lambda i: comm.nccl.all_gather(x, gathered)
+        steps["unfused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="unfused", out=out)
+        steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap", out=out)
+        steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
+            x, [w], 0, gname)
+    elif op == "gemm_rs":
+        x = rnd(M, K)
+        part = torch.empty(M, N, dtype=dtype, device=dev)
+        out = torch.empty(M // W, N, dtype=dtype, device=dev)
+        steps["gemm_only"] = lambda i: torch.matmul(x, w, out=part)
+        steps["collective_only"] = lambda i: comm.nccl.reduce_scatter(part, out)
+        steps["unfused"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="unfused", out=out)
+        for c in (2, 4):
+            steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_rs(
+                x, w, group=comm, engine="overlap", chunks=c, out=out))(c)
+        steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            x, w, "sum", 0, gname)
+    else:
+        x = rnd(M, K)
+        out = torch.empty(M, N, dtype=dtype, device=dev)
+        steps["gemm_only"] = lambda i: torch.matmul(x, w, out=out)
+        steps["collective_only"] = lambda i: comm.all_reduce(out, out=out)
+        steps["unfused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="unfused", out=out)
+        for c in (2, 4):
+            steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_ar(
+                x, w, group=comm, engine="overlap", chunks=c, out=out))(c)
+    flops = 2.0 * M * N * K  # this rank's GEMM
+    ops, reps = (10, 20) if M <= 128 else (2, 10)
+    times = {}
+    for name, step in steps.items():
+        try:
+            t = time_graph(step, ops, reps)
+            status = "ok"
+        except Exception as e:
+            t, status = float("nan"), f"n/a ({type(e).__name__}: {str(e)[:60]})"
+            torch.cuda.synchronize()
+        times[name] = (slowest(t), status)
+    rows = []
+    tu = times["unfused"][0]
+    tc = times["collective_only"][0]
+    ttp = times.get("torch_async_tp", (float("nan"), "n/a"))[0]
+    for name, (t, status) in times.items():
+        rows.append({"op": op, "backend": name, "M": M, "N": N, "K": K, "world": W,
+                     "dtype": str(dtype), "time_us": t, "status": status,
+                     "tflops": flops / t / 1e6 if t == t else float("nan"),
+                     "E": (tu - t) / tc if name.startswith("fd_") else None,
+                     "speedup_vs_unfused": tu / t, "speedup_vs_async_tp": ttp / t})
+    return rows
+
+
+def table(rows) -> str:
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["backend"]] = r
+    lines = ["| op | M | N | K | gemm us | coll us | unfused us | async-TP us | best fd engine "
+             "| fd us | fd TFLOP/s | E | vs unfused | vs async-TP |", "|" + "---|" * 14]
+
+    def fmt(r):
+        return f"{r['time_us']:.1f}" if r is not None and r["status"] == "ok" else "-"
+
+    for (op, M, N, K), d in keyed.items():
+        fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"}
+        head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
+                f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
+                f"{fmt(d.get('torch_async_tp'))} |")
+        if not fds:
+            lines.append(head + " - | - | - | - | - | - |")
+            continue
+        best = min(fds, key=lambda k: fds[k]["time_us"])
+        b = fds[best]
+        vs_tp = b["speedup_vs_async_tp"]
+        lines.append(head + f" {best} | {b['time_us']:.1f} | {b['tflops']:.0f} | {b['E']:.2f} | "
+                     f"{b['speedup_vs_unfused']:.2f}x | "
+                     + (f"{vs_tp:.2f}x" if vs_tp == vs_tp else "-") + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    args = ap.parse_args()
+    rt = fusedist.init()
+    if rt.device.type != "cuda":
+        print("gemm_comm benchmark needs GPUs")
+        fusedist.shutdown()
+        return
+    dtype = getattr(torch, args.dtype)
+    comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20)
+    rows = []
+    for op, M, N, K in shapes(args.quick):
+        rows += bench_shape(rt, comm, op, M, N, K, dtype)
+        if rt.rank == 0:
+            d = {r["backend"]: r["time_us"] for r in rows if (r["op"], r["M"], r["N"], r["K"]) ==
+                 (op, M, N, K)}
+            print(f"{op} M={M} N={N} K={K}: " + "  ".join(f"{k}={v:.1f}" for k, v in d.items()),
+                  flush=True)
+    meta = metadata(rt.tp.size)
+    meta["dtype"] = args.dtype
+    md = "## GEMM + collective (us per call)\n\n" + table(rows)
+    if rt.rank == 0:
+        paths = write_results("gemm_comm", meta, rows, md)
+        print("\n" + md + "\n\nresults: " + ", ".join(map(str, paths)))
+    dist.barrier()
+    comm.close()
+    fusedist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
