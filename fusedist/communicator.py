@@ -100,11 +100,13 @@ class Communicator:
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
             self.nccl = NcclComm(self.group)
-            # The GEMM + collective overlap engine runs NCCL beside a GEMM: a second
-            # communicator limited to a few CTAs leaves the SMs to the GEMM.
-            self.nccl_overlap = NcclComm(self.group, max_ctas=int(
-                os.environ.get("FUSEDIST_OVERLAP_NCCL_CTAS", "8"))) \
-                if self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
+            # The GEMM + collective overlap engine runs NCCL beside a GEMM. A second
+            # communicator limited to FUSEDIST_OVERLAP_NCCL_CTAS CTAs leaves more SMs to the
+            # GEMM; on 2x H200 8 CTAs measured slower than NCCL's default (benchmarks/NOTES.md),
+            # so by default the overlap engine shares the main communicator.
+            ctas = int(os.environ.get("FUSEDIST_OVERLAP_NCCL_CTAS", "0"))
+            self.nccl_overlap = NcclComm(self.group, max_ctas=ctas) \
+                if ctas > 0 and self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
             # Rank 0's table and forced algorithm for everyone: one choice on all ranks.
             table = tuning.load_table(name, self.group.size)

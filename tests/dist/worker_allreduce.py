@@ -187,6 +187,48 @@ def cuda_graph_stress(rt, seed):
 
 
 @check
+def cuda_graph_replays_changing_inputs(rt, seed):
+    """100,000 replays of one captured all-reduce whose input changes inside the graph every
+    replay. Inputs are small integers (exact in bf16 and in their sums); every rank holds all
+    ranks' inputs, advances them with the same rule, and counts mismatches on the device."""
+    if rt.device.type != "cuda":
+        return
+    replays = int(os.environ.get("FUSEDIST_TEST_GRAPH_REPLAYS", "100000"))
+    W, me, dev, dt, n = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16, 2053
+    for algo in ("one_shot", "two_shot"):
+        base = []
+        for p in range(W):
+            g = torch.Generator(device=dev)
+            g.manual_seed(rank_seed(seed, "replays", algo, p))
+            base.append(torch.randint(0, 8, (n,), generator=g, device=dev).to(dt))
+        allx = torch.stack(base)  # [W, n]: every rank's input, on every rank
+        x, y = torch.empty(n, dtype=dt, device=dev), torch.empty(n, dtype=dt, device=dev)
+        mism = torch.zeros((), dtype=torch.int64, device=dev)
+
+        def body():
+            allx.add_(1).remainder_(8)  # this replay's inputs (exact small integers)
+            x.copy_(allx[me])
+            fusedist.all_reduce(x, algo=algo, out=y)
+            mism.add_((y != allx.float().sum(0).to(dt)).sum())
+
+        body()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        t0 = time.time()
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+        fusedist.get_communicator().check()
+        assert int(mism) == 0, f"{algo}: {int(mism)} mismatches over {replays + 1} calls"
+        if rt.rank == 0:
+            print(f"    replays {algo}: {replays} replays with new inputs, 0 mismatches, "
+                  f"{time.time() - t0:.1f}s", flush=True)
+        del g
+
+
+@check
 def torch_compile_fullgraph(rt, seed):
     if rt.device.type != "cuda" or os.environ.get("FUSEDIST_TEST_COMPILE", "1") == "0":
         return
