@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.ops.symm_mem.*
 
 import fusedist  # noqa: E402
 from _harness import metadata, slowest, time_graph, write_results  # noqa: E402
@@ -56,7 +57,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["unfused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="unfused", out=out)
         steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap", out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
-            x, [w], 0, gname)
+            x, [w], 0, gname, return_A=False)
     elif op == "gemm_rs":
         x = rnd(M, K)
         part = torch.empty(M, N, dtype=dtype, device=dev)
