@@ -56,7 +56,14 @@ def metadata(world: int) -> dict:
             meta["driver"] = smi[0] if smi else "?"
         except Exception:
             meta["driver"] = "?"
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+    try:
+        from importlib.metadata import version
+
+        meta["nccl4py"] = version("nccl4py")
+    except Exception:
+        meta["nccl4py"] = None
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+              "FUSEDIST_NCCL", "FUSEDIST_PDL"):
         meta[k] = os.environ.get(k)
     return meta
 

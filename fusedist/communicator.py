@@ -24,7 +24,8 @@ GroupLike = Union[Group, dist.ProcessGroup, "Communicator", None]
 DEFAULT_MAX_BYTES = 32 << 20
 DEFAULT_ONE_SHOT_MAX_BYTES = 8 << 20
 _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
-_by_name: dict[str, "Communicator"] = {}
+_by_name: dict[str, "Communicator"] = {}   # Communicator.name -> open communicator
+_created_per_group: dict[str, int] = {}
 
 
 def resolve_group(group: GroupLike) -> Group:
@@ -56,9 +57,12 @@ def get_communicator(group: GroupLike = None) -> "Communicator":
 
 
 def communicator_by_name(name: str) -> "Communicator":
+    """The open Communicator called `name` (Communicator.name); torch.ops.fusedist.* take it."""
     comm = _by_name.get(name)
     if comm is None or comm.closed:
-        raise RuntimeError(f"fusedist: no open communicator for group {name!r}")
+        raise RuntimeError(f"fusedist: no open communicator named {name!r} (closed, or created "
+                           "in another fusedist.init() lifetime); pass communicator.name of an "
+                           "open one")
     return comm
 
 
@@ -113,7 +117,12 @@ class Communicator:
             table["forced"] = tuning.forced_algo()
             self.table = self.group.all_gather_object(table)[0]
         rt.communicators.append(self)
-        _by_name[self.group.name] = self
+        # Communicators of a group are created collectively, in the same order on every rank,
+        # so "<group>/<n>" names the same communicator everywhere (torch.ops take the name).
+        n = _created_per_group.get(self.group.name, 0)
+        _created_per_group[self.group.name] = n + 1
+        self.name = f"{self.group.name}/{n}"
+        _by_name[self.name] = self
 
     # ---- validation ------------------------------------------------------------------
     def _check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
@@ -251,8 +260,8 @@ class Communicator:
             if self.nccl is not None:
                 self.nccl.close()
         finally:
-            if _by_name.get(self.group.name) is self:
-                del _by_name[self.group.name]
+            if _by_name.get(self.name) is self:
+                del _by_name[self.name]
             if self.group._communicator is self:
                 self.group._communicator = None
             try:

@@ -88,7 +88,7 @@ def build_rank_lists(world_size: int, tp_size: int, topology: Topology
 
 def validate_tp_size(world_size: int, tp_size: int, topology: Topology,
                      tp_spans_nodes: bool) -> None:
-    if not isinstance(tp_size, int) or tp_size < 1:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"fusedist.init: tp_size must be a positive int, got {tp_size!r}")
     if world_size % tp_size:
         raise ValueError(
@@ -100,14 +100,18 @@ def validate_tp_size(world_size: int, tp_size: int, topology: Topology,
             if not topology.same_node(ranks):
                 raise ValueError(
                     f"fusedist.init: tensor-parallel group {list(ranks)} spans nodes "
-                    f"{sorted({topology.node_ids[r] for r in ranks})}; use tp_size <= "
-                    f"{topology.ranks_per_node} (ranks per node) or pass tp_spans_nodes=True")
+                    f"{sorted({topology.node_ids[r] for r in ranks})}; tensor-parallel groups "
+                    f"are consecutive ranks, so use tp_size <= {topology.ranks_per_node} (ranks "
+                    "per node) with consecutive ranks on one node (mpirun --map-by slot, not "
+                    "--map-by node), or pass tp_spans_nodes=True")
 
 
 def new_groups(kind: str, rank_lists: Sequence[tuple[int, ...]], world_size: int,
-               device: torch.device, topology: Topology) -> Optional[Group]:
+               device: torch.device, topology: Topology,
+               created: Optional[list] = None) -> Optional[Group]:
     """Create one torch group per rank list (every rank calls new_group for every list, in the
-    same order, as torch requires) and return the one this rank belongs to."""
+    same order, as torch requires) and return the one this rank belongs to. New groups are
+    appended to `created` (so shutdown() can destroy them)."""
     me = dist.get_rank()
     mine = None
     for i, ranks in enumerate(rank_lists):
@@ -115,6 +119,8 @@ def new_groups(kind: str, rank_lists: Sequence[tuple[int, ...]], world_size: int
             pg = dist.group.WORLD
         else:
             pg = dist.new_group(list(ranks))
+            if created is not None:
+                created.append(pg)
         if me in ranks:
             mine = Group(f"{kind}{i}", tuple(ranks), pg, device, topology)
     return mine

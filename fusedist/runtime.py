@@ -42,6 +42,7 @@ class Runtime:
     owns_process_group: bool
     communicators: list = field(default_factory=list)
     adopted_groups: dict = field(default_factory=dict)  # torch ProcessGroup -> Group
+    created_groups: list = field(default_factory=list)  # subgroups init() made (not WORLD)
 
     @property
     def rank(self) -> int:
@@ -186,7 +187,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
             tp = 1
         validate_tp_size(world, tp, topo, tp_spans_nodes)
         lists = build_rank_lists(world, tp, topo)
-        groups = {k: new_groups(k, v, world, dev, topo) for k, v in lists.items()}
+        created: list = []
+        groups = {k: new_groups(k, v, world, dev, topo, created) for k, v in lists.items()}
     except BaseException:
         # Leave no half-initialized state: a process group created here would otherwise be
         # adopted (and never destroyed) by the next init().
@@ -195,7 +197,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         raise
     _runtime = Runtime(env=env, topology=topo, device=dev, backend=backend, world=world_group,
                        tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
-                       inter_node=groups["inter_node"], owns_process_group=owns)
+                       inter_node=groups["inter_node"], owns_process_group=owns,
+                       created_groups=created)
     return _runtime
 
 
@@ -212,8 +215,15 @@ def shutdown() -> None:
         rt.communicators.clear()
     finally:
         _runtime = None
-        from . import streams
+        from . import communicator, streams
+
+        communicator._created_per_group.clear()
 
         streams.reset_pools()
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        elif dist.is_initialized():
+            # Adopted an engine's process group: leave it, but remove the subgroups fusedist
+            # made, so repeated init()/shutdown() cycles do not pile them up in the engine.
+            for pg in rt.created_groups:
+                dist.destroy_process_group(pg)

@@ -3,7 +3,7 @@
     y = fusedist.all_reduce(x)                 # tensor-parallel group, algorithm from the table
     fusedist.all_reduce_(x)                    # in place
     h = fusedist.all_reduce(x, async_op=True)  # on a comm stream; h.wait() joins it back
-    torch.ops.fusedist.all_reduce(x, group_name, "auto")   # inside torch.compile
+    torch.ops.fusedist.all_reduce(x, comm.name, "auto")  # what torch.compile sees
 
 Algorithms: one_shot and two_shot (barrier-free, symmetric memory, NVLink peers) and nccl.
 All reduce in fp32 in rank order, so every rank holds bitwise the same result.
@@ -28,7 +28,7 @@ def all_reduce(x: torch.Tensor, group: GroupLike = None, *, algo: str = "auto",
     """Out-of-place all-reduce (sum). Returns the result, or an AsyncHandle if async_op."""
     comm = get_communicator(group)
     if _compiling():
-        return torch.ops.fusedist.all_reduce(x, comm.group.name, algo)
+        return torch.ops.fusedist.all_reduce(x, comm.name, algo)
     return comm.all_reduce(x, algo=algo, out=out, async_op=async_op)
 
 
@@ -37,21 +37,21 @@ def all_reduce_(x: torch.Tensor, group: GroupLike = None, *, algo: str = "auto",
     """In-place all-reduce (sum) of `x`."""
     comm = get_communicator(group)
     if _compiling():
-        torch.ops.fusedist.all_reduce_(x, comm.group.name, algo)
+        torch.ops.fusedist.all_reduce_(x, comm.name, algo)
         return x
     return comm.all_reduce(x, algo=algo, out=x, async_op=async_op)
 
 
 @torch.library.custom_op("fusedist::all_reduce", mutates_args=())
-def _all_reduce_op(x: torch.Tensor, group_name: str, algo: str) -> torch.Tensor:
-    return communicator_by_name(group_name).all_reduce(x, algo=algo)
+def _all_reduce_op(x: torch.Tensor, comm_name: str, algo: str) -> torch.Tensor:
+    return communicator_by_name(comm_name).all_reduce(x, algo=algo)
 
 
 @_all_reduce_op.register_fake
-def _(x, group_name, algo):
+def _(x, comm_name, algo):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("fusedist::all_reduce_", mutates_args=("x",))
-def _all_reduce_inplace_op(x: torch.Tensor, group_name: str, algo: str) -> None:
-    communicator_by_name(group_name).all_reduce(x, algo=algo, out=x)
+def _all_reduce_inplace_op(x: torch.Tensor, comm_name: str, algo: str) -> None:
+    communicator_by_name(comm_name).all_reduce(x, algo=algo, out=x)

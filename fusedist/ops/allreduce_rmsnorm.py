@@ -118,10 +118,10 @@ def _fused(comm, x, residual, weight, eps, fp8):
 
 @torch.library.custom_op("fusedist::all_reduce_add_rmsnorm", mutates_args=())
 def _op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return all_reduce_add_rmsnorm(x, residual, weight, eps, group=communicator_by_name(group_name))
+        comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return all_reduce_add_rmsnorm(x, residual, weight, eps, group=communicator_by_name(comm_name))
 
 
 @_op.register_fake
-def _(x, residual, weight, eps, group_name):
+def _(x, residual, weight, eps, comm_name):
     return torch.empty_like(x), torch.empty_like(x)

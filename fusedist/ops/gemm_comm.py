@@ -260,35 +260,35 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
 
 # ---- torch.library registrations ----------------------------------------------------------
 @torch.library.custom_op("fusedist::ag_gemm", mutates_args=())
-def _ag_gemm_op(x_shard: torch.Tensor, w: torch.Tensor, group_name: str, engine: str
+def _ag_gemm_op(x_shard: torch.Tensor, w: torch.Tensor, comm_name: str, engine: str
                 ) -> torch.Tensor:
-    return ag_gemm(x_shard, w, group=communicator_by_name(group_name), engine=engine)
+    return ag_gemm(x_shard, w, group=communicator_by_name(comm_name), engine=engine)
 
 
 @_ag_gemm_op.register_fake
-def _(x_shard, w, group_name, engine):
-    W = communicator_by_name(group_name).group.size
+def _(x_shard, w, comm_name, engine):
+    W = communicator_by_name(comm_name).group.size
     return x_shard.new_empty((W * x_shard.shape[0], w.shape[1]))
 
 
 @torch.library.custom_op("fusedist::gemm_rs", mutates_args=())
-def _gemm_rs_op(x: torch.Tensor, w_shard: torch.Tensor, group_name: str, engine: str
+def _gemm_rs_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str
                 ) -> torch.Tensor:
-    return gemm_rs(x, w_shard, group=communicator_by_name(group_name), engine=engine)
+    return gemm_rs(x, w_shard, group=communicator_by_name(comm_name), engine=engine)
 
 
 @_gemm_rs_op.register_fake
-def _(x, w_shard, group_name, engine):
-    W = communicator_by_name(group_name).group.size
+def _(x, w_shard, comm_name, engine):
+    W = communicator_by_name(comm_name).group.size
     return x.new_empty((x.shape[0] // W, w_shard.shape[1]))
 
 
 @torch.library.custom_op("fusedist::gemm_ar", mutates_args=())
-def _gemm_ar_op(x: torch.Tensor, w_shard: torch.Tensor, group_name: str, engine: str
+def _gemm_ar_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str
                 ) -> torch.Tensor:
-    return gemm_ar(x, w_shard, group=communicator_by_name(group_name), engine=engine)
+    return gemm_ar(x, w_shard, group=communicator_by_name(comm_name), engine=engine)
 
 
 @_gemm_ar_op.register_fake
-def _(x, w_shard, group_name, engine):
+def _(x, w_shard, comm_name, engine):
     return x.new_empty((x.shape[0], w_shard.shape[1]))

@@ -86,11 +86,16 @@ def main() -> None:
         step(failures, rank, f"all_reduce_on_adopted_group[{round_}]",
              all_reduce_on_adopted_group)
         comm = fusedist.get_communicator()
+        subgroups = list(rt.created_groups)
         fusedist.shutdown()
 
         def shutdown_keeps_engine_group():
             assert not fusedist.is_initialized()
             assert comm.closed
+            live = set(dist.distributed_c10d._world.pg_map)
+            leaked = [pg for pg in subgroups if pg in live]
+            assert subgroups and not leaked, \
+                f"shutdown() left {len(leaked)} of fusedist's {len(subgroups)} subgroups alive"
             assert dist.is_initialized(), "fusedist.shutdown() destroyed the engine's group"
             assert dist.group.WORLD is engine_pg
             t = torch.ones(3)

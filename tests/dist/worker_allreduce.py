@@ -88,6 +88,28 @@ def async_handle(rt, seed):
 
 
 @check
+def torch_ops_name_the_communicator(rt, seed):
+    """torch.ops.fusedist.* find the communicator by its name, also with several per group."""
+    default = fusedist.get_communicator()
+    extra = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+    assert extra.name != default.name
+    for comm in (extra, default):
+        x, ref = inputs_and_ref(rt, 999, torch.float32, (seed, "ops", comm.name))
+        y = torch.ops.fusedist.all_reduce(x, comm.name, "auto")
+        assert count_bad(y, ref, torch.float32) == 0, comm.name
+    extra.close()
+    x, ref = inputs_and_ref(rt, 17, torch.float32, (seed, "ops-after-close"))
+    assert count_bad(torch.ops.fusedist.all_reduce(x, default.name, "auto"), ref,
+                     torch.float32) == 0, "default communicator lost after closing another"
+    try:
+        torch.ops.fusedist.all_reduce(x, extra.name, "auto")
+    except RuntimeError as e:
+        assert "no open communicator named" in str(e), str(e)
+    else:
+        raise AssertionError("a closed communicator's name still resolved")
+
+
+@check
 def bad_input_errors(rt, seed):
     def expect(exc, match, fn):
         try:
