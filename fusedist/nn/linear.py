@@ -44,6 +44,13 @@ class _TPLinear(torch.nn.Module):
         self.tp_rank = self.comm.group.rank
         self.engine = engine
 
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
+        """Build the module for a full [out, in] weight (and bias) and load this rank's shard."""
+        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
+                device=kw.pop("device", None), **kw)
+        return m.load_full(weight, bias)
+
     def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         lead = tuple(x.shape[:-1])
         return x.reshape(-1, x.shape[-1]).contiguous(), lead
@@ -62,12 +69,6 @@ class ColumnParallelLinear(_TPLinear):
                                          device=device))
         self.bias = _param(torch.zeros(self.out_per_rank, dtype=dtype, device=device)) \
             if bias else None
-
-    @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
-        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
-                device=kw.pop("device", None), **kw)
-        return m.load_full(weight, bias)
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
@@ -108,12 +109,6 @@ class RowParallelLinear(_TPLinear):
         self.weight = _param(torch.empty(out_features, self.in_per_rank, dtype=dtype,
                                          device=device))
         self.bias = _param(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-
-    @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
-        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
-                device=kw.pop("device", None), **kw)
-        return m.load_full(weight, bias)
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
