@@ -103,7 +103,14 @@ class Communicator:
                                                 max_bytes), timeout_s)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
-            self.nccl = NcclComm(self.group)
+            try:
+                self.nccl = NcclComm(self.group)
+            except BaseException:
+                # NcclComm fails on every rank alike (rank 0's verdict is gathered), so the
+                # collective close of the symmetric buffers cannot hang.
+                if self.symm is not None:
+                    self.symm.close()
+                raise
             # The GEMM + collective overlap engine runs NCCL beside a GEMM. A second
             # communicator limited to FUSEDIST_OVERLAP_NCCL_CTAS CTAs leaves more SMs to the
             # GEMM; on 2x H200 8 CTAs measured slower than NCCL's default (benchmarks/NOTES.md),
