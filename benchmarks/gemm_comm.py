@@ -24,6 +24,7 @@ import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.o
 
 import fusedist  # noqa: E402
 from _harness import metadata, slowest, time_graph, write_results  # noqa: E402
+from fusedist.ops.gemm_comm import gemm as fd_gemm  # noqa: E402
 
 
 def shapes(quick: bool):
@@ -79,6 +80,25 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_ar(
                 x, w, group=comm, engine="overlap", chunks=c, out=out))(c)
+        if M <= 128:
+            w_nk = rnd(N, K)  # an nn.Linear weight [N, K], used as w_nk.t()
+            steps["fd_fused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="fused",
+                                                           out=out)
+            steps["fd_fused_nk"] = lambda i: fusedist.gemm_ar(x, w_nk.t(), group=comm,
+                                                              engine="fused", out=out)
+            # The fused kernel's GEMM alone (no exchange) beside torch.matmul (gemm_only).
+            steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out)
+            steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
+            steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out)
+    if M <= 128 and op == "gemm_ar":  # correctness of what is about to be timed
+        for name in ("fd_fused", "gemm_fd"):
+            ref = fusedist.gemm_ar(x, w, group=comm, engine="unfused") if name == "fd_fused" \
+                else torch.matmul(x, w)
+            got = steps[name](0).clone()
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs the "
+                                   "unfused path; not timing a wrong kernel")
     flops = 2.0 * M * N * K  # this rank's GEMM
     ops, reps = (10, 20) if M <= 128 else (2, 10)
     times = {}
@@ -130,11 +150,35 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def gemm_table(rows) -> str:
+    """The fused kernel's GEMM alone (gemm_fd) vs cuBLAS (gemm_only), both weight layouts."""
+    keyed = {}
+    for r in rows:
+        if r["backend"] in ("gemm_only", "gemm_fd", "gemm_only_nk", "gemm_fd_nk"):
+            keyed.setdefault((r["M"], r["N"], r["K"]), {})[r["backend"]] = r["time_us"]
+    keyed = {k: v for k, v in keyed.items() if "gemm_fd" in v}
+    if not keyed:
+        return ""
+    lines = ["| M | N | K | torch.matmul [K,N] | fusedist [K,N] | ratio | torch.matmul "
+             "w.t() | fusedist w.t() | ratio | fusedist GB/s |", "|" + "---|" * 10]
+    for (M, N, K), d in keyed.items():
+        tb = min(d["gemm_fd"], d.get("gemm_fd_nk", float("inf")))
+        gbs = (K * N + M * K + M * N) * 2 / tb / 1e3
+        lines.append(f"| {M} | {N} | {K} | {d['gemm_only']:.1f} | {d['gemm_fd']:.1f} | "
+                     f"{d['gemm_only'] / d['gemm_fd']:.2f}x | {d.get('gemm_only_nk', 0):.1f} | "
+                     f"{d.get('gemm_fd_nk', 0):.1f} | "
+                     f"{d.get('gemm_only_nk', 0) / d.get('gemm_fd_nk', 1):.2f}x | {gbs:.0f} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--ops", default="ag_gemm,gemm_rs,gemm_ar",
+                    help="comma-separated subset of ops")
+    ap.add_argument("--max-m", type=int, default=None, help="only shapes with M <= this")
     args = ap.parse_args()
     rt = fusedist.init()
     if rt.device.type != "cuda":
@@ -144,7 +188,10 @@ def main():
     dtype = getattr(torch, args.dtype)
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20)
     rows = []
-    for op, M, N, K in shapes(args.quick):
+    ops = set(args.ops.split(","))
+    todo = [sh for sh in shapes(args.quick) if sh[0] in ops and
+            (args.max_m is None or sh[1] <= args.max_m)]
+    for op, M, N, K in todo:
         rows += bench_shape(rt, comm, op, M, N, K, dtype)
         if rt.rank == 0:
             d = {r["backend"]: r["time_us"] for r in rows if (r["op"], r["M"], r["N"], r["K"]) ==
@@ -154,6 +201,9 @@ def main():
     meta = metadata(rt.tp.size)
     meta["dtype"] = args.dtype
     md = "## GEMM + collective (us per call)\n\n" + table(rows)
+    gl = gemm_table(rows)
+    if gl:
+        md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl
     if rt.rank == 0:
         paths = write_results("gemm_comm", meta, rows, md)
         print("\n" + md + "\n\nresults: " + ", ".join(map(str, paths)))

@@ -227,11 +227,17 @@ class Communicator:
             return handle
         return self._launch(x, out, chosen)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+    def _stream(self) -> torch.cuda.Stream:
+        """The caller's stream, ordered after this communicator's pending async call (its
+        symmetric kernels run one at a time)."""
         stream = torch.cuda.current_stream(self.device)
         if self._pending_async is not None:
             stream.wait_event(self._pending_async)
             self._pending_async = None
+        return stream
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
+        stream = self._stream()
         with nvtx_range(f"fusedist.all_reduce.{algo}"):
             if algo == "nccl" or self.group.size == 1:
                 return self.nccl.all_reduce(x, out)

@@ -21,7 +21,8 @@ from . import _ext
 from .errors import CommunicatorClosedError, CommunicatorTimeoutError, PeerAccessError
 from .groups import Group
 
-_OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm"}
+_OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm",
+             4: "gemm_ar (fused)"}
 
 
 def _align(n: int, a: int) -> int:

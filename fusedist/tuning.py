@@ -78,18 +78,27 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 
 # ---- GEMM + collective ------------------------------------------------------------------
 # Default when the table has no "gemm_comm" section: overlap once M*N*K reaches 2^33 (about
-# 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs).
-_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4}
+# 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs), and no
+# fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
+# where it applies (ops/gemm_comm.py: dtype, layout, capacity).
+_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0}
 
 
 def _gemm_rule(table: dict, op: str) -> dict:
     return {**_GEMM_DEFAULT, **table.get("gemm_comm", {}).get(op, {})}
 
 
-def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int) -> str:
-    """Engine for a GEMM + collective: "overlap" above the size threshold, else "unfused"."""
+def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
+                fused_ok: bool = False) -> str:
+    """Engine for a GEMM + collective: "fused" when the fused kernel takes the call
+    (`fused_ok`) and M <= the rule's fused_max_m; else "overlap" from min_mnk up; else
+    "unfused". Inputs are identical on every rank, so is the choice."""
     rule = _gemm_rule(table, op)
-    if world < 2 or rule["min_mnk"] is None:
+    if world < 2:
+        return "unfused"
+    if fused_ok and m <= int(rule.get("fused_max_m") or 0):
+        return "fused"
+    if rule["min_mnk"] is None:
         return "unfused"
     return "overlap" if m * n * k >= rule["min_mnk"] else "unfused"
 

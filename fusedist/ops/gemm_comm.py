@@ -17,9 +17,15 @@ after the collective. Engines (engine=):
                of chunk c on the comm stream while chunk c+1 is multiplied.
       gemm_ar: GEMM chunk c (rows, or columns when M is small) -> fusedist all_reduce of chunk c
                on the comm stream while chunk c+1 is multiplied.
-  * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides).
-A fused engine (GEMM kernels that publish per-tile flags consumed by the communication) is the
-next step; docs/design/gemm_comm.md has both engines and what is measured.
+  * "fused" (gemm_ar, M <= 128): one CUDA kernel (csrc/include/fusedist/gemm_comm.cuh) streams
+    the weight through a cp.async ring into tensor-core MMAs, 64 output columns per block, and
+    each block exchanges its finished strip with the peers through the communicator's symmetric
+    buffers (one-shot protocol) while other blocks still stream weights. bf16/fp16, N and K
+    multiples of 8, w as [K, N] or as the .t() of an [N, K] nn.Linear weight; NVLink peers only.
+  * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides; "fused" there applies where
+    the fused kernel takes the call and falls back to the table elsewhere).
+A fused engine for ag_gemm / gemm_rs at prefill sizes does not exist yet;
+docs/design/gemm_comm.md has the engines and what is measured.
 CPU tensors (gloo) take the plain-torch reference path.
 """
 
@@ -30,29 +36,123 @@ from typing import Optional
 
 import torch
 
-from .. import tuning
+from .. import _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ..streams import comm_stream, nvtx_range
 
-ENGINES = ("unfused", "overlap")
+ENGINES = ("unfused", "overlap", "fused")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator) -> str:
+def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
+            fused_why_not: Optional[str] = "only gemm_ar has a fused kernel") -> str:
+    """The engine for this call. `fused_why_not` is None when the fused kernel takes the call,
+    else the reason it does not (it depends only on shapes, dtypes and strides, which SPMD code
+    keeps identical on every rank, so every rank picks the same engine)."""
     if engine not in ("auto",) + ENGINES:
         raise ValueError(f"fusedist.{op}: engine must be 'auto' or one of {ENGINES}, got "
                          f"{engine!r}")
     if comm.device.type == "cpu" or comm.group.size == 1:
         return "unfused"
+    if engine == "fused" and fused_why_not is not None:
+        raise ValueError(f"fusedist.{op}: engine='fused' does not take this call: "
+                         f"{fused_why_not}; use engine='auto', 'overlap' or 'unfused'")
     if engine == "auto":
         forced = os.environ.get("FUSEDIST_GEMM_ENGINE", "auto")
-        if forced != "auto":
-            if forced not in ENGINES:
-                raise ValueError(f"fusedist: FUSEDIST_GEMM_ENGINE must be auto or one of "
-                                 f"{ENGINES}, got {forced!r}")
+        if forced not in ("auto",) + ENGINES:
+            raise ValueError(f"fusedist: FUSEDIST_GEMM_ENGINE must be auto or one of "
+                             f"{ENGINES}, got {forced!r}")
+        if forced == "fused" and fused_why_not is None:
+            return "fused"
+        if forced in ("unfused", "overlap"):
             return forced
-        return tuning.choose_gemm(comm.table, op, m, n, k, comm.group.size)
+        return tuning.choose_gemm(comm.table, op, m, n, k, comm.group.size,
+                                  fused_ok=fused_why_not is None)
     return engine
+
+
+def _weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
+    """(w_nk, row stride) for the fused kernel: w [K, N] row-major, or the .t() of an [N, K]
+    row-major weight; None for any other layout."""
+    if w.stride(1) == 1 and w.stride(0) % 8 == 0 and w.stride(0) >= w.shape[1]:
+        return False, w.stride(0)
+    if w.stride(0) == 1 and w.stride(1) % 8 == 0 and w.stride(1) >= w.shape[0]:
+        return True, w.stride(1)
+    return None
+
+
+def _fused_ar_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    """None when gemm_ar's fused kernel takes (x, w) on this communicator, else why not."""
+    if comm.device.type != "cuda" or comm.symm is None:
+        return (f"group {comm.group.name} has no symmetric memory (CPU, size 1, no peer "
+                "access, or symmetric=False)")
+    if x.dtype not in FUSED_DTYPES:
+        return f"dtype {x.dtype} (the fused kernel takes bfloat16 or float16)"
+    C = _ext.load()
+    M, K = x.shape
+    N = w.shape[1]
+    if M > C.GEMM_AR_FUSED_MAX_M:
+        return f"M = {M} rows (the fused kernel takes at most {C.GEMM_AR_FUSED_MAX_M})"
+    if N % 8 or K % 8:
+        return f"N = {N} and K = {K} must be multiples of 8"
+    if _weight_layout(w) is None:
+        return (f"w has strides {tuple(w.stride())}; it must be a row-major [K, N] tensor or the "
+                ".t() of a row-major [N, K] one (call .contiguous())")
+    cap = C.allreduce_max_numel(comm.symm.handle, _dtypes.code(x.dtype), C.ALGO_ONE_SHOT)
+    if M * N > cap:
+        return (f"the [M, N] output has {M * N} elements, more than the communicator's one-shot "
+                f"slot ({cap}); create fusedist.Communicator(max_bytes=...) larger")
+    return None
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _gemm_fused(comm: Optional[Communicator], x: torch.Tensor, w: torch.Tensor, bias,
+                out: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    """Launch the fused kernel (comm None: no exchange). Misaligned views go through aligned
+    copies, so alignment never changes which engine runs."""
+    C = _ext.load()
+    w_nk, ldw = _weight_layout(w)
+    xa = _aligned(x)
+    if w.data_ptr() % 16:
+        w = w.t().contiguous().t() if w_nk else w.contiguous()
+        w_nk, ldw = _weight_layout(w)
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    b = 0 if bias is None else bias.contiguous().data_ptr()
+    C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
+                    w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
+                    x.shape[1], _dtypes.code(x.dtype), stream.cuda_stream)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fusedist's decode GEMM without communication: x [M <= 128, K] @ w (+ bias) on the
+    current stream, the kernel behind gemm_ar(engine='fused') with the exchange left out (the
+    baseline that shows what the fused kernel's GEMM costs next to torch.matmul)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or not x.is_cuda:
+        raise TypeError("fusedist.gemm: x and w must be CUDA tensors")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fusedist.gemm: expected x [M, K] and w [K, N], got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    if x.dtype not in FUSED_DTYPES or w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"fusedist.gemm: x and w must share a dtype in {FUSED_DTYPES} and a "
+                        f"device, got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"fusedist.gemm: x is non-contiguous (stride {tuple(x.stride())}); "
+                         "call .contiguous() first")
+    if _weight_layout(w) is None:
+        raise ValueError(f"fusedist.gemm: w has strides {tuple(w.stride())}; pass a row-major "
+                         "[K, N] tensor or the .t() of a row-major [N, K] one")
+    if bias is not None and (bias.shape != (w.shape[1],) or bias.dtype != x.dtype):
+        raise ValueError(f"fusedist.gemm: bias must be a [{w.shape[1]}] tensor of {x.dtype}")
+    out = _out("gemm", out, (x.shape[0], w.shape[1]), x)
+    return _gemm_fused(None, x, w, bias, out, torch.cuda.current_stream(x.device))
 
 
 def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int) -> int:
@@ -220,8 +320,10 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     M, k = x.shape
     n = w_shard.shape[1]
     out = _out(op, out, (M, n), x)
-    eng = _engine(op, engine, M, n, k, comm)
+    eng = _engine(op, engine, M, n, k, comm, _fused_ar_why_not(comm, x, w_shard))
     with nvtx_range(f"fusedist.gemm_ar.{eng}"):
+        if eng == "fused":
+            return _gemm_fused(comm, x, w_shard, bias, out, comm._stream())
         if comm.device.type == "cpu" or eng == "unfused":
             torch.matmul(x, w_shard, out=out)
             comm.all_reduce(out, out=out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import assert_identical_across_ranks, check, fresh, main, rank_seed  # noqa: E402
@@ -13,6 +14,7 @@ import torch  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.nn import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from fusedist.ops.gemm_comm import gemm as fd_gemm  # noqa: E402
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
 
@@ -168,6 +170,200 @@ def parallel_linears_match_full_layer(rt, seed):
     y_sp = sp_row(sp_col(x[me * m:(me + 1) * m].contiguous()))
     err = gemm_rel_err(y_sp, y_ref[me * m:(me + 1) * m])
     assert err < 2 * GEMM_REL[dt], f"sequence-parallel linears: rel err {err:.3g}"
+
+
+# ---- gemm_ar engine='fused' (GPU): the one-kernel decode GEMM + all-reduce ------------------
+# M across the four tile configurations and their edges; K not a multiple of the 64-wide stage,
+# N not a multiple of the 64-column strip; both weight layouts ([K, N], and the .t() of an
+# nn.Linear [N, K] weight).
+FUSED_MS = (1, 7, 16, 17, 33, 64, 65, 128)
+FUSED_KN = ((72, 40), (808, 296), (4104, 520))
+
+
+def _weights(shape_kn, layout, dt, dev, seed):
+    k, n = shape_kn
+    if layout == "kn":
+        return fresh((k, n), dt, dev, seed)
+    return fresh((n, k), dt, dev, seed).t()  # an nn.Linear weight, used as weight.t()
+
+
+@check
+def gemm_ar_fused_matches_reference(rt, seed):
+    if rt.device.type != "cuda":
+        return
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    for dt in (torch.bfloat16, torch.float16):
+        for M in FUSED_MS:
+            for k, n in FUSED_KN:
+                for layout in ("kn", "nk"):
+                    with_bias = (M + k) % 2 == 1
+                    s = (seed, "fused", str(dt), M, k, n, layout)
+                    xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                    ws = [_weights((k, n), layout, dt, dev, rank_seed(s, "w", p))
+                          for p in range(W)]
+                    b = fresh((n,), dt, dev, rank_seed(s, "b")) if with_bias else None
+                    ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+                    if b is not None:
+                        ref += b.double()
+                    out = poison(torch.empty((M, n), dtype=dt, device=dev))
+                    y = fusedist.gemm_ar(xs[me], ws[me], b, engine="fused", out=out)
+                    what = f"gemm_ar fused {dt} M={M} K={k} N={n} w={layout} bias={with_bias}"
+                    err = gemm_rel_err(y, ref)
+                    assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+                    assert_identical_across_ranks(rt, y, what)
+
+
+@check
+def gemm_no_comm_matches_reference(rt, seed):
+    """fusedist.ops.gemm_comm.gemm: the fused kernel without the exchange."""
+    if rt.device.type != "cuda":
+        return
+    dev = rt.device
+    for dt in (torch.bfloat16, torch.float16):
+        for M in FUSED_MS:
+            for k, n in FUSED_KN:
+                for layout in ("kn", "nk"):
+                    s = (seed, "gemm", str(dt), M, k, n, layout, rt.tp.rank)
+                    x = fresh((M, k), dt, dev, rank_seed(s, "x"))
+                    w = _weights((k, n), layout, dt, dev, rank_seed(s, "w"))
+                    b = fresh((n,), dt, dev, rank_seed(s, "b"))
+                    out = poison(torch.empty((M, n), dtype=dt, device=dev))
+                    y = fd_gemm(x, w, b, out=out)
+                    err = gemm_rel_err(y, x.double() @ w.double() + b.double())
+                    assert err < GEMM_REL[dt], f"gemm {dt} M={M} K={k} N={n} w={layout}: " \
+                                               f"rel err {err:.3g}"
+
+
+@check
+def gemm_ar_fused_misaligned_views(rt, seed):
+    """Views that start off a 16-byte boundary run through aligned copies, same result."""
+    if rt.device.type != "cuda":
+        return
+    W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    M, k, n = 5, 200, 136
+    s = (seed, "fused-misaligned")
+    xs = [fresh((M * k + 1,), dt, dev, rank_seed(s, "x", p))[1:].view(M, k) for p in range(W)]
+    ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+    ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+    out_base = poison(torch.empty((M * n + 1,), dtype=dt, device=dev))
+    out = out_base[1:].view(M, n)
+    y = fusedist.gemm_ar(xs[me], ws[me], engine="fused", out=out)
+    assert gemm_rel_err(y, ref) < GEMM_REL[dt], "misaligned fused gemm_ar"
+    assert_identical_across_ranks(rt, y, "misaligned fused gemm_ar")
+
+
+@check
+def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
+    """Graph: fused gemm_ar -> one-shot all-reduce -> fused gemm_ar (nn.Linear layout, bias) on
+    one communicator, so the kernels share and rotate its buffers; 30 replays, fresh inputs."""
+    if rt.device.type != "cuda":
+        return
+    W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    M, k, n = 9, 808, 296
+    comm = fusedist.get_communicator()
+    sx = torch.zeros((M, k), dtype=dt, device=dev)
+    sw1 = torch.zeros((k, n), dtype=dt, device=dev)
+    sw2 = torch.zeros((k, n), dtype=dt, device=dev)  # .t() of an [n, k] weight
+    sw2t = torch.zeros((n, k), dtype=dt, device=dev)
+    sb = torch.zeros((n,), dtype=dt, device=dev)
+    outs = {}
+
+    def body():
+        outs["a"] = fusedist.gemm_ar(sx, sw1, engine="fused")
+        outs["r"] = comm.all_reduce(outs["a"], algo="one_shot")
+        outs["b"] = fusedist.gemm_ar(sx, sw2t.t(), sb, engine="fused")
+
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    for i in range(30):
+        s = (seed, "fused-graph", i)
+        xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+        w1s = [fresh((k, n), dt, dev, rank_seed(s, "w1", p)) for p in range(W)]
+        w2s = [fresh((n, k), dt, dev, rank_seed(s, "w2", p)) for p in range(W)]
+        b = fresh((n,), dt, dev, rank_seed(s, "b"))
+        sx.copy_(xs[me])
+        sw1.copy_(w1s[me])
+        sw2t.copy_(w2s[me])
+        sb.copy_(b)
+        for o in outs.values():
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_a = sum(x.double() @ w.double() for x, w in zip(xs, w1s))
+        ref_b = sum(x.double() @ w.double().t() for x, w in zip(xs, w2s)) + b.double()
+        assert gemm_rel_err(outs["a"], ref_a) < GEMM_REL[dt], f"graph fused a, replay {i}"
+        assert gemm_rel_err(outs["r"], W * ref_a) < GEMM_REL[dt], f"graph all_reduce, replay {i}"
+        assert gemm_rel_err(outs["b"], ref_b) < GEMM_REL[dt], f"graph fused b, replay {i}"
+        assert_identical_across_ranks(rt, outs["b"], f"graph fused b, replay {i}")
+    del g
+
+
+@check
+def gemm_ar_fused_bad_inputs(rt, seed):
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        return
+    dev = rt.device
+    bf = torch.bfloat16
+    x = torch.ones(4, 64, device=dev, dtype=bf)
+    w = torch.ones(64, 32, device=dev, dtype=bf)
+    cases = [
+        (lambda: fusedist.gemm_ar(torch.ones(129, 64, device=dev, dtype=bf), w, engine="fused"),
+         "at most 128"),
+        (lambda: fusedist.gemm_ar(x.float(), w.float(), engine="fused"), "bfloat16 or float16"),
+        (lambda: fusedist.gemm_ar(torch.ones(4, 60, device=dev, dtype=bf),
+                                  torch.ones(60, 32, device=dev, dtype=bf), engine="fused"),
+         "multiples of 8"),
+        (lambda: fusedist.gemm_ar(x, torch.ones(64, 64, device=dev, dtype=bf)[:, ::2],
+                                  engine="fused"), "strides"),
+        (lambda: fusedist.ag_gemm(x, w, engine="fused"), "only gemm_ar"),
+        (lambda: fusedist.gemm_rs(torch.ones(2 * rt.tp.size, 64, device=dev, dtype=bf), w,
+                                  engine="fused"), "only gemm_ar"),
+    ]
+    for fn, match in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert match in str(e), (match, str(e))
+        else:
+            raise AssertionError(f"no ValueError for {match!r}")
+    # Too large for a small communicator's one-shot slot: named, with the fix.
+    small = fusedist.Communicator(rt.tp, max_bytes=4096)
+    try:
+        fusedist.gemm_ar(torch.ones(64, 64, device=dev, dtype=bf),
+                         torch.ones(64, 512, device=dev, dtype=bf), group=small, engine="fused")
+    except ValueError as e:
+        assert "one-shot slot" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError for an output larger than the slot")
+    small.close()
+
+
+@check
+def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
+    """Rank 0 skips the fused call: the others get CommunicatorTimeoutError in bounded time and
+    NaN outputs, never a hang."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        return
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=2.0)
+    x = torch.ones(4, 256, device=rt.device, dtype=torch.bfloat16)
+    w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
+    if rt.tp.rank != 0:
+        t0 = time.time()
+        y = fusedist.gemm_ar(x, w, group=comm, engine="fused")
+        torch.cuda.synchronize()
+        waited = time.time() - t0
+        try:
+            comm.check()
+        except fusedist.CommunicatorTimeoutError as e:
+            assert "gemm_ar (fused)" in str(e) and "waited more than 2 s" in str(e), str(e)
+        else:
+            raise AssertionError("no CommunicatorTimeoutError after a peer skipped the call")
+        assert waited < 10, f"took {waited:.1f}s to give up"
+        assert torch.isnan(y).all(), "outputs of a timed-out call must be NaN"
+    comm.close()
 
 
 @check

@@ -49,7 +49,8 @@ rm -f "$OUT/summary.txt.head"; exit 1; }
 fi
 if want tests; then
   # -P: keep the source tree off sys.path so the installed fusedist (with _C) is imported.
-  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" tests \
+  # FUSEDIST_TESTS narrows the run to some test files (default: all of tests/).
+  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" ${FUSEDIST_TESTS:-tests} \
     -p no:cacheprovider
 fi
 if want sanitizer && [[ $NGPU -ge 2 ]]; then

@@ -61,4 +61,13 @@ void allreduce_rmsnorm(const SymmComm& comm, uintptr_t x, uintptr_t residual, ui
                        uintptr_t normed, uintptr_t residual_out, uintptr_t scales, int tokens,
                        int hidden, float eps, DType dtype, DType out_dtype, uintptr_t stream);
 
+// ---- gemm_comm.cu --------------------------------------------------------------------------
+// Fused decode GEMM + all-reduce: out[m, n] = sum over ranks of x[m, k] @ w (+ bias), one kernel
+// (gemm_comm.cuh). comm == nullptr: no exchange, a plain skinny GEMM on the current device.
+// w is [k, n] with row stride ldw, or [n, k] with row stride ldw when w_nk (nn.Linear weight).
+constexpr int kGemmArFusedMaxM = 128;
+void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw,
+                   bool w_nk, uintptr_t bias, uintptr_t out, int m, int n, int k, DType dtype,
+                   uintptr_t stream);
+
 }  // namespace fusedist

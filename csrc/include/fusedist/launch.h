@@ -27,12 +27,12 @@ inline bool pdl_enabled() {
 }
 
 template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                   cudaStream_t stream, Args&&... args) {
+void launch_kernel_smem(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                        size_t smem_bytes, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -41,6 +41,12 @@ void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 b
   cfg.numAttrs = 1;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) throw_cuda_error(err, name, __FILE__, __LINE__);
+}
+
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                   cudaStream_t stream, Args&&... args) {
+  launch_kernel_smem(name, kernel, grid, block, 0, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace fusedist

@@ -1,0 +1,19 @@
+#include <pybind11/pybind11.h>
+
+#include "fusedist/api.h"
+
+namespace py = pybind11;
+using namespace fusedist;
+
+void register_gemm_comm(py::module_& m) {
+  m.def(
+      "gemm_ar_fused",
+      [](const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
+         uintptr_t bias, uintptr_t out, int m, int n, int k, int dtype, uintptr_t stream) {
+        gemm_ar_fused(comm, x, ldx, w, ldw, w_nk, bias, out, m, n, k, DType(dtype), stream);
+      },
+      py::arg("comm").none(true), py::arg("x"), py::arg("ldx"), py::arg("w"), py::arg("ldw"),
+      py::arg("w_nk"), py::arg("bias"), py::arg("out"), py::arg("m"), py::arg("n"),
+      py::arg("k"), py::arg("dtype"), py::arg("stream"));
+  m.attr("GEMM_AR_FUSED_MAX_M") = kGemmArFusedMaxM;
+}

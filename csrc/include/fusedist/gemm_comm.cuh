@@ -1,0 +1,249 @@
+// fusedist/gemm_comm.cuh -- decode-sized GEMM + all-reduce in one kernel (gemm_ar, M <= 128).
+//
+// out[M, N] = sum over ranks r of x_r[M, K] @ w_r[K, N] (+ bias): the row-parallel linear of a
+// decode step. With M this small the GEMM is bound by reading w once from HBM, so the kernel
+// streams w at full bandwidth and hides the all-reduce behind the stream:
+//  * Block b owns the 64-column strips t = b, b + grid, ... of the output. It streams strip t
+//    of w through a kStages-deep cp.async ring (the x tile rides along, from L2), and its four
+//    warps multiply on tensor cores (mma.sync m16n8k16, fp32 accumulators), splitting K
+//    (small M) or M (larger M); a shared-memory pass sums the K-split partials.
+//  * The first stages of w are requested before griddepcontrol.wait: weights never depend on
+//    the previous kernel, so under PDL (launch.h) their loads overlap that kernel's tail.
+//  * Exchange (world > 1): the strip is rounded to T -- what an unfused GEMM hands its
+//    all-reduce -- and pushed into slot `rank` of every peer's current generation exactly as
+//    the one-shot all-reduce does (signals.cuh: self-signalling slots, no flags, no fence).
+//    The block then reads its peers' copies of the same strip from its own buffer, sums all
+//    ranks in fp32 in rank order 0..world-1, adds the bias, rounds once and stores. Same values
+//    in the same order everywhere: the output is bitwise identical on every rank.
+//  * Strip t is computed by block t % grid on every rank (same grid everywhere, derived from
+//    the group-wide SM minimum) and the grid never exceeds what is resident, so a block only
+//    waits for peers' blocks that are running. Strips finish at different times, so most of
+//    the exchange runs while other blocks still stream weights.
+// world == 1 skips the exchange: a plain skinny GEMM (the no-communication baseline).
+//
+// Layouts: x [M, K] with row stride ldx; w either [K, N] with row stride ldw (kWeightNK =
+// false) or [N, K] with row stride ldw (kWeightNK = true: an nn.Linear weight, used as
+// weight.t()); out [M, N] contiguous. K, N, ldx, ldw multiples of 8 (16-byte rows).
+#pragma once
+#include "fusedist/mma.cuh"
+#include "fusedist/symmetric.cuh"
+
+namespace fusedist {
+
+constexpr int kGemmArThreads = 128;  // four warps
+constexpr int kGemmArBN = 64;        // output columns per strip
+constexpr int kGemmArBK = 64;        // K per pipeline stage (one 128-byte smem row of T)
+
+// kMT m16 tiles per warp, kWM warps along M, the other 4 / kWM warps split each stage's K.
+template <int kMT, int kWM>
+struct GemmArTile {
+  static constexpr int kWK = 4 / kWM;
+  static constexpr int kMPad = 16 * kMT * kWM;  // x rows held per stage (rows >= M are zero)
+  static constexpr int kStages = kMPad <= 32 ? 8 : 4;
+  static constexpr int kABytes = kMPad * 128;
+  static constexpr int kBBytes = kGemmArBK * 128;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kRedStride = kGemmArBN + 4;  // floats per partial row (bank stagger)
+  static constexpr int kRedBytes = kWK * kMPad * kRedStride * 4;
+  static constexpr int kSmemBytes =
+      kStages * kStageBytes > kRedBytes ? kStages * kStageBytes : kRedBytes;
+};
+
+template <typename T, int kMT, int kWM, bool kWeightNK>
+__global__ void __launch_bounds__(kGemmArThreads, 1)
+    gemm_ar_kernel(const __grid_constant__ SymmView v, const T* __restrict__ x, int64_t ldx,
+                   const T* __restrict__ w, int64_t ldw, const T* __restrict__ bias, T* out,
+                   int M, int N, int K) {
+  using Cfg = GemmArTile<kMT, kWM>;
+  constexpr int S = Cfg::kStages;
+  constexpr int kPer = ElemTraits<T>::kPerVec;  // 8
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp % kWM, wk = warp / kWM;
+  const int strips = (N + kGemmArBN - 1) / kGemmArBN;
+  const int KT = (K + kGemmArBK - 1) / kGemmArBK;
+  const bool exchange = v.world > 1;
+
+  auto a_stage = [&](int s) { return smem_addr(smem + s * Cfg::kStageBytes); };
+  auto b_stage = [&](int s) { return smem_addr(smem + s * Cfg::kStageBytes + Cfg::kABytes); };
+
+  auto load_a = [&](int s, int kt) {
+    const int k0 = kt * kGemmArBK;
+    const uint32_t base = a_stage(s);
+    for (int c = tid; c < M * 8; c += kGemmArThreads) {
+      const int row = c >> 3, ch = c & 7, gk = k0 + ch * 8;
+      const bool ok = gk < K;
+      cp_async16(base + swz(row, ch), ok ? x + row * ldx + gk : x, ok ? 16u : 0u);
+    }
+  };
+  auto load_b = [&](int s, int kt, int n0) {
+    const int k0 = kt * kGemmArBK;
+    const uint32_t base = b_stage(s);
+#pragma unroll
+    for (int i = 0; i < kGemmArBK * 8 / kGemmArThreads; ++i) {
+      const int c = tid + i * kGemmArThreads, row = c >> 3, ch = c & 7;
+      if constexpr (kWeightNK) {  // smem rows are n, chunks run along k
+        const int gn = n0 + row, gk = k0 + ch * 8;
+        const bool ok = gn < N && gk < K;
+        cp_async16(base + swz(row, ch), ok ? w + gn * ldw + gk : w, ok ? 16u : 0u);
+      } else {  // smem rows are k, chunks run along n
+        const int gk = k0 + row, gn = n0 + ch * 8;
+        const bool ok = gk < K && gn < N;
+        cp_async16(base + swz(row, ch), ok ? w + gk * ldw + gn : w, ok ? 16u : 0u);
+      }
+    }
+  };
+
+  uint32_t epoch = 0;
+  bool first = true;
+  for (int strip = blockIdx.x; strip < strips; strip += gridDim.x) {
+    const int n0 = strip * kGemmArBN;
+    // x rows M..kMPad-1 are never loaded: zero them in every stage (the previous strip's
+    // reduction overwrote the ring).
+    for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kGemmArThreads) {
+      const int s = c / ((Cfg::kMPad - M) * 8), r = c % ((Cfg::kMPad - M) * 8);
+      *reinterpret_cast<uint4*>(smem + s * Cfg::kStageBytes + (M + (r >> 3)) * 128 +
+                                ((r & 7) << 4)) = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < KT) load_b(s, s, n0);
+      cp_async_commit();
+    }
+    if (first) {  // x and the epoch may be written by the previous kernel
+      pdl_wait();
+      if (exchange) epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
+      first = false;
+    }
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+      if (s < KT) load_a(s, s);
+    cp_async_commit();
+
+    float acc[kMT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
+
+    for (int kt = 0; kt < KT; ++kt) {
+      // Stage kt is complete: at kt = 0 everything issued so far (the x group came last);
+      // later, all but the S - 2 groups committed after stage kt's.
+      if (kt == 0)
+        cp_async_wait<0>();
+      else
+        cp_async_wait<S - 2>();
+      __syncthreads();  // ...for every thread, and stage kt - 1 is free to refill
+      const int nk = kt + S - 1;
+      if (nk < KT) {
+        load_a(nk % S, nk);
+        load_b(nk % S, nk, n0);
+      }
+      cp_async_commit();
+
+      const uint32_t as = a_stage(kt % S), bs = b_stage(kt % S);
+#pragma unroll
+      for (int j = 0; j < 4 / Cfg::kWK; ++j) {
+        const int kk = wk + j * Cfg::kWK;  // this warp's k16 step within the stage
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          ldmatrix_x4(a[mt], as + swz((wm * kMT + mt) * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
+          uint32_t b[4];
+          if constexpr (kWeightNK)
+            ldmatrix_x4(b, bs + swz(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                    kk * 2 + ((lane >> 3) & 1)));
+          else
+            ldmatrix_x4_trans(b, bs + swz(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                          np * 2 + (lane >> 4)));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+            mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is idle: reuse it for the K-split partials
+    pdl_trigger();    // the next kernel may start its weight prefetch during our exchange
+
+    float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int row = (wm * kMT + mt) * 16 + (lane >> 2), col = nt * 8 + (lane & 3) * 2;
+        float* p = red + (wk * Cfg::kMPad + row) * Cfg::kRedStride + col;
+        *reinterpret_cast<float2*>(p) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+        *reinterpret_cast<float2*>(p + 8 * Cfg::kRedStride) =
+            make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+      }
+    __syncthreads();
+
+    // Vector i of the strip: row i / 8, columns n0 + 8 (i % 8) ... + 7.
+    auto strip_vec = [&](int i, float (&f)[kPer]) {
+      const float* p = red + (i >> 3) * Cfg::kRedStride + (i & 7) * kPer;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) f[e] = p[e];
+#pragma unroll
+      for (int q = 1; q < Cfg::kWK; ++q)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) f[e] += p[q * Cfg::kMPad * Cfg::kRedStride + e];
+    };
+    auto finish = [&](int i, int64_t vi, float (&f)[kPer]) {
+      if (bias != nullptr) {
+        const int gn = n0 + (i & 7) * kPer;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) f[e] += ElemTraits<T>::to_float(bias[gn + e]);
+      }
+      reinterpret_cast<Vec16*>(out)[vi] = vec_from_floats<T>(f);
+    };
+    const int nvec = M * (kGemmArBN / kPer);
+    if (!exchange) {
+      for (int i = tid; i < nvec; i += kGemmArThreads) {
+        if (n0 + (i & 7) * kPer >= N) continue;
+        float f[kPer];
+        strip_vec(i, f);
+        finish(i, (int64_t(i >> 3) * N + n0) / kPer + (i & 7), f);
+      }
+    } else {
+      for (int i = tid; i < nvec; i += kGemmArThreads) {
+        if (n0 + (i & 7) * kPer >= N) continue;
+        float f[kPer];
+        strip_vec(i, f);
+        const Vec16 part = sanitize(vec_from_floats<T>(f));
+        const int64_t vi = (int64_t(i >> 3) * N + n0) / kPer + (i & 7);
+#pragma unroll 1
+        for (int p = 0; p < v.world; ++p)
+          if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + vi, part);
+      }
+      for (int i = tid; i < nvec; i += kGemmArThreads) {
+        if (n0 + (i & 7) * kPer >= N) continue;
+        float f[kPer];
+        strip_vec(i, f);
+        const Vec16 mine = sanitize(vec_from_floats<T>(f));
+        const int64_t vi = (int64_t(i >> 3) * N + n0) / kPer + (i & 7);
+        float sum[kPer];
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) sum[e] = 0.f;
+#pragma unroll 1
+        for (int s = 0; s < v.world; ++s) {
+          const Vec16 y = s == v.rank ? mine
+                                      : receive(v, slot_ptr(v, v.rank, epoch, s), vi, s, epoch,
+                                                kOpGemmAr);
+          vec_accumulate<T>(sum, y);
+        }
+        finish(i, vi, sum);
+      }
+    }
+    __syncthreads();  // the next strip's zero-fill and prologue overwrite `red`
+  }
+  if (exchange) finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpGemmAr);
+}
+
+}  // namespace fusedist

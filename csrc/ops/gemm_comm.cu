@@ -1,0 +1,124 @@
+// Host launcher for the fused decode GEMM + all-reduce (gemm_comm.cuh): argument checks, the
+// tile configuration for M, grid sizing from values identical on every rank, launch.
+#include <string>
+
+#include "fusedist/api.h"
+#include "fusedist/gemm_comm.cuh"
+#include "fusedist/launch.h"
+
+namespace fusedist {
+
+namespace {
+static_assert(kGemmArFusedMaxM == 16 * 2 * 4, "largest tile config covers kGemmArFusedMaxM rows");
+
+// Resident blocks of `kernel` per SM with its dynamic shared memory, raising the kernel's
+// shared-memory limit first (once per device). A property of the build and the GPU model.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int smem_bytes) {
+  constexpr int kMaxDevices = 64;
+  static int occ[kMaxDevices] = {};
+  int dev = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kMaxDevices) dev = kMaxDevices - 1;
+  if (occ[dev] == 0) {
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    int o = 0;
+    FUSEDIST_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, kGemmArThreads, smem_bytes));
+    occ[dev] = o < 1 ? 1 : o;
+  }
+  return occ[dev];
+}
+
+int local_sm_count() {
+  int dev = 0, sms = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+struct Args {
+  SymmView view;
+  int max_blocks;
+  uintptr_t x, w, bias, out;
+  int64_t ldx, ldw;
+  int m, n, k;
+  cudaStream_t stream;
+};
+
+template <typename T, int kMT, int kWM, bool kNK>
+void launch_cfg(const Args& a) {
+  using Cfg = GemmArTile<kMT, kWM>;
+  auto kernel = gemm_ar_kernel<T, kMT, kWM, kNK>;
+  const int strips = (a.n + kGemmArBN - 1) / kGemmArBN;
+  const int grid = std::min(strips, a.max_blocks * blocks_per_sm(kernel, Cfg::kSmemBytes));
+  launch_kernel_smem("gemm_ar_kernel", kernel, grid, kGemmArThreads, Cfg::kSmemBytes, a.stream,
+                     a.view, reinterpret_cast<const T*>(a.x), a.ldx,
+                     reinterpret_cast<const T*>(a.w), a.ldw, reinterpret_cast<const T*>(a.bias),
+                     reinterpret_cast<T*>(a.out), a.m, a.n, a.k);
+}
+
+// Four tile configurations (rows per stage 16 / 32 / 64 / 128) x two weight layouts.
+template <typename T, bool kNK>
+void launch_layout(const Args& a) {
+  if (a.m <= 16)
+    launch_cfg<T, 1, 1, kNK>(a);
+  else if (a.m <= 32)
+    launch_cfg<T, 2, 1, kNK>(a);
+  else if (a.m <= 64)
+    launch_cfg<T, 2, 2, kNK>(a);
+  else
+    launch_cfg<T, 2, 4, kNK>(a);
+}
+
+template <typename T>
+void launch_dtype(const Args& a, bool w_nk) {
+  if (w_nk)
+    launch_layout<T, true>(a);
+  else
+    launch_layout<T, false>(a);
+}
+}  // namespace
+
+void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw,
+                   bool w_nk, uintptr_t bias, uintptr_t out, int m, int n, int k, DType dtype,
+                   uintptr_t stream) {
+  const std::string op = "gemm_ar(engine='fused'): ";
+  FUSEDIST_CHECK_ARG(m >= 1 && m <= kGemmArFusedMaxM,
+                     op + "M = " + std::to_string(m) + " rows; the fused kernel takes 1.." +
+                         std::to_string(kGemmArFusedMaxM) + " (use engine='overlap' or 'unfused')");
+  FUSEDIST_CHECK_ARG(n >= 1 && k >= 1, op + "N and K must be positive");
+  FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0,
+                     op + "N (" + std::to_string(n) + "), K (" + std::to_string(k) +
+                         ") and the row strides of x and w must be multiples of 8 elements");
+  FUSEDIST_CHECK_ARG(ldx >= k && ldw >= (w_nk ? k : n), op + "row stride smaller than the row");
+  for (uintptr_t p : {x, w, out})
+    FUSEDIST_CHECK_ARG(p % 16 == 0, op + "x, w and out must be 16-byte aligned");
+  FUSEDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+                     op + std::string("dtype ") + dtype_name(dtype) +
+                         " unsupported; use bfloat16 or float16");
+  Args a{};
+  a.x = x, a.w = w, a.bias = bias, a.out = out, a.ldx = ldx, a.ldw = ldw;
+  a.m = m, a.n = n, a.k = k;
+  a.stream = reinterpret_cast<cudaStream_t>(stream);
+  if (comm != nullptr && comm->view.world > 1) {
+    const uint64_t bytes = uint64_t(m) * n * dtype_size(dtype);
+    FUSEDIST_CHECK_ARG(bytes <= comm->view.slot_bytes,
+                       op + "the [M, N] output (" + std::to_string(bytes) +
+                           " bytes) exceeds the communicator's one-shot slot of " +
+                           std::to_string(comm->view.slot_bytes) + " bytes");
+    a.view = comm->view;
+    a.max_blocks = comm->max_blocks;
+  } else {
+    a.view.world = 1;
+    a.view.rank = 0;
+    a.max_blocks = local_sm_count();
+  }
+  if (dtype == DType::kBFloat16)
+    launch_dtype<__nv_bfloat16>(a, w_nk);
+  else
+    launch_dtype<__half>(a, w_nk);
+}
+
+}  // namespace fusedist
