@@ -12,18 +12,6 @@ constexpr int kThreads = 512;
 
 int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Blocks of `kernel` that fit on one SM at kThreads threads: a property of the build and the
-// GPU model, so identical on every rank of a homogeneous group. Cached per kernel.
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel) {
-  static int occ = [&] {
-    int o = 0;
-    FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, kThreads, 0));
-    return std::max(1, o);
-  }();
-  return occ;
-}
-
 // Grid from the vector count, the group-wide minimum SM count and the kernel's occupancy only,
 // so every rank picks the same grid and block b of every rank covers the same vectors. The
 // grid never exceeds what is resident at once: a block waits only for the same block of its
@@ -39,13 +27,15 @@ void launch(const SymmComm& c, uintptr_t in, uintptr_t out, int64_t n, AllReduce
   constexpr int kPer = ElemTraits<T>::kPerVec;
   const int64_t nvec = div_up(n, kPer);
   if (algo == AllReduceAlgo::kOneShot) {
-    const int grid = grid_for(nvec, c.max_blocks, blocks_per_sm(allreduce_oneshot_kernel<T>));
+    const auto kernel = reinterpret_cast<const void*>(allreduce_oneshot_kernel<T>);
+    const int grid = grid_for(nvec, c.max_blocks, blocks_per_sm(kernel, kThreads, 0));
     launch_kernel("allreduce_oneshot_kernel", allreduce_oneshot_kernel<T>, grid, kThreads, s,
                   c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
   } else {
     const int64_t chunk = div_up(nvec, c.view.world);
+    const auto kernel = reinterpret_cast<const void*>(allreduce_twoshot_kernel<T>);
     const int grid = grid_for(div_up(chunk, kTwoShotUnroll), c.max_blocks,
-                              blocks_per_sm(allreduce_twoshot_kernel<T>));
+                              blocks_per_sm(kernel, kThreads, 0));
     launch_kernel("allreduce_twoshot_kernel", allreduce_twoshot_kernel<T>, grid, kThreads, s,
                   c.view, reinterpret_cast<const T*>(in), reinterpret_cast<T*>(out), n);
   }

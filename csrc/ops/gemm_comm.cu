@@ -11,26 +11,6 @@ namespace fusedist {
 namespace {
 static_assert(kGemmArFusedMaxM == 16 * 2 * 4, "largest tile config covers kGemmArFusedMaxM rows");
 
-// Resident blocks of `kernel` per SM with its dynamic shared memory, raising the kernel's
-// shared-memory limit first (once per device). A property of the build and the GPU model.
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int smem_bytes) {
-  constexpr int kMaxDevices = 64;
-  static int occ[kMaxDevices] = {};
-  int dev = 0;
-  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kMaxDevices) dev = kMaxDevices - 1;
-  if (occ[dev] == 0) {
-    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    int o = 0;
-    FUSEDIST_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, kGemmArThreads, smem_bytes));
-    occ[dev] = o < 1 ? 1 : o;
-  }
-  return occ[dev];
-}
-
 int local_sm_count() {
   int dev = 0, sms = 0;
   FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
@@ -52,7 +32,8 @@ void launch_cfg(const Args& a) {
   using Cfg = GemmArTile<kMT, kWM>;
   auto kernel = gemm_ar_kernel<T, kMT, kWM, kNK>;
   const int strips = (a.n + kGemmArBN - 1) / kGemmArBN;
-  const int grid = std::min(strips, a.max_blocks * blocks_per_sm(kernel, Cfg::kSmemBytes));
+  const int grid = std::min(strips, a.max_blocks * blocks_per_sm(reinterpret_cast<const void*>(kernel), kGemmArThreads,
+                                                   Cfg::kSmemBytes));
   launch_kernel_smem("gemm_ar_kernel", kernel, grid, kGemmArThreads, Cfg::kSmemBytes, a.stream,
                      a.view, reinterpret_cast<const T*>(a.x), a.ldx,
                      reinterpret_cast<const T*>(a.w), a.ldw, reinterpret_cast<const T*>(a.bias),

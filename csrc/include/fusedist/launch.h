@@ -12,6 +12,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "fusedist/common.h"
@@ -24,6 +27,28 @@ inline bool pdl_enabled() {
     return !(e && std::strcmp(e, "0") == 0);
   }();
   return on;
+}
+
+// Resident blocks per SM of `kernel` at `threads` threads and `smem_bytes` of dynamic shared
+// memory on the current device, after raising the kernel's dynamic shared-memory limit to
+// `smem_bytes`. Cached per (kernel, device): a property of the build and the GPU model, so
+// identical on every rank of a homogeneous group.
+inline int blocks_per_sm(const void* kernel, int threads, int smem_bytes) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int>, int> cache;
+  int dev = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(kernel, dev, threads, smem_bytes);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (smem_bytes > 48 * 1024)
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             smem_bytes));
+  int o = 0;
+  FUSEDIST_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, threads, smem_bytes));
+  return cache[key] = o < 1 ? 1 : o;
 }
 
 template <typename... KArgs, typename... Args>
@@ -40,7 +65,10 @@ void launch_kernel_smem(const char* name, void (*kernel)(KArgs...), dim3 grid, d
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (err != cudaSuccess) throw_cuda_error(err, name, __FILE__, __LINE__);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // the launch error is not sticky: clear it so later checks are clean
+    throw_cuda_error(err, name, __FILE__, __LINE__);
+  }
 }
 
 template <typename... KArgs, typename... Args>
