@@ -9,7 +9,7 @@
 namespace fusedist {
 
 namespace {
-static_assert(kGemmArFusedMaxM == 16 * 2 * 4, "largest tile config covers kGemmArFusedMaxM rows");
+static_assert(kGemmArFusedMaxM == GemmArTile<2, 4, 8>::kMPad, "largest tile config covers kGemmArFusedMaxM rows");
 
 int local_sm_count() {
   int dev = 0, sms = 0;
@@ -27,14 +27,15 @@ struct Args {
   cudaStream_t stream;
 };
 
-template <typename T, int kMT, int kWM, bool kNK>
+template <typename T, int kMT, int kWM, int kWarps, bool kNK>
 void launch_cfg(const Args& a) {
-  using Cfg = GemmArTile<kMT, kWM>;
-  auto kernel = gemm_ar_kernel<T, kMT, kWM, kNK>;
+  using Cfg = GemmArTile<kMT, kWM, kWarps>;
+  auto kernel = gemm_ar_kernel<T, kMT, kWM, kWarps, kNK>;
   const int strips = (a.n + kGemmArBN - 1) / kGemmArBN;
-  const int grid = std::min(strips, a.max_blocks * blocks_per_sm(reinterpret_cast<const void*>(kernel), kGemmArThreads,
-                                                   Cfg::kSmemBytes));
-  launch_kernel_smem("gemm_ar_kernel", kernel, grid, kGemmArThreads, Cfg::kSmemBytes, a.stream,
+  const int per_sm =
+      blocks_per_sm(reinterpret_cast<const void*>(kernel), Cfg::kThreads, Cfg::kSmemBytes);
+  const int grid = std::min(strips, a.max_blocks * per_sm);
+  launch_kernel_smem("gemm_ar_kernel", kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, a.stream,
                      a.view, reinterpret_cast<const T*>(a.x), a.ldx,
                      reinterpret_cast<const T*>(a.w), a.ldw, reinterpret_cast<const T*>(a.bias),
                      reinterpret_cast<T*>(a.out), a.m, a.n, a.k);
@@ -44,13 +45,13 @@ void launch_cfg(const Args& a) {
 template <typename T, bool kNK>
 void launch_layout(const Args& a) {
   if (a.m <= 16)
-    launch_cfg<T, 1, 1, kNK>(a);
+    launch_cfg<T, 1, 1, 4, kNK>(a);
   else if (a.m <= 32)
-    launch_cfg<T, 2, 1, kNK>(a);
+    launch_cfg<T, 2, 1, 4, kNK>(a);
   else if (a.m <= 64)
-    launch_cfg<T, 2, 2, kNK>(a);
+    launch_cfg<T, 2, 2, 8, kNK>(a);
   else
-    launch_cfg<T, 2, 4, kNK>(a);
+    launch_cfg<T, 2, 4, 8, kNK>(a);
 }
 
 template <typename T>

@@ -30,16 +30,18 @@
 
 namespace fusedist {
 
-constexpr int kGemmArThreads = 128;  // four warps
-constexpr int kGemmArBN = 64;        // output columns per strip
-constexpr int kGemmArBK = 64;        // K per pipeline stage (one 128-byte smem row of T)
+constexpr int kGemmArBN = 64;  // output columns per strip
+constexpr int kGemmArBK = 64;  // K per pipeline stage (one 128-byte smem row of T)
 
-// kMT m16 tiles per warp, kWM warps along M, the other 4 / kWM warps split each stage's K.
-template <int kMT, int kWM>
+// kWarps warps: kWM along M (kMT m16 tiles each), kWK = kWarps / kWM splitting each stage's
+// four k16 steps. Deep rings for small M: the kernel is bound by bytes in flight per SM.
+template <int kMT, int kWM, int kWarps>
 struct GemmArTile {
-  static constexpr int kWK = 4 / kWM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWK = kWarps / kWM;
+  static_assert(kWK >= 1 && kWK <= 4, "a stage has four k16 steps");
   static constexpr int kMPad = 16 * kMT * kWM;  // x rows held per stage (rows >= M are zero)
-  static constexpr int kStages = kMPad <= 32 ? 8 : 4;
+  static constexpr int kStages = kMPad <= 32 ? 16 : kMPad <= 64 ? 8 : 6;
   static constexpr int kABytes = kMPad * 128;
   static constexpr int kBBytes = kGemmArBK * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
@@ -49,12 +51,13 @@ struct GemmArTile {
       kStages * kStageBytes > kRedBytes ? kStages * kStageBytes : kRedBytes;
 };
 
-template <typename T, int kMT, int kWM, bool kWeightNK>
-__global__ void __launch_bounds__(kGemmArThreads, 1)
+template <typename T, int kMT, int kWM, int kWarps, bool kWeightNK>
+__global__ void __launch_bounds__(32 * kWarps, 1)
     gemm_ar_kernel(const __grid_constant__ SymmView v, const T* __restrict__ x, int64_t ldx,
                    const T* __restrict__ w, int64_t ldw, const T* __restrict__ bias, T* out,
                    int M, int N, int K) {
-  using Cfg = GemmArTile<kMT, kWM>;
+  using Cfg = GemmArTile<kMT, kWM, kWarps>;
+  constexpr int kThreads = Cfg::kThreads;
   constexpr int S = Cfg::kStages;
   constexpr int kPer = ElemTraits<T>::kPerVec;  // 8
   extern __shared__ __align__(128) uint8_t smem[];
@@ -70,7 +73,7 @@ __global__ void __launch_bounds__(kGemmArThreads, 1)
   auto load_a = [&](int s, int kt) {
     const int k0 = kt * kGemmArBK;
     const uint32_t base = a_stage(s);
-    for (int c = tid; c < M * 8; c += kGemmArThreads) {
+    for (int c = tid; c < M * 8; c += kThreads) {
       const int row = c >> 3, ch = c & 7, gk = k0 + ch * 8;
       const bool ok = gk < K;
       cp_async16(base + swz(row, ch), ok ? x + row * ldx + gk : x, ok ? 16u : 0u);
@@ -80,8 +83,8 @@ __global__ void __launch_bounds__(kGemmArThreads, 1)
     const int k0 = kt * kGemmArBK;
     const uint32_t base = b_stage(s);
 #pragma unroll
-    for (int i = 0; i < kGemmArBK * 8 / kGemmArThreads; ++i) {
-      const int c = tid + i * kGemmArThreads, row = c >> 3, ch = c & 7;
+    for (int i = 0; i < kGemmArBK * 8 / kThreads; ++i) {  // 512 chunks
+      const int c = tid + i * kThreads, row = c >> 3, ch = c & 7;
       if constexpr (kWeightNK) {  // smem rows are n, chunks run along k
         const int gn = n0 + row, gk = k0 + ch * 8;
         const bool ok = gn < N && gk < K;
@@ -100,7 +103,7 @@ __global__ void __launch_bounds__(kGemmArThreads, 1)
     const int n0 = strip * kGemmArBN;
     // x rows M..kMPad-1 are never loaded: zero them in every stage (the previous strip's
     // reduction overwrote the ring).
-    for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kGemmArThreads) {
+    for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kThreads) {
       const int s = c / ((Cfg::kMPad - M) * 8), r = c % ((Cfg::kMPad - M) * 8);
       *reinterpret_cast<uint4*>(smem + s * Cfg::kStageBytes + (M + (r >> 3)) * 128 +
                                 ((r & 7) << 4)) = make_uint4(0, 0, 0, 0);
@@ -205,14 +208,14 @@ __global__ void __launch_bounds__(kGemmArThreads, 1)
     };
     const int nvec = M * (kGemmArBN / kPer);
     if (!exchange) {
-      for (int i = tid; i < nvec; i += kGemmArThreads) {
+      for (int i = tid; i < nvec; i += kThreads) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);
         finish(i, (int64_t(i >> 3) * N + n0) / kPer + (i & 7), f);
       }
     } else {
-      for (int i = tid; i < nvec; i += kGemmArThreads) {
+      for (int i = tid; i < nvec; i += kThreads) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(kGemmArThreads, 1)
         for (int p = 0; p < v.world; ++p)
           if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + vi, part);
       }
-      for (int i = tid; i < nvec; i += kGemmArThreads) {
+      for (int i = tid; i < nvec; i += kThreads) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);

@@ -20,9 +20,11 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 }
 
 // 16-byte cp.async that bypasses L1 (.cg). src_bytes = 0 reads nothing and zero-fills the
-// chunk (out-of-range tiles); `src` must still be a valid address.
+// chunk (out-of-range tiles); `src` must still be a valid address. The L2::256B hint has L2
+// fetch the surrounding 256 bytes: streamed operands are read in consecutive 128-byte pieces,
+// so the next piece is already on its way (more bytes in flight per request).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                "r"(src_bytes)
                : "memory");
 }
