@@ -1,5 +1,7 @@
 // Host launcher for the fused decode GEMM + all-reduce (gemm_comm.cuh): argument checks, the
 // tile configuration for M, grid sizing from values identical on every rank, launch.
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
 #include <string>
 
 #include "fusedist/api.h"
@@ -18,8 +20,42 @@ int local_sm_count() {
   return sms;
 }
 
+// cuTensorMapEncodeTiled, reached through the runtime (fusedist links no driver library).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    FUSEDIST_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
+    if (p == nullptr || q != cudaDriverEntryPointSuccess)
+      throw std::runtime_error("fusedist: the CUDA driver has no cuTensorMapEncodeTiled (needs >= 12.0)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The weight as 64 x 64 tiles with the 128-byte swizzle the kernel's ldmatrix addressing
+// expects; out-of-range elements of edge tiles are zero-filled by the copy engine.
+CUtensorMap weight_map(uintptr_t w, bool w_nk, int n, int k, int64_t ldw, DType dtype) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(w_nk ? k : n), cuuint64_t(w_nk ? n : k)};
+  const cuuint64_t strides[1] = {cuuint64_t(ldw) * dtype_size(dtype)};
+  const cuuint32_t box[2] = {kGemmArBK, kGemmArBN};  // 64 x 64 either way
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      2, reinterpret_cast<void*>(w), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("fusedist: gemm_ar: cuTensorMapEncodeTiled failed (CUresult " +
+                             std::to_string(int(r)) + ") for the weight tensor");
+  return map;
+}
+
 struct Args {
   SymmView view;
+  CUtensorMap wmap;
   int max_blocks;
   uintptr_t x, w, bias, out;
   int64_t ldx, ldw;
@@ -36,9 +72,9 @@ void launch_cfg(const Args& a) {
       blocks_per_sm(reinterpret_cast<const void*>(kernel), Cfg::kThreads, Cfg::kSmemBytes);
   const int grid = std::min(strips, a.max_blocks * per_sm);
   launch_kernel_smem("gemm_ar_kernel", kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, a.stream,
-                     a.view, reinterpret_cast<const T*>(a.x), a.ldx,
-                     reinterpret_cast<const T*>(a.w), a.ldw, reinterpret_cast<const T*>(a.bias),
-                     reinterpret_cast<T*>(a.out), a.m, a.n, a.k);
+                     a.view, a.wmap, reinterpret_cast<const T*>(a.x), a.ldx,
+                     reinterpret_cast<const T*>(a.bias), reinterpret_cast<T*>(a.out), a.m, a.n,
+                     a.k);
 }
 
 // Four tile configurations (rows per stage 16 / 32 / 64 / 128) x two weight layouts.
@@ -97,6 +133,7 @@ void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, 
     a.view.rank = 0;
     a.max_blocks = local_sm_count();
   }
+  a.wmap = weight_map(w, w_nk, n, k, ldw, dtype);
   if (dtype == DType::kBFloat16)
     launch_dtype<__nv_bfloat16>(a, w_nk);
   else

@@ -4,9 +4,11 @@
 // decode step. With M this small the GEMM is bound by reading w once from HBM, so the kernel
 // streams w at full bandwidth and hides the all-reduce behind the stream:
 //  * Block b owns the 64-column strips t = b, b + grid, ... of the output. It streams strip t
-//    of w through a kStages-deep cp.async ring (the x tile rides along, from L2), and its four
-//    warps multiply on tensor cores (mma.sync m16n8k16, fp32 accumulators), splitting K
-//    (small M) or M (larger M); a shared-memory pass sums the K-split partials.
+//    of w through a kStages-deep ring of 64 x 64 tiles loaded by the copy engine (TMA, one
+//    thread issues, an mbarrier per stage says "landed"; per-thread cp.async topped out near
+//    3.1 TB/s), the x tile rides along by cp.async from L2, and the warps multiply on tensor
+//    cores (mma.sync m16n8k16, fp32 accumulators), splitting K (small M) or M (larger M); a
+//    shared-memory pass sums the K-split partials.
 //  * The first stages of w are requested before griddepcontrol.wait: weights never depend on
 //    the previous kernel, so under PDL (launch.h) their loads overlap that kernel's tail.
 //  * Exchange (world > 1): the strip is rounded to T -- what an unfused GEMM hands its
@@ -21,9 +23,11 @@
 //    the exchange runs while other blocks still stream weights.
 // world == 1 skips the exchange: a plain skinny GEMM (the no-communication baseline).
 //
-// Layouts: x [M, K] with row stride ldx; w either [K, N] with row stride ldw (kWeightNK =
-// false) or [N, K] with row stride ldw (kWeightNK = true: an nn.Linear weight, used as
-// weight.t()); out [M, N] contiguous. K, N, ldx, ldw multiples of 8 (16-byte rows).
+// Layouts: x [M, K] with row stride ldx; w, described by a 2-D tensor map (gemm_comm.cu), either
+// [K, N] (kWeightNK = false) or [N, K] (kWeightNK = true: an nn.Linear weight used as
+// weight.t()); out [M, N] contiguous. K, N and the row strides are multiples of 8.
+// Contract: w is not written by the kernel launched just before this one on the stream
+// (it is prefetched before griddepcontrol.wait); weights of an inference model never are.
 #pragma once
 #include "fusedist/mma.cuh"
 #include "fusedist/symmetric.cuh"
@@ -34,93 +38,99 @@ constexpr int kGemmArBN = 64;  // output columns per strip
 constexpr int kGemmArBK = 64;  // K per pipeline stage (one 128-byte smem row of T)
 
 // kWarps warps: kWM along M (kMT m16 tiles each), kWK = kWarps / kWM splitting each stage's
-// four k16 steps. Deep rings for small M: the kernel is bound by bytes in flight per SM.
+// four k16 steps. Deep rings for small M: a memory-bound kernel needs bytes in flight.
+// Shared memory (offsets from a 1024-byte aligned base):
+//   [0, S * 8 KB)          weight ring: stage s = the 64 x 64 tile of w, TMA-swizzled
+//   then S * kABytes       x ring: stage s = kMPad rows x 64 (rows >= M stay zero)
+//   then kRedBytes         fp32 partials of the kWK K-split warps, [kWK][kMPad][64 + 4]
+//   then S mbarriers       "weight stage s landed"
 template <int kMT, int kWM, int kWarps>
 struct GemmArTile {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kWK = kWarps / kWM;
   static_assert(kWK >= 1 && kWK <= 4, "a stage has four k16 steps");
-  static constexpr int kMPad = 16 * kMT * kWM;  // x rows held per stage (rows >= M are zero)
-  static constexpr int kStages = kMPad <= 32 ? 16 : kMPad <= 64 ? 8 : 6;
-  static constexpr int kABytes = kMPad * 128;
+  static constexpr int kMPad = 16 * kMT * kWM;
+  static constexpr int kStages = kMPad <= 16 ? 16 : kMPad <= 32 ? 12 : kMPad <= 64 ? 8 : 6;
   static constexpr int kBBytes = kGemmArBK * 128;
-  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kABytes = kMPad * 128;
   static constexpr int kRedStride = kGemmArBN + 4;  // floats per partial row (bank stagger)
   static constexpr int kRedBytes = kWK * kMPad * kRedStride * 4;
-  static constexpr int kSmemBytes =
-      kStages * kStageBytes > kRedBytes ? kStages * kStageBytes : kRedBytes;
+  static constexpr int kAOffset = kStages * kBBytes;
+  static constexpr int kRedOffset = kAOffset + kStages * kABytes;
+  static constexpr int kBarOffset = kRedOffset + kRedBytes;
+  static constexpr int kSmemBytes = kBarOffset + kStages * 8 + 1024;  // + base alignment
+  static_assert(kSmemBytes <= 227 * 1024, "fits one SM's shared memory");
 };
 
 template <typename T, int kMT, int kWM, int kWarps, bool kWeightNK>
 __global__ void __launch_bounds__(32 * kWarps, 1)
-    gemm_ar_kernel(const __grid_constant__ SymmView v, const T* __restrict__ x, int64_t ldx,
-                   const T* __restrict__ w, int64_t ldw, const T* __restrict__ bias, T* out,
-                   int M, int N, int K) {
+    gemm_ar_kernel(const __grid_constant__ SymmView v,
+                   const __grid_constant__ CUtensorMap wmap, const T* __restrict__ x,
+                   int64_t ldx, const T* __restrict__ bias, T* out, int M, int N, int K) {
   using Cfg = GemmArTile<kMT, kWM, kWarps>;
-  constexpr int kThreads = Cfg::kThreads;
   constexpr int S = Cfg::kStages;
+  constexpr int kThreads = Cfg::kThreads;
   constexpr int kPer = ElemTraits<T>::kPerVec;  // 8
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  const uint32_t base = smem_addr(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp % kWM, wk = warp / kWM;
   const int strips = (N + kGemmArBN - 1) / kGemmArBN;
   const int KT = (K + kGemmArBK - 1) / kGemmArBK;
   const bool exchange = v.world > 1;
 
-  auto a_stage = [&](int s) { return smem_addr(smem + s * Cfg::kStageBytes); };
-  auto b_stage = [&](int s) { return smem_addr(smem + s * Cfg::kStageBytes + Cfg::kABytes); };
+  auto b_stage = [&](int s) { return base + s * Cfg::kBBytes; };
+  auto a_stage = [&](int s) { return base + Cfg::kAOffset + s * Cfg::kABytes; };
+  auto bar = [&](int s) { return base + Cfg::kBarOffset + s * 8; };
+  float* red = reinterpret_cast<float*>(smem + Cfg::kRedOffset);
 
-  auto load_a = [&](int s, int kt) {
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(bar(s), 1);
+    mbar_init_fence();
+  }
+  // x rows M..kMPad-1 are never loaded: zero them once in every stage.
+  for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kThreads) {
+    const int s = c / ((Cfg::kMPad - M) * 8), r = c % ((Cfg::kMPad - M) * 8);
+    *reinterpret_cast<uint4*>(smem + Cfg::kAOffset + s * Cfg::kABytes + (M + (r >> 3)) * 128 +
+                              ((r & 7) << 4)) = make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();
+
+  // Weight tile kt of strip n0 into ring position q (one thread issues; TMA zero-fills past
+  // the edges of w, so K and N tails need no special case).
+  auto load_b = [&](uint32_t q, int kt, int n0) {
+    const int s = int(q % S);
+    mbar_arrive_expect_tx(bar(s), Cfg::kBBytes);
+    if constexpr (kWeightNK)
+      tma_load_2d(b_stage(s), &wmap, kt * kGemmArBK, n0, bar(s));
+    else
+      tma_load_2d(b_stage(s), &wmap, n0, kt * kGemmArBK, bar(s));
+  };
+  auto load_a = [&](uint32_t q, int kt) {
     const int k0 = kt * kGemmArBK;
-    const uint32_t base = a_stage(s);
+    const uint32_t dst = a_stage(int(q % S));
     for (int c = tid; c < M * 8; c += kThreads) {
       const int row = c >> 3, ch = c & 7, gk = k0 + ch * 8;
       const bool ok = gk < K;
-      cp_async16(base + swz(row, ch), ok ? x + row * ldx + gk : x, ok ? 16u : 0u);
-    }
-  };
-  auto load_b = [&](int s, int kt, int n0) {
-    const int k0 = kt * kGemmArBK;
-    const uint32_t base = b_stage(s);
-#pragma unroll
-    for (int i = 0; i < kGemmArBK * 8 / kThreads; ++i) {  // 512 chunks
-      const int c = tid + i * kThreads, row = c >> 3, ch = c & 7;
-      if constexpr (kWeightNK) {  // smem rows are n, chunks run along k
-        const int gn = n0 + row, gk = k0 + ch * 8;
-        const bool ok = gn < N && gk < K;
-        cp_async16(base + swz(row, ch), ok ? w + gn * ldw + gk : w, ok ? 16u : 0u);
-      } else {  // smem rows are k, chunks run along n
-        const int gk = k0 + row, gn = n0 + ch * 8;
-        const bool ok = gk < K && gn < N;
-        cp_async16(base + swz(row, ch), ok ? w + gk * ldw + gn : w, ok ? 16u : 0u);
-      }
+      cp_async16(dst + swz(row, ch), ok ? x + row * ldx + gk : x, ok ? 16u : 0u);
     }
   };
 
   uint32_t epoch = 0;
+  uint32_t pos = 0;  // ring positions consumed so far: stage = pos % S, phase = (pos / S) & 1
   bool first = true;
   for (int strip = blockIdx.x; strip < strips; strip += gridDim.x) {
     const int n0 = strip * kGemmArBN;
-    // x rows M..kMPad-1 are never loaded: zero them in every stage (the previous strip's
-    // reduction overwrote the ring).
-    for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kThreads) {
-      const int s = c / ((Cfg::kMPad - M) * 8), r = c % ((Cfg::kMPad - M) * 8);
-      *reinterpret_cast<uint4*>(smem + s * Cfg::kStageBytes + (M + (r >> 3)) * 128 +
-                                ((r & 7) << 4)) = make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (s < KT) load_b(s, s, n0);
-      cp_async_commit();
-    }
-    if (first) {  // x and the epoch may be written by the previous kernel
+    if (tid == 0)
+      for (int s = 0; s < S - 1 && s < KT; ++s) load_b(pos + s, s, n0);
+    if (first) {  // x and the epoch may be written by the previous kernel; w never is
       pdl_wait();
       if (exchange) epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
       first = false;
     }
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-      if (s < KT) load_a(s, s);
+    for (int s = 0; s < S - 1 && s < KT; ++s) load_a(pos + s, s);
     cp_async_commit();
 
     float acc[kMT][8][4];
@@ -132,21 +142,23 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.f;
 
     for (int kt = 0; kt < KT; ++kt) {
-      // Stage kt is complete: at kt = 0 everything issued so far (the x group came last);
-      // later, all but the S - 2 groups committed after stage kt's.
+      const uint32_t q = pos + kt;
+      // x stage kt: at kt = 0 the prologue's group; later, all but the S - 2 groups
+      // committed after it. Weight stage kt: its barrier's phase for this lap of the ring.
       if (kt == 0)
         cp_async_wait<0>();
       else
         cp_async_wait<S - 2>();
-      __syncthreads();  // ...for every thread, and stage kt - 1 is free to refill
+      mbar_wait(bar(int(q % S)), (q / S) & 1u);
+      __syncthreads();  // ...for every thread, and ring position q - 1 is free to refill
       const int nk = kt + S - 1;
       if (nk < KT) {
-        load_a(nk % S, nk);
-        load_b(nk % S, nk, n0);
+        load_a(pos + nk, nk);
+        if (tid == 0) load_b(pos + nk, nk, n0);
       }
       cp_async_commit();
 
-      const uint32_t as = a_stage(kt % S), bs = b_stage(kt % S);
+      const uint32_t as = a_stage(int(q % S)), bs = b_stage(int(q % S));
 #pragma unroll
       for (int j = 0; j < 4 / Cfg::kWK; ++j) {
         const int kk = wk + j * Cfg::kWK;  // this warp's k16 step within the stage
@@ -171,11 +183,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         }
       }
     }
+    pos += KT;
     cp_async_wait<0>();
-    __syncthreads();  // the ring is idle: reuse it for the K-split partials
-    pdl_trigger();    // the next kernel may start its weight prefetch during our exchange
+    pdl_trigger();  // the next kernel may start its weight prefetch during our exchange
 
-    float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -244,7 +255,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         finish(i, vi, sum);
       }
     }
-    __syncthreads();  // the next strip's zero-fill and prologue overwrite `red`
+    __syncthreads();  // `red` is rewritten by the next strip
   }
   if (exchange) finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpGemmAr);
 }
