@@ -34,52 +34,55 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The weight as 64 x 64 tiles with the 128-byte swizzle the kernel's ldmatrix addressing
-// expects; out-of-range elements of edge tiles are zero-filled by the copy engine.
-CUtensorMap weight_map(uintptr_t w, bool w_nk, int n, int k, int64_t ldw, DType dtype) {
+// A 2-D row-major tensor (rows x cols, row stride `ld` elements) as box_rows x 64 tiles with
+// the 128-byte swizzle the kernel's ldmatrix addressing expects; the copy engine zero-fills
+// the out-of-range part of edge tiles.
+CUtensorMap tile_map(uintptr_t ptr, uint64_t rows, uint64_t cols, int64_t ld, uint32_t box_rows,
+                     DType dtype, const char* what) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(w_nk ? k : n), cuuint64_t(w_nk ? n : k)};
-  const cuuint64_t strides[1] = {cuuint64_t(ldw) * dtype_size(dtype)};
-  const cuuint32_t box[2] = {kGemmArBK, kGemmArBN};  // 64 x 64 either way
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {cuuint64_t(ld) * dtype_size(dtype)};
+  const cuuint32_t box[2] = {64, box_rows};  // 64 elements = one 128-byte swizzle row
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = tensor_map_encoder()(
       &map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, reinterpret_cast<void*>(w), dims, strides, box, elem_strides,
+      2, reinterpret_cast<void*>(ptr), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    throw std::runtime_error("fusedist: gemm_ar: cuTensorMapEncodeTiled failed (CUresult " +
-                             std::to_string(int(r)) + ") for the weight tensor");
+    throw std::runtime_error(std::string("fusedist: gemm_ar: cuTensorMapEncodeTiled failed (CUresult ") +
+                             std::to_string(int(r)) + ") for " + what);
   return map;
 }
 
 struct Args {
   SymmView view;
-  CUtensorMap wmap;
+  CUtensorMap wmap, xmap;
   int max_blocks;
   uintptr_t x, w, bias, out;
   int64_t ldx, ldw;
   int m, n, k;
+  DType dtype;
   cudaStream_t stream;
 };
 
 template <typename T, int kMT, int kWM, int kWarps, bool kNK>
-void launch_cfg(const Args& a) {
+void launch_cfg(Args& a) {
   using Cfg = GemmArTile<kMT, kWM, kWarps>;
   auto kernel = gemm_ar_kernel<T, kMT, kWM, kWarps, kNK>;
+  a.xmap = tile_map(a.x, a.m, a.k, a.ldx, Cfg::kMPad, a.dtype, "x");
   const int strips = (a.n + kGemmArBN - 1) / kGemmArBN;
   const int per_sm =
       blocks_per_sm(reinterpret_cast<const void*>(kernel), Cfg::kThreads, Cfg::kSmemBytes);
   const int grid = std::min(strips, a.max_blocks * per_sm);
   launch_kernel_smem("gemm_ar_kernel", kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, a.stream,
-                     a.view, a.wmap, reinterpret_cast<const T*>(a.x), a.ldx,
-                     reinterpret_cast<const T*>(a.bias), reinterpret_cast<T*>(a.out), a.m, a.n,
-                     a.k);
+                     a.view, a.wmap, a.xmap, reinterpret_cast<const T*>(a.bias),
+                     reinterpret_cast<T*>(a.out), a.m, a.n, a.k);
 }
 
 // Four tile configurations (rows per stage 16 / 32 / 64 / 128) x two weight layouts.
 template <typename T, bool kNK>
-void launch_layout(const Args& a) {
+void launch_layout(Args& a) {
   if (a.m <= 16)
     launch_cfg<T, 1, 1, 4, kNK>(a);
   else if (a.m <= 32)
@@ -91,7 +94,7 @@ void launch_layout(const Args& a) {
 }
 
 template <typename T>
-void launch_dtype(const Args& a, bool w_nk) {
+void launch_dtype(Args& a, bool w_nk) {
   if (w_nk)
     launch_layout<T, true>(a);
   else
@@ -133,7 +136,10 @@ void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, 
     a.view.rank = 0;
     a.max_blocks = local_sm_count();
   }
-  a.wmap = weight_map(w, w_nk, n, k, ldw, dtype);
+  a.dtype = dtype;
+  // w as [K, N] tiles of 64 k-rows x 64 n, or [N, K] tiles of 64 n-rows x 64 k.
+  a.wmap = w_nk ? tile_map(w, n, k, ldw, kGemmArBN, dtype, "w")
+                : tile_map(w, k, n, ldw, kGemmArBK, dtype, "w");
   if (dtype == DType::kBFloat16)
     launch_dtype<__nv_bfloat16>(a, w_nk);
   else

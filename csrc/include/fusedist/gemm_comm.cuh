@@ -4,11 +4,12 @@
 // decode step. With M this small the GEMM is bound by reading w once from HBM, so the kernel
 // streams w at full bandwidth and hides the all-reduce behind the stream:
 //  * Block b owns the 64-column strips t = b, b + grid, ... of the output. It streams strip t
-//    of w through a kStages-deep ring of 64 x 64 tiles loaded by the copy engine (TMA, one
-//    thread issues, an mbarrier per stage says "landed"; per-thread cp.async topped out near
-//    3.1 TB/s), the x tile rides along by cp.async from L2, and the warps multiply on tensor
-//    cores (mma.sync m16n8k16, fp32 accumulators), splitting K (small M) or M (larger M); a
-//    shared-memory pass sums the K-split partials.
+//    of w through a kStages-deep ring of 64 x 64 tiles that the copy engine (TMA) loads with
+//    the matching x tile. A producer warp issues the copies and waits only on "empty"
+//    mbarriers; the consumer warps wait on "full" ones, multiply on tensor cores (mma.sync
+//    m16n8k16, fp32 accumulators) and release the stage, so no block-wide barrier sits on the
+//    streaming path. Consumer warps split K (small M) or M (larger M); a shared-memory pass
+//    sums the K-split partials.
 //  * The first stages of w are requested before griddepcontrol.wait: weights never depend on
 //    the previous kernel, so under PDL (launch.h) their loads overlap that kernel's tail.
 //  * Exchange (world > 1): the strip is rounded to T -- what an unfused GEMM hands its
@@ -29,7 +30,7 @@
 // Contract: w is not written by the kernel launched just before this one on the stream
 // (it is prefetched before griddepcontrol.wait); weights of an inference model never are.
 #pragma once
-#include "fusedist/mma.cuh"
+#include "fusedist/mma.cuh"  // also the TMA / mbarrier helpers
 #include "fusedist/symmetric.cuh"
 
 namespace fusedist {
@@ -37,16 +38,18 @@ namespace fusedist {
 constexpr int kGemmArBN = 64;  // output columns per strip
 constexpr int kGemmArBK = 64;  // K per pipeline stage (one 128-byte smem row of T)
 
-// kWarps warps: kWM along M (kMT m16 tiles each), kWK = kWarps / kWM splitting each stage's
-// four k16 steps. Deep rings for small M: a memory-bound kernel needs bytes in flight.
+// kWarps consumer warps: kWM along M (kMT m16 tiles each), kWK = kWarps / kWM splitting each
+// stage's four k16 steps; plus one producer warp that only issues copies. Deep rings for small
+// M: a memory-bound kernel needs bytes in flight.
 // Shared memory (offsets from a 1024-byte aligned base):
-//   [0, S * 8 KB)          weight ring: stage s = the 64 x 64 tile of w, TMA-swizzled
-//   then S * kABytes       x ring: stage s = kMPad rows x 64 (rows >= M stay zero)
+//   [0, S * 8 KB)          weight ring: stage s = the 64 x 64 tile of w (TMA, 128-byte swizzle)
+//   then S * kABytes       x ring: stage s = kMPad rows x 64 of x (TMA; rows >= M read as 0)
 //   then kRedBytes         fp32 partials of the kWK K-split warps, [kWK][kMPad][64 + 4]
-//   then S mbarriers       "weight stage s landed"
+//   then 2 S mbarriers     full[s] "stage s landed", empty[s] "every consumer warp is done"
 template <int kMT, int kWM, int kWarps>
 struct GemmArTile {
-  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kConsumers = 32 * kWarps;
+  static constexpr int kThreads = kConsumers + 32;  // + the producer warp
   static constexpr int kWK = kWarps / kWM;
   static_assert(kWK >= 1 && kWK <= 4, "a stage has four k16 steps");
   static constexpr int kMPad = 16 * kMT * kWM;
@@ -58,81 +61,88 @@ struct GemmArTile {
   static constexpr int kAOffset = kStages * kBBytes;
   static constexpr int kRedOffset = kAOffset + kStages * kABytes;
   static constexpr int kBarOffset = kRedOffset + kRedBytes;
-  static constexpr int kSmemBytes = kBarOffset + kStages * 8 + 1024;  // + base alignment
+  static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + base alignment
   static_assert(kSmemBytes <= 227 * 1024, "fits one SM's shared memory");
 };
 
 template <typename T, int kMT, int kWM, int kWarps, bool kWeightNK>
-__global__ void __launch_bounds__(32 * kWarps, 1)
+__global__ void __launch_bounds__(32 * kWarps + 32, 1)
     gemm_ar_kernel(const __grid_constant__ SymmView v,
-                   const __grid_constant__ CUtensorMap wmap, const T* __restrict__ x,
-                   int64_t ldx, const T* __restrict__ bias, T* out, int M, int N, int K) {
+                   const __grid_constant__ CUtensorMap wmap,
+                   const __grid_constant__ CUtensorMap xmap, const T* __restrict__ bias, T* out,
+                   int M, int N, int K) {
   using Cfg = GemmArTile<kMT, kWM, kWarps>;
   constexpr int S = Cfg::kStages;
-  constexpr int kThreads = Cfg::kThreads;
   constexpr int kPer = ElemTraits<T>::kPerVec;  // 8
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
   const uint32_t base = smem_addr(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp % kWM, wk = warp / kWM;
   const int strips = (N + kGemmArBN - 1) / kGemmArBN;
   const int KT = (K + kGemmArBK - 1) / kGemmArBK;
   const bool exchange = v.world > 1;
 
   auto b_stage = [&](int s) { return base + s * Cfg::kBBytes; };
   auto a_stage = [&](int s) { return base + Cfg::kAOffset + s * Cfg::kABytes; };
-  auto bar = [&](int s) { return base + Cfg::kBarOffset + s * 8; };
+  auto full = [&](int s) { return base + Cfg::kBarOffset + s * 8; };
+  auto empty = [&](int s) { return base + Cfg::kBarOffset + (S + s) * 8; };
   float* red = reinterpret_cast<float*>(smem + Cfg::kRedOffset);
 
   if (tid == 0) {
-    for (int s = 0; s < S; ++s) mbar_init(bar(s), 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kWarps);
+    }
     mbar_init_fence();
-  }
-  // x rows M..kMPad-1 are never loaded: zero them once in every stage.
-  for (int c = tid; c < (Cfg::kMPad - M) * 8 * S; c += kThreads) {
-    const int s = c / ((Cfg::kMPad - M) * 8), r = c % ((Cfg::kMPad - M) * 8);
-    *reinterpret_cast<uint4*>(smem + Cfg::kAOffset + s * Cfg::kABytes + (M + (r >> 3)) * 128 +
-                              ((r & 7) << 4)) = make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
 
-  // Weight tile kt of strip n0 into ring position q (one thread issues; TMA zero-fills past
-  // the edges of w, so K and N tails need no special case).
-  auto load_b = [&](uint32_t q, int kt, int n0) {
+  const bool producer = warp == kWarps;
+  auto load_w = [&](uint32_t q, int kt, int n0) {  // arms full[s] for the w and x tiles
     const int s = int(q % S);
-    mbar_arrive_expect_tx(bar(s), Cfg::kBBytes);
+    mbar_arrive_expect_tx(full(s), Cfg::kBBytes + Cfg::kABytes);
     if constexpr (kWeightNK)
-      tma_load_2d(b_stage(s), &wmap, kt * kGemmArBK, n0, bar(s));
+      tma_load_2d(b_stage(s), &wmap, kt * kGemmArBK, n0, full(s));
     else
-      tma_load_2d(b_stage(s), &wmap, n0, kt * kGemmArBK, bar(s));
+      tma_load_2d(b_stage(s), &wmap, n0, kt * kGemmArBK, full(s));
   };
-  auto load_a = [&](uint32_t q, int kt) {
-    const int k0 = kt * kGemmArBK;
-    const uint32_t dst = a_stage(int(q % S));
-    for (int c = tid; c < M * 8; c += kThreads) {
-      const int row = c >> 3, ch = c & 7, gk = k0 + ch * 8;
-      const bool ok = gk < K;
-      cp_async16(dst + swz(row, ch), ok ? x + row * ldx + gk : x, ok ? 16u : 0u);
-    }
+  auto load_x = [&](uint32_t q, int kt) {
+    tma_load_2d(a_stage(int(q % S)), &xmap, kt * kGemmArBK, 0, full(int(q % S)));
   };
+  // Weights never depend on the previous kernel: the first strip's first stages are requested
+  // before griddepcontrol.wait (under PDL they overlap that kernel's tail).
+  const int first_strip = blockIdx.x;
+  const int pre = S < KT ? S : KT;
+  if (producer && lane == 0)
+    for (int kt = 0; kt < pre; ++kt) load_w(kt, kt, first_strip * kGemmArBN);
+  pdl_wait();  // x, out and the epoch may belong to the previous kernel
+  const uint32_t epoch = exchange ? begin_epoch(v.ctl, load_epoch(v.ctl)) : 0u;
 
-  uint32_t epoch = 0;
-  uint32_t pos = 0;  // ring positions consumed so far: stage = pos % S, phase = (pos / S) & 1
-  bool first = true;
-  for (int strip = blockIdx.x; strip < strips; strip += gridDim.x) {
+  if (producer) {  // ---- producer warp: keep the ring full ------------------------------
+    if (lane == 0) {
+      uint32_t pos = 0;
+      for (int strip = first_strip; strip < strips; strip += gridDim.x) {
+        for (int kt = 0; kt < KT; ++kt) {
+          const uint32_t q = pos + kt;
+          if (strip != first_strip || kt >= pre) {
+            // Wait until every consumer warp released the previous lap of this stage.
+            if (q >= uint32_t(S)) mbar_wait(empty(int(q % S)), ((q / S) - 1u) & 1u);
+            load_w(q, kt, strip * kGemmArBN);
+          }
+          load_x(q, kt);
+        }
+        pos += KT;
+      }
+    }
+    return;  // the consumers finish the epoch (thread 0 is theirs)
+  }
+
+  // ---- consumer warps ---------------------------------------------------------------------
+  const int wm = warp % kWM, wk = warp / kWM;
+  uint32_t pos = 0;  // ring positions consumed: stage = pos % S, phase = (pos / S) & 1
+  for (int strip = first_strip; strip < strips; strip += gridDim.x) {
     const int n0 = strip * kGemmArBN;
-    if (tid == 0)
-      for (int s = 0; s < S - 1 && s < KT; ++s) load_b(pos + s, s, n0);
-    if (first) {  // x and the epoch may be written by the previous kernel; w never is
-      pdl_wait();
-      if (exchange) epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
-      first = false;
-    }
-    for (int s = 0; s < S - 1 && s < KT; ++s) load_a(pos + s, s);
-    cp_async_commit();
-
     float acc[kMT][8][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -143,22 +153,9 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
 
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t q = pos + kt;
-      // x stage kt: at kt = 0 the prologue's group; later, all but the S - 2 groups
-      // committed after it. Weight stage kt: its barrier's phase for this lap of the ring.
-      if (kt == 0)
-        cp_async_wait<0>();
-      else
-        cp_async_wait<S - 2>();
-      mbar_wait(bar(int(q % S)), (q / S) & 1u);
-      __syncthreads();  // ...for every thread, and ring position q - 1 is free to refill
-      const int nk = kt + S - 1;
-      if (nk < KT) {
-        load_a(pos + nk, nk);
-        if (tid == 0) load_b(pos + nk, nk, n0);
-      }
-      cp_async_commit();
-
-      const uint32_t as = a_stage(int(q % S)), bs = b_stage(int(q % S));
+      const int st = int(q % S);
+      mbar_wait(full(st), (q / S) & 1u);
+      const uint32_t as = a_stage(st), bs = b_stage(st);
 #pragma unroll
       for (int j = 0; j < 4 / Cfg::kWK; ++j) {
         const int kk = wk + j * Cfg::kWK;  // this warp's k16 step within the stage
@@ -182,10 +179,11 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
           }
         }
       }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(st));  // this warp is done reading stage st
     }
     pos += KT;
-    cp_async_wait<0>();
-    pdl_trigger();  // the next kernel may start its weight prefetch during our exchange
+    pdl_trigger();  // the next kernel may get scheduled during our exchange
 
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -197,7 +195,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         *reinterpret_cast<float2*>(p + 8 * Cfg::kRedStride) =
             make_float2(acc[mt][nt][2], acc[mt][nt][3]);
       }
-    __syncthreads();
+    named_barrier_sync(1, Cfg::kConsumers);
 
     // Vector i of the strip: row i / 8, columns n0 + 8 (i % 8) ... + 7.
     auto strip_vec = [&](int i, float (&f)[kPer]) {
@@ -219,14 +217,14 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
     };
     const int nvec = M * (kGemmArBN / kPer);
     if (!exchange) {
-      for (int i = tid; i < nvec; i += kThreads) {
+      for (int i = tid; i < nvec; i += Cfg::kConsumers) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);
         finish(i, (int64_t(i >> 3) * N + n0) / kPer + (i & 7), f);
       }
     } else {
-      for (int i = tid; i < nvec; i += kThreads) {
+      for (int i = tid; i < nvec; i += Cfg::kConsumers) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);
@@ -236,7 +234,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         for (int p = 0; p < v.world; ++p)
           if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + vi, part);
       }
-      for (int i = tid; i < nvec; i += kThreads) {
+      for (int i = tid; i < nvec; i += Cfg::kConsumers) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
         strip_vec(i, f);
@@ -255,7 +253,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
         finish(i, vi, sum);
       }
     }
-    __syncthreads();  // `red` is rewritten by the next strip
+    named_barrier_sync(1, Cfg::kConsumers);  // `red` is rewritten by the next strip
   }
   if (exchange) finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpGemmAr);
 }
