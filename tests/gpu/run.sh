@@ -63,6 +63,13 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
     { echo "== compute-sanitizer $tool"; grep -E "^=========" "$LOGS/san_$tool.log" | head -40; } \
       >> "$OUT/summary.txt.head"
   done
+  # The fused GEMM + all-reduce kernel (TMA, mbarriers, symmetric exchange) under memcheck.
+  FUSEDIST_TEST_ONLY=gemm_ar_fused_matches FUSEDIST_TEST_SEED=7 stage "san_gemm" "${FUSEDIST_SAN_TIMEOUT:-600}" \
+    python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
+    compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
+    --report-api-errors no python3 tests/dist/worker_gemm_comm.py
+  { echo "== compute-sanitizer memcheck (gemm_ar fused)"; grep -E "^=========" "$LOGS/san_gemm.log" | head -20; } \
+    >> "$OUT/summary.txt.head"
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
