@@ -27,6 +27,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def git_commit() -> str:
+    """FUSEDIST_COMMIT when set (tests/gpu/run.sh passes it: the GPU host's copy of the tree
+    may carry a stale .git), else git's HEAD."""
+    if os.environ.get("FUSEDIST_COMMIT"):
+        return os.environ["FUSEDIST_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True, timeout=10)
