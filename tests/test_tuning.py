@@ -162,3 +162,27 @@ def test_missing_tuning_file_is_an_error(clean_env, monkeypatch):
     monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(clean_env / "nope.json"))
     with pytest.raises(ValueError, match="FUSEDIST_TUNING_FILE=.*does not exist"):
         tuning.load_table("NVIDIA H200", 2)
+
+
+# ---- GEMM + collective engine choice ---------------------------------------------------------
+GEMM_TABLE = {"gemm_comm": {"gemm_ar": {"min_mnk": 1 << 38, "chunks": 2, "fused_max_m": 32},
+                            "gemm_rs": {"min_mnk": None}}}
+
+
+@pytest.mark.parametrize("m,fused_ok,engine", [
+    (1, True, "fused"), (32, True, "fused"), (33, True, "unfused"), (1, False, "unfused"),
+    (8192, True, "overlap"), (8192, False, "overlap")])
+def test_choose_gemm_ar_fused_window(m, fused_ok, engine):
+    assert tuning.choose_gemm(GEMM_TABLE, "gemm_ar", m, 8192, 4096, 2, fused_ok=fused_ok) == engine
+
+
+def test_choose_gemm_never_fused_without_a_rule_or_a_peer():
+    assert tuning.choose_gemm({}, "gemm_ar", 1, 8192, 4096, 2, fused_ok=True) == "unfused"
+    assert tuning.choose_gemm(GEMM_TABLE, "gemm_ar", 1, 8192, 4096, 1, fused_ok=True) == "unfused"
+    assert tuning.choose_gemm(GEMM_TABLE, "gemm_rs", 8192, 8192, 8192, 2) == "unfused"
+
+
+def test_shipped_table_picks_fused_for_decode_gemm_ar(clean_env):
+    table = tuning.load_table("NVIDIA H200", 2)
+    assert tuning.choose_gemm(table, "gemm_ar", 1, 8192, 4096, 2, fused_ok=True) == "fused"
+    assert tuning.choose_gemm(table, "gemm_ar", 1, 8192, 4096, 2, fused_ok=False) == "unfused"
