@@ -56,7 +56,10 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["gemm_only"] = lambda i: torch.matmul(gathered, w, out=out)
         steps["collective_only"] = lambda i: comm.nccl.all_gather(x, gathered)
         steps["unfused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="unfused", out=out)
-        steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap", out=out)
+        steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
+                                                         transport="nccl", out=out)
+        steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
+                                                            transport="copy_engine", out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
     elif op == "gemm_rs":
@@ -90,7 +93,14 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out)
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out)
-    if M <= 128 and op == "gemm_ar":  # correctness of what is about to be timed
+    if op == "ag_gemm":  # correctness of what is about to be timed
+        ref = steps["unfused"](0).clone()
+        got = steps["fd_overlap_ce"](0).clone()
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err < 2e-2:
+            raise RuntimeError(f"fd_overlap_ce M={M} N={N} K={K}: rel err {err:.3g} vs the "
+                               "unfused path; not timing a wrong kernel")
+    if M <= 128 and op == "gemm_ar":
         for name in ("fd_fused", "gemm_fd"):
             ref = fusedist.gemm_ar(x, w, group=comm, engine="unfused") if name == "fd_fused" \
                 else torch.matmul(x, w)
@@ -186,7 +196,10 @@ def main():
         fusedist.shutdown()
         return
     dtype = getattr(torch, args.dtype)
-    comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20)
+    # Staging for ag_gemm's copy-engine all-gather: the largest x_shard (M / world x K).
+    stage = max((M // rt.tp.size) * K * torch.finfo(dtype).bits // 8
+                for op, M, N, K in shapes(args.quick) if op == "ag_gemm")
+    comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)
     rows = []
     ops = set(args.ops.split(","))
     todo = [sh for sh in shapes(args.quick) if sh[0] in ops and

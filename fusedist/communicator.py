@@ -72,26 +72,33 @@ class Communicator:
     max_bytes: largest all-reduce served by symmetric memory (two-shot); larger ones use NCCL.
     one_shot_max_bytes: one-shot capacity (per-rank slot size). timeout_s: bounded wait for a
     peer inside symmetric kernels (default FUSEDIST_TIMEOUT_S or 30 s). symmetric=False skips
-    symmetric memory (NCCL only).
+    symmetric memory (NCCL only). staging_bytes: symmetric staging space for ag_gemm's
+    copy-engine all-gather (0: none; ag_gemm's shard must fit, x_shard bytes <= staging_bytes).
     """
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
-                 timeout_s: Optional[float] = None, symmetric: bool = True):
+                 timeout_s: Optional[float] = None, symmetric: bool = True,
+                 staging_bytes: int = 0):
         rt = get_runtime()
         self.group = resolve_group(group)
         if not self.group.is_member:
             raise ValueError(f"fusedist.Communicator: this rank is not in group "
                              f"{self.group.name} {list(self.group.ranks)}")
         for name, v in (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)):
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"fusedist.Communicator: {name} must be a positive int, got {v!r}")
+        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or \
+                staging_bytes < 0:
+            raise ValueError(f"fusedist.Communicator: staging_bytes must be an int >= 0, got "
+                             f"{staging_bytes!r}")
         self.device = self.group.device
         self.closed = False
         self.symm: Optional[SymmetricMemory] = None
         self.nccl = None
         self.nccl_overlap = None
         self._pending_async: Optional[torch.cuda.Event] = None
+        self._barrier_token: Optional[torch.Tensor] = None  # ag_gemm's copy-engine barriers
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
             _ext.load()
@@ -100,9 +107,11 @@ class Communicator:
             if symmetric and self.group.size > 1:
                 try:
                     self.symm = SymmetricMemory(self.group, max_bytes, min(one_shot_max_bytes,
-                                                max_bytes), timeout_s)
+                                                max_bytes), timeout_s, staging_bytes)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
+            if self.symm is not None and self.symm.staging_bytes > 0:
+                self._barrier_token = torch.zeros(8, dtype=torch.float32, device=self.device)
             try:
                 self.nccl = NcclComm(self.group)
             except BaseException:
@@ -235,6 +244,12 @@ class Communicator:
             stream.wait_event(self._pending_async)
             self._pending_async = None
         return stream
+
+    def _device_barrier(self) -> None:
+        """Barrier on the current stream, on the device: a one-shot all-reduce of 32 bytes,
+        which completes on a rank only after every peer's kernel ran, i.e. after everything
+        queued before it on the peers' streams. Bounded by the communicator's timeout."""
+        self.all_reduce(self._barrier_token, algo="one_shot", out=self._barrier_token)
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         stream = self._stream()

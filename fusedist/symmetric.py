@@ -35,10 +35,16 @@ def default_timeout_s() -> float:
 
 class SymmetricMemory:
     """Symmetric buffers for `group` able to all-reduce up to `max_bytes` with two-shot and
-    `one_shot_max_bytes` with one-shot."""
+    `one_shot_max_bytes` with one-shot, plus `staging_bytes` of plain staging space that peers
+    read with the copy engine (ag_gemm's copy-engine all-gather).
+
+    Layout of each rank's allocation (identical on every rank):
+      [0, GENERATIONS * gen_bytes)   sentinel-protocol slots (layout.h)
+      [staging_offset, + staging_bytes)   staging: written only by the owner (its own shard),
+                                     read by peers between two barriers (ops/gemm_comm.py)"""
 
     def __init__(self, group: Group, max_bytes: int, one_shot_max_bytes: int,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, staging_bytes: int = 0):
         C = _ext.load()
         self.group = group
         self._C = C
@@ -73,7 +79,9 @@ class SymmetricMemory:
         chunk_bytes = _align(-(-self.max_bytes // W), 16)
         self.slot_bytes = max(self.one_shot_max_bytes, chunk_bytes)
         self.gen_bytes = W * self.slot_bytes + self.max_bytes
-        total = C.GENERATIONS * self.gen_bytes
+        self.staging_offset = C.GENERATIONS * self.gen_bytes
+        self.staging_bytes = _align(max(0, staging_bytes), 256)
+        total = self.staging_offset + self.staging_bytes
         stream = torch.cuda.current_stream().cuda_stream
 
         self._base = C.device_alloc(total)
@@ -102,6 +110,7 @@ class SymmetricMemory:
                 raise PeerAccessError(f"fusedist: cannot map peers' symmetric buffers through "
                                       f"CUDA IPC ({errs[0]}); ops fall back to NCCL")
             self.max_blocks = min(p["sms"] for p in peers)
+            self.bases = list(bases)  # rank p's allocation, mapped into this process
             self.handle = C.SymmComm(r, W, bases, self.gen_bytes, self.slot_bytes, self._control,
                                      C.host_mapped_device_ptr(self._err_host), self.timeout_s,
                                      self.max_blocks)

@@ -205,12 +205,62 @@ def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
 
 
 # ---- ag_gemm ------------------------------------------------------------------------------
+TRANSPORTS = ("auto", "nccl", "copy_engine")
+
+
+def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> str:
+    """How the overlap engine all-gathers: "copy_engine" (peers pull each shard from symmetric
+    staging with cudaMemcpyAsync: no SMs) when the communicator has staging space for the
+    shard, else "nccl". Depends only on sizes, identical on every rank."""
+    nbytes = x_shard.numel() * x_shard.element_size()
+    fits = comm.symm is not None and comm.symm.staging_bytes >= nbytes
+    if transport == "copy_engine" and not fits:
+        have = 0 if comm.symm is None else comm.symm.staging_bytes
+        raise ValueError(f"fusedist.ag_gemm: transport='copy_engine' needs {nbytes} bytes of "
+                         f"symmetric staging, the communicator has {have}; create "
+                         f"fusedist.Communicator(staging_bytes>={nbytes}) (NVLink peers only) or "
+                         "use transport='auto'")
+    if transport == "auto":
+        return "copy_engine" if fits else "nccl"
+    return transport
+
+
+def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
+             cs: torch.cuda.Stream) -> list:
+    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging,
+    barrier, pull every peer's shard into `gathered` (one event per peer), barrier again so no
+    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays)."""
+    C = _ext.load()
+    symm = comm.symm
+    W, r = comm.group.size, comm.group.rank
+    nbytes = x_shard.numel() * x_shard.element_size()
+    events = []
+    with torch.cuda.stream(cs):
+        C.memcpy_async(symm.bases[r] + symm.staging_offset, x_shard.data_ptr(), nbytes,
+                       cs.cuda_stream)
+        comm._device_barrier()
+        for d in range(1, W):
+            j = (r + d) % W
+            C.memcpy_async(gathered.data_ptr() + j * nbytes, symm.bases[j] + symm.staging_offset,
+                           nbytes, cs.cuda_stream)
+            ev = torch.cuda.Event()
+            ev.record(cs)
+            events.append((j, ev))
+        comm._device_barrier()
+    return events
+
+
 def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-            group: GroupLike = None, engine: str = "auto", out: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
+            group: GroupLike = None, engine: str = "auto", out: Optional[torch.Tensor] = None,
+            transport: str = "auto") -> torch.Tensor:
     """all_gather(x_shard over the group, along rows) @ w (+ bias). x_shard [m, K] on every rank,
-    w [K, N]; returns [world * m, N], bitwise the same on every rank."""
+    w [K, N]; returns [world * m, N], bitwise the same on every rank. transport (overlap
+    engine): "auto" (copy engine when the communicator has staging_bytes for the shard, else
+    NCCL), "nccl" or "copy_engine"."""
     op = "ag_gemm"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"fusedist.ag_gemm: transport must be one of {TRANSPORTS}, got "
+                         f"{transport!r}")
     comm = get_communicator(group)
     _validate(op, comm, x_shard, w, bias, "x_shard", "w")
     W, r = comm.group.size, comm.group.rank
@@ -218,6 +268,7 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     n = w.shape[1]
     out = _out(op, out, (W * m, n), x_shard)
     eng = _engine(op, engine, W * m, n, k, comm)
+    how = _ag_transport(comm, x_shard, transport) if comm.device.type == "cuda" else "nccl"
     with nvtx_range(f"fusedist.ag_gemm.{eng}"):
         if comm.device.type == "cpu":
             parts = [torch.empty_like(x_shard, dtype=torch.float32) for _ in range(W)]
@@ -230,21 +281,27 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         if eng == "unfused":
             comm.nccl.all_gather(x_shard, gathered)
             return _mm(gathered, w, out, bias)
-        main = torch.cuda.current_stream(x_shard.device)
+        main = comm._stream() if how == "copy_engine" else \
+            torch.cuda.current_stream(x_shard.device)
         cs = _fork(main)
-        with torch.cuda.stream(cs):
-            comm.nccl_overlap.all_gather(x_shard, gathered)
-            gathered_ev = torch.cuda.Event()
-            gathered_ev.record(cs)
+        if how == "copy_engine":
+            ready = _ag_pull(comm, x_shard, gathered, cs)
+        else:
+            with torch.cuda.stream(cs):
+                comm.nccl_overlap.all_gather(x_shard, gathered)
+                gathered_ev = torch.cuda.Event()
+                gathered_ev.record(cs)
+            ready = [((r + d) % W, gathered_ev) for d in range(1, W)]
         x_shard.record_stream(cs)
         gathered.record_stream(cs)
         # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
         # takes the same path everywhere and the output is bitwise identical across ranks.
         _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
-        main.wait_event(gathered_ev)
-        for d in range(1, W):
-            j = (r + d) % W
+        for j, ev in ready:
+            main.wait_event(ev)
             _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
+        if how == "copy_engine":
+            main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
         return out
 
 

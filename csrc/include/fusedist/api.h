@@ -36,6 +36,7 @@ uintptr_t host_mapped_alloc(uint64_t bytes);      // zeroed, returns the host po
 uintptr_t host_mapped_device_ptr(uintptr_t host_ptr);
 void host_mapped_free(uintptr_t host_ptr);
 void stream_synchronize(uintptr_t stream);
+void memcpy_async(uintptr_t dst, uintptr_t src, uint64_t bytes, uintptr_t stream);  // D2D / peer
 std::string copy_to_host(uintptr_t device_ptr, uint64_t bytes);  // debugging and tests
 
 // One rank's handle on a symmetric communicator: the SymmView kernels receive, plus the
