@@ -43,6 +43,21 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
+// Mark the communicator failed and, if this is the first failure, fill the host-visible
+// error record (the host reads `code` last, after the fields it describes).
+__device__ __forceinline__ void record_timeout(Control* ctl, ErrorRecord* err, int rank,
+                                               int peer, uint32_t epoch, uint32_t op) {
+  if (atomicCAS(&ctl->failed, 0u, 1u) != 0u) return;
+  volatile ErrorRecord* e = err;
+  e->rank = rank;
+  e->peer = peer;
+  e->epoch = epoch;
+  e->op = op;
+  __threadfence_system();
+  e->code = kErrTimeout;
+  __threadfence_system();
+}
+
 // Spin until every word of *p differs from kEmptyWord. Returns false on timeout (after
 // recording it) or when the communicator already failed. The clock is read only every 256
 // spins, so the fast path is one volatile load and four compares.
@@ -67,16 +82,7 @@ __device__ __forceinline__ bool wait_vec(const Vec16* p, Vec16& out, Control* ct
       if (start == 0) {
         start = now;
       } else if (now - start > timeout_ns) {
-        if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {
-          volatile ErrorRecord* e = err;
-          e->rank = rank;
-          e->peer = peer;
-          e->epoch = epoch;
-          e->op = op;
-          __threadfence_system();
-          e->code = kErrTimeout;
-          __threadfence_system();
-        }
+        record_timeout(ctl, err, rank, peer, epoch, op);
         return false;
       }
     }
@@ -130,15 +136,7 @@ __device__ __forceinline__ void finish_epoch(Control* ctl, ErrorRecord* err,
         if (start == 0) {
           start = now;
         } else if (now - start > timeout_ns) {
-          if (atomicCAS(&ctl->failed, 0u, 1u) == 0u) {
-            volatile ErrorRecord* e = err;
-            e->rank = rank;
-            e->peer = rank;
-            e->epoch = epoch;
-            e->op = op;
-            __threadfence_system();
-            e->code = kErrTimeout;
-          }
+          record_timeout(ctl, err, rank, rank, epoch, op);  // peer == rank: our own blocks
           break;
         }
       }
