@@ -13,8 +13,10 @@ vs torch async-TP (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_red
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,6 +183,56 @@ def gemm_table(rows) -> str:
     return "\n".join(lines)
 
 
+PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_c2",
+                 "fd_overlap_c4", "fd_fused", "fd_fused_nk")
+
+
+def plot_rows(rows, meta, path) -> None:
+    """Speedup over `unfused` (1.0 = no gain) per shape and backend, one panel per op group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [("ag_gemm", lambda r: r["op"] == "ag_gemm"),
+              ("gemm_rs", lambda r: r["op"] == "gemm_rs"),
+              ("gemm_ar prefill", lambda r: r["op"] == "gemm_ar" and r["M"] > 128),
+              ("gemm_ar decode", lambda r: r["op"] == "gemm_ar" and r["M"] <= 128)]
+    groups = [(t, f) for t, f in groups if any(f(r) for r in rows)]
+    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 3.2 * len(groups)), squeeze=False)
+    for ax, (title, keep) in zip(axes[:, 0], groups):
+        shapes_ = sorted({(r["M"], r["N"], r["K"]) for r in rows if keep(r)})
+        by = {(r["M"], r["N"], r["K"], r["backend"]): r for r in rows if keep(r)}
+        backends = [b for b in PLOT_BACKENDS if any(k[3] == b for k in by)]
+        width = 0.8 / max(1, len(backends))
+        for i, b in enumerate(backends):
+            xs, ys = [], []
+            for j, sh in enumerate(shapes_):
+                r, u = by.get(sh + (b,)), by.get(sh + ("unfused",))
+                if r and u and r["status"] == "ok" and r["time_us"] == r["time_us"]:
+                    xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                    ys.append(u["time_us"] / r["time_us"])
+            ax.bar(xs, ys, width, label=b)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(shapes_)))
+        ax.set_xticklabels([f"{m}x{n}x{k}" for m, n, k in shapes_], fontsize=7, rotation=20)
+        ax.set_ylabel("speedup vs unfused")
+        ax.set_title(f"{title} (M x N x K)", fontsize=9)
+        ax.legend(fontsize=7, ncol=4)
+    fig.suptitle(f"GEMM + collective, {meta.get('world_size')} x {meta.get('gpu', 'CPU')}, "
+                 f"{meta.get('dtype')}, commit {meta.get('commit')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def replot(json_path: str) -> None:
+    """Redraw the PNG of a saved results JSON (no GPUs needed)."""
+    data = json.loads(Path(json_path).read_text())
+    out = Path(json_path).with_suffix(".png")
+    plot_rows(data["rows"], data["meta"], out)
+    print(f"plot -> {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +241,12 @@ def main():
     ap.add_argument("--ops", default="ag_gemm,gemm_rs,gemm_ar",
                     help="comma-separated subset of ops")
     ap.add_argument("--max-m", type=int, default=None, help="only shapes with M <= this")
+    ap.add_argument("--replot", metavar="RESULTS_JSON", default=None,
+                    help="only redraw the PNG of a saved results file, then exit")
     args = ap.parse_args()
+    if args.replot:
+        replot(args.replot)
+        return
     rt = fusedist.init()
     if rt.device.type != "cuda":
         print("gemm_comm benchmark needs GPUs")
@@ -218,7 +275,8 @@ def main():
     if gl:
         md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl
     if rt.rank == 0:
-        paths = write_results("gemm_comm", meta, rows, md)
+        paths = write_results("gemm_comm", meta, rows, md,
+                              lambda path: plot_rows(rows, meta, path))
         print("\n" + md + "\n\nresults: " + ", ".join(map(str, paths)))
     dist.barrier()
     comm.close()
