@@ -24,3 +24,69 @@ def test_gemm_comm_cpu_mpirun_3_ranks():
 @pytest.mark.timeout(900)
 def test_gemm_comm_gpu2():
     assert_passed(torchrun("worker_gemm_comm.py", 2, timeout=850), 2)
+
+
+# ---- dispatch helpers (no processes) ---------------------------------------------------------
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from fusedist.ops import gemm_comm as gc  # noqa: E402
+
+TABLE = {"gemm_comm": {"gemm_ar": {"min_mnk": 1 << 38, "chunks": 2, "fused_max_m": 32},
+                       "ag_gemm": {"min_mnk": 1 << 35}}}
+
+
+def _comm(world=2, device="cuda", staging=0, symm=True):
+    s = SimpleNamespace(staging_bytes=staging) if symm else None
+    return SimpleNamespace(device=torch.device(device), group=SimpleNamespace(size=world),
+                           table=TABLE, symm=s)
+
+
+def test_weight_layouts():
+    w = torch.empty(64, 40)
+    assert gc._weight_layout(w) == (False, 40)                     # [K, N] row-major
+    assert gc._weight_layout(torch.empty(40, 64).t()) == (True, 64)  # nn.Linear weight .t()
+    assert gc._weight_layout(torch.empty(64, 80)[:, ::2]) is None   # strided columns
+    assert gc._weight_layout(torch.empty(64, 44)[:, :40]) is None   # row stride not a multiple of 8
+
+
+@pytest.mark.parametrize("m,why_not,engine", [
+    (1, None, "fused"), (32, None, "fused"), (33, None, "unfused"), (1, "dtype", "unfused")])
+def test_engine_auto_for_decode_gemm_ar(monkeypatch, m, why_not, engine):
+    monkeypatch.delenv("FUSEDIST_GEMM_ENGINE", raising=False)
+    assert gc._engine("gemm_ar", "auto", m, 8192, 4096, _comm(), why_not) == engine
+
+
+def test_engine_env_fused_only_where_it_applies(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "fused")
+    assert gc._engine("gemm_ar", "auto", 64, 8192, 4096, _comm(), None) == "fused"
+    # ag_gemm has no fused kernel: the table decides (overlap from 2^35 here).
+    assert gc._engine("ag_gemm", "auto", 8192, 8192, 8192, _comm()) == "overlap"
+    monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "unfused")
+    assert gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None) == "unfused"
+    monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "warp-drive")
+    with pytest.raises(ValueError, match="FUSEDIST_GEMM_ENGINE"):
+        gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None)
+
+
+def test_engine_fused_forced_names_the_reason():
+    with pytest.raises(ValueError, match="M = 200 rows"):
+        gc._engine("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
+    with pytest.raises(ValueError, match="only gemm_ar"):
+        gc._engine("ag_gemm", "fused", 8192, 8192, 8192, _comm())
+
+
+def test_engine_single_rank_or_cpu_is_unfused():
+    assert gc._engine("gemm_ar", "fused", 1, 8192, 4096, _comm(world=1), None) == "unfused"
+    assert gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(device="cpu"), None) == "unfused"
+
+
+def test_ag_transport_choice():
+    x = torch.empty(128, 64, dtype=torch.bfloat16)  # 16 KiB shard
+    assert gc._ag_transport(_comm(staging=16384), x, "auto") == "copy_engine"
+    assert gc._ag_transport(_comm(staging=16383), x, "auto") == "nccl"
+    assert gc._ag_transport(_comm(symm=False), x, "auto") == "nccl"
+    assert gc._ag_transport(_comm(staging=1 << 20), x, "nccl") == "nccl"
+    with pytest.raises(ValueError, match=r"staging_bytes>=16384"):
+        gc._ag_transport(_comm(staging=0), x, "copy_engine")
