@@ -73,7 +73,9 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["unfused"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="unfused", out=out)
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_rs(
-                x, w, group=comm, engine="overlap", chunks=c, out=out))(c)
+                x, w, group=comm, engine="overlap", chunks=c, transport="nccl", out=out))(c)
+        steps["fd_overlap_ce"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="overlap",
+                                                            transport="copy_engine", out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
     else:
@@ -95,7 +97,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out)
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out)
-    if op == "ag_gemm":  # correctness of what is about to be timed
+    if op in ("ag_gemm", "gemm_rs"):  # correctness of what is about to be timed
         ref = steps["unfused"](0).clone()
         got = steps["fd_overlap_ce"](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -253,9 +255,12 @@ def main():
         fusedist.shutdown()
         return
     dtype = getattr(torch, args.dtype)
-    # Staging for ag_gemm's copy-engine all-gather: the largest x_shard (M / world x K).
-    stage = max((M // rt.tp.size) * K * torch.finfo(dtype).bits // 8
-                for op, M, N, K in shapes(args.quick) if op == "ag_gemm")
+    # Staging for the copy-engine transports: ag_gemm's x_shard (M / world x K), gemm_rs's
+    # partials (M x N).
+    esize = torch.finfo(dtype).bits // 8
+    stage = max([(M // rt.tp.size) * K * esize for op, M, N, K in shapes(args.quick)
+                 if op == "ag_gemm"] +
+                [M * N * esize for op, M, N, K in shapes(args.quick) if op == "gemm_rs"])
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)
     rows = []
     ops = set(args.ops.split(","))

@@ -208,21 +208,24 @@ def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
-def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> str:
-    """How the overlap engine all-gathers: "copy_engine" (peers pull each shard from symmetric
-    staging with cudaMemcpyAsync: no SMs) when the communicator has staging space for the
-    shard, else "nccl". Depends only on sizes, identical on every rank."""
-    nbytes = x_shard.numel() * x_shard.element_size()
-    fits = comm.symm is not None and comm.symm.staging_bytes >= nbytes
+def _transport(op: str, comm: Communicator, need: int, transport: str) -> str:
+    """How the overlap engine moves data: "copy_engine" (cudaMemcpyAsync from the peers'
+    symmetric staging: no SMs) when the communicator has `need` bytes of staging, else
+    "nccl". Depends only on sizes, identical on every rank."""
+    fits = comm.symm is not None and comm.symm.staging_bytes >= need
     if transport == "copy_engine" and not fits:
         have = 0 if comm.symm is None else comm.symm.staging_bytes
-        raise ValueError(f"fusedist.ag_gemm: transport='copy_engine' needs {nbytes} bytes of "
+        raise ValueError(f"fusedist.{op}: transport='copy_engine' needs {need} bytes of "
                          f"symmetric staging, the communicator has {have}; create "
-                         f"fusedist.Communicator(staging_bytes>={nbytes}) (NVLink peers only) or "
+                         f"fusedist.Communicator(staging_bytes>={need}) (NVLink peers only) or "
                          "use transport='auto'")
     if transport == "auto":
         return "copy_engine" if fits else "nccl"
     return transport
+
+
+def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> str:
+    return _transport("ag_gemm", comm, x_shard.numel() * x_shard.element_size(), transport)
 
 
 def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
@@ -306,12 +309,66 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 # ---- gemm_rs ------------------------------------------------------------------------------
+def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                    main: torch.cuda.Stream) -> torch.Tensor:
+    """gemm_rs with copy-engine transfers. Staging of rank p holds p's partial products for
+    the other ranks' blocks: slot j = (x_p @ w_p)[block j], written only by p, read by rank j
+    between two device barriers.
+      main: [GEMM blocks j != r -> staging slots][GEMM own block -> out      ][wait][out += pulled]
+      comm:                           [barrier][pull my block's partials][barrier]
+    The pulled partials are added to the own block's product in a fixed order (rank r + 1,
+    r + 2, ...), rounded once."""
+    C = _ext.load()
+    symm = comm.symm
+    W, r = comm.group.size, comm.group.rank
+    M, k = x.shape
+    m, n = M // W, w.shape[1]
+    block = m * n * x.element_size()
+    xv = x.view(W, m, k)
+    part = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    for d in range(1, W):
+        j = (r + d) % W
+        torch.matmul(xv[j], w, out=part)
+        C.memcpy_async(symm.bases[r] + symm.staging_offset + j * block, part.data_ptr(), block,
+                       main.cuda_stream)
+    cs = _fork(main)  # after the staging copies
+    recv = torch.empty((W - 1, m, n), dtype=x.dtype, device=x.device)
+    with torch.cuda.stream(cs):
+        comm._device_barrier()
+        for d in range(1, W):
+            p = (r + d) % W
+            C.memcpy_async(recv[d - 1].data_ptr(), symm.bases[p] + symm.staging_offset + r * block,
+                           block, cs.cuda_stream)
+        pulled = torch.cuda.Event()
+        pulled.record(cs)
+        comm._device_barrier()
+    recv.record_stream(cs)
+    part.record_stream(cs)
+    torch.matmul(xv[r], w, out=out)
+    main.wait_event(pulled)
+    if W == 2:
+        out.add_(recv[0])
+    else:  # fp32 accumulation, one rounding
+        acc = out.float()
+        for d in range(1, W):
+            p = (r + d) % W
+            acc += recv[(p - r) % W - 1].float()
+        out.copy_(acc)
+    main.wait_stream(cs)  # the closing barrier: staging is free for the next call
+    return out
+
+
 def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, transport: str = "auto") -> torch.Tensor:
     """reduce_scatter(x @ w_shard, rows) (+ bias): x [M, K_local], w_shard [K_local, N], M a
-    multiple of the world size; returns this rank's [M / world, N] block of the sum."""
+    multiple of the world size; returns this rank's [M / world, N] block of the sum.
+    transport (overlap engine): "auto" (copy engine when the communicator has staging_bytes
+    >= M * N * itemsize, else NCCL), "nccl" or "copy_engine" (chunks apply to NCCL only)."""
     op = "gemm_rs"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
+                         f"{transport!r}")
     comm = get_communicator(group)
     _validate(op, comm, x, w_shard, bias, "x", "w_shard")
     W = comm.group.size
@@ -334,6 +391,9 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
         if eng == "unfused":
             part = torch.matmul(x, w_shard)
             comm.nccl.reduce_scatter(part, out)
+            return out.add_(bias) if bias is not None else out
+        if _transport(op, comm, M * n * x.element_size(), transport) == "copy_engine":
+            _rs_copy_engine(comm, x, w_shard, out, comm._stream())
             return out.add_(bias) if bias is not None else out
         C = max(1, min(_chunks(op, chunks, comm, M, n, k), m))
         bounds = [m * c // C for c in range(C + 1)]

@@ -59,8 +59,9 @@ def ag_gemm_matches_reference(rt, seed):
 
 
 @check
-def ag_gemm_copy_engine_matches_reference(rt, seed):
-    """Overlap engine with the copy-engine all-gather (symmetric staging, two barriers)."""
+def copy_engine_transport_matches_reference(rt, seed):
+    """Overlap engine with copy-engine transfers (symmetric staging, two barriers): ag_gemm's
+    all-gather and gemm_rs's reduce-scatter."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
         return
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
@@ -83,6 +84,21 @@ def ag_gemm_copy_engine_matches_reference(rt, seed):
                     err = gemm_rel_err(y, ref)
                     assert err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
                 assert_identical_across_ranks(rt, y, what)
+    # gemm_rs with the copy engine: partials staged, pulled by their owner, added.
+    for dt in (torch.bfloat16, torch.float16):
+        for m, k, n in SHAPES:
+            M = W * m
+            s = (seed, "rs-ce", str(dt), m, k, n)
+            xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+            ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+            b = fresh((n,), dt, dev, rank_seed(s, "b"))
+            full = sum(x.double() @ w.double() for x, w in zip(xs, ws)) + b.double()
+            out = poison(torch.empty((m, n), dtype=dt, device=dev))
+            y = fusedist.gemm_rs(xs[me], ws[me], b, group=ce, engine="overlap",
+                                 transport="copy_engine", out=out)
+            err = gemm_rel_err(y, full[me * m:(me + 1) * m])
+            assert y is out and err < GEMM_REL[dt], f"gemm_rs copy_engine {dt} {m} {k} {n}: " \
+                                                    f"rel err {err:.3g}"
     # Back-to-back calls reuse the staging: 20 calls with fresh inputs, checked after all ran.
     m, k, n, dt = 37, 200, 136, torch.bfloat16
     outs, refs = [], []
@@ -99,10 +115,13 @@ def ag_gemm_copy_engine_matches_reference(rt, seed):
     sx = torch.zeros((m, k), dtype=dt, device=dev)
     sx2 = torch.zeros((m, k), dtype=dt, device=dev)
     sw = torch.zeros((k, n), dtype=dt, device=dev)
+    srx = torch.zeros((W * m, k), dtype=dt, device=dev)
     got = {}
 
     def body():
         got["a"] = fusedist.ag_gemm(sx, sw, group=ce, engine="overlap", transport="copy_engine")
+        got["rs"] = fusedist.gemm_rs(srx, sw, group=ce, engine="overlap",
+                                     transport="copy_engine")
         got["b"] = fusedist.ag_gemm(sx2, sw, group=ce, engine="overlap", transport="copy_engine")
 
     body()
@@ -114,9 +133,11 @@ def ag_gemm_copy_engine_matches_reference(rt, seed):
         s = (seed, "ag-ce-graph", i)
         xs = [fresh((m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
         x2s = [fresh((m, k), dt, dev, rank_seed(s, "x2", p)) for p in range(W)]
+        rxs = [fresh((W * m, k), dt, dev, rank_seed(s, "rx", p)) for p in range(W)]
         w = fresh((k, n), dt, dev, rank_seed(s, "w"))
         sx.copy_(xs[me])
         sx2.copy_(x2s[me])
+        srx.copy_(rxs[me])
         sw.copy_(w)
         for o in got.values():
             o.fill_(float("nan"))
@@ -127,6 +148,9 @@ def ag_gemm_copy_engine_matches_reference(rt, seed):
         assert gemm_rel_err(got["b"], torch.cat(x2s).double() @ w.double()) < GEMM_REL[dt], \
             f"graph copy-engine ag_gemm b, replay {i}"
         assert_identical_across_ranks(rt, got["b"], f"graph copy-engine ag_gemm b, replay {i}")
+        ref_rs = (sum(x.double() for x in rxs) @ w.double())[me * m:(me + 1) * m]
+        assert gemm_rel_err(got["rs"], ref_rs) < GEMM_REL[dt], \
+            f"graph copy-engine gemm_rs, replay {i}"
     del g
     # The shard must fit the staging; the error names the fix.
     try:
