@@ -81,7 +81,7 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 # 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs), and no
 # fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
 # where it applies (ops/gemm_comm.py: dtype, layout, capacity).
-_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0}
+_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "ce_min_mnk": None}
 
 
 def _gemm_rule(table: dict, op: str) -> dict:
@@ -89,18 +89,22 @@ def _gemm_rule(table: dict, op: str) -> dict:
 
 
 def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
-                fused_ok: bool = False) -> str:
+                fused_ok: bool = False, copy_engine_ok: bool = False) -> str:
     """Engine for a GEMM + collective: "fused" when the fused kernel takes the call
-    (`fused_ok`) and M <= the rule's fused_max_m; else "overlap" from min_mnk up; else
-    "unfused". Inputs are identical on every rank, so is the choice."""
+    (`fused_ok`) and M <= the rule's fused_max_m; else "overlap" from min_mnk up, or from
+    ce_min_mnk up when the overlap engine would move data with the copy engine
+    (`copy_engine_ok`: the communicator has staging for the call); else "unfused". Inputs are
+    identical on every rank, so is the choice."""
     rule = _gemm_rule(table, op)
     if world < 2:
         return "unfused"
     if fused_ok and m <= int(rule.get("fused_max_m") or 0):
         return "fused"
-    if rule["min_mnk"] is None:
+    threshold = rule.get("ce_min_mnk") if copy_engine_ok and rule.get("ce_min_mnk") is not None \
+        else rule["min_mnk"]
+    if threshold is None:
         return "unfused"
-    return "overlap" if m * n * k >= rule["min_mnk"] else "unfused"
+    return "overlap" if m * n * k >= threshold else "unfused"
 
 
 def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int) -> int:

@@ -186,3 +186,18 @@ def test_shipped_table_picks_fused_for_decode_gemm_ar(clean_env):
     table = tuning.load_table("NVIDIA H200", 2)
     assert tuning.choose_gemm(table, "gemm_ar", 1, 8192, 4096, 2, fused_ok=True) == "fused"
     assert tuning.choose_gemm(table, "gemm_ar", 1, 8192, 4096, 2, fused_ok=False) == "unfused"
+
+
+def test_choose_gemm_copy_engine_threshold():
+    table = {"gemm_comm": {"gemm_rs": {"min_mnk": None, "ce_min_mnk": 1 << 35}}}
+    assert tuning.choose_gemm(table, "gemm_rs", 2048, 8192, 8192, 2) == "unfused"
+    assert tuning.choose_gemm(table, "gemm_rs", 2048, 8192, 8192, 2,
+                              copy_engine_ok=True) == "overlap"
+    assert tuning.choose_gemm(table, "gemm_rs", 16, 64, 64, 2, copy_engine_ok=True) == "unfused"
+
+
+def test_shipped_table_gemm_rs_overlaps_only_with_the_copy_engine(clean_env):
+    table = tuning.load_table("NVIDIA H200", 2)
+    assert tuning.choose_gemm(table, "gemm_rs", 4096, 8192, 8192, 2) == "unfused"
+    assert tuning.choose_gemm(table, "gemm_rs", 4096, 8192, 8192, 2,
+                              copy_engine_ok=True) == "overlap"

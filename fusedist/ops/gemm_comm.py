@@ -46,7 +46,8 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
-            fused_why_not: Optional[str] = "only gemm_ar has a fused kernel") -> str:
+            fused_why_not: Optional[str] = "only gemm_ar has a fused kernel",
+            copy_engine_ok: bool = False) -> str:
     """The engine for this call. `fused_why_not` is None when the fused kernel takes the call,
     else the reason it does not (it depends only on shapes, dtypes and strides, which SPMD code
     keeps identical on every rank, so every rank picks the same engine)."""
@@ -68,7 +69,7 @@ def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
         if forced in ("unfused", "overlap"):
             return forced
         return tuning.choose_gemm(comm.table, op, m, n, k, comm.group.size,
-                                  fused_ok=fused_why_not is None)
+                                  fused_ok=fused_why_not is None, copy_engine_ok=copy_engine_ok)
     return engine
 
 
@@ -270,8 +271,8 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     m, k = x_shard.shape
     n = w.shape[1]
     out = _out(op, out, (W * m, n), x_shard)
-    eng = _engine(op, engine, W * m, n, k, comm)
     how = _ag_transport(comm, x_shard, transport) if comm.device.type == "cuda" else "nccl"
+    eng = _engine(op, engine, W * m, n, k, comm, copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.ag_gemm.{eng}"):
         if comm.device.type == "cpu":
             parts = [torch.empty_like(x_shard, dtype=torch.float32) for _ in range(W)]
@@ -379,7 +380,9 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
                          f"{W}; pad M to a multiple of {W}")
     m = M // W
     out = _out(op, out, (m, n), x)
-    eng = _engine(op, engine, M, n, k, comm)
+    how = _transport(op, comm, M * n * x.element_size(), transport) \
+        if comm.device.type == "cuda" else "nccl"
+    eng = _engine(op, engine, M, n, k, comm, copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_rs.{eng}"):
         if comm.device.type == "cpu":
             part = x.float() @ w_shard.float()
@@ -392,7 +395,7 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             part = torch.matmul(x, w_shard)
             comm.nccl.reduce_scatter(part, out)
             return out.add_(bias) if bias is not None else out
-        if _transport(op, comm, M * n * x.element_size(), transport) == "copy_engine":
+        if how == "copy_engine":
             _rs_copy_engine(comm, x, w_shard, out, comm._stream())
             return out.add_(bias) if bias is not None else out
         C = max(1, min(_chunks(op, chunks, comm, M, n, k), m))

@@ -90,3 +90,10 @@ def test_ag_transport_choice():
     assert gc._ag_transport(_comm(staging=1 << 20), x, "nccl") == "nccl"
     with pytest.raises(ValueError, match=r"staging_bytes>=16384"):
         gc._ag_transport(_comm(staging=0), x, "copy_engine")
+
+
+def test_rs_transport_choice():
+    assert gc._transport("gemm_rs", _comm(staging=1 << 20), 1 << 20, "auto") == "copy_engine"
+    assert gc._transport("gemm_rs", _comm(staging=1 << 20), (1 << 20) + 1, "auto") == "nccl"
+    with pytest.raises(ValueError, match="gemm_rs: transport='copy_engine' needs"):
+        gc._transport("gemm_rs", _comm(staging=0), 64, "copy_engine")
