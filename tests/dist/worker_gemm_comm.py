@@ -485,6 +485,8 @@ def bad_inputs(rt, seed):
          "engine must be"),
         (lambda: fusedist.ag_gemm(x, torch.ones(8, 4, device=dev), transport="carrier pigeon"),
          ValueError, "transport must be"),
+        (lambda: fusedist.gemm_rs(x, torch.ones(8, 4, device=dev), transport="nvlink please"),
+         ValueError, "transport must be"),
         (lambda: fusedist.gemm_ar(x, torch.ones(8, 4, device=dev), torch.ones(5, device=dev)),
          ValueError, "bias must be"),
         (lambda: fusedist.gemm_ar(x.t(), torch.ones(6, 4, device=dev)), ValueError,
