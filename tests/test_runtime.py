@@ -218,3 +218,15 @@ def test_all_reduce_add_rmsnorm_world1(rt, dtype):
     # And the library's own reference agrees with ours.
     lib, _ = rmsnorm_reference(h, weight, eps)
     assert count_bad(lib, ref, dtype, TOL_EPILOGUE) == 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_bytes": 0}, "max_bytes must be a positive int"),
+    ({"max_bytes": True}, "max_bytes must be a positive int"),
+    ({"one_shot_max_bytes": -1}, "one_shot_max_bytes must be a positive int"),
+    ({"staging_bytes": -1}, "staging_bytes must be an int >= 0"),
+    ({"staging_bytes": 1.5}, "staging_bytes must be an int >= 0"),
+])
+def test_communicator_rejects_bad_sizes(rt, kw, match):
+    with pytest.raises(ValueError, match=match):
+        fusedist.Communicator(**kw)
