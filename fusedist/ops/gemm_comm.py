@@ -111,6 +111,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
+    """w itself when 16-byte aligned, else a fresh (aligned) copy in the same layout: row-major
+    [K, N], or the .t() of a row-major [N, K]. (.contiguous() would return a contiguous view
+    unchanged, still misaligned.)"""
+    if w.data_ptr() % 16 == 0:
+        return w
+    if w_nk:
+        return w.t().clone(memory_format=torch.contiguous_format).t()
+    return w.clone(memory_format=torch.contiguous_format)
+
+
 def _gemm_fused(comm: Optional[Communicator], x: torch.Tensor, w: torch.Tensor, bias,
                 out: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
     """Launch the fused kernel (comm None: no exchange). Misaligned views go through aligned
@@ -119,7 +130,7 @@ def _gemm_fused(comm: Optional[Communicator], x: torch.Tensor, w: torch.Tensor, 
     w_nk, ldw = _weight_layout(w)
     xa = _aligned(x)
     if w.data_ptr() % 16:
-        w = w.t().contiguous().t() if w_nk else w.contiguous()
+        w = _aligned_weight(w, w_nk)
         w_nk, ldw = _weight_layout(w)
     dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
     b = 0 if bias is None else bias.contiguous().data_ptr()

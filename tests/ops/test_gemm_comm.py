@@ -97,3 +97,13 @@ def test_rs_transport_choice():
     assert gc._transport("gemm_rs", _comm(staging=1 << 20), (1 << 20) + 1, "auto") == "nccl"
     with pytest.raises(ValueError, match="gemm_rs: transport='copy_engine' needs"):
         gc._transport("gemm_rs", _comm(staging=0), 64, "copy_engine")
+
+
+@pytest.mark.parametrize("w_nk", [False, True])
+def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
+    base = torch.randn(64 * 48 + 1, dtype=torch.bfloat16)[1:]  # starts 2 bytes off
+    w = base.view(48, 64).t() if w_nk else base.view(64, 48)   # [K=64, N=48] either way
+    assert w.data_ptr() % 16 and gc._weight_layout(w)[0] == w_nk
+    a = gc._aligned_weight(w, w_nk)
+    assert a.data_ptr() % 16 == 0 and torch.equal(a, w)
+    assert gc._weight_layout(a) == gc._weight_layout(w)
