@@ -74,8 +74,10 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_rs(
                 x, w, group=comm, engine="overlap", chunks=c, transport="nccl", out=out))(c)
-        steps["fd_overlap_ce"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="overlap",
-                                                            transport="copy_engine", out=out)
+        for c, name in ((2, "fd_overlap_ce"), (4, "fd_overlap_ce_c4")):
+            steps[name] = (lambda c: lambda i: fusedist.gemm_rs(
+                x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
+                out=out))(c)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
     else:
@@ -86,7 +88,13 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["unfused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="unfused", out=out)
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_ar(
-                x, w, group=comm, engine="overlap", chunks=c, out=out))(c)
+                x, w, group=comm, engine="overlap", chunks=c, transport="collective",
+                out=out))(c)
+        if M > 128:
+            for c, name in ((2, "fd_overlap_ce"), (4, "fd_overlap_ce_c4")):
+                steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
+                    x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
+                    out=out))(c)
         if M <= 128:
             w_nk = rnd(N, K)  # an nn.Linear weight [N, K], used as w_nk.t()
             steps["fd_fused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="fused",
@@ -97,12 +105,12 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out)
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out)
-    if op in ("ag_gemm", "gemm_rs"):  # correctness of what is about to be timed
-        ref = steps["unfused"](0).clone()
-        got = steps["fd_overlap_ce"](0).clone()
+    ref = steps["unfused"](0).clone()  # correctness of what is about to be timed
+    for name in [b for b in steps if b.startswith("fd_overlap_ce")]:
+        got = steps[name](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 2e-2:
-            raise RuntimeError(f"fd_overlap_ce M={M} N={N} K={K}: rel err {err:.3g} vs the "
+            raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs the "
                                "unfused path; not timing a wrong kernel")
     if M <= 128 and op == "gemm_ar":
         for name in ("fd_fused", "gemm_fd"):
@@ -185,8 +193,8 @@ def gemm_table(rows) -> str:
     return "\n".join(lines)
 
 
-PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_c2",
-                 "fd_overlap_c4", "fd_fused", "fd_fused_nk")
+PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c4",
+                 "fd_overlap_c2", "fd_overlap_c4", "fd_fused", "fd_fused_nk")
 
 
 def plot_rows(rows, meta, path) -> None:
@@ -243,6 +251,7 @@ def main():
     ap.add_argument("--ops", default="ag_gemm,gemm_rs,gemm_ar",
                     help="comma-separated subset of ops")
     ap.add_argument("--max-m", type=int, default=None, help="only shapes with M <= this")
+    ap.add_argument("--min-m", type=int, default=None, help="only shapes with M >= this")
     ap.add_argument("--replot", metavar="RESULTS_JSON", default=None,
                     help="only redraw the PNG of a saved results file, then exit")
     args = ap.parse_args()
@@ -256,16 +265,18 @@ def main():
         return
     dtype = getattr(torch, args.dtype)
     # Staging for the copy-engine transports: ag_gemm's x_shard (M / world x K), gemm_rs's
-    # partials (M x N).
+    # and prefill gemm_ar's partials (M x N).
     esize = torch.finfo(dtype).bits // 8
     stage = max([(M // rt.tp.size) * K * esize for op, M, N, K in shapes(args.quick)
                  if op == "ag_gemm"] +
-                [M * N * esize for op, M, N, K in shapes(args.quick) if op == "gemm_rs"])
+                [M * N * esize for op, M, N, K in shapes(args.quick)
+                 if op == "gemm_rs" or (op == "gemm_ar" and M > 128)])
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)
     rows = []
     ops = set(args.ops.split(","))
     todo = [sh for sh in shapes(args.quick) if sh[0] in ops and
-            (args.max_m is None or sh[1] <= args.max_m)]
+            (args.max_m is None or sh[1] <= args.max_m) and
+            (args.min_m is None or sh[1] >= args.min_m)]
     for op, M, N, K in todo:
         rows += bench_shape(rt, comm, op, M, N, K, dtype)
         if rt.rank == 0:

@@ -57,6 +57,7 @@ class SymmetricMemory:
             raise RuntimeError("fusedist: symmetric memory must be created before CUDA-graph "
                                "capture; create the Communicator first, then capture")
         dev = torch.cuda.current_device()
+        self._device = torch.device("cuda", dev)
         info = C.device_info(dev)
         me = {"node": group.topology.node_ids[group.ranks[r]] if group.topology else
               socket.gethostname(), "host": socket.gethostname(), "bus": info.pci_bus_id,
@@ -119,6 +120,28 @@ class SymmetricMemory:
             raise
         self._closed = False
         self.total_bytes = total
+        self._staging_u8: Optional[torch.Tensor] = None
+        if self.staging_bytes:
+            self.staging(torch.uint8, (0,))  # wrap it now, not during a CUDA-graph capture
+
+    def staging(self, dtype: torch.dtype, shape: tuple, offset: int = 0) -> torch.Tensor:
+        """This rank's staging as a tensor: `shape` of `dtype` from byte `offset` (a view that
+        owns nothing; valid until close()). Peers read the same bytes at
+        bases[rank] + staging_offset + offset."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + nbytes > self.staging_bytes:
+            raise ValueError(f"fusedist: staging view of {nbytes} bytes at offset {offset} "
+                             f"exceeds the {self.staging_bytes} staging bytes")
+        if self._staging_u8 is None:
+            # __cuda_array_interface__: torch wraps the raw allocation without copying.
+            iface = {"shape": (self.staging_bytes,), "typestr": "|u1", "version": 3,
+                     "data": (self._base + self.staging_offset, False), "strides": None}
+            holder = type("_Staging", (), {"__cuda_array_interface__": iface})()
+            self._staging_u8 = torch.as_tensor(holder, device=self._device)
+        return self._staging_u8[offset:offset + nbytes].view(dtype).view(shape)
 
     # ---- errors ------------------------------------------------------------------------
     def error(self) -> Optional[str]:
@@ -150,6 +173,7 @@ class SymmetricMemory:
     # ---- teardown ----------------------------------------------------------------------
     def _free(self) -> None:
         C = self._C
+        self._staging_u8 = None
         for p in self._opened:
             try:
                 C.ipc_close_handle(p)

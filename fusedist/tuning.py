@@ -81,7 +81,8 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 # 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs), and no
 # fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
 # where it applies (ops/gemm_comm.py: dtype, layout, capacity).
-_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "ce_min_mnk": None}
+_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "ce_min_mnk": None,
+                 "ce_chunks": 2}
 
 
 def _gemm_rule(table: dict, op: str) -> dict:
@@ -107,5 +108,9 @@ def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
     return "overlap" if m * n * k >= threshold else "unfused"
 
 
-def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int) -> int:
-    return int(_gemm_rule(table, op)["chunks"])
+def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
+                copy_engine: bool = False) -> int:
+    """Pipeline depth of the overlap engine: the rule's "chunks", or "ce_chunks" when the data
+    moves with the copy engine (whose pipelines hide all but one chunk from 2 chunks up)."""
+    rule = _gemm_rule(table, op)
+    return int(rule["ce_chunks"] if copy_engine else rule["chunks"])

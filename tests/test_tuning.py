@@ -201,3 +201,10 @@ def test_shipped_table_gemm_rs_overlaps_only_with_the_copy_engine(clean_env):
     assert tuning.choose_gemm(table, "gemm_rs", 4096, 8192, 8192, 2) == "unfused"
     assert tuning.choose_gemm(table, "gemm_rs", 4096, 8192, 8192, 2,
                               copy_engine_ok=True) == "overlap"
+
+
+def test_shipped_table_gemm_ar_prefill_overlaps_with_the_copy_engine(clean_env):
+    table = tuning.load_table("NVIDIA H200", 2)
+    assert tuning.choose_gemm(table, "gemm_ar", 2048, 8192, 4096, 2) == "unfused"
+    assert tuning.choose_gemm(table, "gemm_ar", 2048, 8192, 4096, 2,
+                              copy_engine_ok=True) == "overlap"

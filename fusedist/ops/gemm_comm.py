@@ -167,9 +167,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     return _gemm_fused(None, x, w, bias, out, torch.cuda.current_stream(x.device))
 
 
-def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int) -> int:
+def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int,
+            copy_engine: bool = False) -> int:
     if chunks is None:
-        return tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size)
+        return tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size, copy_engine)
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"fusedist.{op}: chunks must be a positive int, got {chunks!r}")
     return chunks
@@ -321,52 +322,156 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 # ---- gemm_rs ------------------------------------------------------------------------------
+def _split(n: int, parts: int) -> list:
+    """Bounds of `parts` near-equal consecutive ranges of range(n) (some empty when n < parts)."""
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def _barrier_pull(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
+                  offset: int, dst: torch.Tensor) -> torch.cuda.Event:
+    """On `cs`, after what `main` queued so far (this rank's staging writes): a device barrier
+    (every peer staged too), then dst = the sum of the peers' staging at `offset`. Returns the
+    event main waits on before using dst."""
+    staged = torch.cuda.Event()
+    staged.record(main)
+    cs.wait_event(staged)
+    with torch.cuda.stream(cs):
+        comm._device_barrier()
+    _pull_sum(comm, offset, dst, cs)
+    pulled = torch.cuda.Event()
+    pulled.record(cs)
+    return pulled
+
+
+def _release_staging(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream):
+    """A closing barrier on `cs` (no rank rewrites its staging, in a later call or graph
+    replay, while a peer still reads it), then `main` follows `cs`."""
+    with torch.cuda.stream(cs):
+        comm._device_barrier()
+    main.wait_stream(cs)
+
+
+def _pull_sum(comm: Communicator, offset: int, dst: torch.Tensor, cs: torch.cuda.Stream):
+    """On `cs`: dst = the sum over peers p != rank of p's staging bytes at `offset`, as many
+    bytes as `dst` has. Two ranks: one copy-engine pull straight into dst. More: pulls into a
+    scratch stack, then one fp32-accumulated sum (SMs), in the order rank + 1, + 2, ..."""
+    C = _ext.load()
+    symm = comm.symm
+    W, r = comm.group.size, comm.group.rank
+    nbytes = dst.numel() * dst.element_size()
+    if nbytes == 0:
+        return
+    base = symm.staging_offset
+    if W == 2:
+        p = 1 - r
+        C.memcpy_async(dst.data_ptr(), symm.bases[p] + base + offset, nbytes,
+                       cs.cuda_stream)
+        return
+    with torch.cuda.stream(cs):
+        recv = torch.empty((W - 1,) + tuple(dst.shape), dtype=dst.dtype, device=dst.device)
+        for d in range(1, W):
+            p = (r + d) % W
+            C.memcpy_async(recv[d - 1].data_ptr(), symm.bases[p] + base + offset, nbytes,
+                           cs.cuda_stream)
+        torch.sum(recv, dim=0, out=dst)
+
+
 def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                    main: torch.cuda.Stream) -> torch.Tensor:
-    """gemm_rs with copy-engine transfers. Staging of rank p holds p's partial products for
-    the other ranks' blocks: slot j = (x_p @ w_p)[block j], written only by p, read by rank j
-    between two device barriers.
-      main: [GEMM blocks j != r -> staging slots][GEMM own block -> out      ][wait][out += pulled]
-      comm:                           [barrier][pull my block's partials][barrier]
-    The pulled partials are added to the own block's product in a fixed order (rank r + 1,
-    r + 2, ...), rounded once."""
+                    main: torch.cuda.Stream, chunks: int) -> torch.Tensor:
+    """gemm_rs with copy-engine transfers, pipelined over `chunks` row slices of every block.
+    Staging chunk c of rank p holds p's partials of chunk c for the other ranks' blocks,
+    [W, rows_c, N]; rank j pulls slice j between two device barriers. The reduction costs no
+    kernel: the peers' partials land in out (summed first when W > 2) and the own block is
+    multiplied last with beta = 1 (torch.addmm into out), so it rounds once.
+      main: [G peers c0][G peers c1][G own c0 + pulled][G peers c2][G own c1 + pulled]...
+      comm:        [barrier][pull c0]  [barrier][pull c1]   ...              [barrier]"""
+    W, r = comm.group.size, comm.group.rank
+    M, k = x.shape
+    m, n = M // W, w.shape[1]
+    es = x.element_size()
+    xv = x.view(W, m, k)
+    bounds = _split(m, chunks)
+    cs = _fork(main)
+    pulled = []
+
+    def own(c):
+        a, b = bounds[c], bounds[c + 1]
+        main.wait_event(pulled[c])
+        if b > a:
+            out[a:b].addmm_(xv[r, a:b], w)  # beta = 1: the pulled sum is C
+
+    for c in range(chunks):
+        a, b = bounds[c], bounds[c + 1]
+        off = W * a * n * es  # chunk c's region: [W, b - a, N]
+        stage = comm.symm.staging(x.dtype, (W, b - a, n), off)
+        for j in range(W):
+            if j != r and b > a:
+                torch.matmul(xv[j, a:b], w, out=stage[j])
+        pulled.append(_barrier_pull(comm, main, cs, off + r * (b - a) * n * es, out[a:b]))
+        if c:
+            own(c - 1)
+    own(chunks - 1)
+    _release_staging(comm, main, cs)
+    return out
+
+
+def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                    main: torch.cuda.Stream, chunks: int) -> torch.Tensor:
+    """gemm_ar with copy-engine transfers: a reduce-scatter then an all-gather per row chunk,
+    pipelined. Chunk c's rows are split into W sub-blocks, rank j owning sub-block j. Rank r
+    multiplies the other sub-blocks into its staging (same rows as in the output), pulls the
+    peers' partials of sub-block r into its staging (summed when W > 2), multiplies its own
+    rows with beta = 1 on top (the sum rounds once, on the owner), and after a second barrier
+    every rank pulls every reduced sub-block into out, so out is bitwise the same everywhere.
+      main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
+      comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
+    Exposed after the last GEMM: one barrier and the gather of the last chunk."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
     M, k = x.shape
-    m, n = M // W, w.shape[1]
-    block = m * n * x.element_size()
-    xv = x.view(W, m, k)
-    part = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    for d in range(1, W):
-        j = (r + d) % W
-        torch.matmul(xv[j], w, out=part)
-        C.memcpy_async(symm.bases[r] + symm.staging_offset + j * block, part.data_ptr(), block,
-                       main.cuda_stream)
-    cs = _fork(main)  # after the staging copies
-    recv = torch.empty((W - 1, m, n), dtype=x.dtype, device=x.device)
-    with torch.cuda.stream(cs):
-        comm._device_barrier()
-        for d in range(1, W):
+    n = w.shape[1]
+    es = x.element_size()
+    row = n * es
+    stage = symm.staging(x.dtype, (M, n))
+    bounds = _split(M, chunks)
+    subs = [[bounds[c] + s for s in _split(bounds[c + 1] - bounds[c], W)] for c in range(chunks)]
+    cs = _fork(main)
+    pulled, reduced = [], []
+
+    def own(c):
+        a, b = subs[c][r], subs[c][r + 1]
+        main.wait_event(pulled[c])
+        if b > a:
+            stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
+        ev = torch.cuda.Event()
+        ev.record(main)
+        reduced.append(ev)
+
+    def gather(c):
+        cs.wait_event(reduced[c])
+        with torch.cuda.stream(cs):
+            comm._device_barrier()
+        for d in range(W):
             p = (r + d) % W
-            C.memcpy_async(recv[d - 1].data_ptr(), symm.bases[p] + symm.staging_offset + r * block,
-                           block, cs.cuda_stream)
-        pulled = torch.cuda.Event()
-        pulled.record(cs)
-        comm._device_barrier()
-    recv.record_stream(cs)
-    part.record_stream(cs)
-    torch.matmul(xv[r], w, out=out)
-    main.wait_event(pulled)
-    if W == 2:
-        out.add_(recv[0])
-    else:  # fp32 accumulation, one rounding
-        acc = out.float()
-        for d in range(1, W):
-            p = (r + d) % W
-            acc += recv[(p - r) % W - 1].float()
-        out.copy_(acc)
-    main.wait_stream(cs)  # the closing barrier: staging is free for the next call
+            a, b = subs[c][p], subs[c][p + 1]
+            if b > a:
+                C.memcpy_async(out[a:b].data_ptr(), symm.bases[p] + symm.staging_offset + a * row,
+                               (b - a) * row, cs.cuda_stream)
+
+    for c in range(chunks):
+        lo, hi = subs[c][r], subs[c][r + 1]
+        if lo > bounds[c]:
+            torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
+        if bounds[c + 1] > hi:
+            torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
+        pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
+        if c:
+            own(c - 1)
+            gather(c - 1)
+    own(chunks - 1)
+    gather(chunks - 1)
+    _release_staging(comm, main, cs)
     return out
 
 
@@ -376,7 +481,8 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     """reduce_scatter(x @ w_shard, rows) (+ bias): x [M, K_local], w_shard [K_local, N], M a
     multiple of the world size; returns this rank's [M / world, N] block of the sum.
     transport (overlap engine): "auto" (copy engine when the communicator has staging_bytes
-    >= M * N * itemsize, else NCCL), "nccl" or "copy_engine" (chunks apply to NCCL only)."""
+    >= M * N * itemsize, else NCCL), "nccl" or "copy_engine". chunks: pipeline depth of the overlap engine (default from
+    the tuning table: "chunks" for NCCL, "ce_chunks" for the copy engine)."""
     op = "gemm_rs"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
@@ -407,7 +513,8 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             comm.nccl.reduce_scatter(part, out)
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
-            _rs_copy_engine(comm, x, w_shard, out, comm._stream())
+            C = max(1, min(_chunks(op, chunks, comm, M, n, k, copy_engine=True), max(m, 1)))
+            _rs_copy_engine(comm, x, w_shard, out, comm._stream(), C)
             return out.add_(bias) if bias is not None else out
         C = max(1, min(_chunks(op, chunks, comm, M, n, k), m))
         bounds = [m * c // C for c in range(C + 1)]
@@ -440,24 +547,45 @@ def _cpu_reduce_scatter(comm, part, res):
 
 
 # ---- gemm_ar ------------------------------------------------------------------------------
+AR_TRANSPORTS = ("auto", "collective", "copy_engine")
+
+
 def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, transport: str = "auto") -> torch.Tensor:
     """all_reduce(x @ w_shard) (+ bias): x [M, K_local], w_shard [K_local, N]; returns [M, N],
-    bitwise the same on every rank."""
+    bitwise the same on every rank. transport (overlap engine): "collective" (each chunk
+    all-reduced by the communicator: fusedist's symmetric kernels or NCCL by size),
+    "copy_engine" (per chunk a copy-engine reduce-scatter, the reduction folded into the own
+    rows' GEMM, and a copy-engine all-gather; needs staging_bytes >= M * N * itemsize), or
+    "auto" (the copy engine when the staging fits). chunks: pipeline depth (default from the
+    tuning table)."""
     op = "gemm_ar"
+    if transport not in AR_TRANSPORTS:
+        raise ValueError(f"fusedist.gemm_ar: transport must be one of {AR_TRANSPORTS}, got "
+                         f"{transport!r}")
     comm = get_communicator(group)
     _validate(op, comm, x, w_shard, bias, "x", "w_shard")
     M, k = x.shape
     n = w_shard.shape[1]
     out = _out(op, out, (M, n), x)
-    eng = _engine(op, engine, M, n, k, comm, _fused_ar_why_not(comm, x, w_shard))
+    how = "collective"
+    if comm.device.type == "cuda" and comm.group.size > 1:
+        how = _transport(op, comm, M * n * x.element_size(),
+                         "nccl" if transport == "collective" else transport)
+        how = "collective" if how == "nccl" else how
+    eng = _engine(op, engine, M, n, k, comm, _fused_ar_why_not(comm, x, w_shard),
+                  copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_ar.{eng}"):
         if eng == "fused":
             return _gemm_fused(comm, x, w_shard, bias, out, comm._stream())
         if comm.device.type == "cpu" or eng == "unfused":
             torch.matmul(x, w_shard, out=out)
             comm.all_reduce(out, out=out)
+            return out.add_(bias) if bias is not None else out
+        if how == "copy_engine":
+            C = max(1, min(_chunks(op, chunks, comm, M, n, k, copy_engine=True), max(M, 1)))
+            _ar_copy_engine(comm, x, w_shard, out, comm._stream(), C)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k)
         main = torch.cuda.current_stream(x.device)

@@ -60,8 +60,8 @@ def ag_gemm_matches_reference(rt, seed):
 
 @check
 def copy_engine_transport_matches_reference(rt, seed):
-    """Overlap engine with copy-engine transfers (symmetric staging, two barriers): ag_gemm's
-    all-gather and gemm_rs's reduce-scatter."""
+    """Overlap engine with copy-engine transfers (symmetric staging, device barriers): ag_gemm's
+    all-gather, gemm_rs's reduce-scatter and gemm_ar's reduce-scatter + all-gather."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
         return
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
@@ -84,21 +84,45 @@ def copy_engine_transport_matches_reference(rt, seed):
                     err = gemm_rel_err(y, ref)
                     assert err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
                 assert_identical_across_ranks(rt, y, what)
-    # gemm_rs with the copy engine: partials staged, pulled by their owner, added.
+    # gemm_rs with the copy engine: partials staged per chunk, pulled by their owner, the own
+    # block multiplied on top (beta = 1). chunks beyond the rows per block are clamped.
     for dt in (torch.bfloat16, torch.float16):
         for m, k, n in SHAPES:
             M = W * m
-            s = (seed, "rs-ce", str(dt), m, k, n)
-            xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
-            ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
-            b = fresh((n,), dt, dev, rank_seed(s, "b"))
-            full = sum(x.double() @ w.double() for x, w in zip(xs, ws)) + b.double()
-            out = poison(torch.empty((m, n), dtype=dt, device=dev))
-            y = fusedist.gemm_rs(xs[me], ws[me], b, group=ce, engine="overlap",
-                                 transport="copy_engine", out=out)
-            err = gemm_rel_err(y, full[me * m:(me + 1) * m])
-            assert y is out and err < GEMM_REL[dt], f"gemm_rs copy_engine {dt} {m} {k} {n}: " \
-                                                    f"rel err {err:.3g}"
+            for chunks in (None, 1, 2, 3):
+                s = (seed, "rs-ce", str(dt), m, k, n, chunks)
+                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+                b = fresh((n,), dt, dev, rank_seed(s, "b")) if chunks != 2 else None
+                full = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+                if b is not None:
+                    full += b.double()
+                out = poison(torch.empty((m, n), dtype=dt, device=dev))
+                y = fusedist.gemm_rs(xs[me], ws[me], b, group=ce, engine="overlap",
+                                     transport="copy_engine", chunks=chunks, out=out)
+                err = gemm_rel_err(y, full[me * m:(me + 1) * m])
+                assert y is out and err < GEMM_REL[dt], \
+                    f"gemm_rs copy_engine {dt} {m} {k} {n} chunks={chunks}: rel err {err:.3g}"
+    # gemm_ar with the copy engine: per chunk a reduce-scatter into the owners' staging, the
+    # owner's GEMM on top, then every rank pulls every reduced sub-block: bitwise the same
+    # output everywhere. Odd M (sub-blocks of unequal and of zero rows), chunks > rows.
+    for dt in (torch.bfloat16, torch.float16):
+        for M, k, n in ((1, 72, 40), (3, 64, 40), (5, 200, 136), (W * 300 + 1, 264, 520)):
+            for chunks in (None, 1, 2, 3, 7):
+                s = (seed, "ar-ce", str(dt), M, k, n, chunks)
+                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+                b = fresh((n,), dt, dev, rank_seed(s, "b")) if chunks in (None, 3) else None
+                ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+                if b is not None:
+                    ref += b.double()
+                out = poison(torch.empty((M, n), dtype=dt, device=dev))
+                y = fusedist.gemm_ar(xs[me], ws[me], b, group=ce, engine="overlap",
+                                     transport="copy_engine", chunks=chunks, out=out)
+                what = f"gemm_ar copy_engine {dt} M={M} K={k} N={n} chunks={chunks}"
+                err = gemm_rel_err(y, ref)
+                assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+                assert_identical_across_ranks(rt, y, what)
     # Back-to-back calls reuse the staging: 20 calls with fresh inputs, checked after all ran.
     m, k, n, dt = 37, 200, 136, torch.bfloat16
     outs, refs = [], []
@@ -121,7 +145,9 @@ def copy_engine_transport_matches_reference(rt, seed):
     def body():
         got["a"] = fusedist.ag_gemm(sx, sw, group=ce, engine="overlap", transport="copy_engine")
         got["rs"] = fusedist.gemm_rs(srx, sw, group=ce, engine="overlap",
-                                     transport="copy_engine")
+                                     transport="copy_engine", chunks=3)
+        got["ar"] = fusedist.gemm_ar(srx, sw, group=ce, engine="overlap",
+                                     transport="copy_engine", chunks=3)
         got["b"] = fusedist.ag_gemm(sx2, sw, group=ce, engine="overlap", transport="copy_engine")
 
     body()
@@ -151,6 +177,10 @@ def copy_engine_transport_matches_reference(rt, seed):
         ref_rs = (sum(x.double() for x in rxs) @ w.double())[me * m:(me + 1) * m]
         assert gemm_rel_err(got["rs"], ref_rs) < GEMM_REL[dt], \
             f"graph copy-engine gemm_rs, replay {i}"
+        ref_ar = sum(x.double() for x in rxs) @ w.double()
+        assert gemm_rel_err(got["ar"], ref_ar) < GEMM_REL[dt], \
+            f"graph copy-engine gemm_ar, replay {i}"
+        assert_identical_across_ranks(rt, got["ar"], f"graph copy-engine gemm_ar, replay {i}")
     del g
     # The shard must fit the staging; the error names the fix.
     try:

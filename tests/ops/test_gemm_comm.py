@@ -107,3 +107,24 @@ def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
     a = gc._aligned_weight(w, w_nk)
     assert a.data_ptr() % 16 == 0 and torch.equal(a, w)
     assert gc._weight_layout(a) == gc._weight_layout(w)
+
+
+@pytest.mark.parametrize("n,parts", [(10, 3), (2, 4), (0, 2), (601, 2), (7, 1)])
+def test_split_covers_the_range_in_order(n, parts):
+    b = gc._split(n, parts)
+    assert len(b) == parts + 1 and b[0] == 0 and b[-1] == n
+    sizes = [b[i + 1] - b[i] for i in range(parts)]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+
+
+def test_gemm_ar_transport_is_validated_before_anything_else():
+    x = torch.empty(4, 8)
+    with pytest.raises(ValueError, match=r"gemm_ar: transport must be one of .*collective"):
+        gc.gemm_ar(x, torch.empty(8, 8), transport="nccl")
+
+
+def test_copy_engine_pipeline_depth_comes_from_ce_chunks():
+    table = {"gemm_comm": {"gemm_ar": {"chunks": 3, "ce_chunks": 5}}}
+    assert gc.tuning.gemm_chunks(table, "gemm_ar", 4096, 8192, 4096, 2) == 3
+    assert gc.tuning.gemm_chunks(table, "gemm_ar", 4096, 8192, 4096, 2, copy_engine=True) == 5
+    assert gc.tuning.gemm_chunks({}, "gemm_rs", 4096, 8192, 4096, 2, copy_engine=True) == 2
