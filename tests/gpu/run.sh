@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$LOGS"
 : > "$OUT/summary.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}
+STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: trace
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -78,6 +78,11 @@ fi
 if want gemm && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/gemm_comm.py ${FUSEDIST_GEMM_ARGS:---quick}
+fi
+if want trace && [[ $NGPU -ge 2 ]]; then  # FUSEDIST_TRACE_ARGS: --cfg op:M:N:K:transport:chunks ...
+  FUSEDIST_RESULTS_DIR="$OUT" stage trace "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+    --nproc-per-node "$NGPU" benchmarks/trace_gemm_comm.py ${FUSEDIST_TRACE_ARGS:---cfg gemm_ar:2048:8192:4096:copy_engine:2}
+  cp "$LOGS/trace.log" "$OUT/" 2>/dev/null
 fi
 cp "$LOGS/tests.log" "$OUT/" 2>/dev/null
 cat "$LOGS"/bench_*.log > "$OUT/bench.log" 2>/dev/null
