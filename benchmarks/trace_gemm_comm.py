@@ -5,7 +5,8 @@ pipeline waits (a barrier that found no free SM, a pull that outlasts its GEMM, 
     torchrun --nproc-per-node 2 benchmarks/trace_gemm_comm.py \
         --cfg gemm_ar:2048:8192:4096:copy_engine:2 --cfg gemm_rs:4096:14336:8192:copy_engine:2
 
---cfg op:M:N:K:transport:chunks (transport nccl|collective|copy_engine|unfused). Prints rank 0's
+--cfg op:M:N:K:transport:chunks (transport nccl|collective|copy_engine|unfused). One CUDA-graph
+replay per configuration is traced (--eager: an eager call). Prints rank 0's
 timeline (us from the first GPU event of the call) and writes every rank's events to
 FUSEDIST_RESULTS_DIR (default benchmarks/results)/trace_gemm_comm-rank<r>.json.
 """
@@ -61,14 +62,25 @@ def make_call(rt, comm, cfg, dtype):
     return lambda: fn(x, w, **kw)
 
 
-def trace_one(call) -> list:
-    """GPU events of one call: (name, stream, start_us, dur_us), start from the first event."""
+def trace_one(call, eager: bool) -> list:
+    """GPU events of one call: (name, stream, start_us, dur_us), start from the first event.
+    The call is replayed from a CUDA graph (as the benchmark times it) unless `eager`: eager
+    timelines are dominated by host launch gaps at these sizes."""
     for _ in range(3):
         call()
     torch.cuda.synchronize()
+    run = call
+    if not eager:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        for _ in range(3):
+            g.replay()
+        run = g.replay
+    torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
+        run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "t.json"
@@ -97,6 +109,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cfg", action="append", required=True, type=parse_cfg)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--eager", action="store_true", help="trace an eager call, not a graph replay")
     args = ap.parse_args()
     rt = fusedist.init()
     if rt.device.type != "cuda":
@@ -109,7 +122,7 @@ def main():
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)
     out = []
     for cfg in args.cfg:
-        events = trace_one(make_call(rt, comm, cfg, dtype))
+        events = trace_one(make_call(rt, comm, cfg, dtype), args.eager)
         out.append({"cfg": cfg, "events": events})
         if rt.rank == 0:
             streams = sorted({e[1] for e in events}, key=str)
