@@ -91,7 +91,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 x, w, group=comm, engine="overlap", chunks=c, transport="collective",
                 out=out))(c)
         if M > 128:
-            for c, name in ((2, "fd_overlap_ce"), (4, "fd_overlap_ce_c4")):
+            for c, name in ((2, "fd_overlap_ce"), (3, "fd_overlap_ce_c3"), (4, "fd_overlap_ce_c4")):
                 steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
                     x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                     out=out))(c)
@@ -193,7 +193,8 @@ def gemm_table(rows) -> str:
     return "\n".join(lines)
 
 
-PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c4",
+PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c3",
+                 "fd_overlap_ce_c4",
                  "fd_overlap_c2", "fd_overlap_c4", "fd_fused", "fd_fused_nk")
 
 

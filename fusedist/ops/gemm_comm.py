@@ -425,6 +425,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     every rank pulls every reduced sub-block into out, so out is bitwise the same everywhere.
       main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
       comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
+      side:                                        [own rows c0 -> out]
     Exposed after the last GEMM: one barrier and the gather of the last chunk."""
     C = _ext.load()
     symm = comm.symm
@@ -437,6 +438,9 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     bounds = _split(M, chunks)
     subs = [[bounds[c] + s for s in _split(bounds[c + 1] - bounds[c], W)] for c in range(chunks)]
     cs = _fork(main)
+    # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
+    # hold back the next barrier and pull (in a graph it is a kernel that waits for SMs).
+    side = comm_stream(x.device, 1)
     pulled, reduced = [], []
 
     def own(c):
@@ -447,12 +451,16 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         ev = torch.cuda.Event()
         ev.record(main)
         reduced.append(ev)
+        if b > a:
+            side.wait_event(ev)
+            C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
+                           side.cuda_stream)
 
     def gather(c):
         cs.wait_event(reduced[c])
         with torch.cuda.stream(cs):
             comm._device_barrier()
-        for d in range(W):
+        for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
             if b > a:
@@ -472,6 +480,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     own(chunks - 1)
     gather(chunks - 1)
     _release_staging(comm, main, cs)
+    main.wait_stream(side)
     return out
 
 
