@@ -327,16 +327,37 @@ def _split(n: int, parts: int) -> list:
     return [n * i // parts for i in range(parts + 1)]
 
 
+CE_BARRIERS = ("comm", "main")
+
+
+def _barrier_then(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream):
+    """A device barrier after everything `main` queued so far, and `cs` after it. Where the
+    barrier kernel runs is FUSEDIST_CE_BARRIERS: "comm" (on cs: main never waits, but while a
+    GEMM holds every SM the kernel can wait for a free one, up to a wave of the GEMM) or
+    "main" (between main's GEMMs: main pays the barrier, a few us, and no SM wait)."""
+    where = os.environ.get("FUSEDIST_CE_BARRIERS", "comm")
+    if where not in CE_BARRIERS:
+        raise ValueError(f"fusedist: FUSEDIST_CE_BARRIERS must be one of {CE_BARRIERS}, got "
+                         f"{where!r}")
+    ev = torch.cuda.Event()
+    if where == "main":
+        with torch.cuda.stream(main):
+            comm._device_barrier()
+        ev.record(main)
+        cs.wait_event(ev)
+    else:
+        ev.record(main)
+        cs.wait_event(ev)
+        with torch.cuda.stream(cs):
+            comm._device_barrier()
+
+
 def _barrier_pull(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
                   offset: int, dst: torch.Tensor) -> torch.cuda.Event:
     """On `cs`, after what `main` queued so far (this rank's staging writes): a device barrier
     (every peer staged too), then dst = the sum of the peers' staging at `offset`. Returns the
     event main waits on before using dst."""
-    staged = torch.cuda.Event()
-    staged.record(main)
-    cs.wait_event(staged)
-    with torch.cuda.stream(cs):
-        comm._device_barrier()
+    _barrier_then(comm, main, cs)
     _pull_sum(comm, offset, dst, cs)
     pulled = torch.cuda.Event()
     pulled.record(cs)
@@ -441,25 +462,21 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
     # hold back the next barrier and pull (in a graph it is a kernel that waits for SMs).
     side = comm_stream(x.device, 1)
-    pulled, reduced = [], []
+    pulled = []
 
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
         main.wait_event(pulled[c])
         if b > a:
             stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
-        ev = torch.cuda.Event()
-        ev.record(main)
-        reduced.append(ev)
-        if b > a:
-            side.wait_event(ev)
+            reduced = torch.cuda.Event()
+            reduced.record(main)
+            side.wait_event(reduced)
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
 
-    def gather(c):
-        cs.wait_event(reduced[c])
-        with torch.cuda.stream(cs):
-            comm._device_barrier()
+    def gather(c):  # queued right after own(c): the barrier follows reduced[c] on main
+        _barrier_then(comm, main, cs)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]

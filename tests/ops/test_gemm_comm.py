@@ -128,3 +128,9 @@ def test_copy_engine_pipeline_depth_comes_from_ce_chunks():
     assert gc.tuning.gemm_chunks(table, "gemm_ar", 4096, 8192, 4096, 2) == 3
     assert gc.tuning.gemm_chunks(table, "gemm_ar", 4096, 8192, 4096, 2, copy_engine=True) == 5
     assert gc.tuning.gemm_chunks({}, "gemm_rs", 4096, 8192, 4096, 2, copy_engine=True) == 2
+
+
+def test_ce_barrier_placement_is_validated(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_CE_BARRIERS", "sideways")
+    with pytest.raises(ValueError, match="FUSEDIST_CE_BARRIERS must be one of"):
+        gc._barrier_then(None, None, None)
