@@ -38,7 +38,7 @@ import torch
 
 from .. import _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
-from ..streams import comm_stream, nvtx_range
+from ..streams import comm_stream, compute_lane, nvtx_range
 
 ENGINES = ("unfused", "overlap", "fused")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -217,6 +217,34 @@ def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
     return cs
 
 
+class _Lanes:
+    """The streams the copy-engine pipelines' GEMM pieces alternate over: the caller's stream,
+    plus compute_lane() when FUSEDIST_CE_LANES=2. Piece k runs on lane k % n; cross-lane order
+    comes only from the pipeline's events, and the caller's stream joins every lane at the end.
+    """
+
+    def __init__(self, main: torch.cuda.Stream, lanes: Optional[int] = None):
+        n = os.environ.get("FUSEDIST_CE_LANES", "1") if lanes is None else str(lanes)
+        if n not in ("1", "2"):
+            raise ValueError(f"fusedist: FUSEDIST_CE_LANES must be 1 or 2, got {n!r}")
+        self.main = main
+        self.streams = [main]
+        if n == "2":
+            lane = compute_lane(main.device)
+            lane.wait_stream(main)
+            self.streams.append(lane)
+        self._k = 0
+
+    def next(self) -> torch.cuda.Stream:
+        s = self.streams[self._k % len(self.streams)]
+        self._k += 1
+        return s
+
+    def join(self):
+        for s in self.streams[1:]:
+            self.main.wait_stream(s)
+
+
 # ---- ag_gemm ------------------------------------------------------------------------------
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
@@ -312,10 +340,15 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         gathered.record_stream(cs)
         # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
         # takes the same path everywhere and the output is bitwise identical across ranks.
-        _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
+        lanes = _Lanes(main) if how == "copy_engine" else _Lanes(main, 1)
+        with torch.cuda.stream(lanes.next()):
+            _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
         for j, ev in ready:
-            main.wait_event(ev)
-            _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
+            lane = lanes.next()
+            lane.wait_event(ev)
+            with torch.cuda.stream(lane):
+                _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
+        lanes.join()
         if how == "copy_engine":
             main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
         return out
@@ -327,29 +360,15 @@ def _split(n: int, parts: int) -> list:
     return [n * i // parts for i in range(parts + 1)]
 
 
-CE_BARRIERS = ("comm", "main")
-
-
-def _barrier_then(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream):
-    """A device barrier after everything `main` queued so far, and `cs` after it. Where the
-    barrier kernel runs is FUSEDIST_CE_BARRIERS: "comm" (on cs: main never waits, but while a
-    GEMM holds every SM the kernel can wait for a free one, up to a wave of the GEMM) or
-    "main" (between main's GEMMs: main pays the barrier, a few us, and no SM wait)."""
-    where = os.environ.get("FUSEDIST_CE_BARRIERS", "comm")
-    if where not in CE_BARRIERS:
-        raise ValueError(f"fusedist: FUSEDIST_CE_BARRIERS must be one of {CE_BARRIERS}, got "
-                         f"{where!r}")
+def _barrier_then(comm: Communicator, stream: torch.cuda.Stream, cs: torch.cuda.Stream):
+    """A device barrier on `cs` after everything `stream` queued so far. All of a pipeline's
+    barriers run on `cs`, one at a time as the one-shot protocol requires. (Between the GEMMs
+    on the compute stream instead, they measured no faster: benchmarks/NOTES.md.)"""
     ev = torch.cuda.Event()
-    if where == "main":
-        with torch.cuda.stream(main):
-            comm._device_barrier()
-        ev.record(main)
-        cs.wait_event(ev)
-    else:
-        ev.record(main)
-        cs.wait_event(ev)
-        with torch.cuda.stream(cs):
-            comm._device_barrier()
+    ev.record(stream)
+    cs.wait_event(ev)
+    with torch.cuda.stream(cs):
+        comm._device_barrier()
 
 
 def _barrier_pull(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
@@ -413,25 +432,31 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     xv = x.view(W, m, k)
     bounds = _split(m, chunks)
     cs = _fork(main)
+    lanes = _Lanes(main)
     pulled = []
 
     def own(c):
         a, b = bounds[c], bounds[c + 1]
-        main.wait_event(pulled[c])
+        lane = lanes.next()
+        lane.wait_event(pulled[c])
         if b > a:
-            out[a:b].addmm_(xv[r, a:b], w)  # beta = 1: the pulled sum is C
+            with torch.cuda.stream(lane):
+                out[a:b].addmm_(xv[r, a:b], w)  # beta = 1: the pulled sum is C
 
     for c in range(chunks):
         a, b = bounds[c], bounds[c + 1]
         off = W * a * n * es  # chunk c's region: [W, b - a, N]
         stage = comm.symm.staging(x.dtype, (W, b - a, n), off)
-        for j in range(W):
-            if j != r and b > a:
-                torch.matmul(xv[j, a:b], w, out=stage[j])
-        pulled.append(_barrier_pull(comm, main, cs, off + r * (b - a) * n * es, out[a:b]))
+        lane = lanes.next()
+        with torch.cuda.stream(lane):
+            for j in range(W):
+                if j != r and b > a:
+                    torch.matmul(xv[j, a:b], w, out=stage[j])
+        pulled.append(_barrier_pull(comm, lane, cs, off + r * (b - a) * n * es, out[a:b]))
         if c:
             own(c - 1)
     own(chunks - 1)
+    lanes.join()
     _release_staging(comm, main, cs)
     return out
 
@@ -462,21 +487,25 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
     # hold back the next barrier and pull (in a graph it is a kernel that waits for SMs).
     side = comm_stream(x.device, 1)
+    lanes = _Lanes(main)
     pulled = []
 
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
-        main.wait_event(pulled[c])
+        lane = lanes.next()
+        lane.wait_event(pulled[c])
         if b > a:
-            stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
+            with torch.cuda.stream(lane):
+                stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
             reduced = torch.cuda.Event()
-            reduced.record(main)
+            reduced.record(lane)
             side.wait_event(reduced)
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
+        return lane
 
-    def gather(c):  # queued right after own(c): the barrier follows reduced[c] on main
-        _barrier_then(comm, main, cs)
+    def gather(c, lane):  # right after own(c): the barrier follows it on its lane
+        _barrier_then(comm, lane, cs)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
@@ -486,16 +515,17 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
 
     for c in range(chunks):
         lo, hi = subs[c][r], subs[c][r + 1]
-        if lo > bounds[c]:
-            torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
-        if bounds[c + 1] > hi:
-            torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
-        pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
+        lane = lanes.next()
+        with torch.cuda.stream(lane):
+            if lo > bounds[c]:
+                torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
+            if bounds[c + 1] > hi:
+                torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
+        pulled.append(_barrier_pull(comm, lane, cs, lo * row, stage[lo:hi]))
         if c:
-            own(c - 1)
-            gather(c - 1)
-    own(chunks - 1)
-    gather(chunks - 1)
+            gather(c - 1, own(c - 1))
+    gather(chunks - 1, own(chunks - 1))
+    lanes.join()
     _release_staging(comm, main, cs)
     main.wait_stream(side)
     return out

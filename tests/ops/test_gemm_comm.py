@@ -130,7 +130,7 @@ def test_copy_engine_pipeline_depth_comes_from_ce_chunks():
     assert gc.tuning.gemm_chunks({}, "gemm_rs", 4096, 8192, 4096, 2, copy_engine=True) == 2
 
 
-def test_ce_barrier_placement_is_validated(monkeypatch):
-    monkeypatch.setenv("FUSEDIST_CE_BARRIERS", "sideways")
-    with pytest.raises(ValueError, match="FUSEDIST_CE_BARRIERS must be one of"):
-        gc._barrier_then(None, None, None)
+def test_ce_lanes_is_validated(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_CE_LANES", "3")
+    with pytest.raises(ValueError, match="FUSEDIST_CE_LANES must be 1 or 2"):
+        gc._Lanes(None)
