@@ -40,22 +40,6 @@ def shapes(quick: bool):
     return out
 
 
-def two_lanes(step):
-    """step with FUSEDIST_CE_LANES=2: the copy-engine pipelines' GEMM pieces alternate over
-    two compute streams, so a piece's CTAs can fill its predecessor's last partial wave."""
-    def run(i):
-        old = os.environ.get("FUSEDIST_CE_LANES")
-        os.environ["FUSEDIST_CE_LANES"] = "2"
-        try:
-            return step(i)
-        finally:
-            if old is None:
-                del os.environ["FUSEDIST_CE_LANES"]
-            else:
-                os.environ["FUSEDIST_CE_LANES"] = old
-    return run
-
-
 def bench_shape(rt, comm, op, M, N, K, dtype):
     W, dev = rt.tp.size, rt.device
     gname = rt.tp.pg.group_name
@@ -78,7 +62,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
-        steps["fd_overlap_ce_l2"] = two_lanes(steps["fd_overlap_ce"])
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
     elif op == "gemm_rs":
@@ -95,7 +78,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps[name] = (lambda c: lambda i: fusedist.gemm_rs(
                 x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                 out=out))(c)
-        steps["fd_overlap_ce_l2"] = two_lanes(steps["fd_overlap_ce"])
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
     else:
@@ -113,8 +95,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
                     x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                     out=out))(c)
-            steps["fd_overlap_ce_l2"] = two_lanes(steps["fd_overlap_ce"])
-            steps["fd_overlap_ce_c4_l2"] = two_lanes(steps["fd_overlap_ce_c4"])
         if M <= 128:
             w_nk = rnd(N, K)  # an nn.Linear weight [N, K], used as w_nk.t()
             steps["fd_fused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="fused",
@@ -213,8 +193,8 @@ def gemm_table(rows) -> str:
     return "\n".join(lines)
 
 
-PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_l2",
-                 "fd_overlap_ce_c3", "fd_overlap_ce_c4", "fd_overlap_ce_c4_l2",
+PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c3",
+                 "fd_overlap_ce_c4",
                  "fd_overlap_c2", "fd_overlap_c4", "fd_fused", "fd_fused_nk")
 
 

@@ -44,25 +44,8 @@ def comm_stream(device: torch.device | int | None = None, index: int = 0) -> tor
     return pool[index % len(pool)]
 
 
-_lanes: dict[int, torch.cuda.Stream] = {}
-
-
-def compute_lane(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """A second, normal-priority compute stream for `device` (created once): the overlap
-    pipelines put every other GEMM piece on it, so a piece's CTAs fill the SMs its
-    predecessor's last partial wave leaves idle."""
-    dev = _device_index(device)
-    lane = _lanes.get(dev)
-    if lane is None:
-        with torch.cuda.device(dev):
-            lane = torch.cuda.Stream(device=dev)
-        _lanes[dev] = lane
-    return lane
-
-
 def reset_pools() -> None:
     _pools.clear()
-    _lanes.clear()
 
 
 @contextlib.contextmanager

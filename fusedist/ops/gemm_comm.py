@@ -38,7 +38,7 @@ import torch
 
 from .. import _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
-from ..streams import comm_stream, compute_lane, nvtx_range
+from ..streams import comm_stream, nvtx_range
 
 ENGINES = ("unfused", "overlap", "fused")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -217,34 +217,6 @@ def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
     return cs
 
 
-class _Lanes:
-    """The streams the copy-engine pipelines' GEMM pieces alternate over: the caller's stream,
-    plus compute_lane() when FUSEDIST_CE_LANES=2. Piece k runs on lane k % n; cross-lane order
-    comes only from the pipeline's events, and the caller's stream joins every lane at the end.
-    """
-
-    def __init__(self, main: torch.cuda.Stream, lanes: Optional[int] = None):
-        n = os.environ.get("FUSEDIST_CE_LANES", "1") if lanes is None else str(lanes)
-        if n not in ("1", "2"):
-            raise ValueError(f"fusedist: FUSEDIST_CE_LANES must be 1 or 2, got {n!r}")
-        self.main = main
-        self.streams = [main]
-        if n == "2":
-            lane = compute_lane(main.device)
-            lane.wait_stream(main)
-            self.streams.append(lane)
-        self._k = 0
-
-    def next(self) -> torch.cuda.Stream:
-        s = self.streams[self._k % len(self.streams)]
-        self._k += 1
-        return s
-
-    def join(self):
-        for s in self.streams[1:]:
-            self.main.wait_stream(s)
-
-
 # ---- ag_gemm ------------------------------------------------------------------------------
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
@@ -340,15 +312,10 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         gathered.record_stream(cs)
         # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
         # takes the same path everywhere and the output is bitwise identical across ranks.
-        lanes = _Lanes(main) if how == "copy_engine" else _Lanes(main, 1)
-        with torch.cuda.stream(lanes.next()):
-            _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
+        _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
         for j, ev in ready:
-            lane = lanes.next()
-            lane.wait_event(ev)
-            with torch.cuda.stream(lane):
-                _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
-        lanes.join()
+            main.wait_event(ev)
+            _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
         if how == "copy_engine":
             main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
         return out
@@ -432,31 +399,25 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     xv = x.view(W, m, k)
     bounds = _split(m, chunks)
     cs = _fork(main)
-    lanes = _Lanes(main)
     pulled = []
 
     def own(c):
         a, b = bounds[c], bounds[c + 1]
-        lane = lanes.next()
-        lane.wait_event(pulled[c])
+        main.wait_event(pulled[c])
         if b > a:
-            with torch.cuda.stream(lane):
-                out[a:b].addmm_(xv[r, a:b], w)  # beta = 1: the pulled sum is C
+            out[a:b].addmm_(xv[r, a:b], w)  # beta = 1: the pulled sum is C
 
     for c in range(chunks):
         a, b = bounds[c], bounds[c + 1]
         off = W * a * n * es  # chunk c's region: [W, b - a, N]
         stage = comm.symm.staging(x.dtype, (W, b - a, n), off)
-        lane = lanes.next()
-        with torch.cuda.stream(lane):
-            for j in range(W):
-                if j != r and b > a:
-                    torch.matmul(xv[j, a:b], w, out=stage[j])
-        pulled.append(_barrier_pull(comm, lane, cs, off + r * (b - a) * n * es, out[a:b]))
+        for j in range(W):
+            if j != r and b > a:
+                torch.matmul(xv[j, a:b], w, out=stage[j])
+        pulled.append(_barrier_pull(comm, main, cs, off + r * (b - a) * n * es, out[a:b]))
         if c:
             own(c - 1)
     own(chunks - 1)
-    lanes.join()
     _release_staging(comm, main, cs)
     return out
 
@@ -487,25 +448,21 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
     # hold back the next barrier and pull (in a graph it is a kernel that waits for SMs).
     side = comm_stream(x.device, 1)
-    lanes = _Lanes(main)
     pulled = []
 
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
-        lane = lanes.next()
-        lane.wait_event(pulled[c])
+        main.wait_event(pulled[c])
         if b > a:
-            with torch.cuda.stream(lane):
-                stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
+            stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
             reduced = torch.cuda.Event()
-            reduced.record(lane)
+            reduced.record(main)
             side.wait_event(reduced)
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
-        return lane
 
-    def gather(c, lane):  # right after own(c): the barrier follows it on its lane
-        _barrier_then(comm, lane, cs)
+    def gather(c):  # right after own(c): the barrier follows it
+        _barrier_then(comm, main, cs)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
@@ -515,17 +472,16 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
 
     for c in range(chunks):
         lo, hi = subs[c][r], subs[c][r + 1]
-        lane = lanes.next()
-        with torch.cuda.stream(lane):
-            if lo > bounds[c]:
-                torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
-            if bounds[c + 1] > hi:
-                torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
-        pulled.append(_barrier_pull(comm, lane, cs, lo * row, stage[lo:hi]))
+        if lo > bounds[c]:
+            torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
+        if bounds[c + 1] > hi:
+            torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
+        pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
         if c:
-            gather(c - 1, own(c - 1))
-    gather(chunks - 1, own(chunks - 1))
-    lanes.join()
+            own(c - 1)
+            gather(c - 1)
+    own(chunks - 1)
+    gather(chunks - 1)
     _release_staging(comm, main, cs)
     main.wait_stream(side)
     return out
