@@ -72,8 +72,9 @@ class Communicator:
     max_bytes: largest all-reduce served by symmetric memory (two-shot); larger ones use NCCL.
     one_shot_max_bytes: one-shot capacity (per-rank slot size). timeout_s: bounded wait for a
     peer inside symmetric kernels (default FUSEDIST_TIMEOUT_S or 30 s). symmetric=False skips
-    symmetric memory (NCCL only). staging_bytes: symmetric staging space for ag_gemm's
-    copy-engine all-gather (0: none; ag_gemm's shard must fit, x_shard bytes <= staging_bytes).
+    symmetric memory (NCCL only). staging_bytes: symmetric staging space for the overlap
+    engine's copy-engine transport (0: none). A call uses it when its data fits: ag_gemm needs
+    x_shard's bytes, gemm_rs and gemm_ar need M * N * itemsize (the partial products).
     """
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -98,7 +99,7 @@ class Communicator:
         self.nccl = None
         self.nccl_overlap = None
         self._pending_async: Optional[torch.cuda.Event] = None
-        self._barrier_token: Optional[torch.Tensor] = None  # ag_gemm's copy-engine barriers
+        self._barrier_token: Optional[torch.Tensor] = None  # copy-engine pipelines' barriers
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
             _ext.load()

@@ -36,12 +36,13 @@ def default_timeout_s() -> float:
 class SymmetricMemory:
     """Symmetric buffers for `group` able to all-reduce up to `max_bytes` with two-shot and
     `one_shot_max_bytes` with one-shot, plus `staging_bytes` of plain staging space that peers
-    read with the copy engine (ag_gemm's copy-engine all-gather).
+    read with the copy engine (the overlap engine's copy-engine transport, ops/gemm_comm.py).
 
     Layout of each rank's allocation (identical on every rank):
       [0, GENERATIONS * gen_bytes)   sentinel-protocol slots (layout.h)
-      [staging_offset, + staging_bytes)   staging: written only by the owner (its own shard),
-                                     read by peers between two barriers (ops/gemm_comm.py)"""
+      [staging_offset, + staging_bytes)   staging: written by its owner (a shard, partial
+                                     products, reduced rows), read by peers between device
+                                     barriers (ops/gemm_comm.py)"""
 
     def __init__(self, group: Group, max_bytes: int, one_shot_max_bytes: int,
                  timeout_s: Optional[float] = None, staging_bytes: int = 0):

@@ -17,8 +17,16 @@ after the collective. Engines (engine=):
                of chunk c on the comm stream while chunk c+1 is multiplied.
       gemm_ar: GEMM chunk c (rows, or columns when M is small) -> fusedist all_reduce of chunk c
                on the comm stream while chunk c+1 is multiplied.
+    With Communicator(staging_bytes=...) large enough, transport="copy_engine" (auto picks it)
+    moves the data with cudaMemcpyAsync between the ranks' symmetric staging (no SMs), device
+    barriers on the comm stream:
+      ag_gemm: stage the shard, pull the peers' shards while the own rows are multiplied.
+      gemm_rs: per chunk, the partials for the other blocks go to staging, the owner pulls them
+               into out and multiplies its own rows on top (addmm, beta = 1: no add kernel).
+      gemm_ar: gemm_rs's pipeline over row sub-blocks, then every rank pulls the reduced
+               sub-blocks (bitwise the same output everywhere).
   * "fused" (gemm_ar, M <= 128): one CUDA kernel (csrc/include/fusedist/gemm_comm.cuh) streams
-    the weight through a cp.async ring into tensor-core MMAs, 64 output columns per block, and
+    the weight through a TMA ring into tensor-core MMAs, 64 output columns per block, and
     each block exchanges its finished strip with the peers through the communicator's symmetric
     buffers (one-shot protocol) while other blocks still stream weights. bf16/fp16, N and K
     multiples of 8, w as [K, N] or as the .t() of an [N, K] nn.Linear weight; NVLink peers only.
