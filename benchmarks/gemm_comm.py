@@ -58,6 +58,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["gemm_only"] = lambda i: torch.matmul(gathered, w, out=out)
         steps["collective_only"] = lambda i: comm.nccl.all_gather(x, gathered)
         steps["unfused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="unfused", out=out)
+        steps["fd_auto"] = lambda i: fusedist.ag_gemm(x, w, group=comm, out=out)  # auto
         steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
@@ -71,6 +72,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["gemm_only"] = lambda i: torch.matmul(x, w, out=part)
         steps["collective_only"] = lambda i: comm.nccl.reduce_scatter(part, out)
         steps["unfused"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="unfused", out=out)
+        steps["fd_auto"] = lambda i: fusedist.gemm_rs(x, w, group=comm, out=out)  # auto
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_rs(
                 x, w, group=comm, engine="overlap", chunks=c, transport="nccl", out=out))(c)
@@ -86,6 +88,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["gemm_only"] = lambda i: torch.matmul(x, w, out=out)
         steps["collective_only"] = lambda i: comm.all_reduce(out, out=out)
         steps["unfused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="unfused", out=out)
+        steps["fd_auto"] = lambda i: fusedist.gemm_ar(x, w, group=comm, out=out)  # auto
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_ar(
                 x, w, group=comm, engine="overlap", chunks=c, transport="collective",
@@ -193,7 +196,7 @@ def gemm_table(rows) -> str:
     return "\n".join(lines)
 
 
-PLOT_BACKENDS = ("torch_async_tp", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c3",
+PLOT_BACKENDS = ("torch_async_tp", "fd_auto", "fd_overlap", "fd_overlap_ce", "fd_overlap_ce_c3",
                  "fd_overlap_ce_c4",
                  "fd_overlap_c2", "fd_overlap_c4", "fd_fused", "fd_fused_nk")
 
@@ -253,6 +256,9 @@ def main():
                     help="comma-separated subset of ops")
     ap.add_argument("--max-m", type=int, default=None, help="only shapes with M <= this")
     ap.add_argument("--min-m", type=int, default=None, help="only shapes with M >= this")
+    ap.add_argument("--shape", action="append", default=None, metavar="OP:M:N:K",
+                    help="time these shapes instead of the issue's (repeatable)")
+    ap.add_argument("--tag", default="", help="suffix of the results files' stem")
     ap.add_argument("--replot", metavar="RESULTS_JSON", default=None,
                     help="only redraw the PNG of a saved results file, then exit")
     args = ap.parse_args()
@@ -265,17 +271,25 @@ def main():
         fusedist.shutdown()
         return
     dtype = getattr(torch, args.dtype)
+    if args.shape:
+        try:
+            todo_shapes = [(op, int(M), int(N), int(K)) for op, M, N, K in
+                           (sh.split(":") for sh in args.shape)]
+        except ValueError:
+            raise SystemExit(f"--shape {args.shape}: expected op:M:N:K")
+    else:
+        todo_shapes = shapes(args.quick)
     # Staging for the copy-engine transports: ag_gemm's x_shard (M / world x K), gemm_rs's
     # and prefill gemm_ar's partials (M x N).
     esize = torch.finfo(dtype).bits // 8
-    stage = max([(M // rt.tp.size) * K * esize for op, M, N, K in shapes(args.quick)
+    stage = max([(M // rt.tp.size) * K * esize for op, M, N, K in todo_shapes
                  if op == "ag_gemm"] +
-                [M * N * esize for op, M, N, K in shapes(args.quick)
-                 if op == "gemm_rs" or (op == "gemm_ar" and M > 128)])
+                [M * N * esize for op, M, N, K in todo_shapes
+                 if op == "gemm_rs" or (op == "gemm_ar" and M > 128)] + [0])
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)
     rows = []
     ops = set(args.ops.split(","))
-    todo = [sh for sh in shapes(args.quick) if sh[0] in ops and
+    todo = [sh for sh in todo_shapes if sh[0] in ops and
             (args.max_m is None or sh[1] <= args.max_m) and
             (args.min_m is None or sh[1] >= args.min_m)]
     for op, M, N, K in todo:
@@ -292,7 +306,7 @@ def main():
     if gl:
         md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl
     if rt.rank == 0:
-        paths = write_results("gemm_comm", meta, rows, md,
+        paths = write_results("gemm_comm" + args.tag, meta, rows, md,
                               lambda path: plot_rows(rows, meta, path))
         print("\n" + md + "\n\nresults: " + ", ".join(map(str, paths)))
     dist.barrier()
