@@ -82,7 +82,7 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 # fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
 # where it applies (ops/gemm_comm.py: dtype, layout, capacity).
 _GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "ce_min_mnk": None,
-                 "ce_chunks": 2}
+                 "ce_chunks": 2, "ce_min_piece_rows": 256}
 
 
 def _gemm_rule(table: dict, op: str) -> dict:
@@ -113,4 +113,10 @@ def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
     """Pipeline depth of the overlap engine: the rule's "chunks", or "ce_chunks" when the data
     moves with the copy engine (whose pipelines hide all but one chunk from 2 chunks up)."""
     rule = _gemm_rule(table, op)
-    return int(rule["ce_chunks"] if copy_engine else rule["chunks"])
+    if not copy_engine:
+        return int(rule["chunks"])
+    # Each copy-engine chunk is multiplied as `world` row pieces, and every piece streams the
+    # whole weight: below ~256 rows a piece is weight-bandwidth bound (a 32-row piece of an
+    # 8192 x 8192 weight took as long as a 256-row one), so fewer chunks for small M.
+    pieces = m // (world * max(1, int(rule["ce_min_piece_rows"])))
+    return max(1, min(int(rule["ce_chunks"]), pieces))

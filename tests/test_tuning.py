@@ -208,3 +208,13 @@ def test_shipped_table_gemm_ar_prefill_overlaps_with_the_copy_engine(clean_env):
     assert tuning.choose_gemm(table, "gemm_ar", 2048, 8192, 4096, 2) == "unfused"
     assert tuning.choose_gemm(table, "gemm_ar", 2048, 8192, 4096, 2,
                               copy_engine_ok=True) == "overlap"
+
+
+def test_shipped_table_copy_engine_thresholds_follow_the_measured_crossovers(clean_env):
+    # 2x H200 (gemm_comm_thresholds-*): gemm_ar with the copy engine lost at M=1024 (N=8192,
+    # K=4096, 2^35) and won from M=2048.
+    table = tuning.load_table("NVIDIA H200", 2)
+    assert tuning.choose_gemm(table, "gemm_ar", 1024, 8192, 4096, 2,
+                              copy_engine_ok=True) == "unfused"
+    assert tuning.choose_gemm(table, "ag_gemm", 512, 8192, 8192, 2,
+                              copy_engine_ok=True) == "overlap"

@@ -129,3 +129,10 @@ def test_copy_engine_pipeline_depth_comes_from_ce_chunks():
     assert gc.tuning.gemm_chunks(table, "gemm_ar", 4096, 8192, 4096, 2, copy_engine=True) == 5
     assert gc.tuning.gemm_chunks({}, "gemm_rs", 4096, 8192, 4096, 2, copy_engine=True) == 2
 
+
+@pytest.mark.parametrize("m,world,chunks", [(4096, 2, 2), (1024, 2, 2), (1023, 2, 1), (512, 2, 1),
+                                            (8, 2, 1), (4096, 8, 2), (2048, 8, 1)])
+def test_copy_engine_chunks_keep_pieces_of_256_rows(m, world, chunks):
+    """Each chunk is `world` GEMM pieces; none below 256 rows (weight-bandwidth bound)."""
+    assert gc.tuning.gemm_chunks({}, "gemm_ar", m, 8192, 4096, world, copy_engine=True) == chunks
+
