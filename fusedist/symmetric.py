@@ -132,7 +132,7 @@ class SymmetricMemory:
         numel = 1
         for d in shape:
             numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if offset < 0 or offset + nbytes > self.staging_bytes:
             raise ValueError(f"fusedist: staging view of {nbytes} bytes at offset {offset} "
                              f"exceeds the {self.staging_bytes} staging bytes")
