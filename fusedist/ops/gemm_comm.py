@@ -229,10 +229,12 @@ def _fork(stream: torch.cuda.Stream) -> torch.cuda.Stream:
 TRANSPORTS = ("auto", "nccl", "copy_engine")
 
 
-def _transport(op: str, comm: Communicator, need: int, transport: str) -> str:
+def _transport(op: str, comm: Communicator, need: int, transport: str,
+               otherwise: str = "nccl") -> str:
     """How the overlap engine moves data: "copy_engine" (cudaMemcpyAsync from the peers'
     symmetric staging: no SMs) when the communicator has `need` bytes of staging, else
-    "nccl". Depends only on sizes, identical on every rank."""
+    `otherwise` (the op's collective transport). Depends only on sizes, identical on every
+    rank."""
     fits = comm.symm is not None and comm.symm.staging_bytes >= need
     if transport == "copy_engine" and not fits:
         have = 0 if comm.symm is None else comm.symm.staging_bytes
@@ -241,7 +243,7 @@ def _transport(op: str, comm: Communicator, need: int, transport: str) -> str:
                          f"fusedist.Communicator(staging_bytes>={need}) (NVLink peers only) or "
                          "use transport='auto'")
     if transport == "auto":
-        return "copy_engine" if fits else "nccl"
+        return "copy_engine" if fits else otherwise
     return transport
 
 
@@ -501,8 +503,9 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     """reduce_scatter(x @ w_shard, rows) (+ bias): x [M, K_local], w_shard [K_local, N], M a
     multiple of the world size; returns this rank's [M / world, N] block of the sum.
     transport (overlap engine): "auto" (copy engine when the communicator has staging_bytes
-    >= M * N * itemsize, else NCCL), "nccl" or "copy_engine". chunks: pipeline depth of the overlap engine (default from
-    the tuning table: "chunks" for NCCL, "ce_chunks" for the copy engine)."""
+    >= M * N * itemsize, else NCCL), "nccl" or "copy_engine". chunks: pipeline depth of the
+    overlap engine (default from the tuning table: "chunks" for NCCL, "ce_chunks" for the copy
+    engine)."""
     op = "gemm_rs"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
@@ -591,9 +594,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     out = _out(op, out, (M, n), x)
     how = "collective"
     if comm.device.type == "cuda" and comm.group.size > 1:
-        how = _transport(op, comm, M * n * x.element_size(),
-                         "nccl" if transport == "collective" else transport)
-        how = "collective" if how == "nccl" else how
+        how = _transport(op, comm, M * n * x.element_size(), transport, "collective")
     eng = _engine(op, engine, M, n, k, comm, _fused_ar_why_not(comm, x, w_shard),
                   copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_ar.{eng}"):

@@ -99,6 +99,14 @@ def test_rs_transport_choice():
         gc._transport("gemm_rs", _comm(staging=0), 64, "copy_engine")
 
 
+def test_ar_transport_choice_falls_back_to_the_collective():
+    assert gc._transport("gemm_ar", _comm(staging=64), 64, "auto", "collective") == "copy_engine"
+    assert gc._transport("gemm_ar", _comm(staging=63), 64, "auto", "collective") == "collective"
+    assert gc._transport("gemm_ar", _comm(staging=64), 64, "collective", "collective") == \
+        "collective"
+
+
+
 @pytest.mark.parametrize("w_nk", [False, True])
 def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
     base = torch.randn(64 * 48 + 1, dtype=torch.bfloat16)[1:]  # starts 2 bytes off
