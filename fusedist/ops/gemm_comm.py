@@ -176,12 +176,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
 
 
 def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int,
-            copy_engine: bool = False) -> int:
+            copy_engine: bool = False, rows: Optional[int] = None) -> int:
+    """The pipeline depth: `chunks`, or the tuning table's; at most `rows` (the rows a chunk
+    cuts) when given, at least 1."""
     if chunks is None:
-        return tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size, copy_engine)
-    if not isinstance(chunks, int) or chunks < 1:
+        chunks = tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size, copy_engine)
+    elif not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"fusedist.{op}: chunks must be a positive int, got {chunks!r}")
-    return chunks
+    return chunks if rows is None else max(1, min(chunks, rows))
 
 
 def _validate(op: str, comm: Communicator, x, w, bias, x_name: str, w_name: str):
@@ -536,10 +538,10 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             comm.nccl.reduce_scatter(part, out)
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
-            C = max(1, min(_chunks(op, chunks, comm, M, n, k, copy_engine=True), max(m, 1)))
+            C = _chunks(op, chunks, comm, M, n, k, copy_engine=True, rows=m)
             _rs_copy_engine(comm, x, w_shard, out, comm._stream(), C)
             return out.add_(bias) if bias is not None else out
-        C = max(1, min(_chunks(op, chunks, comm, M, n, k), m))
+        C = _chunks(op, chunks, comm, M, n, k, rows=m)
         bounds = [m * c // C for c in range(C + 1)]
         xv = x.view(W, m, k)
         main = torch.cuda.current_stream(x.device)
@@ -605,7 +607,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             comm.all_reduce(out, out=out)
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
-            C = max(1, min(_chunks(op, chunks, comm, M, n, k, copy_engine=True), max(M, 1)))
+            C = _chunks(op, chunks, comm, M, n, k, copy_engine=True, rows=M)
             _ar_copy_engine(comm, x, w_shard, out, comm._stream(), C)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k)

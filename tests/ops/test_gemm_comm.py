@@ -106,6 +106,16 @@ def test_ar_transport_choice_falls_back_to_the_collective():
         "collective"
 
 
+@pytest.mark.parametrize("chunks,rows,want", [(3, 10, 3), (3, 2, 2), (3, 0, 1), (5, None, 5)])
+def test_explicit_chunks_are_clamped_to_the_rows(chunks, rows, want):
+    assert gc._chunks("gemm_rs", chunks, _comm(), 64, 64, 64, rows=rows) == want
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2"])
+def test_bad_chunks_are_rejected(bad):
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        gc._chunks("gemm_rs", bad, _comm(), 64, 64, 64)
+
 
 @pytest.mark.parametrize("w_nk", [False, True])
 def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
