@@ -44,6 +44,17 @@ def fresh(shape, dtype, device, seed) -> torch.Tensor:
     return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dtype)
 
 
+def captured(body) -> torch.cuda.CUDAGraph:
+    """body() once eagerly (lazy init and allocations stay outside the capture), then body()
+    captured into a CUDA graph, returned for replays."""
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
 def assert_identical_across_ranks(rt, y, what):
     """Bitwise equality of `y` on every rank of the tp group (a positional digest)."""
     y = y.reshape(-1)

@@ -10,7 +10,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import assert_identical_across_ranks, check, fresh, main, rank_seed  # noqa: E402
+from _harness import (assert_identical_across_ranks, captured, check, fresh, main,  # noqa: E402
+                      rank_seed)
 
 import torch  # noqa: E402
 
@@ -233,11 +234,7 @@ def cuda_graph_replays_changing_inputs(rt, seed):
             fusedist.all_reduce(x, algo=algo, out=y)
             mism.add_((y != allx.float().sum(0).to(dt)).sum())
 
-        body()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
+        g = captured(body)
         t0 = time.time()
         for _ in range(replays):
             g.replay()

@@ -8,7 +8,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import assert_identical_across_ranks, check, fresh, main, rank_seed  # noqa: E402
+from _harness import (assert_identical_across_ranks, captured, check, fresh, main,  # noqa: E402
+                      rank_seed)
 
 import torch  # noqa: E402
 
@@ -150,11 +151,7 @@ def copy_engine_transport_matches_reference(rt, seed):
                                      transport="copy_engine", chunks=3)
         got["b"] = fusedist.ag_gemm(sx2, sw, group=ce, engine="overlap", transport="copy_engine")
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = captured(body)
     for i in range(10):
         s = (seed, "ag-ce-graph", i)
         xs = [fresh((m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
@@ -251,11 +248,7 @@ def overlap_in_cuda_graph_fresh_inputs(rt, seed):
         outs["rs"] = fusedist.gemm_rs(rx, sw, engine="overlap", chunks=3)
         outs["ar"] = fusedist.gemm_ar(rx, sw, engine="overlap", chunks=3)
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = captured(body)
     for i in range(5):
         s = (seed, "graph", i)
         xs = [fresh((m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
@@ -409,11 +402,7 @@ def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
         outs["r"] = comm.all_reduce(outs["a"], algo="one_shot")
         outs["b"] = fusedist.gemm_ar(sx, sw2t.t(), sb, engine="fused")
 
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = captured(body)
     for i in range(30):
         s = (seed, "fused-graph", i)
         xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
