@@ -6,10 +6,12 @@ namespace py = pybind11;
 void register_symmetric(py::module_& m);
 void register_allreduce(py::module_& m);
 void register_gemm_comm(py::module_& m);
+void register_gemm(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
   register_symmetric(m);
   register_allreduce(m);
   register_gemm_comm(m);
+  register_gemm(m);
 }

@@ -29,6 +29,7 @@ void register_symmetric(py::module_& m) {
   m.def("host_mapped_free", &host_mapped_free, py::arg("host_ptr"));
   m.def("memcpy_async", &memcpy_async, py::arg("dst"), py::arg("src"), py::arg("bytes"),
         py::arg("stream"));
+  m.def("stream_write_u32", &stream_write_u32, py::arg("ptr"), py::arg("value"), py::arg("stream"));
   m.def("stream_synchronize", &stream_synchronize, py::arg("stream"),
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_to_host", [](uintptr_t p, uint64_t n) { return py::bytes(copy_to_host(p, n)); },

@@ -22,15 +22,8 @@ int local_sm_count() {
 
 // cuTensorMapEncodeTiled, reached through the runtime (fusedist links no driver library).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    FUSEDIST_CUDA_CHECK(
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q));
-    if (p == nullptr || q != cudaDriverEntryPointSuccess)
-      throw std::runtime_error("fusedist: the CUDA driver has no cuTensorMapEncodeTiled (needs >= 12.0)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
+  static auto fn =
+      reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(driver_entry_point("cuTensorMapEncodeTiled"));
   return fn;
 }
 

@@ -1,5 +1,9 @@
 // Host launchers for symmetric memory: allocation, CUDA IPC mapping, host-mapped error
 // records and the comm descriptor. Python (fusedist/symmetric.py) orchestrates the exchange.
+#include <cudaTypedefs.h>  // CUresult, CUstream for the driver entry point
+
+#include <stdexcept>
+#include <string>
 #include <cstring>
 
 #include "fusedist/api.h"
@@ -104,6 +108,27 @@ void memcpy_async(uintptr_t dst, uintptr_t src, uint64_t bytes, uintptr_t stream
   FUSEDIST_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
                                       bytes, cudaMemcpyDeviceToDevice,
                                       reinterpret_cast<cudaStream_t>(stream)));
+}
+
+void* driver_entry_point(const char* symbol) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  FUSEDIST_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q));
+  if (p == nullptr || q != cudaDriverEntryPointSuccess)
+    throw std::runtime_error(std::string("fusedist: the CUDA driver has no ") + symbol +
+                             " (needs a driver for CUDA >= 12.0)");
+  return p;
+}
+
+void stream_write_u32(uintptr_t ptr, uint32_t value, uintptr_t stream) {
+  using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  static Fn fn = reinterpret_cast<Fn>(driver_entry_point("cuStreamWriteValue32"));
+  // Default flags: the write is ordered after, and makes visible, the stream's earlier work
+  // (a copy-engine transfer); it runs in the GPU front end, on no SM.
+  const CUresult r = fn(reinterpret_cast<CUstream>(stream), CUdeviceptr(ptr), value, 0);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("fusedist: cuStreamWriteValue32 failed (CUresult " +
+                             std::to_string(int(r)) + ")");
 }
 
 void stream_synchronize(uintptr_t stream) {

@@ -37,6 +37,11 @@ uintptr_t host_mapped_device_ptr(uintptr_t host_ptr);
 void host_mapped_free(uintptr_t host_ptr);
 void stream_synchronize(uintptr_t stream);
 void memcpy_async(uintptr_t dst, uintptr_t src, uint64_t bytes, uintptr_t stream);  // D2D / peer
+// A driver API function by name (fusedist links only cudart, so `import` works without a
+// driver); throws when the driver lacks it.
+void* driver_entry_point(const char* symbol);
+// *ptr = value once the stream's earlier work is done and visible; no SM (cuStreamWriteValue32).
+void stream_write_u32(uintptr_t ptr, uint32_t value, uintptr_t stream);
 std::string copy_to_host(uintptr_t device_ptr, uint64_t bytes);  // debugging and tests
 
 // One rank's handle on a symmetric communicator: the SymmView kernels receive, plus the
@@ -70,5 +75,19 @@ constexpr int kGemmArFusedMaxM = 128;
 void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw,
                    bool w_nk, uintptr_t bias, uintptr_t out, int m, int n, int k, DType dtype,
                    uintptr_t stream);
+
+// ---- gemm.cu ------------------------------------------------------------------------------
+// Hopper GEMM (gemm_sm90.cuh): out[m, n] = x[m, k] @ w + beta * c + bias, fp32 accumulation.
+// w as in gemm_ar_fused; c (0: none) and out row-major with row strides ldc / ldo.
+// With `wait` (flags != 0), the ag_gemm protocol: x is the gathered input, rank `comm.rank`'s
+// block first, each tile after the copy pieces of its rows are flagged (gemm_sm90.cuh).
+struct GemmWaitArgs {
+  uintptr_t flags = 0;  // uint32 [world * pieces]; 0: a plain GEMM
+  int block_rows = 0;   // rows per rank block of x
+  int pieces = 1;       // copy pieces per block
+};
+void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
+               uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream);
 
 }  // namespace fusedist

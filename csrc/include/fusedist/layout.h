@@ -35,7 +35,8 @@ struct ErrorRecord {
   uint32_t pad[3];
 };
 constexpr uint32_t kErrTimeout = 1;
-enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3, kOpGemmAr = 4 };
+enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3, kOpGemmAr = 4,
+                       kOpAgGemm = 5 };
 
 // Per-rank control block in local device memory (not shared with peers).
 //   epoch:  calls completed on this communicator; generation = epoch % kGenerations. Block 0

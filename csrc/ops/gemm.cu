@@ -1,0 +1,94 @@
+// Host launcher for the Hopper GEMM (gemm_sm90.cuh): argument checks, the ag_gemm chunk-wait
+// parameters, dtype / weight-layout dispatch to the instantiations (gemm_sm90_*.cu).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "fusedist/api.h"
+#include "gemm_sm90.h"
+
+namespace fusedist {
+
+namespace {
+
+// SMs the fused all-gather GEMM leaves free: its tiles wait for rows that arrive only after
+// the communicator's barrier kernels run on the comm stream, so they need SMs of their own.
+constexpr int kReservedSms = 4;
+
+int sm_count() {
+  static thread_local int dev = -1, sms = 0;
+  int now = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&now));
+  if (now != dev) {
+    FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, now));
+    dev = now;
+  }
+  return sms;
+}
+
+template <typename T>
+void run_layout(const GemmSm90Call& a, bool w_nk) {
+  if (w_nk)
+    gemm_sm90_run<T, true>(a);
+  else
+    gemm_sm90_run<T, false>(a);
+}
+
+}  // namespace
+
+void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
+               uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream) {
+  const std::string op = "gemm: ";
+  FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
+  FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
+                     op + "N (" + std::to_string(n) + ") and K (" + std::to_string(k) +
+                         ") must be multiples of 8 (16-byte TMA rows)");
+  for (int64_t ld : {ldx, ldw, ldo, c ? ldc : ldo})
+    FUSEDIST_CHECK_ARG(ld % 8 == 0, op + "row strides must be multiples of 8 elements");
+  FUSEDIST_CHECK_ARG(ldx >= k && ldw >= (w_nk ? k : n) && ldo >= n && (!c || ldc >= n),
+                     op + "a row stride is smaller than its row");
+  for (uintptr_t p : {x, w, out, c, bias})
+    FUSEDIST_CHECK_ARG(p % 16 == 0, op + "x, w, c, bias and out must be 16-byte aligned");
+  FUSEDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+                     op + std::string("dtype ") + dtype_name(dtype) +
+                         " unsupported; use bfloat16 or float16");
+  GemmSm90Call a{};
+  a.x = x, a.w = w, a.bias = bias, a.c = c, a.out = out;
+  a.ldx = ldx, a.ldw = ldw, a.ldc = ldc, a.ldo = ldo, a.beta = beta;
+  a.m = m, a.n = n, a.k = k;
+  a.stream = reinterpret_cast<cudaStream_t>(stream);
+  a.sms = sm_count();
+  if (wait.flags != 0) {
+    a.sms -= kReservedSms;
+    FUSEDIST_CHECK_ARG(comm != nullptr, op + "the chunk wait needs a communicator");
+    const int world = comm->view.world, rank = comm->view.rank;
+    FUSEDIST_CHECK_ARG(wait.block_rows >= 1 && int64_t(wait.block_rows) * world == m,
+                       op + "block_rows * world must equal M");
+    FUSEDIST_CHECK_ARG(wait.pieces >= 1 && wait.pieces <= wait.block_rows,
+                       op + "pieces must be in 1..block_rows");
+    ChunkWait& cw = a.wait;
+    cw.flags = reinterpret_cast<const uint32_t*>(wait.flags);
+    cw.rows = m;
+    cw.block_rows = wait.block_rows;
+    cw.pieces = wait.pieces;
+    cw.piece_rows = (wait.block_rows + wait.pieces - 1) / wait.pieces;
+    const int tiles = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
+    cw.tiles_m = (tiles + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM;
+    // Start at the first cluster whose tiles lie wholly in this rank's block, so the first
+    // wave needs no peer rows; the tiles that straddle into the previous block come last.
+    const int first = (int64_t(rank) * wait.block_rows + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
+    cw.rotate_tiles = (first + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM % cw.tiles_m;
+    cw.ctl = comm->view.ctl;
+    cw.err = comm->view.err;
+    cw.timeout_ns = comm->view.timeout_ns;
+    cw.rank = rank;
+  }
+  if (dtype == DType::kBFloat16)
+    run_layout<__nv_bfloat16>(a, w_nk);
+  else
+    run_layout<__half>(a, w_nk);
+}
+
+}  // namespace fusedist

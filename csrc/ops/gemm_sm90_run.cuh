@@ -1,0 +1,72 @@
+// csrc/ops/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: CUTLASS
+// arguments from a GemmSm90Call, checks, launch through CUTLASS's adapter. Included by the
+// gemm_sm90_<dtype>_<layout>.cu files only (each compiles one CUTLASS kernel).
+#pragma once
+#include <stdexcept>
+#include <string>
+
+#include "fusedist/common.h"
+#include "fusedist/gemm_sm90.cuh"
+#include "fusedist/launch.h"
+#include "gemm_sm90.h"
+
+namespace fusedist {
+
+template <typename T, bool kWNK>
+void gemm_sm90_run(const GemmSm90Call& a) {
+  using G = GemmSm90<T, kWNK>;
+  using Gemm = typename G::Gemm;
+  using Kernel = typename G::Kernel;
+  using E = typename G::Element;
+  // Strides are (M or N mode, K mode, batch) for A and B, (M, N, batch) for C and D.
+  typename Kernel::StrideA sa{};
+  typename Kernel::StrideB sb{};
+  typename Kernel::StrideC sc{};
+  typename Kernel::StrideD sd{};
+  cute::get<0>(sa) = a.ldx;
+  if constexpr (kWNK)
+    cute::get<0>(sb) = a.ldw;  // [N, K] rows: n steps by ldw, k by 1
+  else
+    cute::get<1>(sb) = a.ldw;  // [K, N] rows: k steps by ldw, n by 1
+  cute::get<0>(sd) = a.ldo;
+  cute::get<0>(sc) = a.c ? a.ldc : a.ldo;
+
+  cutlass::KernelHardwareInfo hw;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&hw.device_id));
+  hw.sm_count = a.sms;
+
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {a.m, a.n, a.k, 1},
+      {reinterpret_cast<const E*>(a.x), sa, reinterpret_cast<const E*>(a.w), sb},
+      // No c: the C descriptor points at out (a valid tensor map) and beta = 0 skips its load.
+      {{}, reinterpret_cast<const E*>(a.c ? a.c : a.out), sc, reinterpret_cast<E*>(a.out), sd},
+      hw};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = a.c ? a.beta : 0.0f;
+  args.epilogue.thread.bias_ptr = reinterpret_cast<const E*>(a.bias);
+  args.scheduler.raster_order =
+      cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions::AlongN;
+  // A wave of 64 clusters covers 16 M-tiles x 8 N-tiles instead of 2 x 64: the weight is
+  // streamed from HBM far fewer times when it does not fit in L2 (N = 14336).
+  args.scheduler.max_swizzle_size = 8;
+  args.scheduler.wait = a.wait;
+
+  Gemm gemm;
+  cutlass::Status s = gemm.can_implement(args);
+  FUSEDIST_CHECK_ARG(s == cutlass::Status::kSuccess,
+                     std::string("gemm: CUTLASS cannot run this problem (") +
+                         cutlassGetStatusString(s) + "); M, N, K and the strides must suit 16-byte TMA rows");
+  FUSEDIST_CHECK_ARG(Gemm::get_workspace_size(args) == 0, "gemm: unexpected workspace need");
+  s = gemm.initialize(args, nullptr, a.stream);
+  if (s != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("fusedist: gemm: CUTLASS initialize failed: ") +
+                             cutlassGetStatusString(s));
+  s = gemm.run(a.stream);
+  FUSEDIST_LAUNCH_CHECK("gemm_sm90 (CUTLASS GemmUniversal)");
+  if (s != cutlass::Status::kSuccess)
+    throw std::runtime_error(std::string("fusedist: gemm: CUTLASS launch failed: ") +
+                             cutlassGetStatusString(s));
+}
+
+}  // namespace fusedist
