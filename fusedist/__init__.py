@@ -16,7 +16,7 @@ from .errors import (CommunicatorClosedError, CommunicatorTimeoutError, Extensio
                      FusedistError, NcclUnavailableError, NotInitializedError, PeerAccessError)
 from .groups import Group
 from .launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
-from .ops import ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm_ar, gemm_rs
+from .ops import ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar, gemm_rs
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .streams import AsyncHandle, comm_stream
 from .topology import Topology
@@ -24,7 +24,7 @@ from .topology import Topology
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
     "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
-    "all_reduce_add_rmsnorm", "ag_gemm", "gemm_rs", "gemm_ar", "AsyncHandle", "comm_stream", "LaunchEnv", "LaunchEnvError",
+    "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "AsyncHandle", "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError",

@@ -22,7 +22,7 @@ from .errors import CommunicatorClosedError, CommunicatorTimeoutError, PeerAcces
 from .groups import Group
 
 _OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm",
-             4: "gemm_ar (fused)"}
+             4: "gemm_ar (fused)", 5: "ag_gemm (fused: waiting for a peer's rows)"}
 
 
 def _align(n: int, a: int) -> int:

@@ -81,7 +81,8 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 # 17 GFLOP: large enough that a chunk's GEMM outlasts its collective's launch costs), and no
 # fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
 # where it applies (ops/gemm_comm.py: dtype, layout, capacity).
-_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "ce_min_mnk": None,
+_GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "fused_min_mnk": None,
+                 "ce_min_mnk": None,
                  "ce_chunks": 2, "ce_min_piece_rows": 256}
 
 
@@ -92,7 +93,8 @@ def _gemm_rule(table: dict, op: str) -> dict:
 def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
                 fused_ok: bool = False, copy_engine_ok: bool = False) -> str:
     """Engine for a GEMM + collective: "fused" when the fused kernel takes the call
-    (`fused_ok`) and M <= the rule's fused_max_m; else "overlap" from min_mnk up, or from
+    (`fused_ok`) and M <= the rule's fused_max_m (decode kernels) or M*N*K >= its
+    fused_min_mnk (prefill kernels); else "overlap" from min_mnk up, or from
     ce_min_mnk up when the overlap engine would move data with the copy engine
     (`copy_engine_ok`: the communicator has staging for the call); else "unfused". Inputs are
     identical on every rank, so is the choice."""
@@ -100,6 +102,8 @@ def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
     if world < 2:
         return "unfused"
     if fused_ok and m <= int(rule.get("fused_max_m") or 0):
+        return "fused"
+    if fused_ok and rule.get("fused_min_mnk") is not None and m * n * k >= rule["fused_min_mnk"]:
         return "fused"
     threshold = rule.get("ce_min_mnk") if copy_engine_ok and rule.get("ce_min_mnk") is not None \
         else rule["min_mnk"]

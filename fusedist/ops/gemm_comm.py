@@ -47,14 +47,14 @@ import torch
 from .. import _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ..streams import comm_stream, nvtx_range
+from .gemm import FUSED_DTYPES, launch_decode, launch_sm90, sm90_available, weight_layout
 
 ENGINES = ("unfused", "overlap", "fused")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
-            fused_why_not: Optional[str] = "only gemm_ar has a fused kernel",
+            fused_why_not: Optional[str] = "gemm_rs has no fused kernel (ag_gemm and gemm_ar do)",
             copy_engine_ok: bool = False) -> str:
     """The engine for this call. `fused_why_not` is None when the fused kernel takes the call,
     else the reason it does not (it depends only on shapes, dtypes and strides, which SPMD code
@@ -81,98 +81,38 @@ def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
     return engine
 
 
-def _weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
-    """(w_nk, row stride) for the fused kernel: w [K, N] row-major, or the .t() of an [N, K]
-    row-major weight; None for any other layout."""
-    if w.stride(1) == 1 and w.stride(0) % 8 == 0 and w.stride(0) >= w.shape[1]:
-        return False, w.stride(0)
-    if w.stride(0) == 1 and w.stride(1) % 8 == 0 and w.stride(1) >= w.shape[0]:
-        return True, w.stride(1)
+def _fused_common_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    """What every fused kernel needs: symmetric memory, bf16/fp16, N and K multiples of 8, a
+    [K, N] or nn.Linear-.t() weight."""
+    if comm.device.type != "cuda" or comm.symm is None:
+        return (f"group {comm.group.name} has no symmetric memory (CPU, size 1, no peer "
+                "access, or symmetric=False)")
+    if x.dtype not in FUSED_DTYPES:
+        return f"dtype {x.dtype} (the fused kernels take bfloat16 or float16)"
+    K, N = w.shape
+    if N % 8 or K % 8:
+        return f"N = {N} and K = {K} must be multiples of 8"
+    if weight_layout(w) is None:
+        return (f"w has strides {tuple(w.stride())}; it must be a row-major [K, N] tensor or the "
+                ".t() of a row-major [N, K] one (call .contiguous())")
     return None
 
 
 def _fused_ar_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
     """None when gemm_ar's fused kernel takes (x, w) on this communicator, else why not."""
-    if comm.device.type != "cuda" or comm.symm is None:
-        return (f"group {comm.group.name} has no symmetric memory (CPU, size 1, no peer "
-                "access, or symmetric=False)")
-    if x.dtype not in FUSED_DTYPES:
-        return f"dtype {x.dtype} (the fused kernel takes bfloat16 or float16)"
+    why = _fused_common_why_not(comm, x, w)
+    if why is not None:
+        return why
     C = _ext.load()
     M, K = x.shape
     N = w.shape[1]
     if M > C.GEMM_AR_FUSED_MAX_M:
         return f"M = {M} rows (the fused kernel takes at most {C.GEMM_AR_FUSED_MAX_M})"
-    if N % 8 or K % 8:
-        return f"N = {N} and K = {K} must be multiples of 8"
-    if _weight_layout(w) is None:
-        return (f"w has strides {tuple(w.stride())}; it must be a row-major [K, N] tensor or the "
-                ".t() of a row-major [N, K] one (call .contiguous())")
     cap = C.allreduce_max_numel(comm.symm.handle, _dtypes.code(x.dtype), C.ALGO_ONE_SHOT)
     if M * N > cap:
         return (f"the [M, N] output has {M * N} elements, more than the communicator's one-shot "
                 f"slot ({cap}); create fusedist.Communicator(max_bytes=...) larger")
     return None
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
-    """w itself when 16-byte aligned, else a fresh (aligned) copy in the same layout: row-major
-    [K, N], or the .t() of a row-major [N, K]. (.contiguous() would return a contiguous view
-    unchanged, still misaligned.)"""
-    if w.data_ptr() % 16 == 0:
-        return w
-    if w_nk:
-        return w.t().clone(memory_format=torch.contiguous_format).t()
-    return w.clone(memory_format=torch.contiguous_format)
-
-
-def _gemm_fused(comm: Optional[Communicator], x: torch.Tensor, w: torch.Tensor, bias,
-                out: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
-    """Launch the fused kernel (comm None: no exchange). Misaligned views go through aligned
-    copies, so alignment never changes which engine runs."""
-    C = _ext.load()
-    w_nk, ldw = _weight_layout(w)
-    xa = _aligned(x)
-    if w.data_ptr() % 16:
-        w = _aligned_weight(w, w_nk)
-        w_nk, ldw = _weight_layout(w)
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
-    b = 0 if bias is None else bias.contiguous().data_ptr()
-    C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
-                    w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
-                    x.shape[1], _dtypes.code(x.dtype), stream.cuda_stream)
-    if dst is not out:
-        out.copy_(dst)
-    return out
-
-
-def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fusedist's decode GEMM without communication: x [M <= 128, K] @ w (+ bias) on the
-    current stream, the kernel behind gemm_ar(engine='fused') with the exchange left out (the
-    baseline that shows what the fused kernel's GEMM costs next to torch.matmul)."""
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or not x.is_cuda:
-        raise TypeError("fusedist.gemm: x and w must be CUDA tensors")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"fusedist.gemm: expected x [M, K] and w [K, N], got {tuple(x.shape)} "
-                         f"and {tuple(w.shape)}")
-    if x.dtype not in FUSED_DTYPES or w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"fusedist.gemm: x and w must share a dtype in {FUSED_DTYPES} and a "
-                        f"device, got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
-    if not x.is_contiguous():
-        raise ValueError(f"fusedist.gemm: x is non-contiguous (stride {tuple(x.stride())}); "
-                         "call .contiguous() first")
-    if _weight_layout(w) is None:
-        raise ValueError(f"fusedist.gemm: w has strides {tuple(w.stride())}; pass a row-major "
-                         "[K, N] tensor or the .t() of a row-major [N, K] one")
-    if bias is not None and (bias.shape != (w.shape[1],) or bias.dtype != x.dtype):
-        raise ValueError(f"fusedist.gemm: bias must be a [{w.shape[1]}] tensor of {x.dtype}")
-    out = _out("gemm", out, (x.shape[0], w.shape[1]), x)
-    return _gemm_fused(None, x, w, bias, out, torch.cuda.current_stream(x.device))
 
 
 def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int,
@@ -278,13 +218,84 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
     return events
 
 
+def _fused_ag_why_not(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    """None when ag_gemm's fused engine takes (x_shard, w) on this communicator, else why not
+    (shapes, dtypes, strides and sizes only: the same answer on every rank)."""
+    why = _fused_common_why_not(comm, x_shard, w)
+    if why is not None:
+        return why
+    if not sm90_available(comm.device):
+        return f"{comm.device} is not a Hopper (sm_90) GPU"
+    if x_shard.shape[0] == 0 or w.shape[0] == 0 or w.shape[1] == 0:
+        return f"an empty problem (m = {x_shard.shape[0]}, K, N = {tuple(w.shape)})"
+    need = comm.group.size * x_shard.numel() * x_shard.element_size()
+    if comm.symm.staging_bytes < need:
+        return (f"it gathers the input ({need} bytes: world x shard) in symmetric staging and "
+                f"the communicator has {comm.symm.staging_bytes} bytes; create "
+                f"fusedist.Communicator(staging_bytes>={need})")
+    return None
+
+
+def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
+              out: torch.Tensor, pieces: int) -> torch.Tensor:
+    """One persistent GEMM over the gathered rows while the copy engine pulls the peers' rows.
+    The gathered input lives in this rank's symmetric staging, [world * m, K], every rank's
+    block at the same rows everywhere, so a peer pulls this rank's block straight from where
+    this rank's GEMM reads it. Streams (docs/design/gemm_comm.md has the timeline):
+      main: flags zeroed and this rank's pieces flagged, own shard -> its rows of the staging,
+            then (after cs's first barrier) the GEMM. Its tiles walk this rank's block first
+            and each waits for the flags of its rows (gemm_sm90.cuh); it leaves a few SMs free
+            so the closing barrier need not wait for it.
+      cs:   barrier (every rank staged its block), each peer's block pulled piece by piece
+            from the peer's staging into the same rows here (cudaMemcpyAsync peer -> device:
+            the copy engine), a flag after each piece (cuStreamWriteValue32: no SM), closing
+            barrier (no rank restages while a peer still pulls).
+    The GEMM is launched only after the first barrier, so once it holds the SMs its progress
+    needs only the copy engine and stream memory operations: no SM kernel of this call (or of
+    another stream) can be starved behind it. Flags are zeroed on main each call, so a graph
+    replay never sees the last one's."""
+    C = _ext.load()
+    symm = comm.symm
+    W, r = comm.group.size, comm.group.rank
+    m, k = x_shard.shape
+    row_bytes = k * x_shard.element_size()
+    main = comm._stream()
+    gathered = symm.staging(x_shard.dtype, (W * m, k))
+    flags = torch.zeros(W * pieces, dtype=torch.int32, device=x_shard.device)
+    flags[r * pieces:(r + 1) * pieces] = 1
+    gathered[r * m:(r + 1) * m].copy_(x_shard)
+    piece_rows = -(-m // pieces)  # the kernel's piece size: ceil, the last piece shorter
+    bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
+    cs = _fork(main)
+    with torch.cuda.stream(cs):
+        comm._device_barrier()
+        staged = torch.cuda.Event()
+        staged.record(cs)
+        for d in range(1, W):
+            j = (r + d) % W
+            for p in range(pieces):
+                a, b = bounds[p], bounds[p + 1]
+                offset = symm.staging_offset + (j * m + a) * row_bytes
+                C.memcpy_async(symm.bases[r] + offset, symm.bases[j] + offset,
+                               (b - a) * row_bytes, cs.cuda_stream)
+                C.stream_write_u32(flags.data_ptr() + 4 * (j * pieces + p), 1, cs.cuda_stream)
+        comm._device_barrier()
+    flags.record_stream(cs)
+    main.wait_event(staged)
+    launch_sm90(gathered, w, bias, out, main, comm=comm, flags=flags, block_rows=m,
+                pieces=pieces)
+    main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
+    return out
+
+
 def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: GroupLike = None, engine: str = "auto", out: Optional[torch.Tensor] = None,
-            transport: str = "auto") -> torch.Tensor:
+            transport: str = "auto", chunks: Optional[int] = None) -> torch.Tensor:
     """all_gather(x_shard over the group, along rows) @ w (+ bias). x_shard [m, K] on every rank,
     w [K, N]; returns [world * m, N], bitwise the same on every rank. transport (overlap
     engine): "auto" (copy engine when the communicator has staging_bytes for the shard, else
-    NCCL), "nccl" or "copy_engine"."""
+    NCCL), "nccl" or "copy_engine". chunks (fused engine): copy pieces per rank block, each
+    flagged as it lands (default 1)."""
     op = "ag_gemm"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.ag_gemm: transport must be one of {TRANSPORTS}, got "
@@ -296,7 +307,10 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     n = w.shape[1]
     out = _out(op, out, (W * m, n), x_shard)
     how = _ag_transport(comm, x_shard, transport) if comm.device.type == "cuda" else "nccl"
-    eng = _engine(op, engine, W * m, n, k, comm, copy_engine_ok=how == "copy_engine")
+    fused_why_not = _fused_ag_why_not(comm, x_shard, w) if comm.device.type == "cuda" else \
+        "CPU tensors"
+    eng = _engine(op, engine, W * m, n, k, comm, fused_why_not=fused_why_not,
+                  copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.ag_gemm.{eng}"):
         if comm.device.type == "cpu":
             parts = [torch.empty_like(x_shard, dtype=torch.float32) for _ in range(W)]
@@ -305,6 +319,12 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             if bias is not None:
                 ref += bias.float()
             return out.copy_(ref)
+        if eng == "fused":
+            # One piece per block by default: a peer block (m x K) is pulled several times
+            # faster than the GEMM multiplies the block before it (traced at 4096 x 8192 x 8192:
+            # 94 us against ~350 us), so cutting it finer only adds copies and flags.
+            pieces = _chunks(op, 1 if chunks is None else chunks, comm, W * m, n, k, rows=m)
+            return _ag_fused(comm, x_shard, w, bias, out, pieces)
         gathered = torch.empty((W * m, k), dtype=x_shard.dtype, device=x_shard.device)
         if eng == "unfused":
             comm.nccl.all_gather(x_shard, gathered)
@@ -601,7 +621,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
                   copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_ar.{eng}"):
         if eng == "fused":
-            return _gemm_fused(comm, x, w_shard, bias, out, comm._stream())
+            return launch_decode(comm, x, w_shard, bias, out, comm._stream())
         if comm.device.type == "cpu" or eng == "unfused":
             torch.matmul(x, w_shard, out=out)
             comm.all_reduce(out, out=out)

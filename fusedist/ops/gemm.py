@@ -1,0 +1,163 @@
+"""fusedist's GEMMs without communication, and the launchers the GEMM + collective ops share.
+
+    y = fusedist.gemm(x, w, bias=None, out=None, kernel="auto", accumulate=False)
+
+x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stream. w is
+[K, N] row-major or the .t() of a row-major [N, K] nn.Linear weight. Kernels:
+  * "decode" (M <= 128): the fused gemm_ar kernel with its exchange left out
+    (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
+  * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
+    csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused").
+    accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
+  * "auto": "decode" up to DECODE_MAX_M rows, else "sm90" on an sm_90 GPU, else torch.matmul.
+These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm_comm.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _dtypes, _ext
+
+KERNELS = ("auto", "decode", "sm90")
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+DECODE_MAX_M = 128  # at M = 128 the decode kernel ran 0.80x torch.matmul, sm90 0.47x (32 tiles)
+
+
+def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
+    """(w_nk, row stride) for fusedist's kernels: w [K, N] row-major, or the .t() of an [N, K]
+    row-major weight; None for any other layout."""
+    if w.stride(1) == 1 and w.stride(0) % 8 == 0 and w.stride(0) >= w.shape[1]:
+        return False, w.stride(0)
+    if w.stride(0) == 1 and w.stride(1) % 8 == 0 and w.stride(1) >= w.shape[0]:
+        return True, w.stride(1)
+    return None
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
+    """w itself when 16-byte aligned, else a fresh (aligned) copy in the same layout: row-major
+    [K, N], or the .t() of a row-major [N, K]. (.contiguous() would return a contiguous view
+    unchanged, still misaligned.)"""
+    if w.data_ptr() % 16 == 0:
+        return w
+    if w_nk:
+        return w.t().clone(memory_format=torch.contiguous_format).t()
+    return w.clone(memory_format=torch.contiguous_format)
+
+
+def _weight(w: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
+    w_nk, ldw = weight_layout(w)
+    if w.data_ptr() % 16:
+        w = aligned_weight(w, w_nk)
+        w_nk, ldw = weight_layout(w)
+    return w, w_nk, ldw
+
+
+def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
+                  stream: torch.cuda.Stream) -> torch.Tensor:
+    """The decode kernel (comm None: no exchange; else gemm_ar's fused all-reduce). Misaligned
+    views go through aligned copies, so alignment never changes which engine runs."""
+    C = _ext.load()
+    xa = aligned(x)
+    w, w_nk, ldw = _weight(w)
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
+    C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
+                    w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
+                    x.shape[1], _dtypes.code(x.dtype), stream.cuda_stream)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
+                stream: torch.cuda.Stream, accumulate: bool = False, comm=None,
+                flags: Optional[torch.Tensor] = None, block_rows: int = 0,
+                pieces: int = 1) -> torch.Tensor:
+    """The Hopper GEMM. With `flags` (int32 [world * pieces], zeroed for this call), x is an
+    all-gathered input whose row pieces the copy engine flags as they land (ag_gemm fused)."""
+    C = _ext.load()
+    xa = aligned(x)
+    w, w_nk, ldw = _weight(w)
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    if accumulate and dst is not out:
+        dst.copy_(out)
+    b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
+    C.gemm_sm90(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
+                w.data_ptr(), ldw, w_nk, b, dst.data_ptr() if accumulate else 0, dst.stride(0),
+                1.0, dst.data_ptr(), dst.stride(0), x.shape[0], w.shape[1], x.shape[1],
+                _dtypes.code(x.dtype), 0 if flags is None else flags.data_ptr(), block_rows,
+                pieces, stream.cuda_stream)
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
+def sm90_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+         out: Optional[torch.Tensor] = None, kernel: str = "auto",
+         accumulate: bool = False) -> torch.Tensor:
+    """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"fusedist.gemm: kernel must be one of {KERNELS}, got {kernel!r}")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or not x.is_cuda:
+        raise TypeError("fusedist.gemm: x and w must be CUDA tensors")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fusedist.gemm: expected x [M, K] and w [K, N], got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    if x.dtype not in FUSED_DTYPES or w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"fusedist.gemm: x and w must share a dtype in {FUSED_DTYPES} and a "
+                        f"device, got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"fusedist.gemm: x is non-contiguous (stride {tuple(x.stride())}); "
+                         "call .contiguous() first")
+    if weight_layout(w) is None:
+        raise ValueError(f"fusedist.gemm: w has strides {tuple(w.stride())}; pass a row-major "
+                         "[K, N] tensor or the .t() of a row-major [N, K] one")
+    m, k = x.shape
+    n = w.shape[1]
+    if n % 8 or k % 8:
+        raise ValueError(f"fusedist.gemm: N = {n} and K = {k} must be multiples of 8 (16-byte "
+                         "TMA rows); pad the weight")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (n,)
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"fusedist.gemm: bias must be a [{n}] tensor of {x.dtype} on {x.device}")
+    if accumulate and out is None:
+        raise ValueError("fusedist.gemm: accumulate=True adds into out; pass out=")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device \
+            or not out.is_contiguous():
+        raise ValueError(f"fusedist.gemm: out must be a contiguous ({m}, {n}) tensor of "
+                         f"{x.dtype} on {x.device}")
+    if kernel == "auto":
+        if m <= DECODE_MAX_M and not accumulate:
+            kernel = "decode"
+        elif sm90_available(x.device):
+            kernel = "sm90"
+        else:
+            res = torch.addmm(bias, x, w) if bias is not None else x @ w
+            return out.add_(res) if accumulate else out.copy_(res)
+    stream = torch.cuda.current_stream(x.device)
+    if kernel == "decode":
+        if accumulate:
+            raise ValueError("fusedist.gemm: kernel='decode' does not accumulate; use "
+                             "kernel='sm90'")
+        if m > _ext.load().GEMM_AR_FUSED_MAX_M:
+            raise ValueError(f"fusedist.gemm: kernel='decode' takes M <= "
+                             f"{_ext.load().GEMM_AR_FUSED_MAX_M} rows, got {m}; use kernel='auto'")
+        return launch_decode(None, x, w, bias, out, stream)
+    if not sm90_available(x.device):
+        raise ValueError(f"fusedist.gemm: kernel='sm90' needs a Hopper (sm_90) GPU, {x.device} "
+                         f"is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}; "
+                         "use kernel='auto'")
+    return launch_sm90(x, w, bias, out, stream, accumulate=accumulate)
