@@ -26,7 +26,7 @@ import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.o
 
 import fusedist  # noqa: E402
 from _harness import metadata, slowest, time_graph, write_results  # noqa: E402
-from fusedist.ops.gemm_comm import gemm as fd_gemm  # noqa: E402
+from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 
 
 def shapes(quick: bool):
@@ -50,10 +50,11 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         return torch.randn(*s, generator=g, device=dev, dtype=torch.float32).to(dtype) * 0.1
 
     w = rnd(K, N)
+    hopper = torch.cuda.get_device_capability(dev)[0] == 9
     steps = {}
     if op == "ag_gemm":
         x = rnd(M // W, K)
-        gathered = torch.empty(M, K, dtype=dtype, device=dev)
+        gathered = rnd(M, K)  # the gemm_only / gemm_fd90 input (and NCCL's all-gather output)
         out = torch.empty(M, N, dtype=dtype, device=dev)
         steps["gemm_only"] = lambda i: torch.matmul(gathered, w, out=out)
         steps["collective_only"] = lambda i: comm.nccl.all_gather(x, gathered)
@@ -65,6 +66,10 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                             transport="copy_engine", out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
+        if hopper:
+            steps["fd_fused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="fused",
+                                                           out=out)
+            steps["gemm_fd90"] = lambda i: fd_gemm(gathered, w, out=out, kernel="sm90")
     elif op == "gemm_rs":
         x = rnd(M, K)
         part = torch.empty(M, N, dtype=dtype, device=dev)
@@ -82,6 +87,8 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 out=out))(c)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
+        if hopper:
+            steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=part, kernel="sm90")
     else:
         x = rnd(M, K)
         out = torch.empty(M, N, dtype=dtype, device=dev)
@@ -93,6 +100,8 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_ar(
                 x, w, group=comm, engine="overlap", chunks=c, transport="collective",
                 out=out))(c)
+        if hopper and M > 32:
+            steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=out, kernel="sm90")
         if M > 128:
             for c, name in ((2, "fd_overlap_ce"), (3, "fd_overlap_ce_c3"), (4, "fd_overlap_ce_c4")):
                 steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
@@ -105,16 +114,24 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["fd_fused_nk"] = lambda i: fusedist.gemm_ar(x, w_nk.t(), group=comm,
                                                               engine="fused", out=out)
             # The fused kernel's GEMM alone (no exchange) beside torch.matmul (gemm_only).
-            steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out)
+            steps["gemm_fd"] = lambda i: fd_gemm(x, w, out=out, kernel="decode")
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
-            steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out)
+            steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out, kernel="decode")
     ref = steps["unfused"](0).clone()  # correctness of what is about to be timed
-    for name in [b for b in steps if b.startswith("fd_overlap_ce")]:
+    for name in [b for b in steps if b.startswith("fd_overlap_ce") or b == "fd_fused"
+                 and op == "ag_gemm"]:
         got = steps[name](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 2e-2:
             raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs the "
                                "unfused path; not timing a wrong kernel")
+    if "gemm_fd90" in steps:
+        ref = steps["gemm_only"](0).clone()
+        got = steps["gemm_fd90"](0).clone()
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err < 2e-2:
+            raise RuntimeError(f"gemm_fd90 M={M} N={N} K={K}: rel err {err:.3g} vs "
+                               "torch.matmul; not timing a wrong kernel")
     if M <= 128 and op == "gemm_ar":
         for name in ("fd_fused", "gemm_fd"):
             ref = fusedist.gemm_ar(x, w, group=comm, engine="unfused") if name == "fd_fused" \
@@ -176,23 +193,26 @@ def table(rows) -> str:
 
 
 def gemm_table(rows) -> str:
-    """The fused kernel's GEMM alone (gemm_fd) vs cuBLAS (gemm_only), both weight layouts."""
+    """fusedist's GEMMs alone vs cuBLAS (gemm_only, torch.matmul) on the same shape: the decode
+    kernel (gemm_fd, [K, N] and w.t()) and the Hopper wgmma kernel (gemm_fd90). Ratios > 1 are
+    faster than torch.matmul."""
     keyed = {}
     for r in rows:
-        if r["backend"] in ("gemm_only", "gemm_fd", "gemm_only_nk", "gemm_fd_nk"):
-            keyed.setdefault((r["M"], r["N"], r["K"]), {})[r["backend"]] = r["time_us"]
-    keyed = {k: v for k, v in keyed.items() if "gemm_fd" in v}
+        if r["backend"] in ("gemm_only", "gemm_fd", "gemm_fd_nk", "gemm_fd90") \
+                and r["status"] == "ok":
+            keyed.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["backend"]] = r["time_us"]
+    keyed = {k: v for k, v in keyed.items() if "gemm_only" in v and len(v) > 1}
     if not keyed:
         return ""
-    lines = ["| M | N | K | torch.matmul [K,N] | fusedist [K,N] | ratio | torch.matmul "
-             "w.t() | fusedist w.t() | ratio | fusedist GB/s |", "|" + "---|" * 10]
-    for (M, N, K), d in keyed.items():
-        tb = min(d["gemm_fd"], d.get("gemm_fd_nk", float("inf")))
-        gbs = (K * N + M * K + M * N) * 2 / tb / 1e3
-        lines.append(f"| {M} | {N} | {K} | {d['gemm_only']:.1f} | {d['gemm_fd']:.1f} | "
-                     f"{d['gemm_only'] / d['gemm_fd']:.2f}x | {d.get('gemm_only_nk', 0):.1f} | "
-                     f"{d.get('gemm_fd_nk', 0):.1f} | "
-                     f"{d.get('gemm_only_nk', 0) / d.get('gemm_fd_nk', 1):.2f}x | {gbs:.0f} |")
+    lines = ["| op | M | N | K | torch.matmul us | fusedist decode us | ratio | "
+             "fusedist sm90 us | ratio | sm90 TFLOP/s |", "|" + "---|" * 10]
+    nan = float("nan")
+    for (op, M, N, K), d in keyed.items():
+        t0 = d["gemm_only"]
+        td = min(d.get("gemm_fd", nan), d.get("gemm_fd_nk", nan))
+        t9 = d.get("gemm_fd90", nan)
+        lines.append(f"| {op} | {M} | {N} | {K} | {t0:.1f} | {td:.1f} | {t0 / td:.2f}x | "
+                     f"{t9:.1f} | {t0 / t9:.2f}x | {2.0 * M * N * K / t9 / 1e6:.0f} |")
     return "\n".join(lines)
 
 
@@ -279,11 +299,11 @@ def main():
             raise SystemExit(f"--shape {args.shape}: expected op:M:N:K")
     else:
         todo_shapes = shapes(args.quick)
-    # Staging for the copy-engine transports: ag_gemm's x_shard (M / world x K), gemm_rs's
-    # and prefill gemm_ar's partials (M x N).
+    # Staging for the copy-engine transports and the fused ag_gemm: ag_gemm's gathered input
+    # (M x K; the copy-engine overlap needs only the shard), gemm_rs's and prefill gemm_ar's
+    # partials (M x N).
     esize = torch.finfo(dtype).bits // 8
-    stage = max([(M // rt.tp.size) * K * esize for op, M, N, K in todo_shapes
-                 if op == "ag_gemm"] +
+    stage = max([M * K * esize for op, M, N, K in todo_shapes if op == "ag_gemm"] +
                 [M * N * esize for op, M, N, K in todo_shapes
                  if op == "gemm_rs" or (op == "gemm_ar" and M > 128)] + [0])
     comm = fusedist.Communicator(rt.tp, max_bytes=64 << 20, staging_bytes=stage)

@@ -5,9 +5,10 @@ pipeline waits (a barrier that found no free SM, a pull that outlasts its GEMM, 
     torchrun --nproc-per-node 2 benchmarks/trace_gemm_comm.py \
         --cfg gemm_ar:2048:8192:4096:copy_engine:2 --cfg gemm_rs:4096:14336:8192:copy_engine:2
 
---cfg op:M:N:K:transport:chunks (transport nccl|collective|copy_engine|unfused). One CUDA-graph
-replay per configuration is traced (--eager: an eager call). Prints rank 0's
-timeline (us from the first GPU event of the call) and writes every rank's events to
+--cfg op:M:N:K:transport:chunks (transport nccl|collective|copy_engine|unfused, or fused for
+the fused engine with `chunks` copy pieces per block). One CUDA-graph replay per configuration
+is traced (--eager: an eager call). Prints each rank's timeline (us from that rank's first GPU
+event of the call: ranks' clocks are not aligned) and writes every rank's events to
 FUSEDIST_RESULTS_DIR (default benchmarks/results)/trace_gemm_comm-rank<r>.json.
 """
 
@@ -55,6 +56,8 @@ def make_call(rt, comm, cfg, dtype):
     kw = {"group": comm}
     if cfg["transport"] == "unfused":
         kw["engine"] = "unfused"
+    elif cfg["transport"] == "fused":
+        kw.update(engine="fused", chunks=cfg["chunks"])
     else:
         kw.update(engine="overlap", transport=cfg["transport"])
         if op != "ag_gemm":
@@ -124,12 +127,15 @@ def main():
     for cfg in args.cfg:
         events = trace_one(make_call(rt, comm, cfg, dtype), args.eager)
         out.append({"cfg": cfg, "events": events})
-        if rt.rank == 0:
-            streams = sorted({e[1] for e in events}, key=str)
-            print(f"\n== {cfg}  (rank 0; streams {streams})")
-            for name, tid, start, dur in events:
-                col = streams.index(tid)
-                print(f"  s{col} {start:9.1f} {start + dur:9.1f} {dur:8.1f}  {short(name)}")
+        for rank in range(rt.tp.size):  # every rank's timeline, one after the other
+            if rt.rank == rank:
+                streams = sorted({e[1] for e in events}, key=str)
+                print(f"\n== {cfg}  (rank {rank}; streams {streams})")
+                for name, tid, start, dur in events:
+                    col = streams.index(tid)
+                    print(f"  s{col} {start:9.1f} {start + dur:9.1f} {dur:8.1f}  {short(name)}",
+                          flush=True)
+            dist.barrier()
     results = Path(os.environ.get("FUSEDIST_RESULTS_DIR",
                                   Path(__file__).resolve().parent / "results"))
     results.mkdir(parents=True, exist_ok=True)

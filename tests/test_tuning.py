@@ -218,3 +218,15 @@ def test_shipped_table_copy_engine_thresholds_follow_the_measured_crossovers(cle
                               copy_engine_ok=True) == "unfused"
     assert tuning.choose_gemm(table, "ag_gemm", 512, 8192, 8192, 2,
                               copy_engine_ok=True) == "overlap"
+
+
+def test_choose_gemm_fused_from_fused_min_mnk():
+    """Prefill fused kernels (ag_gemm) take over from the rule's fused_min_mnk, only where the
+    fused engine takes the call; without the key the table never picks them."""
+    table = {"gemm_comm": {"ag_gemm": {"min_mnk": 1 << 35, "fused_min_mnk": 1 << 36}}}
+    assert tuning.choose_gemm(table, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=True) == "fused"
+    assert tuning.choose_gemm(table, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=False) == "overlap"
+    assert tuning.choose_gemm(table, "ag_gemm", 512, 8192, 8192, 2, fused_ok=True) == "overlap"
+    assert tuning.choose_gemm(table, "ag_gemm", 256, 8192, 8192, 2, fused_ok=True) == "unfused"
+    plain = {"gemm_comm": {"ag_gemm": {"min_mnk": 1 << 35}}}
+    assert tuning.choose_gemm(plain, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=True) == "overlap"

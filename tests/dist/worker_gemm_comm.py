@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.nn import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from fusedist.ops.gemm_comm import gemm as fd_gemm  # noqa: E402
+from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
 
@@ -305,6 +305,103 @@ def parallel_linears_match_full_layer(rt, seed):
 # M across the four tile configurations and their edges; K not a multiple of the 64-wide stage,
 # N not a multiple of the 64-column strip; both weight layouts ([K, N], and the .t() of an
 # nn.Linear [N, K] weight).
+# ag_gemm engine="fused" (gemm_sm90.cuh): rows per rank m, K, N. Odd m (tiles straddle the
+# rank blocks and the copy pieces), K and N not multiples of the 128 x 256 x 64 tile; the last
+# one has 512 tiles over the persistent CTAs, so tiles wait on pieces mid-run.
+AG_FUSED_SHAPES = tuple(sh for sh in ((1, 72, 40), (37, 200, 136), (129, 1000, 776),
+                                      (1031, 264, 1032), (4096, 1024, 2048))
+                        if sh[0] <= int(os.environ.get("FUSEDIST_TEST_MAX_ROWS", 1 << 30)))
+
+
+@check
+def ag_gemm_fused_matches_reference(rt, seed):
+    """One persistent wgmma GEMM over the gathered rows, each tile waiting for the copy-engine
+    flags of its rows: every chunking, both weight layouts, bias, eager, back to back and in a
+    CUDA graph replayed with fresh inputs. Output bitwise the same on every rank."""
+    if rt.device.type != "cuda" or rt.tp.size < 2 or \
+            torch.cuda.get_device_capability(rt.device)[0] != 9:
+        return
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=16 << 20)
+    for dt in (torch.bfloat16, torch.float16):
+        for m, k, n in AG_FUSED_SHAPES:
+            for chunks in (None, 1, 2, 3):
+                layout = "nk" if chunks == 2 else "kn"
+                with_bias = chunks != 1
+                s = (seed, "ag-fused", str(dt), m, k, n, chunks)
+                xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
+                w = _weights((k, n), layout, dt, dev, rank_seed(s, "w"))
+                b = fresh((n,), dt, dev, rank_seed(s, "b")) if with_bias else None
+                ref = torch.cat(xs).double() @ w.double()
+                if b is not None:
+                    ref += b.double()
+                out = poison(torch.empty((W * m, n), dtype=dt, device=dev))
+                y = fusedist.ag_gemm(xs[me], w, b, group=ce, engine="fused", chunks=chunks,
+                                     out=out)
+                what = (f"ag_gemm fused {dt} m={m} K={k} N={n} chunks={chunks} w={layout} "
+                        f"bias={with_bias}")
+                err = gemm_rel_err(y, ref)
+                assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+                assert_identical_across_ranks(rt, y, what)
+    # Back to back: 10 calls with fresh inputs, nothing waited for between them.
+    m, k, n, dt = 300, 520, 264, torch.bfloat16
+    outs, refs = [], []
+    for i in range(10):
+        s = (seed, "ag-fused-loop", i)
+        xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
+        w = fresh((k, n), dt, dev, rank_seed(s, "w"))
+        outs.append(fusedist.ag_gemm(xs[me], w, group=ce, engine="fused", chunks=1 + i % 3))
+        refs.append(torch.cat(xs).double() @ w.double())
+    for i, (y, ref) in enumerate(zip(outs, refs)):
+        assert gemm_rel_err(y, ref) < GEMM_REL[dt], f"fused ag_gemm back-to-back call {i}"
+    # A CUDA graph: two fused ag_gemm calls around a copy-engine gemm_rs, fresh inputs per
+    # replay (the flags are zeroed inside the graph, so a replay never sees the last one's).
+    sx = torch.zeros((m, k), dtype=dt, device=dev)
+    sx2 = torch.zeros((m, k), dtype=dt, device=dev)
+    sw = torch.zeros((k, n), dtype=dt, device=dev)
+    srx = torch.zeros((W * m, k), dtype=dt, device=dev)
+    got = {}
+
+    def body():
+        got["a"] = fusedist.ag_gemm(sx, sw, group=ce, engine="fused", chunks=2)
+        got["rs"] = fusedist.gemm_rs(srx, sw, group=ce, engine="overlap",
+                                     transport="copy_engine", chunks=2)
+        got["b"] = fusedist.ag_gemm(sx2, sw, group=ce, engine="fused")
+
+    g = captured(body)
+    for i in range(8):
+        s = (seed, "ag-fused-graph", i)
+        xs = [fresh((m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+        x2s = [fresh((m, k), dt, dev, rank_seed(s, "x2", p)) for p in range(W)]
+        rxs = [fresh((W * m, k), dt, dev, rank_seed(s, "rx", p)) for p in range(W)]
+        w = fresh((k, n), dt, dev, rank_seed(s, "w"))
+        sx.copy_(xs[me])
+        sx2.copy_(x2s[me])
+        srx.copy_(rxs[me])
+        sw.copy_(w)
+        for o in got.values():
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for key, parts in (("a", xs), ("b", x2s)):
+            assert gemm_rel_err(got[key], torch.cat(parts).double() @ w.double()) < \
+                GEMM_REL[dt], f"graph fused ag_gemm {key}, replay {i}"
+            assert_identical_across_ranks(rt, got[key], f"graph fused ag_gemm {key}, replay {i}")
+        ref_rs = (sum(x.double() for x in rxs) @ w.double())[me * m:(me + 1) * m]
+        assert gemm_rel_err(got["rs"], ref_rs) < GEMM_REL[dt], f"graph gemm_rs, replay {i}"
+    # Without staging for the shard the fused engine says why, naming the fix.
+    small = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1024)
+    x = torch.zeros((m, k), dtype=dt, device=dev)
+    try:
+        fusedist.ag_gemm(x, sw, group=small, engine="fused")
+    except ValueError as e:
+        assert "staging_bytes" in str(e), str(e)
+    else:
+        raise AssertionError("ag_gemm(engine='fused') ran without staging for the shard")
+    small.close()
+    ce.close()
+
+
 FUSED_MS = (1, 7, 16, 17, 33, 64, 65, 128)
 FUSED_KN = ((72, 40), (808, 296), (4104, 520))
 
@@ -344,7 +441,7 @@ def gemm_ar_fused_matches_reference(rt, seed):
 
 @check
 def gemm_no_comm_matches_reference(rt, seed):
-    """fusedist.ops.gemm_comm.gemm: the fused kernel without the exchange."""
+    """fusedist.gemm(kernel="decode"): the fused kernel without the exchange."""
     if rt.device.type != "cuda":
         return
     dev = rt.device
@@ -357,7 +454,7 @@ def gemm_no_comm_matches_reference(rt, seed):
                     w = _weights((k, n), layout, dt, dev, rank_seed(s, "w"))
                     b = fresh((n,), dt, dev, rank_seed(s, "b"))
                     out = poison(torch.empty((M, n), dtype=dt, device=dev))
-                    y = fd_gemm(x, w, b, out=out)
+                    y = fd_gemm(x, w, b, out=out, kernel="decode")
                     err = gemm_rel_err(y, x.double() @ w.double() + b.double())
                     assert err < GEMM_REL[dt], f"gemm {dt} M={M} K={k} N={n} w={layout}: " \
                                                f"rel err {err:.3g}"
@@ -443,9 +540,9 @@ def gemm_ar_fused_bad_inputs(rt, seed):
          "multiples of 8"),
         (lambda: fusedist.gemm_ar(x, torch.ones(64, 64, device=dev, dtype=bf)[:, ::2],
                                   engine="fused"), "strides"),
-        (lambda: fusedist.ag_gemm(x, w, engine="fused"), "only gemm_ar"),
+        (lambda: fusedist.ag_gemm(x, w, engine="fused"), "staging_bytes"),
         (lambda: fusedist.gemm_rs(torch.ones(2 * rt.tp.size, 64, device=dev, dtype=bf), w,
-                                  engine="fused"), "only gemm_ar"),
+                                  engine="fused"), "gemm_rs has no fused kernel"),
     ]
     for fn, match in cases:
         try:
@@ -488,6 +585,33 @@ def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
             raise AssertionError("no CommunicatorTimeoutError after a peer skipped the call")
         assert waited < 10, f"took {waited:.1f}s to give up"
         assert torch.isnan(y).all(), "outputs of a timed-out call must be NaN"
+    comm.close()
+
+
+@check
+def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
+    """Rank 0 skips a fused ag_gemm: the others' first barrier times out, their GEMM still
+    finishes (its peer rows are pulled from stale staging, so the output is undefined), and
+    the communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
+    if rt.device.type != "cuda" or rt.tp.size < 2 or \
+            torch.cuda.get_device_capability(rt.device)[0] != 9:
+        return
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
+                                 timeout_s=2.0)
+    x = torch.ones(64, 256, device=rt.device, dtype=torch.bfloat16)
+    w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
+    if rt.tp.rank != 0:
+        t0 = time.time()
+        fusedist.ag_gemm(x, w, group=comm, engine="fused")
+        torch.cuda.synchronize()
+        waited = time.time() - t0
+        try:
+            comm.check()
+        except fusedist.CommunicatorTimeoutError as e:
+            assert "waited more than 2 s" in str(e), str(e)
+        else:
+            raise AssertionError("no CommunicatorTimeoutError after a peer skipped the call")
+        assert waited < 10, f"took {waited:.1f}s to give up"
     comm.close()
 
 

@@ -27,11 +27,14 @@ def test_gemm_comm_gpu2():
 
 
 # ---- dispatch helpers (no processes) ---------------------------------------------------------
+import importlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
 from fusedist.ops import gemm_comm as gc  # noqa: E402
+
+gm = importlib.import_module("fusedist.ops.gemm")  # the module; fusedist.ops.gemm is the function
 
 TABLE = {"gemm_comm": {"gemm_ar": {"min_mnk": 1 << 38, "chunks": 2, "fused_max_m": 32},
                        "ag_gemm": {"min_mnk": 1 << 35}}}
@@ -45,10 +48,10 @@ def _comm(world=2, device="cuda", staging=0, symm=True):
 
 def test_weight_layouts():
     w = torch.empty(64, 40)
-    assert gc._weight_layout(w) == (False, 40)                     # [K, N] row-major
-    assert gc._weight_layout(torch.empty(40, 64).t()) == (True, 64)  # nn.Linear weight .t()
-    assert gc._weight_layout(torch.empty(64, 80)[:, ::2]) is None   # strided columns
-    assert gc._weight_layout(torch.empty(64, 44)[:, :40]) is None   # row stride not a multiple of 8
+    assert gm.weight_layout(w) == (False, 40)                     # [K, N] row-major
+    assert gm.weight_layout(torch.empty(40, 64).t()) == (True, 64)  # nn.Linear weight .t()
+    assert gm.weight_layout(torch.empty(64, 80)[:, ::2]) is None   # strided columns
+    assert gm.weight_layout(torch.empty(64, 44)[:, :40]) is None   # row stride not a multiple of 8
 
 
 @pytest.mark.parametrize("m,why_not,engine", [
@@ -73,8 +76,8 @@ def test_engine_env_fused_only_where_it_applies(monkeypatch):
 def test_engine_fused_forced_names_the_reason():
     with pytest.raises(ValueError, match="M = 200 rows"):
         gc._engine("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
-    with pytest.raises(ValueError, match="only gemm_ar"):
-        gc._engine("ag_gemm", "fused", 8192, 8192, 8192, _comm())
+    with pytest.raises(ValueError, match="gemm_rs has no fused kernel"):
+        gc._engine("gemm_rs", "fused", 8192, 8192, 8192, _comm())
 
 
 def test_engine_single_rank_or_cpu_is_unfused():
@@ -121,10 +124,10 @@ def test_bad_chunks_are_rejected(bad):
 def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
     base = torch.randn(64 * 48 + 1, dtype=torch.bfloat16)[1:]  # starts 2 bytes off
     w = base.view(48, 64).t() if w_nk else base.view(64, 48)   # [K=64, N=48] either way
-    assert w.data_ptr() % 16 and gc._weight_layout(w)[0] == w_nk
-    a = gc._aligned_weight(w, w_nk)
+    assert w.data_ptr() % 16 and gm.weight_layout(w)[0] == w_nk
+    a = gm.aligned_weight(w, w_nk)
     assert a.data_ptr() % 16 == 0 and torch.equal(a, w)
-    assert gc._weight_layout(a) == gc._weight_layout(w)
+    assert gm.weight_layout(a) == gm.weight_layout(w)
 
 
 @pytest.mark.parametrize("n,parts", [(10, 3), (2, 4), (0, 2), (601, 2), (7, 1)])

@@ -1,0 +1,95 @@
+"""fusedist.gemm: the Hopper wgmma GEMM (kernel="sm90") and the decode kernel (kernel="decode")
+against a float64 reference; argument errors on any machine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+
+import fusedist  # noqa: E402
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _fresh(shape, dt, gen):
+    return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.5).to(dt)
+
+
+def _weight(k, n, layout, dt, gen):
+    return _fresh((k, n), dt, gen) if layout == "kn" else _fresh((n, k), dt, gen).t()
+
+
+def test_gemm_rejects_bad_arguments_on_cpu():
+    x, w = torch.zeros(4, 8), torch.zeros(8, 16)
+    with pytest.raises(TypeError, match="CUDA tensors"):
+        fusedist.gemm(x, w)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fusedist.gemm(x, w, kernel="cublas")
+
+
+# M: 1 row, odd, one past a tile, many waves; (K, N): not multiples of the 128 x 256 x 64 tile.
+SM90_MS = (1, 37, 129, 1000, 2053)
+SM90_KN = ((72, 40), (1000, 776), (4104, 520), (520, 2312))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gemm_sm90_matches_float64(dt):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(torch.randint(1 << 30, ())))  # fresh inputs every run
+    for m in SM90_MS:
+        for k, n in SM90_KN:
+            for layout in ("kn", "nk"):
+                x = _fresh((m, k), dt, gen)
+                w = _weight(k, n, layout, dt, gen)
+                b = _fresh((n,), dt, gen) if (m + n) % 2 else None
+                ref = x.double() @ w.double()
+                if b is not None:
+                    ref += b.double()
+                out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+                y = fusedist.gemm(x, w, b, out=out, kernel="sm90")
+                torch.cuda.synchronize()
+                err = gemm_rel_err(y, ref)
+                assert y is out and err < GEMM_REL[dt], \
+                    f"gemm sm90 {dt} M={m} K={k} N={n} w={layout} bias={b is not None}: {err:.3g}"
+                # accumulate: out += x @ w (+ bias), the epilogue reading out (beta = 1).
+                c = _fresh((m, n), dt, gen)
+                acc = c.clone()
+                fusedist.gemm(x, w, b, out=acc, kernel="sm90", accumulate=True)
+                err = gemm_rel_err(acc, ref + c.double())
+                assert err < GEMM_REL[dt], f"gemm sm90 accumulate {dt} M={m} K={k} N={n}: {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
+def test_gemm_sm90_views_and_errors():
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(torch.randint(1 << 30, ())))
+    dt = torch.bfloat16
+    # x and out starting off a 16-byte boundary go through aligned copies.
+    m, k, n = 77, 264, 136
+    x = _fresh((m * k + 1,), dt, gen)[1:].view(m, k)
+    w = _fresh((k, n), dt, gen)
+    out = torch.full((m * n + 1,), float("nan"), dtype=dt, device="cuda")[1:].view(m, n)
+    fusedist.gemm(x, w, out=out, kernel="sm90")
+    assert gemm_rel_err(out, x.double() @ w.double()) < GEMM_REL[dt]
+    # A weight with a padded row stride (a slice of a wider matrix).
+    wide = _fresh((k, n + 64), dt, gen)
+    y = fusedist.gemm(x.contiguous(), wide[:, :n], kernel="sm90")
+    assert gemm_rel_err(y, x.double() @ wide[:, :n].double()) < GEMM_REL[dt]
+    with pytest.raises(ValueError, match="multiples of 8"):
+        fusedist.gemm(x.contiguous(), _fresh((k, 40), dt, gen)[:, :36], kernel="sm90")
+    with pytest.raises(ValueError, match="pass out="):
+        fusedist.gemm(x.contiguous(), w, kernel="sm90", accumulate=True)
+    with pytest.raises(ValueError, match="does not accumulate"):
+        fusedist.gemm(x.contiguous(), w, out=torch.empty(m, n, dtype=dt, device="cuda"),
+                      kernel="decode", accumulate=True)
