@@ -206,13 +206,17 @@ def gemm_table(rows) -> str:
         return ""
     lines = ["| op | M | N | K | torch.matmul us | fusedist decode us | ratio | "
              "fusedist sm90 us | ratio | sm90 TFLOP/s |", "|" + "---|" * 10]
-    nan = float("nan")
+    def cells(t0, t):  # time and ratio, "-" where the kernel did not run
+        return (f"{t:.1f} | {t0 / t:.2f}x") if t is not None else "- | -"
+
     for (op, M, N, K), d in keyed.items():
         t0 = d["gemm_only"]
-        td = min(d.get("gemm_fd", nan), d.get("gemm_fd_nk", nan))
-        t9 = d.get("gemm_fd90", nan)
-        lines.append(f"| {op} | {M} | {N} | {K} | {t0:.1f} | {td:.1f} | {t0 / td:.2f}x | "
-                     f"{t9:.1f} | {t0 / t9:.2f}x | {2.0 * M * N * K / t9 / 1e6:.0f} |")
+        decode = [d[b] for b in ("gemm_fd", "gemm_fd_nk") if b in d]
+        td = min(decode) if decode else None
+        t9 = d.get("gemm_fd90")
+        tf = f"{2.0 * M * N * K / t9 / 1e6:.0f}" if t9 is not None else "-"
+        lines.append(f"| {op} | {M} | {N} | {K} | {t0:.1f} | {cells(t0, td)} | "
+                     f"{cells(t0, t9)} | {tf} |")
     return "\n".join(lines)
 
 
