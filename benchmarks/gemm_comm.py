@@ -40,16 +40,6 @@ def shapes(quick: bool):
     return out
 
 
-def with_tile(tile, call):
-    """call() with the sm90 tile forced (FUSEDIST_GEMM_TILE is read when the call is issued, so
-    this also holds inside a captured graph)."""
-    os.environ["FUSEDIST_GEMM_TILE"] = tile
-    try:
-        return call()
-    finally:
-        del os.environ["FUSEDIST_GEMM_TILE"]
-
-
 def bench_shape(rt, comm, op, M, N, K, dtype):
     W, dev = rt.tp.size, rt.device
     gname = rt.tp.pg.group_name
@@ -79,11 +69,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         if hopper:
             steps["fd_fused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="fused",
                                                            out=out)
-            steps["fd_fused_t256x128"] = lambda i: with_tile("256x128", lambda: fusedist.ag_gemm(
-                x, w, group=comm, engine="fused", out=out))
             steps["gemm_fd90"] = lambda i: fd_gemm(gathered, w, out=out, kernel="sm90")
-            steps["gemm_fd90_t256x128"] = lambda i: fd_gemm(gathered, w, out=out, kernel="sm90",
-                                                            tile="256x128")
     elif op == "gemm_rs":
         x = rnd(M, K)
         part = torch.empty(M, N, dtype=dtype, device=dev)
@@ -103,8 +89,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             x, w, "sum", 0, gname)
         if hopper:
             steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=part, kernel="sm90")
-            steps["gemm_fd90_t256x128"] = lambda i: fd_gemm(x, w, out=part, kernel="sm90",
-                                                            tile="256x128")
     else:
         x = rnd(M, K)
         out = torch.empty(M, N, dtype=dtype, device=dev)
@@ -118,8 +102,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 out=out))(c)
         if hopper and M > 32:
             steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=out, kernel="sm90")
-            steps["gemm_fd90_t256x128"] = lambda i: fd_gemm(x, w, out=out, kernel="sm90",
-                                                            tile="256x128")
         if M > 128:
             for c, name in ((2, "fd_overlap_ce"), (3, "fd_overlap_ce_c3"), (4, "fd_overlap_ce_c4")):
                 steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
@@ -136,19 +118,19 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out, kernel="decode")
     ref = steps["unfused"](0).clone()  # correctness of what is about to be timed
-    for name in [b for b in steps if b.startswith("fd_overlap_ce") or
-                 b.startswith("fd_fused") and op == "ag_gemm"]:
+    for name in [b for b in steps if b.startswith("fd_overlap_ce") or b == "fd_fused"
+                 and op == "ag_gemm"]:
         got = steps[name](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 2e-2:
             raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs the "
                                "unfused path; not timing a wrong kernel")
-    for name in [b for b in steps if b.startswith("gemm_fd90")]:
+    if "gemm_fd90" in steps:
         ref = steps["gemm_only"](0).clone()
-        got = steps[name](0).clone()
+        got = steps["gemm_fd90"](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 2e-2:
-            raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs "
+            raise RuntimeError(f"gemm_fd90 M={M} N={N} K={K}: rel err {err:.3g} vs "
                                "torch.matmul; not timing a wrong kernel")
     if M <= 128 and op == "gemm_ar":
         for name in ("fd_fused", "gemm_fd"):
@@ -212,19 +194,18 @@ def table(rows) -> str:
 
 def gemm_table(rows) -> str:
     """fusedist's GEMMs alone vs cuBLAS (gemm_only, torch.matmul) on the same shape: the decode
-    kernel (gemm_fd, [K, N] and w.t()) and the Hopper wgmma kernel (gemm_fd90 with the auto
-    tile, gemm_fd90_t256x128 forced to 256 x 128). Ratios > 1 are faster than torch.matmul."""
+    kernel (gemm_fd, [K, N] and w.t()) and the Hopper wgmma kernel (gemm_fd90). Ratios > 1 are
+    faster than torch.matmul."""
     keyed = {}
     for r in rows:
-        if r["backend"] in ("gemm_only", "gemm_fd", "gemm_fd_nk", "gemm_fd90",
-                            "gemm_fd90_t256x128") and r["status"] == "ok":
+        if r["backend"] in ("gemm_only", "gemm_fd", "gemm_fd_nk", "gemm_fd90") \
+                and r["status"] == "ok":
             keyed.setdefault((r["op"], r["M"], r["N"], r["K"]), {})[r["backend"]] = r["time_us"]
     keyed = {k: v for k, v in keyed.items() if "gemm_only" in v and len(v) > 1}
     if not keyed:
         return ""
     lines = ["| op | M | N | K | torch.matmul us | fusedist decode us | ratio | "
-             "fusedist sm90 (auto tile) us | ratio | sm90 TFLOP/s | sm90 256x128 us | ratio |",
-             "|" + "---|" * 12]
+             "fusedist sm90 us | ratio | sm90 TFLOP/s |", "|" + "---|" * 10]
     def cells(t0, t):  # time and ratio, "-" where the kernel did not run
         return (f"{t:.1f} | {t0 / t:.2f}x") if t is not None else "- | -"
 
@@ -235,7 +216,7 @@ def gemm_table(rows) -> str:
         t9 = d.get("gemm_fd90")
         tf = f"{2.0 * M * N * K / t9 / 1e6:.0f}" if t9 is not None else "-"
         lines.append(f"| {op} | {M} | {N} | {K} | {t0:.1f} | {cells(t0, td)} | "
-                     f"{cells(t0, t9)} | {tf} | {cells(t0, d.get('gemm_fd90_t256x128'))} |")
+                     f"{cells(t0, t9)} | {tf} |")
     return "\n".join(lines)
 
 

@@ -27,31 +27,20 @@ int sm_count() {
   return sms;
 }
 
-template <typename T, bool kWNK>
-void run_tile(const GemmSm90Call& a, int tile) {
-  if (tile == kTile256x128)
-    gemm_sm90_run<T, kWNK, kTile256x128>(a);
-  else
-    gemm_sm90_run<T, kWNK, kTile128x256>(a);
-}
-
 template <typename T>
-void run_layout(const GemmSm90Call& a, bool w_nk, int tile) {
+void run_layout(const GemmSm90Call& a, bool w_nk) {
   if (w_nk)
-    run_tile<T, true>(a, tile);
+    gemm_sm90_run<T, true>(a);
   else
-    run_tile<T, false>(a, tile);
+    gemm_sm90_run<T, false>(a);
 }
 
 }  // namespace
 
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
-               int m, int n, int k, DType dtype, int tile, const GemmWaitArgs& wait,
-               uintptr_t stream) {
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream) {
   const std::string op = "gemm: ";
-  FUSEDIST_CHECK_ARG(tile == kTile128x256 || tile == kTile256x128,
-                     op + "tile must be 0 (128 x 256) or 1 (256 x 128), got " + std::to_string(tile));
   FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
   FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
                      op + "N (" + std::to_string(n) + ") and K (" + std::to_string(k) +
@@ -85,22 +74,21 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     cw.block_rows = wait.block_rows;
     cw.pieces = wait.pieces;
     cw.piece_rows = (wait.block_rows + wait.pieces - 1) / wait.pieces;
-    const int bm = gemm_sm90_block_m(tile), cm = gemm_sm90_cluster_m(tile);
-    const int tiles = (m + bm - 1) / bm;
-    cw.tiles_m = (tiles + cm - 1) / cm * cm;
+    const int tiles = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
+    cw.tiles_m = (tiles + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM;
     // Start at the first cluster whose tiles lie wholly in this rank's block, so the first
     // wave needs no peer rows; the tiles that straddle into the previous block come last.
-    const int first = (int64_t(rank) * wait.block_rows + bm - 1) / bm;
-    cw.rotate_tiles = (first + cm - 1) / cm * cm % cw.tiles_m;
+    const int first = (int64_t(rank) * wait.block_rows + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
+    cw.rotate_tiles = (first + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM % cw.tiles_m;
     cw.ctl = comm->view.ctl;
     cw.err = comm->view.err;
     cw.timeout_ns = comm->view.timeout_ns;
     cw.rank = rank;
   }
   if (dtype == DType::kBFloat16)
-    run_layout<__nv_bfloat16>(a, w_nk, tile);
+    run_layout<__nv_bfloat16>(a, w_nk);
   else
-    run_layout<__half>(a, w_nk, tile);
+    run_layout<__half>(a, w_nk);
 }
 
 }  // namespace fusedist

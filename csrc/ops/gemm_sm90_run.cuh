@@ -1,6 +1,6 @@
 // csrc/ops/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: CUTLASS
 // arguments from a GemmSm90Call, checks, launch through CUTLASS's adapter. Included by the
-// gemm_sm90_<dtype>_<layout>_<tile>.cu files only (each compiles one CUTLASS kernel).
+// gemm_sm90_<dtype>_<layout>.cu files only (each compiles one CUTLASS kernel).
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -12,11 +12,9 @@
 
 namespace fusedist {
 
-template <typename T, bool kWNK, int kTile>
+template <typename T, bool kWNK>
 void gemm_sm90_run(const GemmSm90Call& a) {
-  using G = GemmSm90<T, kWNK, kTile>;
-  static_assert(G::kBlockM == gemm_sm90_block_m(kTile) && G::kClusterM == gemm_sm90_cluster_m(kTile),
-                "host tile constants match the kernel");
+  using G = GemmSm90<T, kWNK>;
   using Gemm = typename G::Gemm;
   using Kernel = typename G::Kernel;
   using E = typename G::Element;

@@ -9,15 +9,12 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
     csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused").
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
-    tile= picks the tile configuration: "128x256" (2 x 1 clusters) or "256x128" (1 x 2),
-    "auto" = FUSEDIST_GEMM_TILE or the shape rule in sm90_tile.
   * "auto": "decode" up to DECODE_MAX_M rows, else "sm90" on an sm_90 GPU, else torch.matmul.
 These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm_comm.py).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -25,7 +22,6 @@ import torch
 from .. import _dtypes, _ext
 
 KERNELS = ("auto", "decode", "sm90")
-TILES = ("128x256", "256x128")  # sm90 tile configurations (gemm_sm90.cuh)
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 DECODE_MAX_M = 128  # at M = 128 the decode kernel ran 0.80x torch.matmul, sm90 0.47x (32 tiles)
 
@@ -80,23 +76,10 @@ def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
     return out
 
 
-def sm90_tile(m: int, n: int, k: int, tile: str = "auto") -> int:
-    """The sm90 tile configuration (index into TILES): `tile`, else FUSEDIST_GEMM_TILE, else the
-    shape rule. Depends only on the shape, so every rank of an SPMD call picks the same."""
-    if tile == "auto":
-        tile = os.environ.get("FUSEDIST_GEMM_TILE", "auto")
-        if tile not in ("auto",) + TILES:
-            raise ValueError(f"fusedist: FUSEDIST_GEMM_TILE must be auto or one of {TILES}, got "
-                             f"{tile!r}")
-    if tile == "auto":
-        tile = "128x256"
-    return TILES.index(tile)
-
-
 def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 stream: torch.cuda.Stream, accumulate: bool = False, comm=None,
                 flags: Optional[torch.Tensor] = None, block_rows: int = 0,
-                pieces: int = 1, tile: str = "auto") -> torch.Tensor:
+                pieces: int = 1) -> torch.Tensor:
     """The Hopper GEMM. With `flags` (int32 [world * pieces], zeroed for this call), x is an
     all-gathered input whose row pieces the copy engine flags as they land (ag_gemm fused)."""
     C = _ext.load()
@@ -109,8 +92,8 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
     C.gemm_sm90(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                 w.data_ptr(), ldw, w_nk, b, dst.data_ptr() if accumulate else 0, dst.stride(0),
                 1.0, dst.data_ptr(), dst.stride(0), x.shape[0], w.shape[1], x.shape[1],
-                _dtypes.code(x.dtype), sm90_tile(x.shape[0], w.shape[1], x.shape[1], tile),
-                0 if flags is None else flags.data_ptr(), block_rows, pieces, stream.cuda_stream)
+                _dtypes.code(x.dtype), 0 if flags is None else flags.data_ptr(), block_rows,
+                pieces, stream.cuda_stream)
     if dst is not out:
         out.copy_(dst)
     return out
@@ -122,13 +105,10 @@ def sm90_available(device: torch.device) -> bool:
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          out: Optional[torch.Tensor] = None, kernel: str = "auto",
-         accumulate: bool = False, tile: str = "auto") -> torch.Tensor:
-    """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring). tile
-    (sm90): "auto", "128x256" or "256x128"."""
+         accumulate: bool = False) -> torch.Tensor:
+    """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring)."""
     if kernel not in KERNELS:
         raise ValueError(f"fusedist.gemm: kernel must be one of {KERNELS}, got {kernel!r}")
-    if tile not in ("auto",) + TILES:
-        raise ValueError(f"fusedist.gemm: tile must be 'auto' or one of {TILES}, got {tile!r}")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or not x.is_cuda:
         raise TypeError("fusedist.gemm: x and w must be CUDA tensors")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
@@ -180,4 +160,4 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         raise ValueError(f"fusedist.gemm: kernel='sm90' needs a Hopper (sm_90) GPU, {x.device} "
                          f"is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}; "
                          "use kernel='auto'")
-    return launch_sm90(x, w, bias, out, stream, accumulate=accumulate, tile=tile)
+    return launch_sm90(x, w, bias, out, stream, accumulate=accumulate)

@@ -328,8 +328,6 @@ def ag_gemm_fused_matches_reference(rt, seed):
             for chunks in (None, 1, 2, 3):
                 layout = "nk" if chunks == 2 else "kn"
                 with_bias = chunks != 1
-                # Both tile configurations: 256-row tiles straddle more blocks and pieces.
-                tile = "256x128" if chunks in (None, 3) else "128x256"
                 s = (seed, "ag-fused", str(dt), m, k, n, chunks)
                 xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
                 w = _weights((k, n), layout, dt, dev, rank_seed(s, "w"))
@@ -338,14 +336,10 @@ def ag_gemm_fused_matches_reference(rt, seed):
                 if b is not None:
                     ref += b.double()
                 out = poison(torch.empty((W * m, n), dtype=dt, device=dev))
-                os.environ["FUSEDIST_GEMM_TILE"] = tile
-                try:
-                    y = fusedist.ag_gemm(xs[me], w, b, group=ce, engine="fused", chunks=chunks,
-                                         out=out)
-                finally:
-                    del os.environ["FUSEDIST_GEMM_TILE"]
+                y = fusedist.ag_gemm(xs[me], w, b, group=ce, engine="fused", chunks=chunks,
+                                     out=out)
                 what = (f"ag_gemm fused {dt} m={m} K={k} N={n} chunks={chunks} w={layout} "
-                        f"bias={with_bias} tile={tile}")
+                        f"bias={with_bias}")
                 err = gemm_rel_err(y, ref)
                 assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
                 assert_identical_across_ranks(rt, y, what)

@@ -86,10 +86,8 @@ struct GemmWaitArgs {
   int block_rows = 0;   // rows per rank block of x
   int pieces = 1;       // copy pieces per block
 };
-// tile: 0 = 128 x 256 tiles (2 x 1 clusters), 1 = 256 x 128 tiles (1 x 2 clusters).
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
-               int m, int n, int k, DType dtype, int tile, const GemmWaitArgs& wait,
-               uintptr_t stream);
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream);
 
 }  // namespace fusedist

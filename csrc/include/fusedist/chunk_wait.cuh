@@ -10,6 +10,10 @@
 
 namespace fusedist {
 
+// The GEMM's tile: 128 rows (M) per CTA, 2-CTA clusters along M (gemm_sm90.cuh).
+constexpr int kGemmSm90BlockM = 128;
+constexpr int kGemmSm90ClusterM = 2;
+
 // What a tile waits for before it loads A (ag_gemm engine='fused'); flags == nullptr: nothing.
 struct ChunkWait {
   const uint32_t* flags = nullptr;  // [blocks * pieces], set to 1 by the copy streams

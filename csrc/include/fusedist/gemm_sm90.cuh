@@ -110,21 +110,17 @@ struct CutlassElement<__half> {
   using type = cutlass::half_t;
 };
 
-// Two tile configurations per (dtype, weight layout), both cooperative (two consumer
-// warpgroups per tile) with as many smem stages as fit beside the epilogue:
-//   kTile = 0: 128 x 256 x 64 tiles, 2 x 1 clusters (the B tile multicast to both CTAs);
-//   kTile = 1: 256 x 128 x 64 tiles, 1 x 2 clusters (the A tile multicast), cuBLAS's choice
-//              for these bf16 shapes on H200 (nvjet_sm90_tst_256x128_64x4_1x2 in the traces).
-template <typename T, bool kWNK, int kTile>
+// One kernel configuration per (dtype, weight layout): 128 x 256 x 64 tiles, 2 x 1 clusters
+// (the B tile multicast to both CTAs), two consumer warpgroups, as many smem stages as fit
+// beside the epilogue.
+template <typename T, bool kWNK>
 struct GemmSm90 {
   using Element = typename CutlassElement<T>::type;
-  static constexpr int kBlockM = kTile == 1 ? 256 : 128;
-  static constexpr int kBlockN = kTile == 1 ? 128 : 256;
-  static constexpr int kClusterM = kTile == 1 ? 1 : 2;
-  static constexpr int kClusterN = kTile == 1 ? 2 : 1;
+  static constexpr int kBlockM = kGemmSm90BlockM;
+  static constexpr int kClusterM = kGemmSm90ClusterM;
   static constexpr int kAlign = 8;  // elements of one 16-byte TMA access
-  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   using LayoutA = cutlass::layout::RowMajor;
   // CUTLASS's B is K x N: RowMajor = w [K, N]; ColumnMajor = [N, K] rows (nn.Linear weight).
   using LayoutB = std::conditional_t<kWNK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;

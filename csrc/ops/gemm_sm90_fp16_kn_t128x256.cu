@@ -1,4 +1,0 @@
-// One CUTLASS kernel of fusedist.gemm(kernel="sm90"): fp16, w [K, N] row-major, 128 x 256 tiles.
-#include "gemm_sm90_run.cuh"
-
-template void fusedist::gemm_sm90_run<__half, false, 0>(const fusedist::GemmSm90Call&);
