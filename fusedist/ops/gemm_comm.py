@@ -30,10 +30,15 @@ after the collective. Engines (engine=):
     each block exchanges its finished strip with the peers through the communicator's symmetric
     buffers (one-shot protocol) while other blocks still stream weights. bf16/fp16, N and K
     multiples of 8, w as [K, N] or as the .t() of an [N, K] nn.Linear weight; NVLink peers only.
+  * "fused" (ag_gemm, Hopper): one persistent wgmma GEMM (csrc/include/fusedist/gemm_sm90.cuh)
+    over the gathered input in symmetric staging (staging_bytes >= world x shard) while the
+    copy engine pulls the peers' blocks; each tile waits for the flags of the rows it reads
+    (chunks= copy pieces per block). Level with the overlap engines on 2x H200, so "auto"
+    does not pick it.
   * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides; "fused" there applies where
     the fused kernel takes the call and falls back to the table elsewhere).
-A fused engine for ag_gemm / gemm_rs at prefill sizes does not exist yet;
-docs/design/gemm_comm.md has the engines and what is measured.
+gemm_rs has no fused engine yet; docs/design/gemm_comm.md has the engines and what is
+measured.
 CPU tensors (gloo) take the plain-torch reference path.
 """
 
