@@ -6,26 +6,16 @@
 #include <string>
 
 #include "fusedist/api.h"
+#include "fusedist/launch.h"
 #include "gemm_sm90.h"
 
 namespace fusedist {
 
 namespace {
 
-// SMs the fused all-gather GEMM leaves free: its tiles wait for rows that arrive only after
-// the communicator's barrier kernels run on the comm stream, so they need SMs of their own.
+// SMs the fused all-gather GEMM leaves free, so the communicator's closing barrier kernel on
+// the comm stream runs beside it rather than after it (the first barrier precedes the GEMM).
 constexpr int kReservedSms = 4;
-
-int sm_count() {
-  static thread_local int dev = -1, sms = 0;
-  int now = 0;
-  FUSEDIST_CUDA_CHECK(cudaGetDevice(&now));
-  if (now != dev) {
-    FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, now));
-    dev = now;
-  }
-  return sms;
-}
 
 template <typename T>
 void run_layout(const GemmSm90Call& a, bool w_nk) {
@@ -59,7 +49,7 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.ldx = ldx, a.ldw = ldw, a.ldc = ldc, a.ldo = ldo, a.beta = beta;
   a.m = m, a.n = n, a.k = k;
   a.stream = reinterpret_cast<cudaStream_t>(stream);
-  a.sms = sm_count();
+  a.sms = current_device_sm_count();
   if (wait.flags != 0) {
     a.sms -= kReservedSms;
     FUSEDIST_CHECK_ARG(comm != nullptr, op + "the chunk wait needs a communicator");

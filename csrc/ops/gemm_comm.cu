@@ -13,13 +13,6 @@ namespace fusedist {
 namespace {
 static_assert(kGemmArFusedMaxM == GemmArTile<2, 4, 8>::kMPad, "largest tile config covers kGemmArFusedMaxM rows");
 
-int local_sm_count() {
-  int dev = 0, sms = 0;
-  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
-  FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // cuTensorMapEncodeTiled, reached through the runtime (fusedist links no driver library).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static auto fn =
@@ -127,7 +120,7 @@ void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, 
   } else {
     a.view.world = 1;
     a.view.rank = 0;
-    a.max_blocks = local_sm_count();
+    a.max_blocks = current_device_sm_count();
   }
   a.dtype = dtype;
   // w as [K, N] tiles of 64 k-rows x 64 n, or [N, K] tiles of 64 n-rows x 64 k.

@@ -29,6 +29,20 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// SMs of the current device. Cached per device (queried once per device and process).
+inline int current_device_sm_count() {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  int dev = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  int sms = 0;
+  FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return cache[dev] = sms;
+}
+
 // Resident blocks per SM of `kernel` at `threads` threads and `smem_bytes` of dynamic shared
 // memory on the current device, after raising the kernel's dynamic shared-memory limit to
 // `smem_bytes`. Cached per (kernel, device): a property of the build and the GPU model, so
