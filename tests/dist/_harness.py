@@ -55,6 +55,24 @@ def captured(body) -> torch.cuda.CUDAGraph:
     return g
 
 
+def expect_timeout(comm, call, timeout_s: float, match: str = ""):
+    """call() on a rank whose peer skipped it: it must return (no hang), and comm.check() must
+    raise CommunicatorTimeoutError naming the wait (and `match`) within 5x the timeout.
+    Returns call()'s result for further checks."""
+    t0 = time.time()
+    y = call()
+    torch.cuda.synchronize()
+    waited = time.time() - t0
+    try:
+        comm.check()
+    except fusedist.CommunicatorTimeoutError as e:
+        assert f"waited more than {timeout_s:g} s" in str(e) and match in str(e), str(e)
+    else:
+        raise AssertionError("no CommunicatorTimeoutError after a peer skipped the call")
+    assert waited < 5 * timeout_s, f"took {waited:.1f}s to give up"
+    return y
+
+
 def assert_identical_across_ranks(rt, y, what):
     """Bitwise equality of `y` on every rank of the tp group (a positional digest)."""
     y = y.reshape(-1)
