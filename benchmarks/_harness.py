@@ -26,6 +26,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def init_gpus(what: str):
+    """fusedist.init() for a GPU-only tool: the runtime, or None (after a message and a clean
+    shutdown) when the ranks have no GPUs."""
+    import fusedist
+
+    rt = fusedist.init()
+    if rt.device.type != "cuda":
+        print(f"{what} needs GPUs")
+        fusedist.shutdown()
+        return None
+    return rt
+
+
 def git_commit() -> str:
     """FUSEDIST_COMMIT when set (tests/gpu/run.sh passes it: the GPU host's copy of the tree
     may carry a stale .git), else git's HEAD."""

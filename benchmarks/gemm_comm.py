@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.ops.symm_mem.*
 
 import fusedist  # noqa: E402
-from _harness import metadata, slowest, time_graph, write_results  # noqa: E402
+from _harness import init_gpus, metadata, slowest, time_graph, write_results  # noqa: E402
 from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 
 
@@ -289,10 +289,8 @@ def main():
     if args.replot:
         replot(args.replot)
         return
-    rt = fusedist.init()
-    if rt.device.type != "cuda":
-        print("gemm_comm benchmark needs GPUs")
-        fusedist.shutdown()
+    rt = init_gpus("gemm_comm benchmark")
+    if rt is None:
         return
     dtype = getattr(torch, args.dtype)
     if args.shape:

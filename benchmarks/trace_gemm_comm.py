@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fusedist  # noqa: E402
-from _harness import metadata  # noqa: E402
+from _harness import init_gpus, metadata  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -114,10 +114,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--eager", action="store_true", help="trace an eager call, not a graph replay")
     args = ap.parse_args()
-    rt = fusedist.init()
-    if rt.device.type != "cuda":
-        print("trace_gemm_comm needs GPUs")
-        fusedist.shutdown()
+    rt = init_gpus("trace_gemm_comm")
+    if rt is None:
         return
     dtype = getattr(torch, args.dtype)
     es = torch.finfo(dtype).bits // 8
