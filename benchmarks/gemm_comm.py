@@ -88,6 +88,8 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
         if hopper:
+            steps["fd_fused"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="fused",
+                                                           out=out)
             steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=part, kernel="sm90")
     else:
         x = rnd(M, K)
@@ -119,7 +121,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out, kernel="decode")
     ref = steps["unfused"](0).clone()  # correctness of what is about to be timed
     for name in [b for b in steps if b.startswith("fd_overlap_ce") or b == "fd_fused"
-                 and op == "ag_gemm"]:
+                 and op in ("ag_gemm", "gemm_rs")]:
         got = steps[name](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         if not err < 2e-2:
@@ -301,9 +303,9 @@ def main():
             raise SystemExit(f"--shape {args.shape}: expected op:M:N:K")
     else:
         todo_shapes = shapes(args.quick)
-    # Staging for the copy-engine transports and the fused ag_gemm: ag_gemm's gathered input
-    # (M x K; the copy-engine overlap needs only the shard), gemm_rs's and prefill gemm_ar's
-    # partials (M x N).
+    # Staging for the copy-engine transports and the fused engines: ag_gemm's gathered input
+    # (M x K; the copy-engine overlap needs only the shard), gemm_rs's (both engines) and
+    # prefill gemm_ar's partials (M x N).
     esize = torch.finfo(dtype).bits // 8
     stage = max([M * K * esize for op, M, N, K in todo_shapes if op == "ag_gemm"] +
                 [M * N * esize for op, M, N, K in todo_shapes

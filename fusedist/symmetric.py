@@ -22,7 +22,8 @@ from .errors import CommunicatorClosedError, CommunicatorTimeoutError, PeerAcces
 from .groups import Group
 
 _OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm",
-             4: "gemm_ar (fused)", 5: "ag_gemm (fused: waiting for a peer's rows)"}
+             4: "gemm_ar (fused)", 5: "ag_gemm (fused: waiting for a peer's rows)",
+             6: "gemm_rs (fused: waiting for a peer's partial rows)"}
 
 
 def _align(n: int, a: int) -> int:
@@ -42,7 +43,10 @@ class SymmetricMemory:
       [0, GENERATIONS * gen_bytes)   sentinel-protocol slots (layout.h)
       [staging_offset, + staging_bytes)   staging: written by its owner (a shard, partial
                                      products, reduced rows), read by peers between device
-                                     barriers (ops/gemm_comm.py)"""
+                                     barriers (ops/gemm_comm.py)
+      [signal_offset, + signal_bytes)    counters of the fused gemm_rs: uint32 [world,
+                                     MAX_SIGNAL_PIECES], slot [s, p] added to by rank s's GEMM,
+                                     waited on and cleared by this rank; zero between calls"""
 
     def __init__(self, group: Group, max_bytes: int, one_shot_max_bytes: int,
                  timeout_s: Optional[float] = None, staging_bytes: int = 0):
@@ -83,7 +87,9 @@ class SymmetricMemory:
         self.gen_bytes = W * self.slot_bytes + self.max_bytes
         self.staging_offset = C.GENERATIONS * self.gen_bytes
         self.staging_bytes = _align(max(0, staging_bytes), 256)
-        total = self.staging_offset + self.staging_bytes
+        self.signal_offset = self.staging_offset + self.staging_bytes
+        self.signal_bytes = _align(W * C.MAX_SIGNAL_PIECES * 4, 256)
+        total = self.signal_offset + self.signal_bytes
         stream = torch.cuda.current_stream().cuda_stream
 
         self._base = C.device_alloc(total)
@@ -91,7 +97,8 @@ class SymmetricMemory:
         self._err_host = C.host_mapped_alloc(C.ERROR_RECORD_BYTES)
         self._opened: list[int] = []
         try:
-            C.fill_u32(self._base, C.EMPTY_WORD, total // 4, stream)
+            C.fill_u32(self._base, C.EMPTY_WORD, self.signal_offset // 4, stream)
+            C.fill_u32(self._base + self.signal_offset, 0, self.signal_bytes // 4, stream)
             C.fill_u32(self._control, 0, C.CONTROL_BYTES // 4, stream)
             C.stream_synchronize(stream)  # slots are empty before any peer learns our handle
             handles = group.all_gather_object(C.ipc_get_handle(self._base))

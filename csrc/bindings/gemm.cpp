@@ -10,14 +10,24 @@ void register_gemm(py::module_& m) {
       "gemm_sm90",
       [](const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
          uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo, int m,
-         int n, int k, int dtype, uintptr_t flags, int block_rows, int pieces, uintptr_t stream) {
+         int n, int k, int dtype, uintptr_t flags, int block_rows, int pieces, uintptr_t stream,
+         bool wait_on_c, int wait_peer, uint64_t signal_offset, int signal_row0,
+         int signal_block_rows, int signal_pieces) {
         GemmWaitArgs wait;
         wait.flags = flags, wait.block_rows = block_rows, wait.pieces = pieces;
+        wait.on_c = wait_on_c, wait.peer = wait_peer;
+        GemmSignalArgs signal;
+        signal.offset = signal_offset, signal.row0 = signal_row0;
+        signal.block_rows = signal_block_rows, signal.pieces = signal_pieces;
         gemm_sm90(comm, x, ldx, w, ldw, w_nk, bias, c, ldc, beta, out, ldo, m, n, k, DType(dtype),
-                  wait, stream);
+                  wait, signal, stream);
       },
       py::arg("comm").none(true), py::arg("x"), py::arg("ldx"), py::arg("w"), py::arg("ldw"),
       py::arg("w_nk"), py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("beta"),
       py::arg("out"), py::arg("ldo"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("dtype"),
-      py::arg("flags"), py::arg("block_rows"), py::arg("pieces"), py::arg("stream"));
+      py::arg("flags"), py::arg("block_rows"), py::arg("pieces"), py::arg("stream"),
+      py::arg("wait_on_c") = false, py::arg("wait_peer") = -1, py::arg("signal_offset") = 0,
+      py::arg("signal_row0") = 0, py::arg("signal_block_rows") = 0, py::arg("signal_pieces") = 0);
+  m.attr("GEMM_SM90_BLOCK_M") = kGemmSm90BlockM;
+  m.attr("GEMM_SM90_BLOCK_N") = kGemmSm90BlockN;
 }

@@ -15,5 +15,8 @@ void register_gemm_comm(py::module_& m) {
       py::arg("comm").none(true), py::arg("x"), py::arg("ldx"), py::arg("w"), py::arg("ldw"),
       py::arg("w_nk"), py::arg("bias"), py::arg("out"), py::arg("m"), py::arg("n"),
       py::arg("k"), py::arg("dtype"), py::arg("stream"));
+  m.def("gemm_rs_counter_wait", &gemm_rs_counter_wait, py::arg("comm"), py::arg("signal_offset"),
+        py::arg("src"), py::arg("piece"), py::arg("expected"), py::arg("stream"));
   m.attr("GEMM_AR_FUSED_MAX_M") = kGemmArFusedMaxM;
+  m.attr("MAX_SIGNAL_PIECES") = kMaxSignalPieces;
 }

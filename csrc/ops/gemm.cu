@@ -1,5 +1,5 @@
-// Host launcher for the Hopper GEMM (gemm_sm90.cuh): argument checks, the ag_gemm chunk-wait
-// parameters, dtype / weight-layout dispatch to the instantiations (gemm_sm90_*.cu).
+// Host launcher for the Hopper GEMM (gemm_sm90.cuh): argument checks, the fused engines' wait
+// and signal parameters, dtype / weight-layout dispatch to the instantiations (gemm_sm90_*.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,9 +13,36 @@ namespace fusedist {
 
 namespace {
 
-// SMs the fused all-gather GEMM leaves free, so the communicator's closing barrier kernel on
-// the comm stream runs beside it rather than after it (the first barrier precedes the GEMM).
+// SMs a fused engine's GEMM leaves free, so the kernels of its comm stream (the closing
+// barrier; gemm_rs's counter waits) run beside it rather than after it.
 constexpr int kReservedSms = 4;
+
+// ag_gemm: x is the gathered input of `world` blocks, this rank's first.
+void a_wait(ChunkWait& cw, const SymmComm& comm, const GemmWaitArgs& wait, int m) {
+  const std::string op = "gemm: ";
+  const int world = comm.view.world, rank = comm.view.rank;
+  FUSEDIST_CHECK_ARG(wait.block_rows >= 1 && int64_t(wait.block_rows) * world == m,
+                     op + "block_rows * world must equal M");
+  cw.rows = m;
+  // Start at the first cluster whose tiles lie wholly in this rank's block, so the first
+  // wave needs no peer rows; the tiles that straddle into the previous block come last.
+  const int first = (int64_t(rank) * wait.block_rows + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
+  cw.rotate_tiles =
+      (first + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM % cw.tiles_m;
+}
+
+// gemm_rs, the own block: C's rows (one block) arrive from `peer`.
+void c_wait(ChunkWait& cw, const SymmComm& comm, const GemmWaitArgs& wait, int m) {
+  const std::string op = "gemm: ";
+  FUSEDIST_CHECK_ARG(wait.block_rows == m, op + "a C wait covers one block: block_rows must equal M");
+  FUSEDIST_CHECK_ARG(wait.peer >= 0 && wait.peer < comm.view.world && wait.peer != comm.view.rank,
+                     op + "the C rows' peer must be another rank of the group");
+  cw.rows = m;
+  cw.rotate_tiles = 0;
+  cw.on_c = true;
+  cw.peer = wait.peer;
+  cw.op = kOpGemmRs;
+}
 
 template <typename T>
 void run_layout(const GemmSm90Call& a, bool w_nk) {
@@ -29,7 +56,8 @@ void run_layout(const GemmSm90Call& a, bool w_nk) {
 
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
-               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream) {
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
+               const GemmSignalArgs& signal, uintptr_t stream) {
   const std::string op = "gemm: ";
   FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
   FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
@@ -50,30 +78,50 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.m = m, a.n = n, a.k = k;
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
-  if (wait.flags != 0) {
+  if (wait.flags != 0 || signal.pieces != 0) {
     a.sms -= kReservedSms;
-    FUSEDIST_CHECK_ARG(comm != nullptr, op + "the chunk wait needs a communicator");
-    const int world = comm->view.world, rank = comm->view.rank;
-    FUSEDIST_CHECK_ARG(wait.block_rows >= 1 && int64_t(wait.block_rows) * world == m,
-                       op + "block_rows * world must equal M");
+    FUSEDIST_CHECK_ARG(comm != nullptr, op + "the fused engines' waits and signals need a communicator");
+  }
+  if (wait.flags != 0) {
     FUSEDIST_CHECK_ARG(wait.pieces >= 1 && wait.pieces <= wait.block_rows,
                        op + "pieces must be in 1..block_rows");
     ChunkWait& cw = a.wait;
     cw.flags = reinterpret_cast<const uint32_t*>(wait.flags);
-    cw.rows = m;
     cw.block_rows = wait.block_rows;
     cw.pieces = wait.pieces;
     cw.piece_rows = (wait.block_rows + wait.pieces - 1) / wait.pieces;
     const int tiles = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
     cw.tiles_m = (tiles + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM;
-    // Start at the first cluster whose tiles lie wholly in this rank's block, so the first
-    // wave needs no peer rows; the tiles that straddle into the previous block come last.
-    const int first = (int64_t(rank) * wait.block_rows + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
-    cw.rotate_tiles = (first + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM * kGemmSm90ClusterM % cw.tiles_m;
+    if (wait.on_c)
+      c_wait(cw, *comm, wait, m);
+    else
+      a_wait(cw, *comm, wait, m);
     cw.ctl = comm->view.ctl;
     cw.err = comm->view.err;
     cw.timeout_ns = comm->view.timeout_ns;
-    cw.rank = rank;
+    cw.rank = comm->view.rank;
+  }
+  if (signal.pieces != 0) {
+    const int world = comm->view.world, rank = comm->view.rank, br = signal.block_rows;
+    FUSEDIST_CHECK_ARG(signal.offset != 0, op + "signal offset missing");
+    FUSEDIST_CHECK_ARG(br >= 1 && signal.pieces >= 1 && signal.pieces <= kMaxSignalPieces &&
+                           signal.pieces <= br,
+                       op + "signal pieces must be in 1.." + std::to_string(kMaxSignalPieces) +
+                           " and at most block_rows");
+    FUSEDIST_CHECK_ARG(signal.row0 >= 0 && int64_t(signal.row0) + m <= int64_t(br) * world,
+                       op + "the signalled rows lie outside the world's blocks");
+    // A tile of this rank's own block would add to counters no one waits for.
+    FUSEDIST_CHECK_ARG(signal.row0 + m <= int64_t(rank) * br || signal.row0 >= int64_t(rank + 1) * br,
+                       op + "the signalled rows must not overlap this rank's own block");
+    ChunkSignal& cs = a.signal;
+    for (int p = 0; p < world; ++p) cs.base[p] = comm->view.base[p];
+    cs.offset = signal.offset;
+    cs.rows = m;
+    cs.row0 = signal.row0;
+    cs.block_rows = br;
+    cs.pieces = signal.pieces;
+    cs.piece_rows = (br + signal.pieces - 1) / signal.pieces;
+    cs.src = rank;
   }
   if (dtype == DType::kBFloat16)
     run_layout<__nv_bfloat16>(a, w_nk);

@@ -1,5 +1,6 @@
-// Host launcher for the fused decode GEMM + all-reduce (gemm_comm.cuh): argument checks, the
-// tile configuration for M, grid sizing from values identical on every rank, launch.
+// Host launchers of gemm_comm.cuh: the fused decode GEMM + all-reduce (argument checks, the
+// tile configuration for M, grid sizing from values identical on every rank) and the fused
+// gemm_rs's comm-stream counter wait.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <string>
@@ -130,6 +131,20 @@ void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, 
     launch_dtype<__nv_bfloat16>(a, w_nk);
   else
     launch_dtype<__half>(a, w_nk);
+}
+
+void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src, int piece,
+                          uint32_t expected, uintptr_t stream) {
+  const SymmView& v = comm.view;
+  FUSEDIST_CHECK_ARG(src >= 0 && src < v.world && src != v.rank,
+                     "gemm_rs counter wait: src must be another rank of the group");
+  FUSEDIST_CHECK_ARG(piece >= 0 && piece < kMaxSignalPieces,
+                     "gemm_rs counter wait: piece outside 0.." + std::to_string(kMaxSignalPieces - 1));
+  uint32_t* counter = reinterpret_cast<uint32_t*>(v.base[v.rank] + signal_offset) +
+                      src * kMaxSignalPieces + piece;
+  counter_wait_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      counter, expected, v.ctl, v.err, v.timeout_ns, v.rank, src);
+  FUSEDIST_LAUNCH_CHECK("counter_wait_kernel");
 }
 
 }  // namespace fusedist

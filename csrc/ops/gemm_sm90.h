@@ -15,7 +15,8 @@ struct GemmSm90Call {
   int64_t ldx, ldw, ldc, ldo;    // row strides (elements)
   float beta;
   int m, n, k;
-  ChunkWait wait;                // wait.flags == nullptr: a plain GEMM
+  ChunkWait wait;                // wait.flags == nullptr: no wait
+  ChunkSignal signal;            // signal.offset == 0: no signals
   int sms;                       // persistent CTAs
   cudaStream_t stream;
 };

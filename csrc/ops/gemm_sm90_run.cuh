@@ -51,6 +51,7 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   // streamed from HBM far fewer times when it does not fit in L2 (N = 14336).
   args.scheduler.max_swizzle_size = 8;
   args.scheduler.wait = a.wait;
+  args.scheduler.signal = a.signal;
 
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);

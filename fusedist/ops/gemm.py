@@ -79,21 +79,34 @@ def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
 def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 stream: torch.cuda.Stream, accumulate: bool = False, comm=None,
                 flags: Optional[torch.Tensor] = None, block_rows: int = 0,
-                pieces: int = 1) -> torch.Tensor:
-    """The Hopper GEMM. With `flags` (int32 [world * pieces], zeroed for this call), x is an
-    all-gathered input whose row pieces the copy engine flags as they land (ag_gemm fused)."""
+                pieces: int = 1, wait_on_c: bool = False, wait_peer: int = -1,
+                signal_row0: Optional[int] = None, signal_block_rows: int = 0,
+                signal_pieces: int = 0) -> torch.Tensor:
+    """The Hopper GEMM. The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+      flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
+        world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
+      flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`
+        flagged pieces from rank wait_peer before they are read as C (gemm_rs fused);
+      signal_row0 (not None): x's rows are rows signal_row0.. of the block layout; each stored
+        tile adds 1 on its owner's counters (gemm_rs fused; out in symmetric staging)."""
     C = _ext.load()
     xa = aligned(x)
     w, w_nk, ldw = _weight(w)
     dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    if (flags is not None and wait_on_c or signal_row0 is not None) and dst is not out:
+        raise ValueError("fusedist: a fused GEMM's out must be 16-byte aligned")
     if accumulate and dst is not out:
         dst.copy_(out)
     b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
+    signal = signal_row0 is not None
     C.gemm_sm90(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                 w.data_ptr(), ldw, w_nk, b, dst.data_ptr() if accumulate else 0, dst.stride(0),
                 1.0, dst.data_ptr(), dst.stride(0), x.shape[0], w.shape[1], x.shape[1],
                 _dtypes.code(x.dtype), 0 if flags is None else flags.data_ptr(), block_rows,
-                pieces, stream.cuda_stream)
+                pieces, stream.cuda_stream, wait_on_c=wait_on_c, wait_peer=wait_peer,
+                signal_offset=comm.symm.signal_offset if signal else 0,
+                signal_row0=signal_row0 if signal else 0, signal_block_rows=signal_block_rows,
+                signal_pieces=signal_pieces if signal else 0)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -59,8 +59,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
-            fused_why_not: Optional[str] = "gemm_rs has no fused kernel (ag_gemm and gemm_ar do)",
-            copy_engine_ok: bool = False) -> str:
+            fused_why_not: Optional[str], copy_engine_ok: bool = False) -> str:
     """The engine for this call. `fused_why_not` is None when the fused kernel takes the call,
     else the reason it does not (it depends only on shapes, dtypes and strides, which SPMD code
     keeps identical on every rank, so every rank picks the same engine)."""
@@ -100,6 +99,18 @@ def _fused_common_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) 
     if weight_layout(w) is None:
         return (f"w has strides {tuple(w.stride())}; it must be a row-major [K, N] tensor or the "
                 ".t() of a row-major [N, K] one (call .contiguous())")
+    return None
+
+
+def _fused_sm90_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    """What the fused engines on the Hopper GEMM (ag_gemm, gemm_rs) need beyond the common."""
+    why = _fused_common_why_not(comm, x, w)
+    if why is not None:
+        return why
+    if not sm90_available(comm.device):
+        return f"{comm.device} is not a Hopper (sm_90) GPU"
+    if x.shape[0] == 0 or w.shape[0] == 0 or w.shape[1] == 0:
+        return f"an empty problem (x {tuple(x.shape)}, w {tuple(w.shape)})"
     return None
 
 
@@ -226,13 +237,9 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
 def _fused_ag_why_not(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor) -> Optional[str]:
     """None when ag_gemm's fused engine takes (x_shard, w) on this communicator, else why not
     (shapes, dtypes, strides and sizes only: the same answer on every rank)."""
-    why = _fused_common_why_not(comm, x_shard, w)
+    why = _fused_sm90_why_not(comm, x_shard, w)
     if why is not None:
         return why
-    if not sm90_available(comm.device):
-        return f"{comm.device} is not a Hopper (sm_90) GPU"
-    if x_shard.shape[0] == 0 or w.shape[0] == 0 or w.shape[1] == 0:
-        return f"an empty problem (m = {x_shard.shape[0]}, K, N = {tuple(w.shape)})"
     need = comm.group.size * x_shard.numel() * x_shard.element_size()
     if comm.symm.staging_bytes < need:
         return (f"it gathers the input ({need} bytes: world x shard) in symmetric staging and "
@@ -524,6 +531,113 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     return out
 
 
+def _rs_fused_pieces(m: int) -> int:
+    """Default pieces per block of the fused gemm_rs: one per 2048 rows, the rows a wave of
+    the GEMM (swizzle 8 x 2-CTA clusters x 128 rows) finishes together, 1 to 8."""
+    return max(1, min(8, round(m / 2048)))
+
+
+def _fused_rs_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:
+    """None when gemm_rs's fused engine takes (x, w) on this communicator, else why not
+    (shapes, dtypes, strides and sizes only: the same answer on every rank)."""
+    why = _fused_sm90_why_not(comm, x, w)
+    if why is not None:
+        return why
+    M, N = x.shape[0], w.shape[1]
+    need = M * N * x.element_size()
+    if comm.symm.staging_bytes < need:
+        return (f"the partial products ({need} bytes: M x N) live in symmetric staging and the "
+                f"communicator has {comm.symm.staging_bytes} bytes; create "
+                f"fusedist.Communicator(staging_bytes>={need})")
+    return None
+
+
+def _rs_signal_expected(C, r: int, s: int, m: int, M: int, n: int, lo: int, hi: int) -> int:
+    """Tiles rank s's peer-block GEMMs (_rs_fused) signal for rows [lo, hi) of rank r's block
+    (the row ranges [(s+1)m, M) then [0, sm), tiled from their first row by BLOCK_M rows, every
+    N tile of a row block signalling once)."""
+    bm = C.GEMM_SM90_BLOCK_M
+    tiles = 0
+    for a, b in (((s + 1) * m, M), (0, s * m)):
+        l, h = max(lo, a), min(hi, b)
+        if h > l:
+            tiles += (h - 1 - a) // bm - (l - a) // bm + 1
+    return tiles * -(-n // C.GEMM_SM90_BLOCK_N)
+
+
+def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
+              pieces: int) -> torch.Tensor:
+    """Persistent GEMMs whose tiles signal the rows' owner as they land; the owner pulls each
+    finished piece with the copy engine, and its own block's GEMM takes the pulled partials as
+    C (docs/design/gemm_comm.md has the timeline). Block b = rows [b m, (b+1) m) of x, whose
+    reduced sum rank b keeps. This rank's staging holds its partials at the same rows, [M, N].
+      main: the other ranks' blocks, starting with block rank + 1, as at most two contiguous
+            row ranges (one GEMM each) into staging. Each stored tile adds 1 (release, system
+            scope) on its owner's counter of every piece it wrote (gemm_sm90.cuh). Then this
+            rank's block: out = x_own @ w + C + bias with C = the pulled partials in out; with
+            two ranks the GEMM starts at once and its C-load warp waits per tile for the
+            pieces' flags, with more the pulled partials are summed into out first.
+      cs:   for each peer s, nearest first (s = rank - 1 computes this block first), each
+            piece: a one-thread kernel waits (bounded) until s's count is complete and clears
+            it; the copy engine pulls the piece from s's staging into out (or a scratch slot);
+            cuStreamWriteValue32 sets its flag. A closing barrier: no rank restages while a
+            peer still pulls, and no GEMM adds to a counter before its owner cleared it.
+    The counters live in the communicator's signal region and are zero between calls; flags
+    are zeroed on main each call, so graph replays never see the last call's."""
+    C = _ext.load()
+    symm = comm.symm
+    W, r = comm.group.size, comm.group.rank
+    M, k = x.shape
+    n = w.shape[1]
+    m = M // W
+    row = n * x.element_size()
+    main = comm._stream()
+    stage = symm.staging(x.dtype, (M, n))
+    piece_rows = -(-m // pieces)  # the kernels' piece size: ceil, the last piece shorter
+    bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
+    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    flags = torch.zeros(pieces, dtype=torch.int32, device=x.device) if W == 2 else None
+    recv = None if W == 2 else torch.empty((W - 1, m, n), dtype=x.dtype, device=x.device)
+    cs = _fork(main)
+    for a, b in (((r + 1) * m, M), (0, r * m)):
+        if b > a:
+            launch_sm90(x[a:b], w, None, stage[a:b], main, comm=comm, signal_row0=a,
+                        signal_block_rows=m, signal_pieces=pieces)
+    with torch.cuda.stream(cs):
+        for d in range(1, W):
+            src = (r - d) % W
+            into = dst if W == 2 else recv[d - 1]
+            for p in range(pieces):
+                a, b = bounds[p], bounds[p + 1]
+                if b <= a:
+                    continue
+                C.gemm_rs_counter_wait(symm.handle, symm.signal_offset, src, p,
+                                       _rs_signal_expected(C, r, src, m, M, n, r * m + a, r * m + b),
+                                       cs.cuda_stream)
+                C.memcpy_async(into[a:b].data_ptr(),
+                               symm.bases[src] + symm.staging_offset + (r * m + a) * row,
+                               (b - a) * row, cs.cuda_stream)
+                if W == 2:
+                    C.stream_write_u32(flags.data_ptr() + 4 * p, 1, cs.cuda_stream)
+        pulled = torch.cuda.Event()
+        pulled.record(cs)
+        comm._device_barrier()
+    own = x[r * m:(r + 1) * m]
+    if W == 2:
+        flags.record_stream(cs)
+        launch_sm90(own, w, bias, dst, main, accumulate=True, comm=comm, flags=flags,
+                    block_rows=m, pieces=pieces, wait_on_c=True, wait_peer=1 - r)
+    else:
+        recv.record_stream(cs)
+        main.wait_event(pulled)
+        torch.sum(recv, dim=0, out=dst)
+        launch_sm90(own, w, bias, dst, main, accumulate=True)
+    main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
+    if dst is not out:
+        out.copy_(dst)
+    return out
+
+
 def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
             out: Optional[torch.Tensor] = None, transport: str = "auto") -> torch.Tensor:
@@ -549,7 +663,10 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     out = _out(op, out, (m, n), x)
     how = _transport(op, comm, M * n * x.element_size(), transport) \
         if comm.device.type == "cuda" else "nccl"
-    eng = _engine(op, engine, M, n, k, comm, copy_engine_ok=how == "copy_engine")
+    fused_why_not = _fused_rs_why_not(comm, x, w_shard) if comm.device.type == "cuda" else \
+        "CPU tensors"
+    eng = _engine(op, engine, M, n, k, comm, fused_why_not=fused_why_not,
+                  copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_rs.{eng}"):
         if comm.device.type == "cpu":
             part = x.float() @ w_shard.float()
@@ -558,6 +675,10 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             if bias is not None:
                 res += bias.float()
             return out.copy_(res)
+        if eng == "fused":
+            C = _chunks(op, _rs_fused_pieces(m) if chunks is None else chunks, comm, M, n, k,
+                        rows=m)
+            return _rs_fused(comm, x, w_shard, bias, out, min(C, _ext.load().MAX_SIGNAL_PIECES))
         if eng == "unfused":
             part = torch.matmul(x, w_shard)
             comm.nccl.reduce_scatter(part, out)

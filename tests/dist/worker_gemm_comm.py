@@ -32,6 +32,12 @@ def dtypes(rt):
 SHAPES = ((1, 72, 40), (37, 200, 136), (129, 1000, 776))
 
 
+def hopper_peers(rt) -> bool:
+    """The fused engines on the Hopper GEMM run here: NVLink peers on sm_90 GPUs."""
+    return rt.device.type == "cuda" and rt.tp.size >= 2 and \
+        torch.cuda.get_device_capability(rt.device)[0] == 9
+
+
 def poison(t):
     return t.fill_(float("nan"))
 
@@ -328,8 +334,7 @@ def ag_gemm_fused_matches_reference(rt, seed):
     """One persistent wgmma GEMM over the gathered rows, each tile waiting for the copy-engine
     flags of its rows: every chunking, both weight layouts, bias, eager, back to back and in a
     CUDA graph replayed with fresh inputs. Output bitwise the same on every rank."""
-    if rt.device.type != "cuda" or rt.tp.size < 2 or \
-            torch.cuda.get_device_capability(rt.device)[0] != 9:
+    if not hopper_peers(rt):
         return
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=16 << 20)
@@ -381,6 +386,69 @@ def ag_gemm_fused_matches_reference(rt, seed):
         assert "staging_bytes" in str(e), str(e)
     else:
         raise AssertionError("ag_gemm(engine='fused') ran without staging for the shard")
+    small.close()
+    ce.close()
+
+
+@check
+def gemm_rs_fused_matches_reference(rt, seed):
+    """The peers' blocks multiplied into staging, every tile counted on its owner as it lands,
+    the owner pulling finished pieces and multiplying its own block on top: every chunking
+    (pieces), both weight layouts, bias, odd M (tiles straddle blocks and pieces), eager,
+    back to back with changing pieces (the counters are cleared after each call), in a CUDA
+    graph with fresh inputs, and the staging error."""
+    if not hopper_peers(rt):
+        return
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=40 << 20)
+    for dt in (torch.bfloat16, torch.float16):
+        for m, k, n in AG_FUSED_SHAPES:
+            M = W * m
+            for chunks in (None, 1, 2, 3):
+                layout = "nk" if chunks == 2 else "kn"
+                with_bias = chunks != 1
+                s = (seed, "rs-fused", str(dt), m, k, n, chunks)
+                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+                ws = [_weights((k, n), layout, dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+                b = fresh((n,), dt, dev, rank_seed(s, "b")) if with_bias else None
+                full = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+                ref = full[me * m:(me + 1) * m]
+                if b is not None:
+                    ref = ref + b.double()
+                out = poison(torch.empty((m, n), dtype=dt, device=dev))
+                y = fusedist.gemm_rs(xs[me], ws[me], b, group=ce, engine="fused", chunks=chunks,
+                                     out=out)
+                what = (f"gemm_rs fused {dt} m={m} K={k} N={n} chunks={chunks} w={layout} "
+                        f"bias={with_bias}")
+                err = gemm_rel_err(y, ref)
+                assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+    # Back to back: 10 calls, fresh inputs, pieces 1..3, nothing waited for between them.
+    m, k, n, dt = 300, 520, 264, torch.bfloat16
+    outs, refs = [], []
+    for i in range(10):
+        s = (seed, "rs-fused-loop", i)
+        xs = [fresh((W * m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+        ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+        outs.append(fusedist.gemm_rs(xs[me], ws[me], group=ce, engine="fused", chunks=1 + i % 3))
+        refs.append(sum(x.double() @ w.double() for x, w in zip(xs, ws))[me * m:(me + 1) * m])
+    for i, (y, ref) in enumerate(zip(outs, refs)):
+        assert gemm_rel_err(y, ref) < GEMM_REL[dt], f"fused gemm_rs back-to-back call {i}"
+    # A CUDA graph: fused ag_gemm -> fused gemm_rs -> copy-engine ag_gemm, fresh inputs per
+    # replay, outputs poisoned (the counters must be zero again at the end of every replay).
+    check_mixed_graph(rt, seed, "rs-fused-graph", m, k, n, dt, 8,
+                      ag=lambda x, w: fusedist.ag_gemm(x, w, group=ce, engine="fused"),
+                      rs=lambda x, w: fusedist.gemm_rs(x, w, group=ce, engine="fused", chunks=2),
+                      ag_b=lambda x, w: fusedist.ag_gemm(x, w, group=ce, engine="overlap",
+                                                         transport="copy_engine"))
+    # Without staging for the partials the fused engine says why, naming the fix.
+    small = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1024)
+    try:
+        fusedist.gemm_rs(torch.zeros((W * m, k), dtype=dt, device=dev),
+                         torch.zeros((k, n), dtype=dt, device=dev), group=small, engine="fused")
+    except ValueError as e:
+        assert "staging_bytes" in str(e), str(e)
+    else:
+        raise AssertionError("gemm_rs(engine='fused') ran without staging for the partials")
     small.close()
     ce.close()
 
@@ -566,8 +634,7 @@ def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips a fused ag_gemm: the others' first barrier times out, their GEMM still
     finishes (its peer rows are pulled from stale staging, so the output is undefined), and
     the communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
-    if rt.device.type != "cuda" or rt.tp.size < 2 or \
-            torch.cuda.get_device_capability(rt.device)[0] != 9:
+    if not hopper_peers(rt):
         return
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
                                  timeout_s=2.0)
@@ -575,6 +642,24 @@ def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
     w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
     if rt.tp.rank != 0:
         expect_timeout(comm, lambda: fusedist.ag_gemm(x, w, group=comm, engine="fused"), 2.0)
+    comm.close()
+
+
+@check
+def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
+    """Rank 0 skips a fused gemm_rs: the others' counter waits time out (rank 0's tiles never
+    arrive), their GEMMs finish on whatever the rows hold (undefined output), and the
+    communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
+    if not hopper_peers(rt):
+        return
+    W = rt.tp.size
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
+                                 timeout_s=2.0)
+    x = torch.ones(64 * W, 256, device=rt.device, dtype=torch.bfloat16)
+    w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
+    if rt.tp.rank != 0:
+        expect_timeout(comm, lambda: fusedist.gemm_rs(x, w, group=comm, engine="fused"), 2.0,
+                       "gemm_rs (fused")
     comm.close()
 
 

@@ -37,6 +37,8 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary lin
 }
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
+SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs"}  # which sanitizer runs the sanitizer stage does
+want_san() { [[ " $SAN " == *" $1 "* ]]; }
 
 # At most 8 files come back from a lent GPU: summary.txt (nvidia-smi, ptxas spills, sanitizer
 # summaries, stage results), tests.log, bench.log and the benchmarks' json/md/png.
@@ -55,7 +57,7 @@ if want tests; then
     -p no:cacheprovider
 fi
 if want sanitizer && [[ $NGPU -ge 2 ]]; then
-  for tool in memcheck racecheck; do
+  want_san allreduce && for tool in memcheck racecheck; do
     FUSEDIST_TEST_ONLY=eager_all FUSEDIST_TEST_MAX_N=65537 FUSEDIST_TEST_SEED=7 stage "san_$tool" "${FUSEDIST_SAN_TIMEOUT:-600}" \
       python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
       compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 3 \
@@ -64,22 +66,24 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
     { echo "== compute-sanitizer $tool"; grep -E "^=========" "$LOGS/san_$tool.log" | head -40; } \
       >> "$OUT/summary.txt.head"
   done
-  # The fused GEMM + all-reduce kernel (TMA, mbarriers, symmetric exchange) under memcheck.
-  FUSEDIST_TEST_ONLY=gemm_ar_fused_matches FUSEDIST_TEST_SEED=7 stage "san_gemm" "${FUSEDIST_SAN_TIMEOUT:-600}" \
-    python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
-    compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
-    --report-api-errors no python3 tests/dist/worker_gemm_comm.py
-  { echo "== compute-sanitizer memcheck (gemm_ar fused)"; grep -E "^=========" "$LOGS/san_gemm.log" | head -20; } \
-    >> "$OUT/summary.txt.head"
-  # The fused all-gather GEMM (CUTLASS TMA/wgmma kernel waiting on copy-engine flags), the
-  # largest shape left out (memcheck slows the GEMM ~100x).
-  FUSEDIST_TEST_ONLY=ag_gemm_fused_matches FUSEDIST_TEST_MAX_ROWS=1100 FUSEDIST_TEST_SEED=7 \
-    stage "san_ag" "${FUSEDIST_SAN_TIMEOUT:-600}" \
-    python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
-    compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
-    --report-api-errors no python3 tests/dist/worker_gemm_comm.py
-  { echo "== compute-sanitizer memcheck (ag_gemm fused)"; grep -E "^=========" "$LOGS/san_ag.log" | head -20; } \
-    >> "$OUT/summary.txt.head"
+  # The fused GEMM + collective kernels under memcheck (memcheck slows a GEMM ~100x, so the
+  # largest shapes are left out): san_fused NAME LABEL CHECK [ENV=VALUE ...]
+  san_fused() {
+    local name=$1 label=$2 only=$3; shift 3
+    want_san "$name" || return 0
+    stage "san_$name" "${FUSEDIST_SAN_TIMEOUT:-600}" env "$@" FUSEDIST_TEST_ONLY="$only" \
+      FUSEDIST_TEST_SEED=7 python3 -m torch.distributed.run --nproc-per-node 2 --no-python \
+      compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
+      --report-api-errors no python3 tests/dist/worker_gemm_comm.py
+    { echo "== compute-sanitizer memcheck ($label)"; grep -E "^=========" "$LOGS/san_$name.log" | head -20; } \
+      >> "$OUT/summary.txt.head"
+  }
+  # TMA, mbarriers and the symmetric exchange of the decode kernel.
+  san_fused gemm_ar "gemm_ar fused" gemm_ar_fused_matches
+  # The CUTLASS TMA/wgmma GEMM waiting on copy-engine flags.
+  san_fused ag "ag_gemm fused" ag_gemm_fused_matches FUSEDIST_TEST_MAX_ROWS=1100
+  # Tiles counted on their owners as their TMA stores land, counter waits, C-row waits.
+  san_fused rs "gemm_rs fused" gemm_rs_fused_matches FUSEDIST_TEST_MAX_ROWS=1100
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \

@@ -64,8 +64,8 @@ def test_engine_auto_for_decode_gemm_ar(monkeypatch, m, why_not, engine):
 def test_engine_env_fused_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "fused")
     assert gc._engine("gemm_ar", "auto", 64, 8192, 4096, _comm(), None) == "fused"
-    # ag_gemm has no fused kernel: the table decides (overlap from 2^35 here).
-    assert gc._engine("ag_gemm", "auto", 8192, 8192, 8192, _comm()) == "overlap"
+    # Where the fused kernel does not take the call, the table decides (overlap from 2^35).
+    assert gc._engine("ag_gemm", "auto", 8192, 8192, 8192, _comm(), "no staging") == "overlap"
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "unfused")
     assert gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None) == "unfused"
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "warp-drive")
@@ -76,8 +76,10 @@ def test_engine_env_fused_only_where_it_applies(monkeypatch):
 def test_engine_fused_forced_names_the_reason():
     with pytest.raises(ValueError, match="M = 200 rows"):
         gc._engine("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
-    with pytest.raises(ValueError, match="gemm_rs has no fused kernel"):
-        gc._engine("gemm_rs", "fused", 8192, 8192, 8192, _comm())
+    with pytest.raises(ValueError, match="create fusedist.Communicator.staging_bytes"):
+        gc._engine("gemm_rs", "fused", 8192, 8192, 8192, _comm(),
+                   "the partial products live in symmetric staging; create "
+                   "fusedist.Communicator(staging_bytes>=134217728)")
 
 
 def test_engine_single_rank_or_cpu_is_unfused():
@@ -157,3 +159,51 @@ def test_copy_engine_chunks_keep_pieces_of_256_rows(m, world, chunks):
     """Each chunk is `world` GEMM pieces; none below 256 rows (weight-bandwidth bound)."""
     assert gc.tuning.gemm_chunks({}, "gemm_ar", m, 8192, 4096, world, copy_engine=True) == chunks
 
+
+
+# ---- fused gemm_rs: the counts the comm stream waits for ---------------------------------------
+def _kernel_signals(W, m, n, pieces, bm=128, bn=256):
+    """What the peer-block GEMMs of every rank signal (ChunkSignal in gemm_sm90.cuh, launched by
+    _rs_fused), walked row by row: {(owner block, source rank, piece): count}."""
+    M, pr = W * m, -(-m // pieces)
+    counts = {}
+    for s in range(W):
+        for a, b in (((s + 1) * m, M), (0, s * m)):
+            for t in range(-(-(b - a) // bm) if b > a else 0):
+                r0, r1 = a + t * bm, min(a + (t + 1) * bm, b)
+                for key in {(row // m, s, (row % m) // pr) for row in range(r0, r1)}:
+                    counts[key] = counts.get(key, 0) + -(-n // bn)
+    return counts
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 5, 37, 127, 128, 129, 300, 1031])
+@pytest.mark.parametrize("pieces", [1, 2, 3, 4])
+def test_rs_fused_expected_counts_match_the_kernels_signals(W, m, pieces):
+    if pieces > m:
+        pytest.skip("pieces are at most the block's rows")
+    C = SimpleNamespace(GEMM_SM90_BLOCK_M=128, GEMM_SM90_BLOCK_N=256)
+    n = 520  # 3 N tiles, the last partial
+    got = _kernel_signals(W, m, n, pieces)
+    assert all(owner != src for owner, src, _ in got), "a rank signalled its own block"
+    pr = -(-m // pieces)
+    for r in range(W):
+        for s in range(W):
+            if s == r:
+                continue
+            for p in range(pieces):
+                lo, hi = min(p * pr, m), min((p + 1) * pr, m)
+                want = gc._rs_signal_expected(C, r, s, m, W * m, n, r * m + lo, r * m + hi) \
+                    if hi > lo else 0
+                assert got.get((r, s, p), 0) == want, (r, s, p)
+
+
+def test_rs_fused_default_pieces_follow_the_gemm_waves():
+    assert [gc._rs_fused_pieces(m) for m in (1, 1024, 2048, 4096, 8192, 1 << 16)] == \
+        [1, 1, 1, 2, 4, 8]
+
+
+def test_extension_exports_the_tile_the_counts_assume():
+    C = pytest.importorskip("fusedist._C")
+    assert (C.GEMM_SM90_BLOCK_M, C.GEMM_SM90_BLOCK_N) == (128, 256)
+    assert C.MAX_SIGNAL_PIECES >= 8

@@ -75,19 +75,38 @@ constexpr int kGemmArFusedMaxM = 128;
 void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw,
                    bool w_nk, uintptr_t bias, uintptr_t out, int m, int n, int k, DType dtype,
                    uintptr_t stream);
+// gemm_rs engine='fused', on the comm stream: wait (one thread, bounded by the communicator's
+// timeout) until rank `src`'s GEMM signalled `expected` tiles of piece `piece` of this rank's
+// block into this rank's counters at `signal_offset` (gemm_sm90.cuh), then clear the counter.
+void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src, int piece,
+                          uint32_t expected, uintptr_t stream);
 
 // ---- gemm.cu ------------------------------------------------------------------------------
 // Hopper GEMM (gemm_sm90.cuh): out[m, n] = x[m, k] @ w + beta * c + bias, fp32 accumulation.
 // w as in gemm_ar_fused; c (0: none) and out row-major with row strides ldc / ldo.
-// With `wait` (flags != 0), the ag_gemm protocol: x is the gathered input, rank `comm.rank`'s
-// block first, each tile after the copy pieces of its rows are flagged (gemm_sm90.cuh).
+// The fused engines' protocols (gemm_sm90.cuh); both need comm and leave a few SMs free:
+//  * `wait` (flags != 0), on_c == false, ag_gemm: x is the gathered input, rank comm.rank's
+//    block first, each tile after the copy pieces of its A rows are flagged.
+//  * `wait`, on_c == true, gemm_rs's own block: one block of m rows whose C rows arrive in
+//    `pieces` flagged pieces from rank `peer`; the C-load warp waits for them.
+//  * `signal` (pieces != 0), gemm_rs's peer blocks: rows [row0, row0 + m) of the block layout
+//    (none of them this rank's); each stored tile adds 1 on the owner's counters.
 struct GemmWaitArgs {
-  uintptr_t flags = 0;  // uint32 [world * pieces]; 0: a plain GEMM
-  int block_rows = 0;   // rows per rank block of x
+  uintptr_t flags = 0;  // uint32 [blocks * pieces]; 0: no wait
+  int block_rows = 0;   // rows per block
   int pieces = 1;       // copy pieces per block
+  bool on_c = false;
+  int peer = -1;        // on_c: the rank the rows come from (a timeout names it)
+};
+struct GemmSignalArgs {
+  uint64_t offset = 0;  // bytes from every rank's symmetric base to its counters
+  int row0 = 0;         // block-layout row of x's row 0
+  int block_rows = 0;   // rows per rank block
+  int pieces = 0;       // pieces per block (<= kMaxSignalPieces); 0: no signals
 };
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
-               int m, int n, int k, DType dtype, const GemmWaitArgs& wait, uintptr_t stream);
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
+               const GemmSignalArgs& signal, uintptr_t stream);
 
 }  // namespace fusedist

@@ -1,6 +1,11 @@
-// fusedist/chunk_wait.cuh -- what a tile of the all-gather GEMM waits for (gemm_sm90.cuh has
-// the protocol): the copy-engine flags of the rows it reads, bounded by the communicator's
-// timeout. No CUTLASS here, so host launchers can include it cheaply.
+// fusedist/chunk_wait.cuh -- the flags the Hopper GEMM (gemm_sm90.cuh) waits on and signals
+// in the fused GEMM + collective engines (gemm_sm90.cuh has the protocols):
+//   ChunkWait   a tile waits for the copy-engine flags of the rows it reads: its A rows
+//               (ag_gemm) or its C rows (gemm_rs), bounded by the communicator's timeout;
+//   ChunkSignal after a tile's D stores land, +1 on the owner rank's counter of each row
+//               piece the tile wrote (gemm_rs: the owner's comm stream pulls finished pieces);
+//   wait_geq    the bounded spin both use (the comm stream's counter wait: gemm_comm.cuh).
+// No CUTLASS here, so host launchers can include it cheaply.
 #pragma once
 
 #include <cstdint>
@@ -10,11 +15,10 @@
 
 namespace fusedist {
 
-// The GEMM's tile: 128 rows (M) per CTA, 2-CTA clusters along M (gemm_sm90.cuh).
-constexpr int kGemmSm90BlockM = 128;
-constexpr int kGemmSm90ClusterM = 2;
-
-// What a tile waits for before it loads A (ag_gemm engine='fused'); flags == nullptr: nothing.
+// What a tile waits for; flags == nullptr: nothing. on_c == false (ag_gemm engine='fused'):
+// every role of the CTA waits for the tile's A rows before its first load. on_c == true
+// (gemm_rs engine='fused', the own block's GEMM): only the epilogue's C-load warp waits, for
+// the tile's C rows, so the mainloop runs while the rows are still in flight.
 struct ChunkWait {
   const uint32_t* flags = nullptr;  // [blocks * pieces], set to 1 by the copy streams
   int rows = 0;                     // rows of A (blocks * block_rows)
@@ -27,6 +31,22 @@ struct ChunkWait {
   ErrorRecord* err = nullptr;
   uint64_t timeout_ns = 0;
   int rank = 0;
+  int peer = -1;                    // the rank a timeout names; -1: the block's rank
+  uint32_t op = kOpAgGemm;          // OpCode a timeout records
+  bool on_c = false;
+};
+
+// What a tile signals after its D stores land (gemm_rs engine='fused', the GEMM of the other
+// ranks' blocks into this rank's staging); offset == 0: nothing.
+struct ChunkSignal {
+  uint8_t* base[kMaxRanks] = {};    // every rank's symmetric buffer, mapped here
+  uint64_t offset = 0;              // bytes from a base to that rank's counters
+  int rows = 0;                     // rows of this launch's problem
+  int row0 = 0;                     // global row (block layout) of the launch's row 0
+  int block_rows = 1;               // rows of one rank's block
+  int piece_rows = 1;               // rows of one piece (a block's last piece: fewer)
+  int pieces = 1;                   // pieces per block (<= kMaxSignalPieces)
+  int src = 0;                      // this rank: its counter slots on the owners
 };
 
 __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
@@ -35,24 +55,31 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
   return v;
 }
 
-// Spin until *flag != 0; false after a timeout (recorded) or when the communicator failed.
-__device__ __forceinline__ bool wait_flag(const uint32_t* flag, const ChunkWait& w, int peer) {
-  if (ld_acquire_sys_u32(flag) != 0u) return true;
+// Spin until *p >= target; false after a timeout (recorded) or when the communicator failed.
+__device__ __forceinline__ bool wait_geq(const uint32_t* p, uint32_t target, Control* ctl,
+                                         ErrorRecord* err, uint64_t timeout_ns, int rank, int peer,
+                                         uint32_t op) {
+  if (ld_acquire_sys_u32(p) >= target) return true;
   uint64_t start = 0;
   for (uint32_t spins = 1;; ++spins) {
     __nanosleep(64);
-    if (ld_acquire_sys_u32(flag) != 0u) return true;
+    if (ld_acquire_sys_u32(p) >= target) return true;
     if ((spins & 63u) == 0) {
-      if (ld_volatile_u32(&w.ctl->failed)) return false;
+      if (ld_volatile_u32(&ctl->failed)) return false;
       const uint64_t now = globaltimer_ns();
       if (start == 0) {
         start = now;
-      } else if (now - start > w.timeout_ns) {
-        record_timeout(w.ctl, w.err, w.rank, peer, 0u, kOpAgGemm);
+      } else if (now - start > timeout_ns) {
+        record_timeout(ctl, err, rank, peer, 0u, op);
         return false;
       }
     }
   }
+}
+
+// Flags are set to 1 by the copying stream.
+__device__ __forceinline__ bool wait_flag(const uint32_t* flag, const ChunkWait& w, int peer) {
+  return wait_geq(flag, 1u, w.ctl, w.err, w.timeout_ns, w.rank, w.peer >= 0 ? w.peer : peer, w.op);
 }
 
 // Wait for every copy piece that rows [r0, r1) of A touch.
@@ -66,6 +93,23 @@ __device__ __forceinline__ void wait_rows(const ChunkWait& w, int r0, int r1) {
   }
   // The rows were written by the copy engine and are read next by TMA (async proxy).
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+__device__ __forceinline__ void red_release_sys_add_u32(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Rows [r0, r1) of the launch's problem are in global memory (their TMA stores completed and
+// were fenced against the generic proxy): +1 on the owner's counter of every piece they touch.
+__device__ __forceinline__ void signal_rows(const ChunkSignal& s, int r0, int r1) {
+  __threadfence_system();
+  for (int row = s.row0 + r0, end = s.row0 + r1; row < end;) {
+    const int block = row / s.block_rows;
+    const int piece = (row - block * s.block_rows) / s.piece_rows;
+    uint32_t* counters = reinterpret_cast<uint32_t*>(s.base[block] + s.offset);
+    red_release_sys_add_u32(counters + s.src * kMaxSignalPieces + piece, 1u);
+    row = block * s.block_rows + min((piece + 1) * s.piece_rows, s.block_rows);
+  }
 }
 
 }  // namespace fusedist

@@ -30,6 +30,7 @@
 // Contract: w is not written by the kernel launched just before this one on the stream
 // (it is prefetched before griddepcontrol.wait); weights of an inference model never are.
 #pragma once
+#include "fusedist/chunk_wait.cuh"  // wait_geq (counter_wait_kernel)
 #include "fusedist/mma.cuh"  // also the TMA / mbarrier helpers
 #include "fusedist/symmetric.cuh"
 
@@ -256,6 +257,17 @@ __global__ void __launch_bounds__(32 * kWarps + 32, 1)
     named_barrier_sync(1, Cfg::kConsumers);  // `red` is rewritten by the next strip
   }
   if (exchange) finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpGemmAr);
+}
+
+// The comm stream's wait for a peer's piece (gemm_rs engine='fused'): until every tile of the
+// piece signalled (*counter == expected), bounded; then the counter is cleared for the next
+// call (no peer adds to it again before the call's closing barrier). One thread, on one of
+// the SMs the GEMM leaves free.
+__global__ void counter_wait_kernel(uint32_t* counter, uint32_t expected, Control* ctl,
+                                    ErrorRecord* err, uint64_t timeout_ns, int rank, int peer) {
+  if (threadIdx.x != 0) return;
+  if (wait_geq(counter, expected, ctl, err, timeout_ns, rank, peer, kOpGemmRs))
+    *reinterpret_cast<volatile uint32_t*>(counter) = 0u;
 }
 
 }  // namespace fusedist

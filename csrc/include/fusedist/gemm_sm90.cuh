@@ -5,7 +5,9 @@
 // D[M, N] = A[M, K] @ B + beta * C + bias[N], fp32 accumulation, one rounding to T.
 // A row-major; B is w [K, N] row-major or the .t() of an [N, K] row-major nn.Linear weight.
 //
-// ChunkScheduler (the fused all-gather + GEMM protocol, docs/design/gemm_comm.md):
+// ChunkScheduler: CUTLASS's static persistent scheduler plus what the fused engines need
+// (docs/design/gemm_comm.md has the protocols and timelines; chunk_wait.cuh the structs).
+// all-gather + GEMM (ag_gemm engine='fused'), ChunkWait on A:
 //  * A is the gathered [W * block_rows, K] input. Rank j's block is copied in `pieces` row
 //    pieces by the copy engine; after piece p of block j lands, the copying stream writes
 //    flags[j * pieces + p] = 1 with cuStreamWriteValue32 (no SM: the GEMM owns every SM, so a
@@ -17,13 +19,22 @@
 //  * Before a tile's first TMA load, every thread of the CTA that computes it waits until the
 //    flags of every piece its rows touch are set (acquire, system scope: the copy engine
 //    wrote them), then fences the generic proxy against the async (TMA) proxy.
-//  * The wait is bounded: past timeout_ns the communicator is marked failed and the error
-//    record filled (the host raises); the kernel then finishes with whatever the rows hold
-//    instead of hanging.
-// Without flags (plain GEMM) the scheduler is CUTLASS's static persistent one.
+// GEMM + reduce-scatter (gemm_rs engine='fused'), two launches per rank:
+//  * The peers' blocks, ChunkSignal: after the consumer warps stored a tile (TMA store into
+//    this rank's symmetric staging), they wait for the stores to complete (bulk wait_group,
+//    not .read), fence the async proxy, meet at the epilogue barrier, and one thread adds 1
+//    (release, system scope) to the owner rank's counter of every row piece the tile wrote.
+//    The owner's comm stream waits for a piece's full count, then pulls it (copy engine).
+//  * The own block, ChunkWait on C: C is the peers' pulled partials; only the epilogue's
+//    C-load warp waits for a tile's flags, so the mainloop of the tile runs meanwhile.
+// Every wait is bounded: past timeout_ns the communicator is marked failed and the error
+// record filled (the host raises); the kernel then finishes with whatever the rows hold
+// instead of hanging.
+// Without flags or signals (plain GEMM) the scheduler is CUTLASS's static persistent one.
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -44,9 +55,11 @@ class ChunkScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
  public:
   struct Arguments : Base::Arguments {
     ChunkWait wait{};
+    ChunkSignal signal{};
   };
   struct Params : Base::Params {
     ChunkWait wait{};
+    ChunkSignal signal{};
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -59,17 +72,22 @@ class ChunkScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     static_cast<Base::Params&>(p) = Base::to_underlying_arguments(
         problem, tile, cluster, hw, args, workspace, epilogue_subtile, ktile_start_alignment_count);
     p.wait = args.wait;
+    p.signal = args.signal;
     return p;
   }
 
   CUTLASS_HOST_DEVICE ChunkScheduler() {}
-  CUTLASS_DEVICE explicit ChunkScheduler(Params const& p) : Base(p), wait_(p.wait) {}
+  CUTLASS_DEVICE explicit ChunkScheduler(Params const& p)
+      : Base(p), wait_(p.wait), signal_(&p.signal) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     return ready(Base::get_current_work());
   }
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+  // Called by every role after it is done with tile w (the consumers: after its epilogue
+  // issued the stores).
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo w) {
+    signal_stored(w);
     Base::advance_to_next_work();
     return cute::make_tuple(ready(Base::get_current_work()), true);
   }
@@ -80,9 +98,35 @@ class ChunkScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
 
  private:
   ChunkWait wait_;
+  // Read in place from the kernel's (grid-constant) parameters: a copy indexed by the owner
+  // rank (signal_rows) would put the whole scheduler in local memory.
+  ChunkSignal const* signal_ = nullptr;
+
+  // The warp that loads C (the cooperative kernel's producer warpgroup, warp 2).
+  CUTLASS_DEVICE static bool is_c_load_warp() {
+    return threadIdx.x < cutlass::NumThreadsPerWarpGroup && threadIdx.x / cutlass::NumThreadsPerWarp == 2;
+  }
+
+  // gemm_rs fused: once the consumers' stores of tile w are in global memory, count its rows
+  // done on their owners. Consumer threads only (the cooperative kernel's warpgroups 1 and 2,
+  // all of which reach this point for every tile, so the barrier is uniform).
+  CUTLASS_DEVICE void signal_stored(WorkTileInfo const& w) const {
+    if (signal_->offset == 0 || !w.is_valid() || threadIdx.x < cutlass::NumThreadsPerWarpGroup)
+      return;
+    const int r0 = w.M_idx * kBlockM;
+    if (r0 >= signal_->rows) return;  // a padding tile of the last cluster
+    // The TMA stores this thread committed have completed (not only read shared memory) ...
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    // ... and are ordered before generic-proxy accesses that follow.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup,
+                                      cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    if (threadIdx.x == cutlass::NumThreadsPerWarpGroup)
+      signal_rows(*signal_, r0, min(r0 + kBlockM, signal_->rows));
+  }
 
   // Every role of the CTA (loads, MMA, epilogue) asks the scheduler for the same tiles, so
-  // the rotation stays consistent; the wait only delays the roles that would wait anyway.
+  // the rotation stays consistent; an A wait only delays the roles that would wait anyway.
   CUTLASS_DEVICE WorkTileInfo ready(WorkTileInfo w) const {
     if (!w.is_valid() || wait_.rotate_tiles == 0 && wait_.flags == nullptr) return w;
     // A permutation of [0, tiles_m); indices past it (the scheduler pads M to its swizzle)
@@ -93,7 +137,7 @@ class ChunkScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
       if (m >= wait_.tiles_m) m -= wait_.tiles_m;
     }
     w.M_idx = m;
-    if (wait_.flags != nullptr && m * kBlockM < wait_.rows)
+    if (wait_.flags != nullptr && m * kBlockM < wait_.rows && (!wait_.on_c || is_c_load_warp()))
       wait_rows(wait_, m * kBlockM, min((m + 1) * kBlockM, wait_.rows));
     return w;
   }

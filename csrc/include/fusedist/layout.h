@@ -36,7 +36,7 @@ struct ErrorRecord {
 };
 constexpr uint32_t kErrTimeout = 1;
 enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3, kOpGemmAr = 4,
-                       kOpAgGemm = 5 };
+                       kOpAgGemm = 5, kOpGemmRs = 6 };
 
 // Per-rank control block in local device memory (not shared with peers).
 //   epoch:  calls completed on this communicator; generation = epoch % kGenerations. Block 0
@@ -53,6 +53,14 @@ struct Control {
 };
 
 constexpr int kGenerations = 3;
+
+// The Hopper GEMM's tile (gemm_sm90.cuh): 128 x 256 per CTA, 2-CTA clusters along M.
+constexpr int kGemmSm90BlockM = 128;
+constexpr int kGemmSm90ClusterM = 2;
+constexpr int kGemmSm90BlockN = 256;
+// gemm_rs engine='fused': a rank's counter region holds kMaxSignalPieces uint32 slots per
+// source rank (row pieces of its block, at most), source-major.
+constexpr int kMaxSignalPieces = 64;
 
 struct SymmView {
   uint8_t* base[kMaxRanks];  // rank p's symmetric buffer, mapped into this process
