@@ -90,6 +90,8 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         if hopper:
             steps["fd_fused"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="fused",
                                                            out=out)
+            steps["fd_fused_c4"] = lambda i: fusedist.gemm_rs(x, w, group=comm, engine="fused",
+                                                              chunks=4, out=out)
             steps["gemm_fd90"] = lambda i: fd_gemm(x, w, out=part, kernel="sm90")
     else:
         x = rnd(M, K)
@@ -120,7 +122,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps["gemm_only_nk"] = lambda i: torch.matmul(x, w_nk.t(), out=out)
             steps["gemm_fd_nk"] = lambda i: fd_gemm(x, w_nk.t(), out=out, kernel="decode")
     ref = steps["unfused"](0).clone()  # correctness of what is about to be timed
-    for name in [b for b in steps if b.startswith("fd_overlap_ce") or b == "fd_fused"
+    for name in [b for b in steps if b.startswith("fd_overlap_ce") or b.startswith("fd_fused")
                  and op in ("ag_gemm", "gemm_rs")]:
         got = steps[name](0).clone()
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
