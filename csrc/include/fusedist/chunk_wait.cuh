@@ -100,10 +100,9 @@ __device__ __forceinline__ void red_release_sys_add_u32(uint32_t* p, uint32_t v)
 }
 
 // Rows [r0, r1) of the launch's problem are in global memory (their TMA stores completed and
-// were fenced against the generic proxy, and the CTA's consumers met at a barrier since): +1
-// on the owner's counter of every piece they touch. The add is a release at system scope,
-// cumulative over the writes the barrier made this thread observe.
+// were fenced against the generic proxy): +1 on the owner's counter of every piece they touch.
 __device__ __forceinline__ void signal_rows(const ChunkSignal& s, int r0, int r1) {
+  __threadfence_system();
   for (int row = s.row0 + r0, end = s.row0 + r1; row < end;) {
     const int block = row / s.block_rows;
     const int piece = (row - block * s.block_rows) / s.piece_rows;
