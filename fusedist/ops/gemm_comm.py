@@ -35,9 +35,14 @@ after the collective. Engines (engine=):
     copy engine pulls the peers' blocks; each tile waits for the flags of the rows it reads
     (chunks= copy pieces per block). Level with the overlap engines on 2x H200, so "auto"
     does not pick it.
+  * "fused" (gemm_rs, Hopper): the same GEMM over the other ranks' blocks into symmetric
+    staging (staging_bytes >= M x N), each stored tile counted on its owner; the owner's comm
+    stream pulls finished pieces (chunks= pieces per block) and its own block's GEMM takes them
+    as C, waiting per tile in the C-load warp. 0.81-0.99x of the copy-engine overlap on
+    2x H200, so "auto" does not pick it.
   * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides; "fused" there applies where
     the fused kernel takes the call and falls back to the table elsewhere).
-gemm_rs has no fused engine yet; docs/design/gemm_comm.md has the engines and what is
+Prefill gemm_ar has no fused engine; docs/design/gemm_comm.md has the engines and what is
 measured.
 CPU tensors (gloo) take the plain-torch reference path.
 """
@@ -646,7 +651,8 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     transport (overlap engine): "auto" (copy engine when the communicator has staging_bytes
     >= M * N * itemsize, else NCCL), "nccl" or "copy_engine". chunks: pipeline depth of the
     overlap engine (default from the tuning table: "chunks" for NCCL, "ce_chunks" for the copy
-    engine)."""
+    engine), or pieces per block of the fused engine (default one per 2048 rows, at most
+    MAX_SIGNAL_PIECES)."""
     op = "gemm_rs"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
