@@ -42,8 +42,8 @@ TABLE = {"gemm_comm": {"gemm_ar": {"min_mnk": 1 << 38, "chunks": 2, "fused_max_m
 
 def _comm(world=2, device="cuda", staging=0, symm=True):
     s = SimpleNamespace(staging_bytes=staging) if symm else None
-    return SimpleNamespace(device=torch.device(device), group=SimpleNamespace(size=world),
-                           table=TABLE, symm=s)
+    return SimpleNamespace(device=torch.device(device),
+                           group=SimpleNamespace(size=world, name="tp"), table=TABLE, symm=s)
 
 
 def test_weight_layouts():
@@ -207,3 +207,23 @@ def test_extension_exports_the_tile_the_counts_assume():
     C = pytest.importorskip("fusedist._C")
     assert (C.GEMM_SM90_BLOCK_M, C.GEMM_SM90_BLOCK_N) == (128, 256)
     assert C.MAX_SIGNAL_PIECES >= 8
+
+
+def test_fused_prefill_engines_name_what_they_lack(monkeypatch):
+    """ag_gemm and gemm_rs engine='fused': each reason names the fix (shapes only, so every
+    rank gets the same answer)."""
+    monkeypatch.setattr(gc, "sm90_available", lambda device: True)
+    x = torch.empty(256, 64, dtype=torch.bfloat16)
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    need = 256 * 32 * 2  # gemm_rs: the [M, N] partials
+    assert gc._fused_rs_why_not(_comm(staging=need), x, w) is None
+    why = gc._fused_rs_why_not(_comm(staging=need - 1), x, w)
+    assert f"staging_bytes>={need}" in why and "M x N" in why
+    assert gc._fused_ag_why_not(_comm(staging=2 * 256 * 64 * 2), x, w) is None
+    assert "staging_bytes>=65536" in gc._fused_ag_why_not(_comm(staging=65535), x, w)
+    assert "symmetric memory" in gc._fused_rs_why_not(_comm(symm=False), x, w)
+    assert "bfloat16 or float16" in gc._fused_rs_why_not(_comm(staging=1 << 30), x.float(),
+                                                         w.float())
+    assert "empty problem" in gc._fused_rs_why_not(_comm(staging=1 << 30), x[:0], w)
+    monkeypatch.setattr(gc, "sm90_available", lambda device: False)
+    assert "not a Hopper" in gc._fused_rs_why_not(_comm(staging=1 << 30), x, w)

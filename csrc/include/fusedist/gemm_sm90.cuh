@@ -114,7 +114,7 @@ class ChunkScheduler : public cutlass::gemm::kernel::detail::PersistentTileSched
     if (signal_->offset == 0 || !w.is_valid() || threadIdx.x < cutlass::NumThreadsPerWarpGroup)
       return;
     const int r0 = w.M_idx * kBlockM;
-    if (r0 >= signal_->rows) return;  // a padding tile of the last cluster
+    if (r0 >= signal_->rows) return;  // a padding tile (cluster or swizzle): no rows
     // The TMA stores this thread committed have completed (not only read shared memory) ...
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     // ... and are ordered before generic-proxy accesses that follow.
