@@ -30,3 +30,24 @@ def test_runtime_cpu_torchrun(worker, args):
 @pytest.mark.parametrize("worker,args", CASES)
 def test_runtime_cpu_mpirun(worker, args):
     assert_passed(mpirun(worker, NPROC, CPU_ENV, timeout=280, args=args), NPROC)
+
+
+# ---- the launcher helper itself -----------------------------------------------------------------
+def test_worker_output_is_logged_as_it_runs(tmp_path, monkeypatch):
+    """With FUSEDIST_WORKER_LOG_DIR, a worker's output is captured and also on disk; a worker
+    killed at its timeout still leaves what it printed, and the error names the log."""
+    import sys
+
+    import launch
+
+    monkeypatch.setenv("FUSEDIST_WORKER_LOG_DIR", str(tmp_path))
+    p = launch._run([sys.executable, "-c", "print('[ok] check_one')"], launch._env(None), 60)
+    assert p.returncode == 0 and "[ok] check_one" in p.stdout
+    assert [f.read_text() for f in tmp_path.iterdir()] == ["[ok] check_one\n"]
+    slow = [sys.executable, "-u", "-c", "import time; print('[ok] first', flush=True); "
+            "time.sleep(60)"]
+    with pytest.raises(AssertionError, match=r"timed out after 2s \(log: .*\)\n\[ok\] first"):
+        launch._run(slow, launch._env(None), 2)
+    monkeypatch.delenv("FUSEDIST_WORKER_LOG_DIR")
+    p = launch._run([sys.executable, "-c", "print('plain')"], launch._env(None), 60)
+    assert p.stdout == "plain\n" and len(list(tmp_path.iterdir())) == 2

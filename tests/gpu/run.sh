@@ -53,8 +53,15 @@ fi
 if want tests; then
   # -P: keep the source tree off sys.path so the installed fusedist (with _C) is imported.
   # FUSEDIST_TESTS narrows the run to some test files (default: all of tests/).
-  stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" ${FUSEDIST_TESTS:-tests} \
-    -p no:cacheprovider
+  # Workers' output goes to $LOGS/workers as it is written: a stage killed at its timeout
+  # still shows the last checks each worker finished (appended to the summary on failure).
+  rm -rf "$LOGS/workers"
+  FUSEDIST_WORKER_LOG_DIR="$LOGS/workers" stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" \
+    python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" ${FUSEDIST_TESTS:-tests} \
+    -p no:cacheprovider \
+    || for f in "$LOGS"/workers/*.log; do
+         [[ -e $f ]] && { echo "== tail of $(basename "$f")"; tail -5 "$f"; } >> "$OUT/summary.txt.head"
+       done
 fi
 if want sanitizer && [[ $NGPU -ge 2 ]]; then
   want_san allreduce && for tool in memcheck racecheck; do
