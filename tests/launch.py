@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,30 +31,28 @@ def _env(extra: dict | None) -> dict:
 
 
 def _run(cmd, env, timeout) -> subprocess.CompletedProcess:
-    """Run cmd, its output captured. With FUSEDIST_WORKER_LOG_DIR set, the output also goes to
-    a file there as it is written, so a run killed from outside (a CI stage's timeout) still
-    leaves the workers' per-check lines behind."""
+    """Run cmd, its output captured through a file: a temporary one, or with
+    FUSEDIST_WORKER_LOG_DIR set one kept there, written as the workers print, so a run killed
+    from outside (a CI stage's timeout) still leaves their per-check lines behind."""
     log_dir = os.environ.get("FUSEDIST_WORKER_LOG_DIR")
-    if not log_dir:
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        name = next((Path(c).stem for c in map(str, cmd) if c.endswith(".py")), "worker")
+        path = Path(log_dir) / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        log = open(path, "w+")
+    else:
+        path, log = None, tempfile.TemporaryFile("w+")
+    with log:
         try:
-            return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=timeout, cwd=ROOT)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s\n{out}")
-    os.makedirs(log_dir, exist_ok=True)
-    name = next((Path(c).stem for c in map(str, cmd) if c.endswith(".py")), "worker")
-    path = Path(log_dir) / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
-    with open(path, "w+") as f:
-        try:
-            p = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True,
+            p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                timeout=timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
-            f.seek(0)
-            raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s "
-                                 f"(log: {path})\n{f.read()}")
-        f.seek(0)
-        p.stdout = f.read()
+            log.seek(0)
+            where = f" (log: {path})" if path else ""
+            raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s{where}\n"
+                                 f"{log.read()}")
+        log.seek(0)
+        p.stdout = log.read()
     return p
 
 

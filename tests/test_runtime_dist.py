@@ -51,3 +51,5 @@ def test_worker_output_is_logged_as_it_runs(tmp_path, monkeypatch):
     monkeypatch.delenv("FUSEDIST_WORKER_LOG_DIR")
     p = launch._run([sys.executable, "-c", "print('plain')"], launch._env(None), 60)
     assert p.stdout == "plain\n" and len(list(tmp_path.iterdir())) == 2
+    with pytest.raises(AssertionError, match=r"timed out after 2s\n\[ok\] first"):
+        launch._run(slow, launch._env(None), 2)
