@@ -26,7 +26,20 @@ import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.o
 
 import fusedist  # noqa: E402
 from _harness import init_gpus, metadata, slowest, time_graph, write_results  # noqa: E402
+from fusedist.ops import gemm_comm as fd_gemm_comm  # noqa: E402
 from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
+
+
+def ce_tail(call):
+    """call() with gemm_ar's copy-engine pipeline gathering its last chunk the session-5 way
+    (copy engine between two barriers), for an A/B against staging_gather_kernel. Inside a
+    captured graph the choice is made at capture."""
+    prev = fd_gemm_comm._AR_SM_GATHER
+    fd_gemm_comm._AR_SM_GATHER = False
+    try:
+        return call()
+    finally:
+        fd_gemm_comm._AR_SM_GATHER = prev
 
 
 def shapes(quick: bool):
@@ -111,6 +124,12 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 steps[name] = (lambda c: lambda i: fusedist.gemm_ar(
                     x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                     out=out))(c)
+            # A/B in the same run: the last chunk gathered by the copy engine between two
+            # barriers (session 5) instead of staging_gather_kernel.
+            for c, name in ((2, "fd_overlap_ce_cetail"), (4, "fd_overlap_ce_c4_cetail")):
+                steps[name] = (lambda c: lambda i: ce_tail(
+                    lambda: fusedist.gemm_ar(x, w, group=comm, engine="overlap",
+                                             transport="copy_engine", chunks=c, out=out)))(c)
         if M <= 128:
             w_nk = rnd(N, K)  # an nn.Linear weight [N, K], used as w_nk.t()
             steps["fd_fused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="fused",
@@ -180,7 +199,8 @@ def table(rows) -> str:
         return f"{r['time_us']:.1f}" if r is not None and r["status"] == "ok" else "-"
 
     for (op, M, N, K), d in keyed.items():
-        fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"}
+        fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"
+               and not k.endswith("_cetail")}  # an A/B of an older path, not an engine
         head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
                 f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
                 f"{fmt(d.get('torch_async_tp'))} |")

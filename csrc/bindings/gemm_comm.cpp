@@ -1,4 +1,5 @@
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "fusedist/api.h"
 
@@ -17,6 +18,9 @@ void register_gemm_comm(py::module_& m) {
       py::arg("k"), py::arg("dtype"), py::arg("stream"));
   m.def("gemm_rs_counter_wait", &gemm_rs_counter_wait, py::arg("comm"), py::arg("signal_offset"),
         py::arg("src"), py::arg("piece"), py::arg("expected"), py::arg("stream"));
+  m.def("gemm_ar_staging_gather", &gemm_ar_staging_gather, py::arg("comm"),
+        py::arg("staging_offset"), py::arg("row_bounds"), py::arg("row_bytes"), py::arg("out"),
+        py::arg("stream"));
   m.attr("GEMM_AR_FUSED_MAX_M") = kGemmArFusedMaxM;
   m.attr("MAX_SIGNAL_PIECES") = kMaxSignalPieces;
 }

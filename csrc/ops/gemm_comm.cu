@@ -1,9 +1,11 @@
 // Host launchers of gemm_comm.cuh: the fused decode GEMM + all-reduce (argument checks, the
-// tile configuration for M, grid sizing from values identical on every rank) and the fused
-// gemm_rs's comm-stream counter wait.
+// tile configuration for M, grid sizing from values identical on every rank), the fused
+// gemm_rs's comm-stream counter wait and the closing gather of gemm_ar's copy-engine pipeline.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "fusedist/api.h"
 #include "fusedist/gemm_comm.cuh"
@@ -145,6 +147,37 @@ void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src,
   counter_wait_kernel<<<1, 32, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       counter, expected, v.ctl, v.err, v.timeout_ns, v.rank, src);
   FUSEDIST_LAUNCH_CHECK("counter_wait_kernel");
+}
+
+void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
+                            const std::vector<int64_t>& row_bounds, int64_t row_bytes,
+                            uintptr_t out, uintptr_t stream) {
+  const SymmView& v = comm.view;
+  const std::string op = "gemm_ar staging gather: ";
+  FUSEDIST_CHECK_ARG(int(row_bounds.size()) == v.world + 1,
+                     op + "row_bounds needs world + 1 = " + std::to_string(v.world + 1) + " entries");
+  FUSEDIST_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0 && out % 16 == 0,
+                     op + "rows must be whole 16-byte vectors and out 16-byte aligned");
+  RowSplit split{};
+  for (int p = 0; p <= v.world; ++p) {
+    split.lo[p] = row_bounds[p];
+    FUSEDIST_CHECK_ARG(row_bounds[p] >= 0 && (p == 0 || row_bounds[p] >= row_bounds[p - 1]),
+                       op + "row_bounds must be non-negative and non-decreasing");
+  }
+  const int64_t row_vecs = row_bytes / 16;
+  const int64_t vecs = (split.lo[v.world] - split.lo[0]) * row_vecs;
+  const auto kernel = reinterpret_cast<const void*>(staging_gather_kernel);
+  const int64_t want = (vecs + int64_t(kStagingGatherThreads) * kStagingGatherUnroll - 1) /
+                       (int64_t(kStagingGatherThreads) * kStagingGatherUnroll);
+  // Resident blocks only (block b waits for the peers' block b), from values identical on
+  // every rank; two tokens per block must fit a slot.
+  const int64_t cap = std::min<int64_t>(
+      int64_t(comm.max_blocks) * blocks_per_sm(kernel, kStagingGatherThreads, 0),
+      int64_t(v.slot_bytes / 16 / 2));
+  const int grid = int(std::max<int64_t>(1, std::min(want, cap)));
+  launch_kernel("staging_gather_kernel", staging_gather_kernel, grid, kStagingGatherThreads,
+                reinterpret_cast<cudaStream_t>(stream), v, staging_offset, split, row_vecs,
+                reinterpret_cast<Vec16*>(out));
 }
 
 }  // namespace fusedist

@@ -471,6 +471,11 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     return out
 
 
+# gemm_ar's copy-engine pipeline gathers its last chunk with an SM kernel (True) or the copy
+# engine between two barriers (False: the session-5 path, kept for the benchmark's A/B).
+_AR_SM_GATHER = True
+
+
 def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                     main: torch.cuda.Stream, chunks: int) -> torch.Tensor:
     """gemm_ar with copy-engine transfers: a reduce-scatter then an all-gather per row chunk,
@@ -482,7 +487,11 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
       main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
       comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
       side:                                        [own rows c0 -> out]
-    Exposed after the last GEMM: one barrier and the gather of the last chunk."""
+    The last chunk is gathered on main by SMs, idle by then (gemm_comm.cuh,
+    staging_gather_kernel): one kernel with two per-block handshakes instead of barrier ->
+    copy-engine pull -> barrier on the comm stream and their stream hops. Exposed after the
+    last GEMM: that kernel. Rows that are not whole 16-byte vectors, or an unaligned out,
+    keep the copy-engine gather and a closing barrier."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -499,11 +508,15 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     side = comm_stream(x.device, 1)
     pulled = []
 
+    sm_tail = _AR_SM_GATHER and row % 16 == 0 and out.data_ptr() % 16 == 0
+
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
         main.wait_event(pulled[c])
         if b > a:
             stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
+            if sm_tail and c == chunks - 1:
+                return  # the closing gather copies these rows too
             reduced = torch.cuda.Event()
             reduced.record(main)
             side.wait_event(reduced)
@@ -530,6 +543,14 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
             own(c - 1)
             gather(c - 1)
     own(chunks - 1)
+    if sm_tail:
+        # The kernel's handshakes use the communicator's epoch and slots, like the barriers on
+        # cs: it starts only after cs (and side) finished.
+        main.wait_stream(cs)
+        main.wait_stream(side)
+        C.gemm_ar_staging_gather(symm.handle, symm.staging_offset, subs[chunks - 1], row,
+                                 out.data_ptr(), main.cuda_stream)
+        return out
     gather(chunks - 1)
     _release_staging(comm, main, cs)
     main.wait_stream(side)

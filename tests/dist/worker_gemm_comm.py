@@ -159,9 +159,12 @@ def copy_engine_transport_matches_reference(rt, seed):
                     f"gemm_rs copy_engine {dt} {m} {k} {n} chunks={chunks}: rel err {err:.3g}"
     # gemm_ar with the copy engine: per chunk a reduce-scatter into the owners' staging, the
     # owner's GEMM on top, then every rank pulls every reduced sub-block: bitwise the same
-    # output everywhere. Odd M (sub-blocks of unequal and of zero rows), chunks > rows.
+    # output everywhere. Odd M (sub-blocks of unequal and of zero rows), chunks > rows. The
+    # last chunk is gathered by staging_gather_kernel; rows of 88 bytes (N = 44) and an out
+    # 2 bytes off 16-byte alignment take the copy-engine gather instead.
     for dt in (torch.bfloat16, torch.float16):
-        for M, k, n in ((1, 72, 40), (3, 64, 40), (5, 200, 136), (W * 300 + 1, 264, 520)):
+        for M, k, n in ((1, 72, 40), (3, 64, 40), (5, 200, 136), (W * 300 + 1, 264, 520),
+                        (W * 50 + 3, 96, 44)):
             for chunks in (None, 1, 2, 3, 7):
                 s = (seed, "ar-ce", str(dt), M, k, n, chunks)
                 xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
@@ -170,7 +173,11 @@ def copy_engine_transport_matches_reference(rt, seed):
                 ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
                 if b is not None:
                     ref += b.double()
-                out = poison(torch.empty((M, n), dtype=dt, device=dev))
+                if chunks == 2:  # contiguous, 2 bytes past an aligned address
+                    out = poison(torch.empty(M * n + 8, dtype=dt, device=dev))[1:M * n + 1]
+                    out = out.view(M, n)
+                else:
+                    out = poison(torch.empty((M, n), dtype=dt, device=dev))
                 y = fusedist.gemm_ar(xs[me], ws[me], b, group=ce, engine="overlap",
                                      transport="copy_engine", chunks=chunks, out=out)
                 what = f"gemm_ar copy_engine {dt} M={M} K={k} N={n} chunks={chunks}"
@@ -661,6 +668,27 @@ def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
     if rt.tp.rank != 0:
         expect_timeout(comm, lambda: fusedist.gemm_rs(x, w, group=comm, engine="fused"), 2.0,
                        "gemm_rs (fused")
+    comm.close()
+
+
+@check
+def zz_gemm_ar_copy_engine_peer_skips_call_times_out(rt, seed):
+    """Rank 0 skips a copy-engine gemm_ar: the others' first barrier times out, so does the
+    closing gather's handshake (at once: the communicator already failed), which sets rank 0's
+    rows to NaN. CommunicatorTimeoutError in bounded time, never a hang."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        return
+    W = rt.tp.size
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
+                                 timeout_s=2.0)
+    M = 16 * W
+    x = torch.ones(M, 256, device=rt.device, dtype=torch.bfloat16)
+    w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
+    if rt.tp.rank != 0:
+        y = expect_timeout(comm, lambda: fusedist.gemm_ar(x, w, group=comm, engine="overlap",
+                                                          transport="copy_engine", chunks=1),
+                           2.0)
+        assert torch.isnan(y[:M // W]).all(), "rank 0's rows of a timed-out gather must be NaN"
     comm.close()
 
 

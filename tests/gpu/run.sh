@@ -37,7 +37,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary lin
 }
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs"}  # which sanitizer runs the sanitizer stage does
+SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce"}  # which sanitizer runs the sanitizer stage does
 want_san() { [[ " $SAN " == *" $1 "* ]]; }
 
 # At most 8 files come back from a lent GPU: summary.txt (nvidia-smi, ptxas spills, sanitizer
@@ -91,6 +91,8 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
   san_fused ag "ag_gemm fused" ag_gemm_fused_matches FUSEDIST_TEST_MAX_ROWS=1100
   # Tiles counted on their owners as their TMA stores land, counter waits, C-row waits.
   san_fused rs "gemm_rs fused" gemm_rs_fused_matches FUSEDIST_TEST_MAX_ROWS=1100
+  # The copy-engine pipelines, with gemm_ar's closing gather kernel (per-block handshakes).
+  san_fused ce "copy-engine pipelines" copy_engine_transport
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \

@@ -81,6 +81,13 @@ void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, 
 void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src, int piece,
                           uint32_t expected, uintptr_t stream);
 
+// gemm_ar engine='overlap', transport='copy_engine', last step: out rows [b[p], b[p + 1]) =
+// rank p's staging rows there (SMs, between per-block handshakes with every peer; on timeout the
+// peers' rows become NaN). row_bytes: bytes per row in both; out: row 0 of out.
+void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
+                            const std::vector<int64_t>& row_bounds, int64_t row_bytes,
+                            uintptr_t out, uintptr_t stream);
+
 // ---- gemm.cu ------------------------------------------------------------------------------
 // Hopper GEMM (gemm_sm90.cuh): out[m, n] = x[m, k] @ w + beta * c + bias, fp32 accumulation.
 // w as in gemm_ar_fused; c (0: none) and out row-major with row strides ldc / ldo.
