@@ -31,9 +31,9 @@ from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 
 
 def ce_tail(call):
-    """call() with gemm_ar's copy-engine pipeline gathering its last chunk the session-5 way
-    (copy engine between two barriers), for an A/B against staging_gather_kernel. Inside a
-    captured graph the choice is made at capture."""
+    """call() with gemm_ar's copy-engine pipeline gathering its last chunk by the copy engine
+    between two barriers (session 5's tail), for an A/B against staging_gather_kernel. Inside
+    a captured graph the choice is made at capture."""
     prev = fd_gemm_comm._AR_SM_GATHER
     fd_gemm_comm._AR_SM_GATHER = False
     try:
@@ -125,7 +125,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                     x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                     out=out))(c)
             # A/B in the same run: the last chunk gathered by the copy engine between two
-            # barriers (session 5) instead of staging_gather_kernel.
+            # barriers (session 5's tail) instead of staging_gather_kernel.
             for c, name in ((2, "fd_overlap_ce_cetail"), (4, "fd_overlap_ce_c4_cetail")):
                 steps[name] = (lambda c: lambda i: ce_tail(
                     lambda: fusedist.gemm_ar(x, w, group=comm, engine="overlap",

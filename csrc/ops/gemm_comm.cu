@@ -165,15 +165,16 @@ void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
                        op + "row_bounds must be non-negative and non-decreasing");
   }
   const int64_t row_vecs = row_bytes / 16;
-  const int64_t vecs = (split.lo[v.world] - split.lo[0]) * row_vecs;
+  int64_t rank_rows = 0;  // the most rows one rank pushes
+  for (int p = 0; p < v.world; ++p) rank_rows = std::max(rank_rows, split.lo[p + 1] - split.lo[p]);
   const auto kernel = reinterpret_cast<const void*>(staging_gather_kernel);
-  const int64_t want = (vecs + int64_t(kStagingGatherThreads) * kStagingGatherUnroll - 1) /
-                       (int64_t(kStagingGatherThreads) * kStagingGatherUnroll);
+  const int64_t per_block = int64_t(kStagingGatherThreads) * kStagingGatherUnroll;
+  const int64_t want = (rank_rows * row_vecs + per_block - 1) / per_block;
   // Resident blocks only (block b waits for the peers' block b), from values identical on
-  // every rank; two tokens per block must fit a slot.
+  // every rank; one token per block must fit a slot.
   const int64_t cap = std::min<int64_t>(
       int64_t(comm.max_blocks) * blocks_per_sm(kernel, kStagingGatherThreads, 0),
-      int64_t(v.slot_bytes / 16 / 2));
+      int64_t(v.slot_bytes / 16));
   const int grid = int(std::max<int64_t>(1, std::min(want, cap)));
   launch_kernel("staging_gather_kernel", staging_gather_kernel, grid, kStagingGatherThreads,
                 reinterpret_cast<cudaStream_t>(stream), v, staging_offset, split, row_vecs,

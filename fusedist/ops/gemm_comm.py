@@ -471,8 +471,8 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     return out
 
 
-# gemm_ar's copy-engine pipeline gathers its last chunk with an SM kernel (True) or the copy
-# engine between two barriers (False: the session-5 path, kept for the benchmark's A/B).
+# gemm_ar's copy-engine pipeline exchanges its last chunk with an SM kernel (True) or the copy
+# engine between two barriers (False: session 5's tail, kept for the benchmark's A/B).
 _AR_SM_GATHER = True
 
 
@@ -482,16 +482,18 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     pipelined. Chunk c's rows are split into W sub-blocks, rank j owning sub-block j. Rank r
     multiplies the other sub-blocks into its staging (same rows as in the output), pulls the
     peers' partials of sub-block r into its staging (summed when W > 2), multiplies its own
-    rows with beta = 1 on top (the sum rounds once, on the owner), and after a second barrier
-    every rank pulls every reduced sub-block into out, so out is bitwise the same everywhere.
-      main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
-      comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
-      side:                                        [own rows c0 -> out]
-    The last chunk is gathered on main by SMs, idle by then (gemm_comm.cuh,
-    staging_gather_kernel): one kernel with two per-block handshakes instead of barrier ->
-    copy-engine pull -> barrier on the comm stream and their stream hops. Exposed after the
-    last GEMM: that kernel. Rows that are not whole 16-byte vectors, or an unaligned out,
-    keep the copy-engine gather and a closing barrier."""
+    rows with beta = 1 on top (the sum rounds once, on the owner), and every rank then pulls
+    every reduced sub-block into out, so out is bitwise the same everywhere. One barrier per
+    "others" GEMM serves both transfers that wait for it: the pull of that chunk and the
+    gather of the chunk whose own rows were multiplied just before (two chunks back).
+      main: [G oth c0][G oth c1][G own c0][G oth c2][G own c1][G oth c3][G own c2][G own c3]
+      comm:       [bar][pull c0][bar][pull c1]  [bar][pull c2][gather c0] ...   [bar][g c2]
+      side:                               [own rows c0 -> out]
+    The last chunk is exchanged on main by SMs, idle by then (gemm_comm.cuh,
+    staging_gather_kernel: each rank pushes its reduced rows into the peers' staging, one
+    token per block) instead of barrier -> copy-engine pull -> barrier on the comm stream with
+    their stream hops. Exposed after the last GEMM: that kernel. Rows that are not whole
+    16-byte vectors, or an unaligned out, keep the copy-engine gather and a closing barrier."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -516,15 +518,14 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         if b > a:
             stage[a:b].addmm_(x[a:b], w)  # beta = 1: the pulled sum is C
             if sm_tail and c == chunks - 1:
-                return  # the closing gather copies these rows too
+                return  # the closing kernel copies these rows too
             reduced = torch.cuda.Event()
             reduced.record(main)
             side.wait_event(reduced)
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
 
-    def gather(c):  # right after own(c): the barrier follows it
-        _barrier_then(comm, main, cs)
+    def gather(c):  # on cs, after a barrier that followed own(c) on every rank
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
@@ -539,18 +540,23 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         if bounds[c + 1] > hi:
             torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
         pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
+        if c >= 2:
+            gather(c - 2)  # the barrier just queued also followed own(c - 2)
         if c:
             own(c - 1)
-            gather(c - 1)
+    if chunks >= 2:
+        _barrier_then(comm, main, cs)
+        gather(chunks - 2)
     own(chunks - 1)
     if sm_tail:
-        # The kernel's handshakes use the communicator's epoch and slots, like the barriers on
-        # cs: it starts only after cs (and side) finished.
+        # The kernel's tokens use the communicator's epoch and slots, like the barriers on cs:
+        # it starts only after cs (and side) finished.
         main.wait_stream(cs)
         main.wait_stream(side)
         C.gemm_ar_staging_gather(symm.handle, symm.staging_offset, subs[chunks - 1], row,
                                  out.data_ptr(), main.cuda_stream)
         return out
+    _barrier_then(comm, main, cs)
     gather(chunks - 1)
     _release_staging(comm, main, cs)
     main.wait_stream(side)

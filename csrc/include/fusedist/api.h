@@ -82,8 +82,9 @@ void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src,
                           uint32_t expected, uintptr_t stream);
 
 // gemm_ar engine='overlap', transport='copy_engine', last step: out rows [b[p], b[p + 1]) =
-// rank p's staging rows there (SMs, between per-block handshakes with every peer; on timeout the
-// peers' rows become NaN). row_bytes: bytes per row in both; out: row 0 of out.
+// rank p's staging rows there. SMs push this rank's rows into every peer's staging (the rows
+// of the partials it pulled), one token per block; on timeout the peers' rows become NaN.
+// row_bytes: bytes per row in both; out: row 0 of out.
 void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
                             const std::vector<int64_t>& row_bounds, int64_t row_bytes,
                             uintptr_t out, uintptr_t stream);

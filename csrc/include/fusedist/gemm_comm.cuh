@@ -272,71 +272,103 @@ __global__ void counter_wait_kernel(uint32_t* counter, uint32_t expected, Contro
 
 // gemm_ar engine='overlap', transport='copy_engine', the last step (ops/gemm_comm.py,
 // _ar_copy_engine): once the compute stream finished the last chunk's GEMMs the SMs are idle,
-// so they gather that chunk themselves. out rows [lo[p], lo[p + 1]) = rank p's reduced rows,
-// read from p's staging at the same rows (this rank's own from its local staging). One kernel
-// on the compute stream replaces barrier -> copy-engine pull -> barrier on the comm stream and
-// the own rows' copy on a side stream, whose stream hops cost ~13 us besides the copy at
-// 2048 x 8192 (benchmarks/NOTES.md, session 6).
-// Block b of every rank copies the same vectors and meets only block b of each peer, twice,
-// with a token in slot `rank` of every peer's current generation (the one-shot protocol:
-// signals.cuh, a self-signalling word the reader clears):
-//  * "ready", vector b: the peer's block runs, so everything before this kernel on the peer's
-//    stream (its GEMMs into staging, its comm stream joined) is complete and visible.
-//  * "done", vector gridDim.x + b, after the block's copies: the peer's block no longer reads
-//    this rank's staging. Once every block has it, this kernel ends and the next call may
-//    rewrite the staging.
-// On a timed-out "ready" the peers' rows of out are set to NaN (all ones) instead.
+// so they exchange that chunk themselves. Rank p's reduced rows [lo[p], lo[p + 1]) sit in p's
+// staging (the same rows as in out); afterwards out holds every rank's. One kernel on the
+// compute stream replaces barrier -> copy-engine pull -> barrier on the comm stream and the own
+// rows' copy on a side stream, and their stream hops (benchmarks/NOTES.md, session 6).
+//  1. Push: this rank's rows go to out and into every peer's staging at the same rows. Those
+//     peer rows held the peer's partial of this rank's rows, which this rank pulled before its
+//     last GEMM, so nobody reads them any more. Plain stores; each thread fences its own
+//     (system scope) before the block's token.
+//  2. Token: block b sends a token to slot `rank`, vector b, of every peer's current generation
+//     (the one-shot protocol of signals.cuh: a self-signalling word the reader clears) and waits
+//     for each peer's. Block b of every rank covers the same vector positions of each rank's
+//     rows, so the peer's token says that its block b's share of the peer's rows landed here.
+//  3. Copy: the peers' rows of this block's share, local staging -> out.
+// No closing handshake: every peer write into this rank's staging landed before this kernel
+// ends (it waited for them), and the pipeline's reads of peers' staging all ran on the comm
+// stream, which both ranks joined before this kernel. On a timed-out token the peers' rows of
+// out are set to NaN (all ones) instead.
 struct RowSplit {
   int64_t lo[kMaxRanks + 1];  // rank p's rows are [lo[p], lo[p + 1])
 };
 constexpr int kStagingGatherThreads = 512;
 constexpr int kStagingGatherUnroll = 4;
 
-__device__ __forceinline__ bool staging_gather_meet(const SymmView& v, uint32_t epoch,
-                                                    int64_t idx) {
-  bool ok = true;
-  const int p = int(threadIdx.x);
-  if (p < v.world && p != v.rank) {  // thread p meets rank p
-    st_volatile(slot_ptr(v, p, epoch, v.rank) + idx, Vec16{{1u, 1u, 1u, 1u}});
-    Vec16* mine = slot_ptr(v, v.rank, epoch, p) + idx;
-    Vec16 token;
-    ok = wait_vec(mine, token, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, kOpGemmAr);
-    if (ok) *mine = empty_vec();
-    __threadfence_system();  // acquire: the peer's staging is read after its token arrived
-  }
-  return __syncthreads_and(ok);
+__device__ __forceinline__ Vec16 ld_cg(const Vec16* p) {  // L2, never a stale L1 line
+  const int4 v = __ldcg(reinterpret_cast<const int4*>(p));
+  return Vec16{{uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)}};
 }
 
 __global__ void __launch_bounds__(kStagingGatherThreads)
     staging_gather_kernel(const __grid_constant__ SymmView v, uint64_t staging_offset,
                           const __grid_constant__ RowSplit split, int64_t row_vecs, Vec16* out) {
+  constexpr int U = kStagingGatherUnroll;
   pdl_wait();
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
-  const bool ready = staging_gather_meet(v, epoch, blockIdx.x);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  constexpr int U = kStagingGatherUnroll;
-#pragma unroll 1
-  for (int d = 1; d <= v.world; ++d) {  // the peers first, the local rows last
-    const int p = (v.rank + d) % v.world;
-    const Vec16* src = reinterpret_cast<const Vec16*>(v.base[p] + staging_offset);
-    const int64_t end = split.lo[p + 1] * row_vecs;
-    int64_t i = split.lo[p] * row_vecs + first;
-    if (!ready && p != v.rank) {
-      for (; i < end; i += stride) out[i] = nan_vec();
-      continue;
-    }
+  auto stage = [&](int p) { return reinterpret_cast<Vec16*>(v.base[p] + staging_offset); };
+
+  {  // 1. push this rank's rows to out and to every peer's staging
+    const Vec16* src = stage(v.rank);
+    const int64_t end = split.lo[v.rank + 1] * row_vecs;
+    int64_t i = split.lo[v.rank] * row_vecs + first;
     for (; i + (U - 1) * stride < end; i += U * stride) {  // U loads in flight per thread
       Vec16 t[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) t[u] = src[i + u * stride];
+      for (int u = 0; u < U; ++u) t[u] = ld_cg(src + i + u * stride);
+#pragma unroll 1
+      for (int d = 1; d < v.world; ++d) {
+        Vec16* dst = stage((v.rank + d) % v.world);
+#pragma unroll
+        for (int u = 0; u < U; ++u) dst[i + u * stride] = t[u];
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) out[i + u * stride] = t[u];
     }
-    for (; i < end; i += stride) out[i] = src[i];
+    for (; i < end; i += stride) {
+      const Vec16 t = ld_cg(src + i);
+      for (int d = 1; d < v.world; ++d) stage((v.rank + d) % v.world)[i] = t;
+      out[i] = t;
+    }
   }
-  __syncthreads();  // every load of a peer's staging by this block has returned
-  staging_gather_meet(v, epoch, int64_t(gridDim.x) + blockIdx.x);
+  __threadfence_system();  // this thread's pushes are visible before its block's token
+
+  // 2. tokens: thread p meets rank p
+  bool ok = true;
+  const int p = int(threadIdx.x);
+  __syncthreads();
+  if (p < v.world && p != v.rank) {
+    st_volatile(slot_ptr(v, p, epoch, v.rank) + blockIdx.x, Vec16{{1u, 1u, 1u, 1u}});
+    Vec16* mine = slot_ptr(v, v.rank, epoch, p) + blockIdx.x;
+    Vec16 token;
+    ok = wait_vec(mine, token, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, kOpGemmAr);
+    if (ok) *mine = empty_vec();
+    __threadfence_system();  // acquire: the peer's rows are read after its token arrived
+  }
+  ok = __syncthreads_and(ok);
+
+  // 3. the peers' rows, pushed into local staging by their block b, -> out
+  const Vec16* mine = stage(v.rank);
+#pragma unroll 1
+  for (int d = 1; d < v.world; ++d) {
+    const int q = (v.rank + d) % v.world;
+    const int64_t end = split.lo[q + 1] * row_vecs;
+    int64_t i = split.lo[q] * row_vecs + first;
+    if (!ok) {
+      for (; i < end; i += stride) out[i] = nan_vec();
+      continue;
+    }
+    for (; i + (U - 1) * stride < end; i += U * stride) {
+      Vec16 t[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) t[u] = ld_cg(mine + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < U; ++u) out[i + u * stride] = t[u];
+    }
+    for (; i < end; i += stride) out[i] = ld_cg(mine + i);
+  }
   finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpGemmAr);
 }
 
