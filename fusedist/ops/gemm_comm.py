@@ -482,18 +482,19 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     pipelined. Chunk c's rows are split into W sub-blocks, rank j owning sub-block j. Rank r
     multiplies the other sub-blocks into its staging (same rows as in the output), pulls the
     peers' partials of sub-block r into its staging (summed when W > 2), multiplies its own
-    rows with beta = 1 on top (the sum rounds once, on the owner), and every rank then pulls
-    every reduced sub-block into out, so out is bitwise the same everywhere. One barrier per
-    "others" GEMM serves both transfers that wait for it: the pull of that chunk and the
-    gather of the chunk whose own rows were multiplied just before (two chunks back).
+    rows with beta = 1 on top (the sum rounds once, on the owner), and after a second barrier
+    every rank pulls every reduced sub-block into out, so out is bitwise the same everywhere.
+    Barriers and pulls run on the comm stream; the gathers run on the side stream (after their
+    barrier's event) with the own rows' staging -> out copies, so a gather never holds back
+    the next pull (in one queue the copy engine fell behind the GEMMs at 4 chunks).
       main: [G oth c0][G oth c1][G own c0][G oth c2][G own c1][G oth c3][G own c2][G own c3]
-      comm:       [bar][pull c0][bar][pull c1]  [bar][pull c2][gather c0] ...   [bar][g c2]
-      side:                               [own rows c0 -> out]
+      comm:       [bar][pull c0][bar][pull c1][bar]  [bar][pull c2][bar] ...
+      side:                              [own c0 -> out][gather c0]    [own c1][gather c1] ..
     The last chunk is exchanged on main by SMs, idle by then (gemm_comm.cuh,
     staging_gather_kernel: each rank pushes its reduced rows into the peers' staging, one
-    token per block) instead of barrier -> copy-engine pull -> barrier on the comm stream with
-    their stream hops. Exposed after the last GEMM: that kernel. Rows that are not whole
-    16-byte vectors, or an unaligned out, keep the copy-engine gather and a closing barrier."""
+    token per block) instead of barrier -> copy-engine pull -> barrier with their stream
+    hops. Exposed after the last GEMM: that kernel. Rows that are not whole 16-byte vectors,
+    or an unaligned out, keep the copy-engine gather and a closing barrier."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -525,13 +526,17 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
 
-    def gather(c):  # on cs, after a barrier that followed own(c) on every rank
+    def gather(c):  # right after own(c): a barrier on cs, then the copies on side
+        _barrier_then(comm, main, cs)
+        met = torch.cuda.Event()
+        met.record(cs)
+        side.wait_event(met)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
             if b > a:
                 C.memcpy_async(out[a:b].data_ptr(), symm.bases[p] + symm.staging_offset + a * row,
-                               (b - a) * row, cs.cuda_stream)
+                               (b - a) * row, side.cuda_stream)
 
     for c in range(chunks):
         lo, hi = subs[c][r], subs[c][r + 1]
@@ -540,13 +545,9 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         if bounds[c + 1] > hi:
             torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
         pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
-        if c >= 2:
-            gather(c - 2)  # the barrier just queued also followed own(c - 2)
         if c:
             own(c - 1)
-    if chunks >= 2:
-        _barrier_then(comm, main, cs)
-        gather(chunks - 2)
+            gather(c - 1)
     own(chunks - 1)
     if sm_tail:
         # The kernel's tokens use the communicator's epoch and slots, like the barriers on cs:
@@ -556,10 +557,9 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         C.gemm_ar_staging_gather(symm.handle, symm.staging_offset, subs[chunks - 1], row,
                                  out.data_ptr(), main.cuda_stream)
         return out
-    _barrier_then(comm, main, cs)
     gather(chunks - 1)
+    cs.wait_stream(side)  # every gather read its peer's staging before the closing barrier
     _release_staging(comm, main, cs)
-    main.wait_stream(side)
     return out
 
 
