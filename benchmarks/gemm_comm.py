@@ -168,15 +168,22 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
     # Prefill: 3 calls per graph, 20 replays (session 6; 2 x 10 before: the same engine timed
     # twice in one run differed by up to 8%).
     ops, reps = (10, 20) if M <= 128 else (3, 20)
-    times = {}
-    for name, step in steps.items():
-        try:
-            t = time_graph(step, ops, reps)
-            status = "ok"
-        except Exception as e:
-            t, status = float("nan"), f"n/a ({type(e).__name__}: {str(e)[:60]})"
-            torch.cuda.synchronize()
-        times[name] = (slowest(t), status)
+    # Every step is timed twice, in order and then in reverse, and the two medians averaged:
+    # steps late in one pass ran up to 8% slower than the same engine early (session 6), so
+    # an A/B between neighbours must not depend on who comes first. `spread` is the relative
+    # difference between the two passes: a smaller difference between engines is noise.
+    passes = {name: [] for name in steps}
+    status = {name: "ok" for name in steps}
+    for order in (list(steps), list(steps)[::-1]):
+        for name in order:
+            try:
+                t = time_graph(steps[name], ops, reps)
+            except Exception as e:
+                t, status[name] = float("nan"), f"n/a ({type(e).__name__}: {str(e)[:60]})"
+                torch.cuda.synchronize()
+            passes[name].append(slowest(t))
+    times = {name: (sum(p) / len(p), status[name]) for name, p in passes.items()}
+    spread = {name: abs(p[0] - p[1]) / (sum(p) / 2) for name, p in passes.items()}
     rows = []
     tu = times["unfused"][0]
     tc = times["collective_only"][0]
@@ -184,6 +191,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
     for name, (t, status) in times.items():
         rows.append({"op": op, "backend": name, "M": M, "N": N, "K": K, "world": W,
                      "dtype": str(dtype), "time_us": t, "status": status,
+                     "spread": spread[name],
                      "tflops": flops / t / 1e6 if t == t else float("nan"),
                      "E": (tu - t) / tc if name.startswith("fd_") else None,
                      "speedup_vs_unfused": tu / t, "speedup_vs_async_tp": ttp / t})
@@ -350,6 +358,12 @@ def main():
     meta = metadata(rt.tp.size)
     meta["dtype"] = args.dtype
     md = "## GEMM + collective (us per call)\n\n" + table(rows)
+    ok = sorted((r["spread"], r["backend"], r["op"], r["M"], r["N"]) for r in rows
+                if r["status"] == "ok" and r.get("spread") == r.get("spread"))
+    if ok:
+        md += (f"\n\nEach time is the mean of two passes (in order, then reversed). Their "
+               f"difference: median {100 * ok[len(ok) // 2][0]:.1f}%, largest "
+               f"{100 * ok[-1][0]:.1f}% ({ok[-1][1]}, {ok[-1][2]} {ok[-1][3]} x {ok[-1][4]}).")
     gl = gemm_table(rows)
     if gl:
         md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl

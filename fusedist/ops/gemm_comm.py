@@ -484,12 +484,12 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     peers' partials of sub-block r into its staging (summed when W > 2), multiplies its own
     rows with beta = 1 on top (the sum rounds once, on the owner), and after a second barrier
     every rank pulls every reduced sub-block into out, so out is bitwise the same everywhere.
-    Barriers and pulls run on the comm stream; the gathers run on the side stream (after their
-    barrier's event) with the own rows' staging -> out copies, so a gather never holds back
-    the next pull (in one queue the copy engine fell behind the GEMMs at 4 chunks).
-      main: [G oth c0][G oth c1][G own c0][G oth c2][G own c1][G oth c3][G own c2][G own c3]
-      comm:       [bar][pull c0][bar][pull c1][bar]  [bar][pull c2][bar] ...
-      side:                              [own c0 -> out][gather c0]    [own c1][gather c1] ..
+      main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
+      comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
+      side:                                        [own rows c0 -> out]
+    (Two variants measured slower at 4 chunks, benchmarks/NOTES.md session 6: one barrier
+    serving a pull and an older gather, and gathers on the side stream. The copy engine runs
+    one peer copy at a time, so the order of the copies is what matters.)
     The last chunk is exchanged on main by SMs, idle by then (gemm_comm.cuh,
     staging_gather_kernel: each rank pushes its reduced rows into the peers' staging, one
     token per block) instead of barrier -> copy-engine pull -> barrier with their stream
@@ -526,17 +526,14 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
             C.memcpy_async(out[a:b].data_ptr(), stage[a:b].data_ptr(), (b - a) * row,
                            side.cuda_stream)
 
-    def gather(c):  # right after own(c): a barrier on cs, then the copies on side
+    def gather(c):  # right after own(c): the barrier follows it
         _barrier_then(comm, main, cs)
-        met = torch.cuda.Event()
-        met.record(cs)
-        side.wait_event(met)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
             if b > a:
                 C.memcpy_async(out[a:b].data_ptr(), symm.bases[p] + symm.staging_offset + a * row,
-                               (b - a) * row, side.cuda_stream)
+                               (b - a) * row, cs.cuda_stream)
 
     for c in range(chunks):
         lo, hi = subs[c][r], subs[c][r + 1]
@@ -558,8 +555,8 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
                                  out.data_ptr(), main.cuda_stream)
         return out
     gather(chunks - 1)
-    cs.wait_stream(side)  # every gather read its peer's staging before the closing barrier
     _release_staging(comm, main, cs)
+    main.wait_stream(side)
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launch import assert_passed, mpirun, mpirun_available, torchrun
@@ -158,6 +160,14 @@ def test_copy_engine_pipeline_depth_comes_from_ce_chunks():
 def test_copy_engine_chunks_keep_pieces_of_256_rows(m, world, chunks):
     """Each chunk is `world` GEMM pieces; none below 256 rows (weight-bandwidth bound)."""
     assert gc.tuning.gemm_chunks({}, "gemm_ar", m, 8192, 4096, world, copy_engine=True) == chunks
+
+
+@pytest.mark.parametrize("m,chunks", [(2048, 2), (3072, 3), (4096, 4), (8192, 4)])
+def test_shipped_table_gemm_ar_copy_engine_chunks(m, chunks):
+    """The H200 x2 table: 4 chunks for gemm_ar's copy-engine pipeline, but no GEMM piece below
+    512 rows (one wave of the N = 8192 GEMM), so 2 chunks at M = 2048."""
+    table = json.loads(gc.tuning._DEFAULT.read_text())
+    assert gc.tuning.gemm_chunks(table, "gemm_ar", m, 8192, 4096, 2, copy_engine=True) == chunks
 
 
 
