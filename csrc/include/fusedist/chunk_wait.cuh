@@ -55,26 +55,13 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
   return v;
 }
 
-// Spin until *p >= target; false after a timeout (recorded) or when the communicator failed.
+// Spin until *p >= target (acquire); false after a timeout (recorded) or when the
+// communicator failed. Sleeps 64 ns between polls and checks the clock every 64.
 __device__ __forceinline__ bool wait_geq(const uint32_t* p, uint32_t target, Control* ctl,
                                          ErrorRecord* err, uint64_t timeout_ns, int rank, int peer,
                                          uint32_t op) {
-  if (ld_acquire_sys_u32(p) >= target) return true;
-  uint64_t start = 0;
-  for (uint32_t spins = 1;; ++spins) {
-    __nanosleep(64);
-    if (ld_acquire_sys_u32(p) >= target) return true;
-    if ((spins & 63u) == 0) {
-      if (ld_volatile_u32(&ctl->failed)) return false;
-      const uint64_t now = globaltimer_ns();
-      if (start == 0) {
-        start = now;
-      } else if (now - start > timeout_ns) {
-        record_timeout(ctl, err, rank, peer, 0u, op);
-        return false;
-      }
-    }
-  }
+  return bounded_spin<63u, 64u>([&] { return ld_acquire_sys_u32(p) >= target; }, ctl, err,
+                                timeout_ns, rank, peer, 0u, op);
 }
 
 // Flags are set to 1 by the copying stream.

@@ -58,25 +58,21 @@ __device__ __forceinline__ void record_timeout(Control* ctl, ErrorRecord* err, i
   __threadfence_system();
 }
 
-// Spin until every word of *p differs from kEmptyWord. Returns false on timeout (after
-// recording it) or when the communicator already failed. The clock is read only every 256
-// spins, so the fast path is one volatile load and four compares.
-__device__ __forceinline__ bool wait_vec(const Vec16* p, Vec16& out, Control* ctl,
-                                         ErrorRecord* err, uint64_t timeout_ns, int rank,
-                                         int peer, uint32_t epoch, uint32_t op) {
-  Vec16 v = ld_volatile(p);
-  if (!has_empty(v)) {
-    out = v;
-    return true;
-  }
+// The bounded spin every cross-rank wait uses: poll ready() until it returns true. Every
+// kCheckMask + 1 polls, give up if the communicator already failed, or record a timeout
+// (naming rank, peer, epoch and op) once timeout_ns passed since the first check. The clock is
+// read only then, so the fast path is the poll alone. kSleepNs > 0 sleeps between polls, for
+// waits that may last a whole GEMM.
+template <uint32_t kCheckMask, uint32_t kSleepNs, typename Ready>
+__device__ __forceinline__ bool bounded_spin(Ready&& ready, Control* ctl, ErrorRecord* err,
+                                             uint64_t timeout_ns, int rank, int peer,
+                                             uint32_t epoch, uint32_t op) {
+  if (ready()) return true;
   uint64_t start = 0;
   for (uint32_t spins = 1;; ++spins) {
-    v = ld_volatile(p);
-    if (!has_empty(v)) {
-      out = v;
-      return true;
-    }
-    if ((spins & 255u) == 0) {
+    if constexpr (kSleepNs > 0) __nanosleep(kSleepNs);
+    if (ready()) return true;
+    if ((spins & kCheckMask) == 0) {
       if (ld_volatile_u32(&ctl->failed)) return false;
       const uint64_t now = globaltimer_ns();
       if (start == 0) {
@@ -87,6 +83,20 @@ __device__ __forceinline__ bool wait_vec(const Vec16* p, Vec16& out, Control* ct
       }
     }
   }
+}
+
+// Spin until every word of *p differs from kEmptyWord (the value lands in `out`). Returns
+// false on timeout (after recording it) or when the communicator already failed; checks the
+// clock every 256 polls.
+__device__ __forceinline__ bool wait_vec(const Vec16* p, Vec16& out, Control* ctl,
+                                         ErrorRecord* err, uint64_t timeout_ns, int rank,
+                                         int peer, uint32_t epoch, uint32_t op) {
+  return bounded_spin<255u, 0u>(
+      [&] {
+        out = ld_volatile(p);
+        return !has_empty(out);
+      },
+      ctl, err, timeout_ns, rank, peer, epoch, op);
 }
 
 // Programmatic dependent launch (launch.h): wait for the previous grid before touching any
