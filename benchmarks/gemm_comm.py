@@ -191,7 +191,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
     for name, (t, status) in times.items():
         rows.append({"op": op, "backend": name, "M": M, "N": N, "K": K, "world": W,
                      "dtype": str(dtype), "time_us": t, "status": status,
-                     "spread": spread[name],
+                     "spread": spread[name], "passes_us": passes[name],
                      "tflops": flops / t / 1e6 if t == t else float("nan"),
                      "E": (tu - t) / tc if name.startswith("fd_") else None,
                      "speedup_vs_unfused": tu / t, "speedup_vs_async_tp": ttp / t})
