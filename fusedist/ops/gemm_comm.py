@@ -493,8 +493,8 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     The last chunk is exchanged on main by SMs, idle by then (gemm_comm.cuh,
     staging_gather_kernel: each rank pushes its reduced rows into the peers' staging, one
     token per block) instead of barrier -> copy-engine pull -> barrier with their stream
-    hops. Exposed after the last GEMM: that kernel. Rows that are not whole 16-byte vectors,
-    or an unaligned out, keep the copy-engine gather and a closing barrier."""
+    hops. Exposed after the last GEMM: that kernel. Rows that are not whole 16-byte vectors
+    keep the copy-engine gather and a closing barrier. `out` must be 16-byte aligned."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -511,7 +511,8 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     side = comm_stream(x.device, 1)
     pulled = []
 
-    sm_tail = _AR_SM_GATHER and row % 16 == 0 and out.data_ptr() % 16 == 0
+    # From shapes only, so every rank takes the same path (gemm_ar passes an aligned out).
+    sm_tail = _AR_SM_GATHER and row % 16 == 0
 
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
@@ -784,7 +785,13 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
             C = _chunks(op, chunks, comm, M, n, k, copy_engine=True, rows=M)
-            _ar_copy_engine(comm, x, w_shard, out, comm._stream(), C)
+            # The closing kernel stores 16-byte vectors into out, and every rank must take the
+            # same path: an out that is not 16-byte aligned on this rank (alignment can differ
+            # between ranks) goes through an aligned buffer instead of changing the path.
+            dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+            _ar_copy_engine(comm, x, w_shard, dst, comm._stream(), C)
+            if dst is not out:
+                out.copy_(dst)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k)
         main = torch.cuda.current_stream(x.device)
