@@ -237,3 +237,170 @@ def test_fused_prefill_engines_name_what_they_lack(monkeypatch):
     assert "empty problem" in gc._fused_rs_why_not(_comm(staging=1 << 30), x[:0], w)
     monkeypatch.setattr(gc, "sm90_available", lambda device: False)
     assert "not a Hopper" in gc._fused_rs_why_not(_comm(staging=1 << 30), x, w)
+
+
+# ---- the copy-engine pipelines for 2..8 ranks, emulated on the CPU --------------------------
+# Each rank is a thread running the real pipeline code (_rs_copy_engine, _ar_copy_engine) with
+# host buffers as its symmetric staging. Copy-engine copies are memmoves between real
+# addresses, device barriers are a thread barrier, and gemm_ar's closing kernel is emulated
+# step for step (push, tokens, copy). Every stream runs in program order, which is stronger
+# than CUDA's ordering: this checks the dataflow (which rows go where, offsets, the W - 1
+# partial sums), not the concurrency or the CUDA kernel. Only 2 GPUs were ever available, so
+# these are the only runs of the W > 2 paths.
+import contextlib  # noqa: E402
+import ctypes  # noqa: E402
+import threading  # noqa: E402
+
+from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+
+
+class _Stream:
+    cuda_stream = 0
+    device = torch.device("cpu")
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+
+class _World:
+    """W ranks' staging buffers and the barrier their device barriers meet at."""
+
+    def __init__(self, W, staging_bytes, offset=64):
+        self.W = W
+        self.offset = offset  # staging starts this far into each rank's buffer
+        self.bufs = [torch.zeros(offset + staging_bytes, dtype=torch.uint8) for _ in range(W)]
+        self.bases = [b.data_ptr() for b in self.bufs]
+        self.barrier = threading.Barrier(W, timeout=20)
+        self.tokens = 0
+
+
+class _Symm:
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+        self.bases = world.bases
+        self.staging_offset = world.offset
+        self.handle = rank
+
+    def staging(self, dtype, shape, offset=0):
+        n = 1
+        for s in shape:
+            n *= s
+        es = torch.empty((), dtype=dtype).element_size()
+        lo = self.staging_offset + offset
+        return self.world.bufs[self.rank][lo:lo + n * es].view(dtype).view(shape)
+
+
+class _C:
+    """The extension calls the pipelines make, on host memory."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src, nbytes)
+
+    def gemm_ar_staging_gather(self, rank, staging_offset, bounds, row_bytes, out, stream):
+        # staging_gather_kernel: push own rows to out and every peer's staging, meet, copy the
+        # peers' rows from local staging to out.
+        w = self.world
+        lo, hi = bounds[rank], bounds[rank + 1]
+        n = (hi - lo) * row_bytes
+        if n:
+            src = w.bases[rank] + staging_offset + lo * row_bytes
+            ctypes.memmove(out + lo * row_bytes, src, n)
+            for p in range(w.W):
+                if p != rank:
+                    ctypes.memmove(w.bases[p] + staging_offset + lo * row_bytes, src, n)
+        w.barrier.wait()  # the tokens
+        for q in range(w.W):
+            a, b = bounds[q], bounds[q + 1]
+            if q != rank and b > a:
+                ctypes.memmove(out + a * row_bytes,
+                               w.bases[rank] + staging_offset + a * row_bytes,
+                               (b - a) * row_bytes)
+        w.barrier.wait()  # nobody starts a later call before every copy is done
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Patches the CUDA stream / event plumbing gemm_comm uses, and yields a function that
+    runs fn(comm, rank) on W threads and returns their results."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(gc, "comm_stream", lambda device=None, index=0: _Stream())
+
+    def run(W, staging_bytes, fn):
+        world = _World(W, staging_bytes)
+        monkeypatch.setattr(gc._ext, "load", lambda: _C(world))
+        results, errors = [None] * W, []
+
+        def one(r):
+            comm = gc.Communicator.__new__(gc.Communicator)
+            comm.group = type("G", (), {"size": W, "rank": r})()
+            comm.symm = _Symm(world, r)
+            comm._device_barrier = lambda: world.barrier.wait()
+            try:
+                results[r] = fn(comm, r)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                world.barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        return results
+
+    return run
+
+
+def _inputs(W, M, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(M, k, generator=g) for _ in range(W)]
+    ws = [torch.randn(k, n, generator=g) for _ in range(W)]
+    return xs, ws, sum(x.double() @ w.double() for x, w in zip(xs, ws))
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("M,chunks", [(1, 1), (7, 3), (37, 2), (64, 4), (101, 5)])
+@pytest.mark.parametrize("n", [12, 10])  # 48-byte rows: closing kernel; 40-byte: copy engine
+def test_gemm_ar_copy_engine_pipeline(emulated, W, M, chunks, n):
+    k = 9
+    xs, ws, ref = _inputs(W, M, k, n, seed=W * 1000 + M * 10 + chunks)
+
+    def fn(comm, r):
+        out = torch.full((M, n), float("nan"))
+        return gc._ar_copy_engine(comm, xs[r], ws[r], out, _Stream(), chunks)
+
+    outs = emulated(W, M * n * 4, fn)
+    for r, y in enumerate(outs):
+        assert torch.equal(y, outs[0]), f"rank {r} differs from rank 0"
+    err = gemm_rel_err(outs[0], ref)
+    assert err < GEMM_REL[torch.float32], err
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("m,chunks", [(1, 1), (5, 2), (16, 3), (33, 7)])
+def test_gemm_rs_copy_engine_pipeline(emulated, W, m, chunks):
+    k, n = 11, 6
+    xs, ws, ref = _inputs(W, W * m, k, n, seed=W * 100 + m + chunks)
+
+    def fn(comm, r):
+        out = torch.full((m, n), float("nan"))
+        return gc._rs_copy_engine(comm, xs[r], ws[r], out, _Stream(), min(chunks, m))
+
+    outs = emulated(W, W * m * n * 4, fn)
+    for r, y in enumerate(outs):
+        block = ref[r * m:(r + 1) * m]
+        err = gemm_rel_err(y, block)
+        assert err < GEMM_REL[torch.float32], (r, err)
