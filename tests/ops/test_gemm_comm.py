@@ -404,3 +404,23 @@ def test_gemm_rs_copy_engine_pipeline(emulated, W, m, chunks):
         block = ref[r * m:(r + 1) * m]
         err = gemm_rel_err(y, block)
         assert err < GEMM_REL[torch.float32], (r, err)
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_ag_copy_engine_pull(emulated, W, m):
+    """ag_gemm's copy-engine all-gather: every rank's gathered input holds every shard in rank
+    order (its own rows are multiplied from x_shard directly, so they stay untouched here)."""
+    k = 7
+    g = torch.Generator().manual_seed(W * 10 + m)
+    shards = [torch.randn(m, k, generator=g) for _ in range(W)]
+
+    def fn(comm, r):
+        gathered = torch.full((W * m, k), float("nan"))
+        gathered[r * m:(r + 1) * m] = shards[r]
+        events = gc._ag_pull(comm, shards[r], gathered, _Stream())
+        assert sorted(j for j, _ in events) == [j for j in range(W) if j != r]
+        return gathered
+
+    for r, got in enumerate(emulated(W, m * k * 4, fn)):
+        assert torch.equal(got, torch.cat(shards)), f"rank {r}"
