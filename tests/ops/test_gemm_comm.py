@@ -337,9 +337,10 @@ def emulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(gc, "comm_stream", lambda device=None, index=0: _Stream())
 
-    def run(W, staging_bytes, fn):
+    def run(W, staging_bytes, fn, c_class=None):
         world = _World(W, staging_bytes)
-        monkeypatch.setattr(gc._ext, "load", lambda: _C(world))
+        ext = (c_class or _C)(world)
+        monkeypatch.setattr(gc._ext, "load", lambda: ext)
         results, errors = [None] * W, []
 
         def one(r):
@@ -424,3 +425,84 @@ def test_ag_copy_engine_pull(emulated, W, m):
 
     for r, got in enumerate(emulated(W, m * k * 4, fn)):
         assert torch.equal(got, torch.cat(shards)), f"rank {r}"
+
+
+class _Signals:
+    """The fused gemm_rs's per-rank counters [owner][src][piece], signalled the way the
+    sm90 GEMM's tiles do (one add per N tile of every BLOCK_M row tile, per piece it touches)
+    and waited for / cleared by the owner's comm stream."""
+
+    def __init__(self, W, bm, bn):
+        self.bm, self.bn = bm, bn
+        self.count = {}
+        self.cv = threading.Condition()
+
+    def signal(self, src, row0, rows, n, m, pieces):
+        pr = -(-m // pieces)
+        with self.cv:
+            for t0 in range(0, rows, self.bm):
+                touched = {((row0 + i) // m, ((row0 + i) % m) // pr)
+                           for i in range(t0, min(t0 + self.bm, rows))}
+                for owner, piece in touched:
+                    key = (owner, src, piece)
+                    self.count[key] = self.count.get(key, 0) + -(-n // self.bn)
+            self.cv.notify_all()
+
+    def wait_clear(self, owner, src, piece, expected):
+        key = (owner, src, piece)
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.count.get(key, 0) >= expected, timeout=20), \
+                f"counter {key} reached {self.count.get(key, 0)} of {expected}"
+            assert self.count[key] == expected, (key, self.count[key], expected)
+            self.count[key] = 0
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("m,pieces", [(1, 1), (5, 2), (37, 3), (300, 4)])
+def test_gemm_rs_fused_orchestration(emulated, monkeypatch, W, m, pieces):
+    """_rs_fused's host side for 2..8 ranks: the peer-block GEMMs (emulated, signalling per
+    tile like the kernel), the comm stream's counter waits with _rs_signal_expected's counts,
+    the pulls, and the own block's GEMM with the pulled partials as C. Afterwards every counter
+    is back to zero."""
+    bm, bn = 128, 256
+    k, n = 9, 300  # two N tiles, the second partial
+    sig = _Signals(W, bm, bn)
+
+    def fake_sm90(x, w, bias, out, stream, accumulate=False, comm=None, flags=None,
+                  block_rows=0, pieces=1, wait_on_c=False, wait_peer=-1, signal_row0=None,
+                  signal_block_rows=0, signal_pieces=0):
+        if wait_on_c:
+            assert bool((flags == 1).all()), "C read before every piece was flagged"
+        y = x @ w + (out if accumulate else 0) + (bias if bias is not None else 0)
+        out.copy_(y)
+        if signal_row0 is not None:
+            sig.signal(comm.group.rank, signal_row0, x.shape[0], w.shape[1], signal_block_rows,
+                       signal_pieces)
+        return out
+
+    class _CF(_C):
+        GEMM_SM90_BLOCK_M, GEMM_SM90_BLOCK_N, MAX_SIGNAL_PIECES = bm, bn, 64
+
+        def gemm_rs_counter_wait(self, rank, offset, src, piece, expected, stream):
+            sig.wait_clear(rank, src, piece, expected)
+
+        def stream_write_u32(self, ptr, value, stream):
+            ctypes.c_uint32.from_address(ptr).value = value
+
+    monkeypatch.setattr(gc, "launch_sm90", fake_sm90)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    xs, ws, ref = _inputs(W, W * m, k, n, seed=W * 7 + m + pieces)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(5))
+
+    def fn(comm, r):
+        comm._stream = lambda: _Stream()
+        comm.symm.signal_offset = 0
+        out = torch.full((m, n), float("nan"))
+        return gc._rs_fused(comm, xs[r], ws[r], b, out, pieces)
+
+    outs = emulated(W, W * m * n * 4, fn, c_class=_CF)
+    for r, y in enumerate(outs):
+        block = ref[r * m:(r + 1) * m] + b.double()
+        err = gemm_rel_err(y, block)
+        assert err < GEMM_REL[torch.float32], (r, err)
+    assert all(v == 0 for v in sig.count.values()), sig.count
