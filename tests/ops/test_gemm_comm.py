@@ -506,3 +506,37 @@ def test_gemm_rs_fused_orchestration(emulated, monkeypatch, W, m, pieces):
         err = gemm_rel_err(y, block)
         assert err < GEMM_REL[torch.float32], (r, err)
     assert all(v == 0 for v in sig.count.values()), sig.count
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("m,pieces", [(1, 1), (5, 2), (37, 3)])
+def test_ag_gemm_fused_orchestration(emulated, monkeypatch, W, m, pieces):
+    """_ag_fused's host side for 2..8 ranks: every rank's block staged at the same rows, the
+    peers' blocks pulled piece by piece into this rank's staging with a flag each, and the GEMM
+    (emulated) over the gathered rows once every flag is set."""
+    k, n = 9, 5
+    g = torch.Generator().manual_seed(W * 3 + m + pieces)
+    shards = [torch.randn(m, k, generator=g) for _ in range(W)]
+    w = torch.randn(k, n, generator=g)
+    b = torch.randn(n, generator=g)
+
+    def fake_sm90(x, w_, bias, out, stream, accumulate=False, comm=None, flags=None,
+                  block_rows=0, pieces=1, **kw):
+        assert flags is not None and bool((flags == 1).all()), "a piece was never flagged"
+        return out.copy_(x @ w_ + bias)
+
+    class _CF(_C):
+        def stream_write_u32(self, ptr, value, stream):
+            ctypes.c_uint32.from_address(ptr).value = value
+
+    monkeypatch.setattr(gc, "launch_sm90", fake_sm90)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+    def fn(comm, r):
+        comm._stream = lambda: _Stream()
+        out = torch.full((W * m, n), float("nan"))
+        return gc._ag_fused(comm, shards[r], w, b, out, pieces)
+
+    ref = torch.cat(shards).double() @ w.double() + b.double()
+    for r, y in enumerate(emulated(W, W * m * k * 4, fn, c_class=_CF)):
+        assert gemm_rel_err(y, ref) < GEMM_REL[torch.float32], r
