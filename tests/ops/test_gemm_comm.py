@@ -279,7 +279,6 @@ class _World:
         self.bufs = [torch.zeros(offset + staging_bytes, dtype=torch.uint8) for _ in range(W)]
         self.bases = [b.data_ptr() for b in self.bufs]
         self.barrier = threading.Barrier(W, timeout=20)
-        self.tokens = 0
 
 
 class _Symm:
@@ -432,7 +431,7 @@ class _Signals:
     sm90 GEMM's tiles do (one add per N tile of every BLOCK_M row tile, per piece it touches)
     and waited for / cleared by the owner's comm stream."""
 
-    def __init__(self, W, bm, bn):
+    def __init__(self, bm, bn):
         self.bm, self.bn = bm, bn
         self.count = {}
         self.cv = threading.Condition()
@@ -466,7 +465,7 @@ def test_gemm_rs_fused_orchestration(emulated, monkeypatch, W, m, pieces):
     is back to zero."""
     bm, bn = 128, 256
     k, n = 9, 300  # two N tiles, the second partial
-    sig = _Signals(W, bm, bn)
+    sig = _Signals(bm, bn)
 
     def fake_sm90(x, w, bias, out, stream, accumulate=False, comm=None, flags=None,
                   block_rows=0, pieces=1, wait_on_c=False, wait_peer=-1, signal_row0=None,
