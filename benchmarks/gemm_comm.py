@@ -42,6 +42,19 @@ def ce_tail(call):
         fd_gemm_comm._AR_SM_GATHER = prev
 
 
+def no_waves(comm, call):
+    """call() with the communicator's table lacking its wave model: the overlap engines cut
+    their GEMM pieces evenly (whole blocks for ag_gemm), for an A/B against the model's cut.
+    Inside a captured graph the choice is made at capture."""
+    prev = comm.table
+    comm.table = {**prev, "gemm_comm": {k: v for k, v in prev.get("gemm_comm", {}).items()
+                                        if k != "waves"}}
+    try:
+        return call()
+    finally:
+        comm.table = prev
+
+
 def shapes(quick: bool):
     ms = [4096, 8192] if quick else [2048, 4096, 8192, 16384]
     ns = [8192] if quick else [8192, 14336]
@@ -77,6 +90,12 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
+        model = fusedist.tuning.gemm_waves(comm.table)
+        if fusedist.tuning.wave_col_split(M // W, W, N, model) < N:  # A/B: whole blocks
+            steps["fd_overlap_nowave"] = lambda i: no_waves(comm, lambda: fusedist.ag_gemm(
+                x, w, group=comm, engine="overlap", transport="nccl", out=out))
+            steps["fd_overlap_ce_nowave"] = lambda i: no_waves(comm, lambda: fusedist.ag_gemm(
+                x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
         if hopper:
@@ -98,6 +117,12 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             steps[name] = (lambda c: lambda i: fusedist.gemm_rs(
                 x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
                 out=out))(c)
+        m = M // W
+        if fusedist.tuning.wave_row_bounds(m, N, 2, fusedist.tuning.gemm_waves(comm.table)) != \
+                [0, m // 2, m]:  # A/B: the same 2 chunks, even
+            steps["fd_overlap_ce_nowave"] = lambda i: fusedist.gemm_rs(
+                x, w, group=comm, engine="overlap", transport="copy_engine",
+                chunks=[m // 2, m - m // 2], out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_matmul_reduce_scatter(
             x, w, "sum", 0, gname)
         if hopper:
@@ -210,7 +235,7 @@ def table(rows) -> str:
 
     for (op, M, N, K), d in keyed.items():
         fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"
-               and not k.endswith("_cetail")}  # an A/B of an older path, not an engine
+               and not k.endswith(("_cetail", "_nowave"))}  # A/B of older paths, not engines
         head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
                 f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
                 f"{fmt(d.get('torch_async_tp'))} |")

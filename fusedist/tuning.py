@@ -124,3 +124,104 @@ def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
     # 8192 x 8192 weight took as long as a 256-row one), so fewer chunks for small M.
     pieces = m // (world * max(1, int(rule["ce_min_piece_rows"])))
     return max(1, min(int(rule["ce_chunks"]), pieces))
+
+
+# ---- wave-aware GEMM pieces ---------------------------------------------------------------
+# A tiled GEMM runs its output tiles in waves of one tile per SM, so a piece of ceil(t / sms)
+# waves costs as much as a full one. The overlap engines cut one GEMM into pieces; cut
+# blindly, the pieces can need more waves than the whole GEMM (2 x 1024 rows x 14336 columns
+# in 128 x 256 tiles: 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves"
+# entry, {"tile_m": rows, "tile_n": columns, "sms": n}, describes the GEMM that the pieces run
+# (cuBLAS's, as traced on the table's GPU); without it pieces are cut evenly. Taken from rank
+# 0's table, so every rank cuts the same pieces.
+
+def gemm_waves(table: dict) -> Optional[dict]:
+    """The table's wave model, or None."""
+    w = table.get("gemm_comm", {}).get("waves")
+    if not w:
+        return None
+    model = {key: int(w[key]) for key in ("tile_m", "tile_n", "sms")}
+    if min(model.values()) < 1:
+        raise ValueError(f"fusedist: tuning table gemm_comm.waves needs positive tile_m, tile_n "
+                         f"and sms, got {w!r}")
+    return model
+
+
+def _waves(rows: int, cols: int, model: dict) -> int:
+    """Waves of a rows x cols GEMM output under `model` (0 for an empty one)."""
+    tiles = -(-rows // model["tile_m"]) * -(-cols // model["tile_n"])
+    return -(-tiles // model["sms"])
+
+
+def _even(n: int, parts: int) -> list:
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def wave_row_bounds(rows: int, cols: int, parts: int, model: Optional[dict]) -> list:
+    """Bounds of `parts` consecutive row ranges of a rows x cols GEMM output, each range run
+    as its own GEMM (or as several of that shape: the argmin is the same). The even split,
+    unless a split whose ranges are whole numbers of tile rows takes fewer waves in total;
+    then the most even such split (least sum of squared rows)."""
+    even = _even(rows, parts)
+    if model is None or parts < 2 or rows < parts:
+        return even
+    return list(_wave_row_bounds(rows, cols, parts, model["tile_m"], model["tile_n"],
+                                 model["sms"]))
+
+
+def _cost(bounds: list, cols: int, model: dict) -> int:
+    return sum(_waves(b - a, cols, model) for a, b in zip(bounds, bounds[1:]))
+
+
+_ROW_CACHE: dict = {}
+
+
+def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: int) -> tuple:
+    key = (rows, cols, parts, tm, tn, sms)
+    if key in _ROW_CACHE:
+        return _ROW_CACHE[key]
+    model = {"tile_m": tm, "tile_n": tn, "sms": sms}
+    even = _even(rows, parts)
+    T = -(-rows // tm)  # tile rows; the last one may be partial
+    best = (_cost(even, cols, model), sum((b - a) ** 2 for a, b in zip(even, even[1:])),
+            tuple(even))
+    if T >= parts:
+        # dp[p][t]: (waves, sum of squared rows, bounds) of the best split of the first t tile
+        # rows into p ranges of at least one tile row each.
+        def rows_of(t):
+            return min(rows, t * tm)
+
+        dp = [{0: (0, 0, (0,))}] + [dict() for _ in range(parts)]
+        for p in range(1, parts + 1):
+            for t in range(p, T - (parts - p) + 1):
+                cand = None
+                for s, (wv, sq, bd) in dp[p - 1].items():
+                    if s >= t:
+                        continue
+                    h = rows_of(t) - rows_of(s)
+                    c = (wv + _waves(h, cols, model), sq + h * h, bd + (rows_of(t),))
+                    if cand is None or c[:2] < cand[:2]:
+                        cand = c
+                if cand is not None:
+                    dp[p][t] = cand
+        got = dp[parts].get(T)
+        if got is not None and got[0] < best[0]:
+            best = got
+    _ROW_CACHE[key] = best[2]
+    return best[2]
+
+
+def wave_col_split(block_rows: int, blocks: int, cols: int, model: Optional[dict]) -> int:
+    """ag_gemm's overlap multiplies each of `blocks` row blocks (block_rows x cols outputs) as
+    its input arrives. Returns c: the blocks are multiplied one by one on columns [0, c) and
+    all blocks together, last, on columns [c, cols), when that takes fewer waves in total than
+    c = cols (no split; also without a model). c is a whole number of tile columns."""
+    if model is None or blocks < 2:
+        return cols
+    tn = model["tile_n"]
+    best_c, best = cols, blocks * _waves(block_rows, cols, model)
+    for c in range(tn, cols, tn):
+        cost = blocks * _waves(block_rows, c, model) + _waves(blocks * block_rows, cols - c, model)
+        if cost < best or (cost == best and c > best_c):
+            best_c, best = c, cost
+    return best_c

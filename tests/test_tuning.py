@@ -230,3 +230,91 @@ def test_choose_gemm_fused_from_fused_min_mnk():
     assert tuning.choose_gemm(table, "ag_gemm", 256, 8192, 8192, 2, fused_ok=True) == "unfused"
     plain = {"gemm_comm": {"ag_gemm": {"min_mnk": 1 << 35}}}
     assert tuning.choose_gemm(plain, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=True) == "overlap"
+
+
+# ---- wave-aware GEMM pieces ------------------------------------------------------------------
+import itertools  # noqa: E402
+
+H200 = {"tile_m": 128, "tile_n": 256, "sms": 132}
+
+
+def _sizes(b):
+    return [y - x for x, y in zip(b, b[1:])]
+
+
+def _all_aligned_splits(rows, parts, tm):
+    """Every split of rows into `parts` non-empty ranges whose inner bounds are on tile rows."""
+    cuts = range(tm, rows, tm)
+    for inner in itertools.combinations(cuts, parts - 1):
+        yield [0, *inner, rows]
+
+
+@pytest.mark.parametrize("model", [{"tile_m": 4, "tile_n": 8, "sms": 3},
+                                   {"tile_m": 3, "tile_n": 5, "sms": 7},
+                                   {"tile_m": 8, "tile_n": 8, "sms": 2}])
+@pytest.mark.parametrize("rows", [1, 7, 24, 37, 50])
+@pytest.mark.parametrize("cols", [8, 21, 40])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_wave_row_bounds_against_brute_force(model, rows, cols, parts):
+    got = tuning.wave_row_bounds(rows, cols, parts, model)
+    even = tuning._even(rows, parts)
+    assert len(got) == parts + 1 and got[0] == 0 and got[-1] == rows
+    assert all(a <= b for a, b in zip(got, got[1:]))
+    cost = tuning._cost(got, cols, model)
+    cands = [even, *_all_aligned_splits(rows, parts, model["tile_m"])]
+    best = min(tuning._cost(b, cols, model) for b in cands)
+    assert cost == best
+    if tuning._cost(even, cols, model) == best:
+        assert got == even  # never uneven without a gain
+    else:  # the most even of the cheapest aligned splits
+        sq = min(sum(s * s for s in _sizes(b)) for b in cands
+                 if tuning._cost(b, cols, model) == best)
+        assert sum(s * s for s in _sizes(got)) == sq
+
+
+@pytest.mark.parametrize("rows,cols,parts,want", [
+    (1024, 8192, 2, [512, 512]), (2048, 8192, 2, [1024, 1024]), (4096, 8192, 2, [2048, 2048]),
+    (1024, 14336, 2, [512, 512]), (2048, 14336, 2, [896, 1152]),
+    (4096, 14336, 2, [2048, 2048]), (8192, 14336, 2, [4096, 4096])])
+def test_wave_row_bounds_on_the_h200_model(rows, cols, parts, want):
+    """gemm_rs's blocks at the benchmark shapes: only 2048 x 14336 changes (1024-row pieces are
+    3.4 waves each, 4 + 4 per side against 3 + 4 for 896 + 1152 rows)."""
+    assert _sizes(tuning.wave_row_bounds(rows, cols, parts, H200)) == want
+
+
+def test_wave_row_bounds_without_a_model_are_even():
+    assert tuning.wave_row_bounds(2048, 14336, 2, None) == [0, 1024, 2048]
+
+
+@pytest.mark.parametrize("model", [{"tile_m": 4, "tile_n": 8, "sms": 3},
+                                   {"tile_m": 16, "tile_n": 64, "sms": 7}])
+@pytest.mark.parametrize("m", [1, 9, 37, 129])
+@pytest.mark.parametrize("cols", [8, 40, 136, 776])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 8])
+def test_wave_col_split_against_brute_force(model, m, cols, blocks):
+    c = tuning.wave_col_split(m, blocks, cols, model)
+
+    def cost(c):
+        return blocks * tuning._waves(m, c, model) + tuning._waves(blocks * m, cols - c, model)
+
+    best = min(cost(x) for x in [cols, *range(model["tile_n"], cols, model["tile_n"])])
+    assert 0 < c <= cols and cost(c) == best
+    assert c == cols or c % model["tile_n"] == 0
+    if cost(cols) == best:
+        assert c == cols
+
+
+@pytest.mark.parametrize("m,n,want", [(1024, 8192, 8192), (2048, 8192, 8192),
+                                      (1024, 14336, 12544), (2048, 14336, 14336),
+                                      (4096, 14336, 14336), (8192, 14336, 14080)])
+def test_wave_col_split_on_the_h200_model(m, n, want):
+    """ag_gemm at W = 2: 2048 x 14336 goes from 4 + 4 waves to 3 + 3 + 1 (columns 12544.. of
+    both blocks together), 16384 x 14336 from 56 to 55."""
+    assert tuning.wave_col_split(m, 2, n, H200) == want
+
+
+def test_gemm_waves_reads_and_checks_the_table(clean_env):
+    assert tuning.gemm_waves({}) is None
+    assert tuning.gemm_waves(tuning.load_table("NVIDIA H200", 2)) == H200
+    with pytest.raises(ValueError, match="gemm_comm.waves needs positive"):
+        tuning.gemm_waves({"gemm_comm": {"waves": {"tile_m": 0, "tile_n": 8, "sms": 4}}})

@@ -50,7 +50,7 @@ CPU tensors (gloo) take the plain-torch reference path.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -136,15 +136,39 @@ def _fused_ar_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> O
     return None
 
 
-def _chunks(op: str, chunks: Optional[int], comm: Communicator, m: int, n: int, k: int,
+def _chunks(op: str, chunks, comm: Communicator, m: int, n: int, k: int,
             copy_engine: bool = False, rows: Optional[int] = None) -> int:
     """The pipeline depth: `chunks`, or the tuning table's; at most `rows` (the rows a chunk
     cuts) when given, at least 1."""
     if chunks is None:
         chunks = tuning.gemm_chunks(comm.table, op, m, n, k, comm.group.size, copy_engine)
+    elif isinstance(chunks, (list, tuple)):
+        raise ValueError(f"fusedist.{op}: chunks as a list of row counts applies to the "
+                         "copy-engine overlap only (engine='overlap', transport='copy_engine'); "
+                         f"pass a positive int here, got {chunks!r}")
     elif not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"fusedist.{op}: chunks must be a positive int, got {chunks!r}")
     return chunks if rows is None else max(1, min(chunks, rows))
+
+
+def _ce_bounds(op: str, chunks, comm: Communicator, m: int, n: int, k: int, rows: int,
+               what: str, wave_cols: Optional[int] = None) -> list:
+    """Row bounds of a copy-engine pipeline's chunks over `rows` rows (`what` names them for
+    errors). chunks: a list of row counts summing to `rows`, taken as given; else the depth
+    from `_chunks`, cut evenly, or (wave_cols: the columns of every piece's output) by the
+    table's wave model (tuning.wave_row_bounds). Shapes and rank 0's table only: the same
+    bounds on every rank, as the exchange needs."""
+    if isinstance(chunks, (list, tuple)):
+        sizes = list(chunks)
+        if not sizes or sum(sizes) != rows or any(
+                not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise ValueError(f"fusedist.{op}: chunks as row counts must be positive ints that "
+                             f"sum to {what} ({rows}), got {chunks!r}")
+        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    C = _chunks(op, chunks, comm, m, n, k, copy_engine=True, rows=rows)
+    if wave_cols is None:
+        return _split(rows, C)
+    return tuning.wave_row_bounds(rows, wave_cols, C, tuning.gemm_waves(comm.table))
 
 
 def _validate(op: str, comm: Communicator, x, w, bias, x_name: str, w_name: str):
@@ -215,10 +239,12 @@ def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> 
 
 
 def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
-             cs: torch.cuda.Stream) -> list:
+             cs: torch.cuda.Stream, own: bool = False) -> list:
     """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging,
-    barrier, pull every peer's shard into `gathered` (one event per peer), barrier again so no
-    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays)."""
+    barrier, pull every peer's shard into `gathered` (one event per peer), with `own` also
+    copy the own shard into its rows of `gathered` (after the pulls, which the GEMMs wait
+    for; its event last), barrier again so no rank overwrites its staging while a peer still
+    reads it (also across CUDA-graph replays). Returns [(rank, event)]."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -235,6 +261,12 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
             ev = torch.cuda.Event()
             ev.record(cs)
             events.append((j, ev))
+        if own:
+            C.memcpy_async(gathered.data_ptr() + r * nbytes, x_shard.data_ptr(), nbytes,
+                           cs.cuda_stream)
+            ev = torch.cuda.Event()
+            ev.record(cs)
+            events.append((r, ev))
         comm._device_barrier()
     return events
 
@@ -348,10 +380,14 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             return _mm(gathered, w, out, bias)
         main = comm._stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
+        # Columns [0, c) block by block as the blocks arrive, then columns [c, N) of all
+        # blocks in one GEMM, when the table's wave model says that fills the GEMM waves
+        # better than whole blocks (tuning.wave_col_split; c = N: whole blocks).
+        c = tuning.wave_col_split(m, W, n, tuning.gemm_waves(comm.table))
         cs = _fork(main)
         if how == "copy_engine":
-            ready = _ag_pull(comm, x_shard, gathered, cs)
-        else:
+            ready = _ag_pull(comm, x_shard, gathered, cs, own=c < n)
+        else:  # NCCL's all-gather also fills the own rows
             with torch.cuda.stream(cs):
                 comm.nccl_overlap.all_gather(x_shard, gathered)
                 gathered_ev = torch.cuda.Event()
@@ -359,12 +395,17 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             ready = [((r + d) % W, gathered_ev) for d in range(1, W)]
         x_shard.record_stream(cs)
         gathered.record_stream(cs)
-        # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
-        # takes the same path everywhere and the output is bitwise identical across ranks.
-        _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
+        # Every rank multiplies every block with the same [m, K] x [K, c] shape, and columns
+        # c.. of all blocks as one [W m, K] x [K, N - c] GEMM of the same gathered rows, so
+        # cuBLAS takes the same path everywhere: the output is bitwise identical across ranks.
+        wc, bc = (w, bias) if c == n else (w[:, :c], None if bias is None else bias[:c])
+        _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
         for j, ev in ready:
             main.wait_event(ev)
-            _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
+            if j != r:
+                _mm(gathered[j * m:(j + 1) * m], wc, out[j * m:(j + 1) * m, :c], bc)
+        if c < n:
+            _mm(gathered, w[:, c:], out[:, c:], None if bias is None else bias[c:])
         if how == "copy_engine":
             main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
         return out
@@ -433,8 +474,9 @@ def _pull_sum(comm: Communicator, offset: int, dst: torch.Tensor, cs: torch.cuda
 
 
 def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                    main: torch.cuda.Stream, chunks: int) -> torch.Tensor:
-    """gemm_rs with copy-engine transfers, pipelined over `chunks` row slices of every block.
+                    main: torch.cuda.Stream, bounds: list) -> torch.Tensor:
+    """gemm_rs with copy-engine transfers, pipelined over row slices of every block (`bounds`:
+    rows of a block, from 0 to M / W; chunk c is rows bounds[c]..bounds[c + 1]).
     Staging chunk c of rank p holds p's partials of chunk c for the other ranks' blocks,
     [W, rows_c, N]; rank j pulls slice j between two device barriers. The reduction costs no
     kernel: the peers' partials land in out (summed first when W > 2) and the own block is
@@ -446,7 +488,7 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     m, n = M // W, w.shape[1]
     es = x.element_size()
     xv = x.view(W, m, k)
-    bounds = _split(m, chunks)
+    chunks = len(bounds) - 1
     cs = _fork(main)
     pulled = []
 
@@ -477,9 +519,10 @@ _AR_SM_GATHER = True
 
 
 def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                    main: torch.cuda.Stream, chunks: int) -> torch.Tensor:
-    """gemm_ar with copy-engine transfers: a reduce-scatter then an all-gather per row chunk,
-    pipelined. Chunk c's rows are split into W sub-blocks, rank j owning sub-block j. Rank r
+                    main: torch.cuda.Stream, bounds: list) -> torch.Tensor:
+    """gemm_ar with copy-engine transfers: a reduce-scatter then an all-gather per row chunk
+    (chunk c: rows bounds[c]..bounds[c + 1] of M), pipelined. Chunk c's rows are split into W
+    sub-blocks, rank j owning sub-block j. Rank r
     multiplies the other sub-blocks into its staging (same rows as in the output), pulls the
     peers' partials of sub-block r into its staging (summed when W > 2), multiplies its own
     rows with beta = 1 on top (the sum rounds once, on the owner), and after a second barrier
@@ -503,7 +546,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     es = x.element_size()
     row = n * es
     stage = symm.staging(x.dtype, (M, n))
-    bounds = _split(M, chunks)
+    chunks = len(bounds) - 1
     subs = [[bounds[c] + s for s in _split(bounds[c + 1] - bounds[c], W)] for c in range(chunks)]
     cs = _fork(main)
     # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
@@ -669,15 +712,17 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
 
 
 def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-            group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
+            group: GroupLike = None, engine: str = "auto",
+            chunks: Union[int, Sequence[int], None] = None,
             out: Optional[torch.Tensor] = None, transport: str = "auto") -> torch.Tensor:
     """reduce_scatter(x @ w_shard, rows) (+ bias): x [M, K_local], w_shard [K_local, N], M a
     multiple of the world size; returns this rank's [M / world, N] block of the sum.
     transport (overlap engine): "auto" (copy engine when the communicator has staging_bytes
     >= M * N * itemsize, else NCCL), "nccl" or "copy_engine". chunks: pipeline depth of the
     overlap engine (default from the tuning table: "chunks" for NCCL, "ce_chunks" for the copy
-    engine), or pieces per block of the fused engine (default one per 2048 rows, at most
-    MAX_SIGNAL_PIECES)."""
+    engine, whose chunks the table's wave model may cut unevenly), or pieces per block of the
+    fused engine (default one per 2048 rows, at most MAX_SIGNAL_PIECES). The copy-engine
+    overlap also takes a list of row counts summing to M / world: the chunks' rows, as given."""
     op = "gemm_rs"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
@@ -715,8 +760,9 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             comm.nccl.reduce_scatter(part, out)
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
-            C = _chunks(op, chunks, comm, M, n, k, copy_engine=True, rows=m)
-            _rs_copy_engine(comm, x, w_shard, out, comm._stream(), C)
+            # Each chunk is multiplied as pieces of [rows, N]: cut where they fill GEMM waves.
+            bounds = _ce_bounds(op, chunks, comm, M, n, k, m, "M / world", wave_cols=n)
+            _rs_copy_engine(comm, x, w_shard, out, comm._stream(), bounds)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k, rows=m)
         bounds = [m * c // C for c in range(C + 1)]
@@ -753,7 +799,8 @@ AR_TRANSPORTS = ("auto", "collective", "copy_engine")
 
 
 def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-            group: GroupLike = None, engine: str = "auto", chunks: Optional[int] = None,
+            group: GroupLike = None, engine: str = "auto",
+            chunks: Union[int, Sequence[int], None] = None,
             out: Optional[torch.Tensor] = None, transport: str = "auto") -> torch.Tensor:
     """all_reduce(x @ w_shard) (+ bias): x [M, K_local], w_shard [K_local, N]; returns [M, N],
     bitwise the same on every rank. transport (overlap engine): "collective" (each chunk
@@ -761,7 +808,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     "copy_engine" (per chunk a copy-engine reduce-scatter, the reduction folded into the own
     rows' GEMM, and a copy-engine all-gather; needs staging_bytes >= M * N * itemsize), or
     "auto" (the copy engine when the staging fits). chunks: pipeline depth (default from the
-    tuning table)."""
+    tuning table); the copy-engine transport also takes a list of row counts summing to M."""
     op = "gemm_ar"
     if transport not in AR_TRANSPORTS:
         raise ValueError(f"fusedist.gemm_ar: transport must be one of {AR_TRANSPORTS}, got "
@@ -784,12 +831,12 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             comm.all_reduce(out, out=out)
             return out.add_(bias) if bias is not None else out
         if how == "copy_engine":
-            C = _chunks(op, chunks, comm, M, n, k, copy_engine=True, rows=M)
+            bounds = _ce_bounds(op, chunks, comm, M, n, k, M, "M")
             # The closing kernel stores 16-byte vectors into out, and every rank must take the
             # same path: an out that is not 16-byte aligned on this rank (alignment can differ
             # between ranks) goes through an aligned buffer instead of changing the path.
             dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
-            _ar_copy_engine(comm, x, w_shard, dst, comm._stream(), C)
+            _ar_copy_engine(comm, x, w_shard, dst, comm._stream(), bounds)
             if dst is not out:
                 out.copy_(dst)
             return out.add_(bias) if bias is not None else out

@@ -90,6 +90,25 @@ def check_mixed_graph(rt, seed, what, m, k, n, dt, replays, ag, rs, ar=None, ag_
     del g
 
 
+def check_rs_copy_engine(rt, comm, s, m, k, n, dt, chunks, with_bias):
+    """gemm_rs on the copy-engine overlap of `comm` against float64, output poisoned first."""
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    M = W * m
+    s = (*s, str(dt), m, k, n, str(chunks))
+    xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+    ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+    b = fresh((n,), dt, dev, rank_seed(s, "b")) if with_bias else None
+    full = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+    if b is not None:
+        full += b.double()
+    out = poison(torch.empty((m, n), dtype=dt, device=dev))
+    y = fusedist.gemm_rs(xs[me], ws[me], b, group=comm, engine="overlap",
+                         transport="copy_engine", chunks=chunks, out=out)
+    err = gemm_rel_err(y, full[me * m:(me + 1) * m])
+    assert y is out and err < GEMM_REL[dt], \
+        f"gemm_rs copy_engine {dt} {m} {k} {n} chunks={chunks}: rel err {err:.3g}"
+
+
 @check
 def ag_gemm_matches_reference(rt, seed):
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
@@ -142,21 +161,8 @@ def copy_engine_transport_matches_reference(rt, seed):
     # block multiplied on top (beta = 1). chunks beyond the rows per block are clamped.
     for dt in (torch.bfloat16, torch.float16):
         for m, k, n in SHAPES:
-            M = W * m
             for chunks in (None, 1, 2, 3):
-                s = (seed, "rs-ce", str(dt), m, k, n, chunks)
-                xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
-                ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
-                b = fresh((n,), dt, dev, rank_seed(s, "b")) if chunks != 2 else None
-                full = sum(x.double() @ w.double() for x, w in zip(xs, ws))
-                if b is not None:
-                    full += b.double()
-                out = poison(torch.empty((m, n), dtype=dt, device=dev))
-                y = fusedist.gemm_rs(xs[me], ws[me], b, group=ce, engine="overlap",
-                                     transport="copy_engine", chunks=chunks, out=out)
-                err = gemm_rel_err(y, full[me * m:(me + 1) * m])
-                assert y is out and err < GEMM_REL[dt], \
-                    f"gemm_rs copy_engine {dt} {m} {k} {n} chunks={chunks}: rel err {err:.3g}"
+                check_rs_copy_engine(rt, ce, (seed, "rs-ce"), m, k, n, dt, chunks, chunks != 2)
     # gemm_ar with the copy engine: per chunk a reduce-scatter into the owners' staging, the
     # owner's GEMM on top, then every rank pulls every reduced sub-block: bitwise the same
     # output everywhere. Odd M (sub-blocks of unequal and of zero rows), chunks > rows. The
@@ -213,6 +219,73 @@ def copy_engine_transport_matches_reference(rt, seed):
         assert "staging_bytes>=" in str(e), str(e)
     else:
         raise AssertionError("no ValueError for a shard larger than the staging")
+    ce.close()
+
+
+@check
+def wave_cut_pieces_match_reference(rt, seed):
+    """The overlap engines with pieces cut by a wave model (tuning.wave_row_bounds /
+    wave_col_split) or by explicit row counts: a toy model (16 x 64 tiles, 7 SMs) that makes
+    the (129, 1000, 776) shapes split, so ag_gemm multiplies columns [c, N) of all gathered
+    blocks in one GEMM (both transports) and gemm_rs runs uneven chunks; gemm_ar with uneven
+    row counts. Bias, float64 reference, outputs poisoned, bitwise identity where promised,
+    eager and in a CUDA graph with fresh inputs."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        return
+    W, me, dev = rt.tp.size, rt.tp.rank, rt.device
+    m, k, n = 129, 1000, 776
+    model = {"tile_m": 16, "tile_n": 64, "sms": 7}
+    ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 21)
+    ce.table = {**ce.table, "gemm_comm": {**ce.table.get("gemm_comm", {}), "waves": model}}
+    c = fusedist.tuning.wave_col_split(m, W, n, model)
+    rs_bounds = fusedist.tuning.wave_row_bounds(m, n, 2, model)
+    assert c < n and rs_bounds != [0, m // 2, m], (c, rs_bounds)  # the model does cut
+    for dt in (torch.bfloat16, torch.float16):
+        for transport in ("nccl", "copy_engine"):
+            s = (seed, "ag-wave", str(dt), transport)
+            xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
+            w = fresh((k, n), dt, dev, rank_seed(s, "w"))
+            b = fresh((n,), dt, dev, rank_seed(s, "b"))
+            ref = torch.cat(xs).double() @ w.double() + b.double()
+            out = poison(torch.empty((W * m, n), dtype=dt, device=dev))
+            y = fusedist.ag_gemm(xs[me], w, b, group=ce, engine="overlap", transport=transport,
+                                 out=out)
+            what = f"ag_gemm wave-cut {transport} {dt} (c = {c} of {n} columns)"
+            err = gemm_rel_err(y, ref)
+            assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+            assert_identical_across_ranks(rt, y, what)
+        for chunks in (2, [100, 29], [1, 64, 64]):  # 2: the model's bounds, rs_bounds
+            check_rs_copy_engine(rt, ce, (seed, "rs-wave"), m, k, n, dt, chunks, True)
+        M = W * m
+        for chunks in ([M - 40, 40], [3, M - 100, 97]):
+            s = (seed, "ar-rows", str(dt), str(chunks))
+            xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
+            ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
+            ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+            out = poison(torch.empty((M, n), dtype=dt, device=dev))
+            y = fusedist.gemm_ar(xs[me], ws[me], group=ce, engine="overlap",
+                                 transport="copy_engine", chunks=chunks, out=out)
+            what = f"gemm_ar copy_engine {dt} chunks={chunks}"
+            err = gemm_rel_err(y, ref)
+            assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
+            assert_identical_across_ranks(rt, y, what)
+    # Row counts that do not add up name the sum.
+    try:
+        fusedist.gemm_rs(torch.ones(W * m, k, device=dev, dtype=torch.bfloat16),
+                         torch.ones(k, n, device=dev, dtype=torch.bfloat16), group=ce,
+                         engine="overlap", transport="copy_engine", chunks=[m, 1])
+    except ValueError as e:
+        assert f"sum to M / world ({m})" in str(e), str(e)
+    else:
+        raise AssertionError("no ValueError for row counts that do not sum to M / world")
+    kw = {"group": ce, "engine": "overlap"}
+    check_mixed_graph(rt, seed, "wave-graph", m, k, n, torch.bfloat16, 6,
+                      ag=lambda x, w: fusedist.ag_gemm(x, w, transport="copy_engine", **kw),
+                      rs=lambda x, w: fusedist.gemm_rs(x, w, transport="copy_engine", chunks=2,
+                                                       **kw),
+                      ar=lambda x, w: fusedist.gemm_ar(x, w, transport="copy_engine",
+                                                       chunks=[W * m - 50, 50], **kw),
+                      ag_b=lambda x, w: fusedist.ag_gemm(x, w, transport="nccl", **kw))
     ce.close()
 
 

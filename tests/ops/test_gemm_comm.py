@@ -124,6 +124,30 @@ def test_bad_chunks_are_rejected(bad):
         gc._chunks("gemm_rs", bad, _comm(), 64, 64, 64)
 
 
+def test_chunks_as_row_counts_only_for_the_copy_engine():
+    with pytest.raises(ValueError, match="copy-engine overlap only"):
+        gc._chunks("gemm_rs", [2, 2], _comm(), 64, 64, 64)
+
+
+@pytest.mark.parametrize("chunks", [[3, 4], [8, 0], [4, True, 3], [], (2.0, 6)])
+def test_bad_row_counts_name_the_sum(chunks):
+    with pytest.raises(ValueError, match=r"sum to M / world \(8\)"):
+        gc._ce_bounds("gemm_rs", chunks, _comm(), 16, 64, 64, 8, "M / world")
+
+
+def test_row_counts_are_taken_as_given_and_ints_cut_by_the_wave_model():
+    assert gc._ce_bounds("gemm_ar", (5, 1, 2), _comm(), 8, 64, 64, 8, "M") == [0, 5, 6, 8]
+    comm = _comm()
+    comm.table = {"gemm_comm": {"waves": {"tile_m": 128, "tile_n": 256, "sms": 132},
+                                "gemm_rs": {"ce_chunks": 2, "ce_min_piece_rows": 256}}}
+    assert gc._ce_bounds("gemm_rs", None, comm, 4096, 14336, 8192, 2048, "M / world",
+                         wave_cols=14336) == [0, 896, 2048]
+    assert gc._ce_bounds("gemm_rs", None, comm, 4096, 14336, 8192, 2048, "M / world") == \
+        [0, 1024, 2048]  # no wave_cols: even
+    assert gc._ce_bounds("gemm_rs", 2, comm, 4096, 8192, 8192, 2048, "M / world",
+                         wave_cols=8192) == [0, 1024, 2048]
+
+
 @pytest.mark.parametrize("w_nk", [False, True])
 def test_misaligned_weight_gets_an_aligned_copy_in_its_layout(w_nk):
     base = torch.randn(64 * 48 + 1, dtype=torch.bfloat16)[1:]  # starts 2 bytes off
@@ -371,16 +395,24 @@ def _inputs(W, M, k, n, seed):
     return xs, ws, sum(x.double() @ w.double() for x, w in zip(xs, ws))
 
 
+def _bounds(rows, chunks):
+    """Even bounds for an int, the running sum of row counts for a list (uneven chunks)."""
+    if isinstance(chunks, int):
+        return gc._split(rows, chunks)
+    return [sum(chunks[:i]) for i in range(len(chunks) + 1)]
+
+
 @pytest.mark.parametrize("W", [2, 3, 4, 8])
-@pytest.mark.parametrize("M,chunks", [(1, 1), (7, 3), (37, 2), (64, 4), (101, 5)])
+@pytest.mark.parametrize("M,chunks", [(1, 1), (7, 3), (37, 2), (64, 4), (101, 5),
+                                      (37, [30, 7]), (64, [9, 40, 15])])
 @pytest.mark.parametrize("n", [12, 10])  # 48-byte rows: closing kernel; 40-byte: copy engine
 def test_gemm_ar_copy_engine_pipeline(emulated, W, M, chunks, n):
     k = 9
-    xs, ws, ref = _inputs(W, M, k, n, seed=W * 1000 + M * 10 + chunks)
+    xs, ws, ref = _inputs(W, M, k, n, seed=W * 1000 + M * 10 + len(str(chunks)))
 
     def fn(comm, r):
         out = torch.full((M, n), float("nan"))
-        return gc._ar_copy_engine(comm, xs[r], ws[r], out, _Stream(), chunks)
+        return gc._ar_copy_engine(comm, xs[r], ws[r], out, _Stream(), _bounds(M, chunks))
 
     outs = emulated(W, M * n * 4, fn)
     for r, y in enumerate(outs):
@@ -390,14 +422,16 @@ def test_gemm_ar_copy_engine_pipeline(emulated, W, M, chunks, n):
 
 
 @pytest.mark.parametrize("W", [2, 3, 4, 8])
-@pytest.mark.parametrize("m,chunks", [(1, 1), (5, 2), (16, 3), (33, 7)])
+@pytest.mark.parametrize("m,chunks", [(1, 1), (5, 2), (16, 3), (33, 7), (33, [20, 13]),
+                                      (16, [1, 10, 5])])
 def test_gemm_rs_copy_engine_pipeline(emulated, W, m, chunks):
     k, n = 11, 6
-    xs, ws, ref = _inputs(W, W * m, k, n, seed=W * 100 + m + chunks)
+    xs, ws, ref = _inputs(W, W * m, k, n, seed=W * 100 + m + len(str(chunks)))
 
     def fn(comm, r):
         out = torch.full((m, n), float("nan"))
-        return gc._rs_copy_engine(comm, xs[r], ws[r], out, _Stream(), min(chunks, m))
+        return gc._rs_copy_engine(comm, xs[r], ws[r], out, _Stream(),
+                                  _bounds(m, min(chunks, m) if isinstance(chunks, int) else chunks))
 
     outs = emulated(W, W * m * n * 4, fn)
     for r, y in enumerate(outs):
@@ -420,6 +454,24 @@ def test_ag_copy_engine_pull(emulated, W, m):
         gathered[r * m:(r + 1) * m] = shards[r]
         events = gc._ag_pull(comm, shards[r], gathered, _Stream())
         assert sorted(j for j, _ in events) == [j for j in range(W) if j != r]
+        return gathered
+
+    for r, got in enumerate(emulated(W, m * k * 4, fn)):
+        assert torch.equal(got, torch.cat(shards)), f"rank {r}"
+
+
+@pytest.mark.parametrize("W", [2, 3, 8])
+def test_ag_copy_engine_pull_with_own_rows(emulated, W):
+    """With own=True (ag_gemm's column split multiplies all gathered rows at the end), the own
+    shard is copied into its rows too, after the pulls, its event last."""
+    m, k = 5, 7
+    g = torch.Generator().manual_seed(W)
+    shards = [torch.randn(m, k, generator=g) for _ in range(W)]
+
+    def fn(comm, r):
+        gathered = torch.full((W * m, k), float("nan"))
+        events = gc._ag_pull(comm, shards[r], gathered, _Stream(), own=True)
+        assert [j for j, _ in events] == [(r + d) % W for d in range(1, W)] + [r]
         return gathered
 
     for r, got in enumerate(emulated(W, m * k * 4, fn)):
