@@ -82,6 +82,7 @@ def choose(table: dict, nbytes: int, world: int) -> str:
 # fused kernel (fused_max_m 0). gemm_ar's fused decode kernel is used for M <= fused_max_m
 # where it applies (ops/gemm_comm.py: dtype, layout, capacity).
 _GEMM_DEFAULT = {"min_mnk": 1 << 33, "chunks": 4, "fused_max_m": 0, "fused_min_mnk": None,
+                 "fused_max_n": None,
                  "ce_min_mnk": None,
                  "ce_chunks": 2, "ce_min_piece_rows": 256}
 
@@ -94,7 +95,8 @@ def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
                 fused_ok: bool = False, copy_engine_ok: bool = False) -> str:
     """Engine for a GEMM + collective: "fused" when the fused kernel takes the call
     (`fused_ok`) and M <= the rule's fused_max_m (decode kernels) or M*N*K >= its
-    fused_min_mnk (prefill kernels); else "overlap" from min_mnk up, or from
+    fused_min_mnk with N <= its fused_max_n when set (prefill kernels); else "overlap" from
+    min_mnk up, or from
     ce_min_mnk up when the overlap engine would move data with the copy engine
     (`copy_engine_ok`: the communicator has staging for the call); else "unfused". Inputs are
     identical on every rank, so is the choice."""
@@ -103,7 +105,8 @@ def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
         return "unfused"
     if fused_ok and m <= int(rule.get("fused_max_m") or 0):
         return "fused"
-    if fused_ok and rule.get("fused_min_mnk") is not None and m * n * k >= rule["fused_min_mnk"]:
+    if fused_ok and rule.get("fused_min_mnk") is not None and m * n * k >= rule["fused_min_mnk"] \
+            and (rule.get("fused_max_n") is None or n <= rule["fused_max_n"]):
         return "fused"
     threshold = rule.get("ce_min_mnk") if copy_engine_ok and rule.get("ce_min_mnk") is not None \
         else rule["min_mnk"]
@@ -133,7 +136,8 @@ def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
 # in 128 x 256 tiles: 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves"
 # entry, {"tile_m": rows, "tile_n": columns, "sms": n}, describes the GEMM that the pieces run
 # (cuBLAS's, as traced on the table's GPU); without it pieces are cut evenly. Taken from rank
-# 0's table, so every rank cuts the same pieces.
+# 0's table, so every rank cuts the same pieces. Optional "min_gain" (default 0): the least
+# fraction of the even cut's waves that another cut must save to be taken.
 
 def gemm_waves(table: dict) -> Optional[dict]:
     """The table's wave model, or None."""
@@ -141,10 +145,19 @@ def gemm_waves(table: dict) -> Optional[dict]:
     if not w:
         return None
     model = {key: int(w[key]) for key in ("tile_m", "tile_n", "sms")}
-    if min(model.values()) < 1:
+    model["min_gain"] = float(w.get("min_gain", 0.0))
+    if min(model["tile_m"], model["tile_n"], model["sms"]) < 1 or \
+            not 0 <= model["min_gain"] < 1:
         raise ValueError(f"fusedist: tuning table gemm_comm.waves needs positive tile_m, tile_n "
-                         f"and sms, got {w!r}")
+                         f"and sms and 0 <= min_gain < 1, got {w!r}")
     return model
+
+
+def _gains(cut: int, even: int, model: dict) -> bool:
+    """A cut of `cut` waves replaces the even one of `even` waves: fewer waves, by at least
+    the model's min_gain (a fraction of `even`; the model is coarse, as cuBLAS changes its
+    kernel with the shape, so a gain of one wave in fifty is not trusted)."""
+    return cut < even and even - cut >= model.get("min_gain", 0.0) * even
 
 
 def _waves(rows: int, cols: int, model: dict) -> int:
@@ -165,8 +178,9 @@ def wave_row_bounds(rows: int, cols: int, parts: int, model: Optional[dict]) -> 
     even = _even(rows, parts)
     if model is None or parts < 2 or rows < parts:
         return even
-    return list(_wave_row_bounds(rows, cols, parts, model["tile_m"], model["tile_n"],
-                                 model["sms"]))
+    cut = list(_wave_row_bounds(rows, cols, parts, model["tile_m"], model["tile_n"],
+                                model["sms"]))
+    return cut if _gains(_cost(cut, cols, model), _cost(even, cols, model), model) else even
 
 
 def _cost(bounds: list, cols: int, model: dict) -> int:
@@ -219,9 +233,10 @@ def wave_col_split(block_rows: int, blocks: int, cols: int, model: Optional[dict
     if model is None or blocks < 2:
         return cols
     tn = model["tile_n"]
-    best_c, best = cols, blocks * _waves(block_rows, cols, model)
+    whole = blocks * _waves(block_rows, cols, model)
+    best_c, best = cols, whole
     for c in range(tn, cols, tn):
         cost = blocks * _waves(block_rows, c, model) + _waves(blocks * block_rows, cols - c, model)
         if cost < best or (cost == best and c > best_c):
             best_c, best = c, cost
-    return best_c
+    return best_c if _gains(best, whole, model) else cols

@@ -313,8 +313,35 @@ def test_wave_col_split_on_the_h200_model(m, n, want):
     assert tuning.wave_col_split(m, 2, n, H200) == want
 
 
-def test_gemm_waves_reads_and_checks_the_table(clean_env):
+@pytest.mark.parametrize("bad", [{"tile_m": 0, "tile_n": 8, "sms": 4},
+                                 {"tile_m": 8, "tile_n": 8, "sms": 4, "min_gain": 1.0},
+                                 {"tile_m": 8, "tile_n": 8, "sms": 4, "min_gain": -0.1}])
+def test_gemm_waves_reads_and_checks_the_table(clean_env, bad):
     assert tuning.gemm_waves({}) is None
-    assert tuning.gemm_waves(tuning.load_table("NVIDIA H200", 2)) == H200
+    assert tuning.gemm_waves(tuning.load_table("NVIDIA H200", 2)) == {**H200, "min_gain": 0.1}
     with pytest.raises(ValueError, match="gemm_comm.waves needs positive"):
-        tuning.gemm_waves({"gemm_comm": {"waves": {"tile_m": 0, "tile_n": 8, "sms": 4}}})
+        tuning.gemm_waves({"gemm_comm": {"waves": bad}})
+
+
+def test_min_gain_keeps_small_wave_gains_even(clean_env):
+    """The shipped model asks a cut to save 10% of the waves: ag_gemm 2048 x 14336 (8 -> 7)
+    and gemm_rs 4096 x 14336 (16 -> 14) are cut, ag_gemm 16384 x 14336 (56 -> 55) is not."""
+    model = tuning.gemm_waves(tuning.load_table("NVIDIA H200", 2))
+    assert tuning.wave_col_split(1024, 2, 14336, model) == 12544
+    assert tuning.wave_col_split(8192, 2, 14336, model) == 14336
+    assert tuning.wave_row_bounds(2048, 14336, 2, model) == [0, 896, 2048]
+    assert tuning.wave_col_split(8192, 2, 14336, {**model, "min_gain": 0.0}) == 14080
+
+
+def test_choose_gemm_fused_only_up_to_fused_max_n(clean_env):
+    """The shipped H200 x2 rule: ag_gemm's fused engine from M*N*K = 8192^3 at N <= 8192 (it
+    beat the overlap there in 4 of 4 runs and lost at N = 14336)."""
+    table = tuning.load_table("NVIDIA H200", 2)
+    kw = {"fused_ok": True, "copy_engine_ok": True}
+    assert tuning.choose_gemm(table, "ag_gemm", 8192, 8192, 8192, 2, **kw) == "fused"
+    assert tuning.choose_gemm(table, "ag_gemm", 16384, 8192, 8192, 2, **kw) == "fused"
+    assert tuning.choose_gemm(table, "ag_gemm", 8192, 14336, 8192, 2, **kw) == "overlap"
+    assert tuning.choose_gemm(table, "ag_gemm", 4096, 8192, 8192, 2, **kw) == "overlap"
+    assert tuning.choose_gemm(table, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=False,
+                              copy_engine_ok=True) == "overlap"
+    assert tuning.choose_gemm(table, "gemm_rs", 8192, 8192, 8192, 2, **kw) == "overlap"
