@@ -92,8 +92,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                             transport="copy_engine", out=out)
         model = fusedist.tuning.gemm_waves(comm.table)
         if fusedist.tuning.wave_col_split(M // W, W, N, model) < N:  # A/B: whole blocks
-            steps["fd_overlap_nowave"] = lambda i: no_waves(comm, lambda: fusedist.ag_gemm(
-                x, w, group=comm, engine="overlap", transport="nccl", out=out))
             steps["fd_overlap_ce_nowave"] = lambda i: no_waves(comm, lambda: fusedist.ag_gemm(
                 x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(

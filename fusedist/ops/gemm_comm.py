@@ -240,11 +240,12 @@ def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> 
 
 def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
              cs: torch.cuda.Stream, own: bool = False) -> list:
-    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging,
-    barrier, pull every peer's shard into `gathered` (one event per peer), with `own` also
-    copy the own shard into its rows of `gathered` (after the pulls, which the GEMMs wait
-    for; its event last), barrier again so no rank overwrites its staging while a peer still
-    reads it (also across CUDA-graph replays). Returns [(rank, event)]."""
+    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging (with
+    `own`, also into its rows of `gathered`: both local copies run before the barrier, while
+    the own rows' GEMM starts, not after the pulls where the last GEMM would wait for them),
+    barrier, pull every peer's shard into `gathered` (one event per peer), barrier again so no
+    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays).
+    Returns [(rank, event)], the own copy's first."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -253,6 +254,12 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
     with torch.cuda.stream(cs):
         C.memcpy_async(symm.bases[r] + symm.staging_offset, x_shard.data_ptr(), nbytes,
                        cs.cuda_stream)
+        if own:
+            C.memcpy_async(gathered.data_ptr() + r * nbytes, x_shard.data_ptr(), nbytes,
+                           cs.cuda_stream)
+            ev = torch.cuda.Event()
+            ev.record(cs)
+            events.append((r, ev))
         comm._device_barrier()
         for d in range(1, W):
             j = (r + d) % W
@@ -261,12 +268,6 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
             ev = torch.cuda.Event()
             ev.record(cs)
             events.append((j, ev))
-        if own:
-            C.memcpy_async(gathered.data_ptr() + r * nbytes, x_shard.data_ptr(), nbytes,
-                           cs.cuda_stream)
-            ev = torch.cuda.Event()
-            ev.record(cs)
-            events.append((r, ev))
         comm._device_barrier()
     return events
 
@@ -380,14 +381,17 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             return _mm(gathered, w, out, bias)
         main = comm._stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
-        # Columns [0, c) block by block as the blocks arrive, then columns [c, N) of all
-        # blocks in one GEMM, when the table's wave model says that fills the GEMM waves
-        # better than whole blocks (tuning.wave_col_split; c = N: whole blocks).
-        c = tuning.wave_col_split(m, W, n, tuning.gemm_waves(comm.table))
+        # Copy engine: columns [0, c) block by block as the blocks arrive, then columns
+        # [c, N) of all blocks in one GEMM, when the table's wave model says that fills the
+        # GEMM waves better than whole blocks (tuning.wave_col_split; c = N: whole blocks).
+        # Not with NCCL: its all-gather kernels hold SMs beside the first GEMM, and the cut
+        # measured 0-7% slower there (benchmarks/NOTES.md, session 7).
+        c = tuning.wave_col_split(m, W, n, tuning.gemm_waves(comm.table)) \
+            if how == "copy_engine" else n
         cs = _fork(main)
         if how == "copy_engine":
             ready = _ag_pull(comm, x_shard, gathered, cs, own=c < n)
-        else:  # NCCL's all-gather also fills the own rows
+        else:
             with torch.cuda.stream(cs):
                 comm.nccl_overlap.all_gather(x_shard, gathered)
                 gathered_ev = torch.cuda.Event()

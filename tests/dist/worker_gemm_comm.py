@@ -227,7 +227,8 @@ def wave_cut_pieces_match_reference(rt, seed):
     """The overlap engines with pieces cut by a wave model (tuning.wave_row_bounds /
     wave_col_split) or by explicit row counts: a toy model (16 x 64 tiles, 7 SMs) that makes
     the (129, 1000, 776) shapes split, so ag_gemm multiplies columns [c, N) of all gathered
-    blocks in one GEMM (both transports) and gemm_rs runs uneven chunks; gemm_ar with uneven
+    blocks in one GEMM (copy engine; NCCL keeps whole blocks) and gemm_rs runs uneven chunks;
+    gemm_ar with uneven
     row counts. Bias, float64 reference, outputs poisoned, bitwise identity where promised,
     eager and in a CUDA graph with fresh inputs."""
     if rt.device.type != "cuda" or rt.tp.size < 2:

@@ -463,7 +463,7 @@ def test_ag_copy_engine_pull(emulated, W, m):
 @pytest.mark.parametrize("W", [2, 3, 8])
 def test_ag_copy_engine_pull_with_own_rows(emulated, W):
     """With own=True (ag_gemm's column split multiplies all gathered rows at the end), the own
-    shard is copied into its rows too, after the pulls, its event last."""
+    shard is copied into its rows too, before the pulls, its event first."""
     m, k = 5, 7
     g = torch.Generator().manual_seed(W)
     shards = [torch.randn(m, k, generator=g) for _ in range(W)]
@@ -471,7 +471,7 @@ def test_ag_copy_engine_pull_with_own_rows(emulated, W):
     def fn(comm, r):
         gathered = torch.full((W * m, k), float("nan"))
         events = gc._ag_pull(comm, shards[r], gathered, _Stream(), own=True)
-        assert [j for j, _ in events] == [(r + d) % W for d in range(1, W)] + [r]
+        assert [j for j, _ in events] == [r] + [(r + d) % W for d in range(1, W)]
         return gathered
 
     for r, got in enumerate(emulated(W, m * k * 4, fn)):
