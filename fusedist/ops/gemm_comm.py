@@ -388,7 +388,19 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         # measured 0-7% slower there (benchmarks/NOTES.md, session 7).
         c = tuning.wave_col_split(m, W, n, tuning.gemm_waves(comm.table)) \
             if how == "copy_engine" else n
-        cs = _fork(main)
+        wc, bc = (w, bias) if c == n else (w[:, :c], None if bias is None else bias[:c])
+        # Every rank multiplies every block with the same [m, K] x [K, c] shape, and columns
+        # c.. of all blocks as one [W m, K] x [K, N - c] GEMM of the same gathered rows, so
+        # cuBLAS takes the same path everywhere: the output is bitwise identical across ranks.
+        own_first = _AG_GEMM_FIRST and how == "copy_engine"
+        if own_first:  # the own rows' GEMM enters the stream (or graph) before the comm branch
+            fork = torch.cuda.Event()
+            fork.record(main)
+            _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
+            cs = comm_stream(main.device)
+            cs.wait_event(fork)
+        else:
+            cs = _fork(main)
         if how == "copy_engine":
             ready = _ag_pull(comm, x_shard, gathered, cs, own=c < n)
         else:
@@ -399,11 +411,8 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             ready = [((r + d) % W, gathered_ev) for d in range(1, W)]
         x_shard.record_stream(cs)
         gathered.record_stream(cs)
-        # Every rank multiplies every block with the same [m, K] x [K, c] shape, and columns
-        # c.. of all blocks as one [W m, K] x [K, N - c] GEMM of the same gathered rows, so
-        # cuBLAS takes the same path everywhere: the output is bitwise identical across ranks.
-        wc, bc = (w, bias) if c == n else (w[:, :c], None if bias is None else bias[:c])
-        _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
+        if not own_first:
+            _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
         for j, ev in ready:
             main.wait_event(ev)
             if j != r:
@@ -516,6 +525,11 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     _release_staging(comm, main, cs)
     return out
 
+
+# ag_gemm's copy-engine overlap issues its own rows' GEMM before the comm branch (True) or
+# after it (False), for the benchmark's A/B (session 7: the first GEMM started ~120 us into a
+# traced graph replay, after the comm branch's local copies and barrier had been launched).
+_AG_GEMM_FIRST = False
 
 # gemm_ar's copy-engine pipeline exchanges its last chunk with an SM kernel (True) or the copy
 # engine between two barriers (False: session 5's tail, kept for the benchmark's A/B).
