@@ -42,30 +42,6 @@ def ce_tail(call):
         fd_gemm_comm._AR_SM_GATHER = prev
 
 
-def ag_gemm_first(call):
-    """call() with ag_gemm's copy-engine overlap issuing the own rows' GEMM before its comm
-    branch (fd_gemm_comm._AG_GEMM_FIRST), for an A/B. Captured graphs keep the choice."""
-    prev = fd_gemm_comm._AG_GEMM_FIRST
-    fd_gemm_comm._AG_GEMM_FIRST = True
-    try:
-        return call()
-    finally:
-        fd_gemm_comm._AG_GEMM_FIRST = prev
-
-
-def no_waves(comm, call):
-    """call() with the communicator's table lacking its wave model: the overlap engines cut
-    their GEMM pieces evenly (whole blocks for ag_gemm), for an A/B against the model's cut.
-    Inside a captured graph the choice is made at capture."""
-    prev = comm.table
-    comm.table = {**prev, "gemm_comm": {k: v for k, v in prev.get("gemm_comm", {}).items()
-                                        if k != "waves"}}
-    try:
-        return call()
-    finally:
-        comm.table = prev
-
-
 def shapes(quick: bool):
     ms = [4096, 8192] if quick else [2048, 4096, 8192, 16384]
     ns = [8192] if quick else [8192, 14336]
@@ -101,12 +77,6 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
-        steps["fd_overlap_ce_gfirst"] = lambda i: ag_gemm_first(lambda: fusedist.ag_gemm(
-            x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
-        model = fusedist.tuning.gemm_waves(comm.table)
-        if fusedist.tuning.wave_col_split(M // W, W, N, model) < N:  # A/B: whole blocks
-            steps["fd_overlap_ce_nowave"] = lambda i: no_waves(comm, lambda: fusedist.ag_gemm(
-                x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
         if hopper:
@@ -246,7 +216,7 @@ def table(rows) -> str:
 
     for (op, M, N, K), d in keyed.items():
         fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"
-               and not k.endswith(("_cetail", "_nowave", "_gfirst"))}  # A/B of older paths, not engines
+               and not k.endswith(("_cetail", "_nowave"))}  # A/B of older paths, not engines
         head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
                 f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
                 f"{fmt(d.get('torch_async_tp'))} |")

@@ -6,8 +6,10 @@ of tile_m rows x tile_n columns, one per SM per wave), and the kernel cuBLAS pic
 piece sequences the overlap engines run, without communication, cut evenly and cut by the
 model (tuning.wave_row_bounds / wave_col_split):
 
-  ag_gemm, W = 2, m rows per rank: whole blocks (2 x [m, N]) against columns [0, c) per block
-  and [2m, N - c] last, written into column slices of one output;
+  ag_gemm, W = 2, m rows per rank: whole blocks (2 x [m, N]) against a column cut: columns
+  [0, c) per block and [2m, N - c] last, into column slices of one output, with c the cut
+  that takes the fewest waves (measured faster here, but not end to end, so the engine does
+  not use it: benchmarks/NOTES.md, session 7);
   gemm_rs, W = 2, m rows per block: [peers c0][peers c1][own c0][own c1] with even chunks
   against the model's.
 
@@ -42,6 +44,14 @@ def kernel_name(fn) -> str:
     return max(ev, key=lambda e: e.device_time_total).name[:80] if ev else "?"
 
 
+def col_cut(m: int, n: int, model: dict) -> int:
+    """The column c (a multiple of tile_n, or n) with the fewest waves for 2 x [m, c] and
+    [2m, n - c]."""
+    def cost(c):
+        return 2 * tuning._waves(m, c, model) + tuning._waves(2 * m, n - c, model)
+    return min([n, *range(model["tile_n"], n, model["tile_n"])], key=lambda c: (cost(c), -c))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,8 +64,9 @@ def main():
         return
     dev, dt, K = torch.device("cuda", 0), torch.bfloat16, args.k
     torch.cuda.set_device(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     model = tuning.gemm_waves(tuning.load_table(torch.cuda.get_device_name(dev), 2)) or \
-        {"tile_m": 128, "tile_n": 256, "sms": torch.cuda.get_device_properties(dev).multi_processor_count}
+        {"tile_m": 128, "tile_n": 256, "sms": sms}
     g = torch.Generator(device=dev).manual_seed(1)
 
     def rnd(*s):
@@ -82,10 +93,10 @@ def main():
                "| sequence | m | pieces | waves (model) | us |", "|---|---|---|---|---|"]
         for m in (1024, 2048):
             xa = x[:2 * m]
-            c = tuning.wave_col_split(m, 2, N, model)
+            c = col_cut(m, N, model)
             seqs = {"ag whole blocks": [(slice(0, m), slice(0, N)), (slice(m, 2 * m), slice(0, N))]}
             if c < N:
-                seqs["ag column split"] = [(slice(0, m), slice(0, c)), (slice(m, 2 * m), slice(0, c)),
+                seqs["ag column cut"] = [(slice(0, m), slice(0, c)), (slice(m, 2 * m), slice(0, c)),
                                            (slice(0, 2 * m), slice(c, N))]
             even = [0, m // 2, m]
             cut = tuning.wave_row_bounds(m, N, 2, model)

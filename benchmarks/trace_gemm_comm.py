@@ -6,8 +6,7 @@ pipeline waits (a barrier that found no free SM, a pull that outlasts its GEMM, 
         --cfg gemm_ar:2048:8192:4096:copy_engine:2 --cfg gemm_rs:4096:14336:8192:copy_engine:2
 
 --cfg op:M:N:K:transport:chunks (transport nccl|collective|copy_engine|unfused, or fused for
-the fused engine with `chunks` copy pieces per block; copy_engine_gfirst: ag_gemm's copy-engine
-overlap with its own rows' GEMM issued before the comm branch, gemm_comm._AG_GEMM_FIRST). One CUDA-graph replay per configuration
+the fused engine with `chunks` copy pieces per block). One CUDA-graph replay per configuration
 is traced (--eager: an eager call). Prints each rank's timeline (us from that rank's first GPU
 event of the call: ranks' clocks are not aligned) and writes every rank's events to
 FUSEDIST_RESULTS_DIR (default benchmarks/results)/trace_gemm_comm-rank<r>.json.
@@ -28,7 +27,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fusedist  # noqa: E402
-from fusedist.ops import gemm_comm  # noqa: E402
 from _harness import init_gpus, metadata  # noqa: E402
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -60,17 +58,6 @@ def make_call(rt, comm, cfg, dtype):
         kw["engine"] = "unfused"
     elif cfg["transport"] == "fused":
         kw.update(engine="fused", chunks=cfg["chunks"])
-    elif cfg["transport"] == "copy_engine_gfirst":
-        kw.update(engine="overlap", transport="copy_engine")
-
-        def first():
-            prev = gemm_comm._AG_GEMM_FIRST
-            gemm_comm._AG_GEMM_FIRST = True
-            try:
-                return fn(x, w, **kw)
-            finally:
-                gemm_comm._AG_GEMM_FIRST = prev
-        return first
     else:
         kw.update(engine="overlap", transport=cfg["transport"])
         if op != "ag_gemm":

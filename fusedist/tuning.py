@@ -131,9 +131,10 @@ def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
 
 # ---- wave-aware GEMM pieces ---------------------------------------------------------------
 # A tiled GEMM runs its output tiles in waves of one tile per SM, so a piece of ceil(t / sms)
-# waves costs as much as a full one. The overlap engines cut one GEMM into pieces; cut
-# blindly, the pieces can need more waves than the whole GEMM (2 x 1024 rows x 14336 columns
-# in 128 x 256 tiles: 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves"
+# waves costs as much as a full one. gemm_rs's copy-engine overlap cuts each rank block's
+# rows into chunks and multiplies every chunk as its own GEMMs; cut evenly, the pieces can
+# need more waves than the whole GEMM (2 x 1024 rows x 14336 columns in 128 x 256 tiles:
+# 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves"
 # entry, {"tile_m": rows, "tile_n": columns, "sms": n}, describes the GEMM that the pieces run
 # (cuBLAS's, as traced on the table's GPU); without it pieces are cut evenly. Taken from rank
 # 0's table, so every rank cuts the same pieces. Optional "min_gain" (default 0): the least
@@ -223,20 +224,3 @@ def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: in
             best = got
     _ROW_CACHE[key] = best[2]
     return best[2]
-
-
-def wave_col_split(block_rows: int, blocks: int, cols: int, model: Optional[dict]) -> int:
-    """ag_gemm's overlap multiplies each of `blocks` row blocks (block_rows x cols outputs) as
-    its input arrives. Returns c: the blocks are multiplied one by one on columns [0, c) and
-    all blocks together, last, on columns [c, cols), when that takes fewer waves in total than
-    c = cols (no split; also without a model). c is a whole number of tile columns."""
-    if model is None or blocks < 2:
-        return cols
-    tn = model["tile_n"]
-    whole = blocks * _waves(block_rows, cols, model)
-    best_c, best = cols, whole
-    for c in range(tn, cols, tn):
-        cost = blocks * _waves(block_rows, c, model) + _waves(blocks * block_rows, cols - c, model)
-        if cost < best or (cost == best and c > best_c):
-            best_c, best = c, cost
-    return best_c if _gains(best, whole, model) else cols

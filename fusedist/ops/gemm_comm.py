@@ -239,13 +239,10 @@ def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> 
 
 
 def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
-             cs: torch.cuda.Stream, own: bool = False) -> list:
-    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging (with
-    `own`, also into its rows of `gathered`: both local copies run before the barrier, while
-    the own rows' GEMM starts, not after the pulls where the last GEMM would wait for them),
+             cs: torch.cuda.Stream) -> list:
+    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging,
     barrier, pull every peer's shard into `gathered` (one event per peer), barrier again so no
-    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays).
-    Returns [(rank, event)], the own copy's first."""
+    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays)."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -254,12 +251,6 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
     with torch.cuda.stream(cs):
         C.memcpy_async(symm.bases[r] + symm.staging_offset, x_shard.data_ptr(), nbytes,
                        cs.cuda_stream)
-        if own:
-            C.memcpy_async(gathered.data_ptr() + r * nbytes, x_shard.data_ptr(), nbytes,
-                           cs.cuda_stream)
-            ev = torch.cuda.Event()
-            ev.record(cs)
-            events.append((r, ev))
         comm._device_barrier()
         for d in range(1, W):
             j = (r + d) % W
@@ -381,28 +372,9 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             return _mm(gathered, w, out, bias)
         main = comm._stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
-        # Copy engine: columns [0, c) block by block as the blocks arrive, then columns
-        # [c, N) of all blocks in one GEMM, when the table's wave model says that fills the
-        # GEMM waves better than whole blocks (tuning.wave_col_split; c = N: whole blocks).
-        # Not with NCCL: its all-gather kernels hold SMs beside the first GEMM, and the cut
-        # measured 0-7% slower there (benchmarks/NOTES.md, session 7).
-        c = tuning.wave_col_split(m, W, n, tuning.gemm_waves(comm.table)) \
-            if how == "copy_engine" else n
-        wc, bc = (w, bias) if c == n else (w[:, :c], None if bias is None else bias[:c])
-        # Every rank multiplies every block with the same [m, K] x [K, c] shape, and columns
-        # c.. of all blocks as one [W m, K] x [K, N - c] GEMM of the same gathered rows, so
-        # cuBLAS takes the same path everywhere: the output is bitwise identical across ranks.
-        own_first = _AG_GEMM_FIRST and how == "copy_engine"
-        if own_first:  # the own rows' GEMM enters the stream (or graph) before the comm branch
-            fork = torch.cuda.Event()
-            fork.record(main)
-            _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
-            cs = comm_stream(main.device)
-            cs.wait_event(fork)
-        else:
-            cs = _fork(main)
+        cs = _fork(main)
         if how == "copy_engine":
-            ready = _ag_pull(comm, x_shard, gathered, cs, own=c < n)
+            ready = _ag_pull(comm, x_shard, gathered, cs)
         else:
             with torch.cuda.stream(cs):
                 comm.nccl_overlap.all_gather(x_shard, gathered)
@@ -411,14 +383,12 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             ready = [((r + d) % W, gathered_ev) for d in range(1, W)]
         x_shard.record_stream(cs)
         gathered.record_stream(cs)
-        if not own_first:
-            _mm(x_shard, wc, out[r * m:(r + 1) * m, :c], bc)
+        # Every rank multiplies every block with the same [m, K] x [K, N] shape, so cuBLAS
+        # takes the same path everywhere and the output is bitwise identical across ranks.
+        _mm(x_shard, w, out[r * m:(r + 1) * m], bias)
         for j, ev in ready:
             main.wait_event(ev)
-            if j != r:
-                _mm(gathered[j * m:(j + 1) * m], wc, out[j * m:(j + 1) * m, :c], bc)
-        if c < n:
-            _mm(gathered, w[:, c:], out[:, c:], None if bias is None else bias[c:])
+            _mm(gathered[j * m:(j + 1) * m], w, out[j * m:(j + 1) * m], bias)
         if how == "copy_engine":
             main.wait_stream(cs)  # the closing barrier: joined for graph capture and ordering
         return out
@@ -525,11 +495,6 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     _release_staging(comm, main, cs)
     return out
 
-
-# ag_gemm's copy-engine overlap issues its own rows' GEMM before the comm branch (True) or
-# after it (False), for the benchmark's A/B (session 7: the first GEMM started ~120 us into a
-# traced graph replay, after the comm branch's local copies and barrier had been launched).
-_AG_GEMM_FIRST = False
 
 # gemm_ar's copy-engine pipeline exchanges its last chunk with an SM kernel (True) or the copy
 # engine between two barriers (False: session 5's tail, kept for the benchmark's A/B).

@@ -224,13 +224,11 @@ def copy_engine_transport_matches_reference(rt, seed):
 
 @check
 def wave_cut_pieces_match_reference(rt, seed):
-    """The overlap engines with pieces cut by a wave model (tuning.wave_row_bounds /
-    wave_col_split) or by explicit row counts: a toy model (16 x 64 tiles, 7 SMs) that makes
-    the (129, 1000, 776) shapes split, so ag_gemm multiplies columns [c, N) of all gathered
-    blocks in one GEMM (copy engine; NCCL keeps whole blocks) and gemm_rs runs uneven chunks;
-    gemm_ar with uneven
-    row counts. Bias, float64 reference, outputs poisoned, bitwise identity where promised,
-    eager and in a CUDA graph with fresh inputs."""
+    """The copy-engine overlaps with chunks cut by a wave model (tuning.wave_row_bounds) or
+    given as row counts: a toy model (16 x 64 tiles, 7 SMs) that makes gemm_rs's 129-row
+    blocks split unevenly, and gemm_ar with uneven row counts. Bias, float64 reference,
+    outputs poisoned, bitwise identity for gemm_ar, eager and in a CUDA graph with fresh
+    inputs."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
         return
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
@@ -238,26 +236,12 @@ def wave_cut_pieces_match_reference(rt, seed):
     model = {"tile_m": 16, "tile_n": 64, "sms": 7}
     ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 21)
     ce.table = {**ce.table, "gemm_comm": {**ce.table.get("gemm_comm", {}), "waves": model}}
-    c = fusedist.tuning.wave_col_split(m, W, n, model)
     rs_bounds = fusedist.tuning.wave_row_bounds(m, n, 2, model)
-    assert c < n and rs_bounds != [0, m // 2, m], (c, rs_bounds)  # the model does cut
+    assert rs_bounds != [0, m // 2, m], rs_bounds  # the model does cut
+    M = W * m
     for dt in (torch.bfloat16, torch.float16):
-        for transport in ("nccl", "copy_engine"):
-            s = (seed, "ag-wave", str(dt), transport)
-            xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
-            w = fresh((k, n), dt, dev, rank_seed(s, "w"))
-            b = fresh((n,), dt, dev, rank_seed(s, "b"))
-            ref = torch.cat(xs).double() @ w.double() + b.double()
-            out = poison(torch.empty((W * m, n), dtype=dt, device=dev))
-            y = fusedist.ag_gemm(xs[me], w, b, group=ce, engine="overlap", transport=transport,
-                                 out=out)
-            what = f"ag_gemm wave-cut {transport} {dt} (c = {c} of {n} columns)"
-            err = gemm_rel_err(y, ref)
-            assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
-            assert_identical_across_ranks(rt, y, what)
         for chunks in (2, [100, 29], [1, 64, 64]):  # 2: the model's bounds, rs_bounds
             check_rs_copy_engine(rt, ce, (seed, "rs-wave"), m, k, n, dt, chunks, True)
-        M = W * m
         for chunks in ([M - 40, 40], [3, M - 100, 97]):
             s = (seed, "ar-rows", str(dt), str(chunks))
             xs = [fresh((M, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
@@ -272,21 +256,18 @@ def wave_cut_pieces_match_reference(rt, seed):
             assert_identical_across_ranks(rt, y, what)
     # Row counts that do not add up name the sum.
     try:
-        fusedist.gemm_rs(torch.ones(W * m, k, device=dev, dtype=torch.bfloat16),
+        fusedist.gemm_rs(torch.ones(M, k, device=dev, dtype=torch.bfloat16),
                          torch.ones(k, n, device=dev, dtype=torch.bfloat16), group=ce,
                          engine="overlap", transport="copy_engine", chunks=[m, 1])
     except ValueError as e:
         assert f"sum to M / world ({m})" in str(e), str(e)
     else:
         raise AssertionError("no ValueError for row counts that do not sum to M / world")
-    kw = {"group": ce, "engine": "overlap"}
+    kw = {"group": ce, "engine": "overlap", "transport": "copy_engine"}
     check_mixed_graph(rt, seed, "wave-graph", m, k, n, torch.bfloat16, 6,
-                      ag=lambda x, w: fusedist.ag_gemm(x, w, transport="copy_engine", **kw),
-                      rs=lambda x, w: fusedist.gemm_rs(x, w, transport="copy_engine", chunks=2,
-                                                       **kw),
-                      ar=lambda x, w: fusedist.gemm_ar(x, w, transport="copy_engine",
-                                                       chunks=[W * m - 50, 50], **kw),
-                      ag_b=lambda x, w: fusedist.ag_gemm(x, w, transport="nccl", **kw))
+                      ag=lambda x, w: fusedist.ag_gemm(x, w, **kw),
+                      rs=lambda x, w: fusedist.gemm_rs(x, w, chunks=2, **kw),
+                      ar=lambda x, w: fusedist.gemm_ar(x, w, chunks=[M - 50, 50], **kw))
     ce.close()
 
 

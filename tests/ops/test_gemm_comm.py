@@ -460,24 +460,6 @@ def test_ag_copy_engine_pull(emulated, W, m):
         assert torch.equal(got, torch.cat(shards)), f"rank {r}"
 
 
-@pytest.mark.parametrize("W", [2, 3, 8])
-def test_ag_copy_engine_pull_with_own_rows(emulated, W):
-    """With own=True (ag_gemm's column split multiplies all gathered rows at the end), the own
-    shard is copied into its rows too, before the pulls, its event first."""
-    m, k = 5, 7
-    g = torch.Generator().manual_seed(W)
-    shards = [torch.randn(m, k, generator=g) for _ in range(W)]
-
-    def fn(comm, r):
-        gathered = torch.full((W * m, k), float("nan"))
-        events = gc._ag_pull(comm, shards[r], gathered, _Stream(), own=True)
-        assert [j for j, _ in events] == [r] + [(r + d) % W for d in range(1, W)]
-        return gathered
-
-    for r, got in enumerate(emulated(W, m * k * 4, fn)):
-        assert torch.equal(got, torch.cat(shards)), f"rank {r}"
-
-
 class _Signals:
     """The fused gemm_rs's per-rank counters [owner][src][piece], signalled the way the
     sm90 GEMM's tiles do (one add per N tile of every BLOCK_M row tile, per piece it touches)
