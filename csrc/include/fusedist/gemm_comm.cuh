@@ -341,8 +341,10 @@ __global__ void __launch_bounds__(kStagingGatherThreads)
   __syncthreads();
   if (p < v.world && p != v.rank) {
     st_volatile(slot_ptr(v, p, epoch, v.rank) + blockIdx.x, Vec16{{1u, 1u, 1u, 1u}});
+    Vec16* mine = slot_ptr(v, v.rank, epoch, p) + blockIdx.x;
     Vec16 token;
-    ok = take(v, slot_ptr(v, v.rank, epoch, p), blockIdx.x, p, epoch, kOpGemmAr, token);
+    ok = wait_vec(mine, token, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, kOpGemmAr);
+    if (ok) *mine = empty_vec();
     __threadfence_system();  // acquire: the peer's rows are read after its token arrived
   }
   ok = __syncthreads_and(ok);

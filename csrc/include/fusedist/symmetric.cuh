@@ -23,20 +23,14 @@ __device__ __forceinline__ Vec16 nan_vec() {
   return Vec16{{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}};
 }
 
-// Take vector `i` of a slot in my own buffer: wait for it, then clear it for reuse. False
-// when the wait timed out (the error is recorded; the vector is left as it was).
-__device__ __forceinline__ bool take(const SymmView& v, Vec16* mine, int64_t i, int peer,
-                                     uint32_t epoch, uint32_t op, Vec16& y) {
-  if (!wait_vec(mine + i, y, v.ctl, v.err, v.timeout_ns, v.rank, peer, epoch, op)) return false;
-  mine[i] = empty_vec();
-  return true;
-}
-
-// Receive vector `i` of a slot in my own buffer (take()), NaN after a timeout.
+// Receive vector `i` of `slot` in my own buffer: wait for it, then clear it for reuse.
 __device__ __forceinline__ Vec16 receive(const SymmView& v, Vec16* mine, int64_t i, int peer,
                                          uint32_t epoch, uint32_t op) {
   Vec16 y;
-  return take(v, mine, i, peer, epoch, op, y) ? y : nan_vec();
+  if (!wait_vec(mine + i, y, v.ctl, v.err, v.timeout_ns, v.rank, peer, epoch, op))
+    return nan_vec();
+  mine[i] = empty_vec();
+  return y;
 }
 
 }  // namespace fusedist
