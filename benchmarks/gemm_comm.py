@@ -42,6 +42,17 @@ def ce_tail(call):
         fd_gemm_comm._AR_SM_GATHER = prev
 
 
+def stage_on_cs(call):
+    """call() with ag_gemm's copy-engine overlap staging its shard on the comm stream
+    (sessions 2-6) instead of the caller's stream, for an A/B. Captured graphs keep it."""
+    prev = fd_gemm_comm._AG_STAGE_ON_MAIN
+    fd_gemm_comm._AG_STAGE_ON_MAIN = False
+    try:
+        return call()
+    finally:
+        fd_gemm_comm._AG_STAGE_ON_MAIN = prev
+
+
 def shapes(quick: bool):
     ms = [4096, 8192] if quick else [2048, 4096, 8192, 16384]
     ns = [8192] if quick else [8192, 14336]
@@ -77,6 +88,8 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
+        steps["fd_overlap_ce_stagecs"] = lambda i: stage_on_cs(lambda: fusedist.ag_gemm(
+            x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
         if hopper:
@@ -216,7 +229,7 @@ def table(rows) -> str:
 
     for (op, M, N, K), d in keyed.items():
         fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"
-               and not k.endswith(("_cetail", "_nowave"))}  # A/B of older paths, not engines
+               and not k.endswith(("_cetail", "_nowave", "_stagecs"))}  # A/B of older paths, not engines
         head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
                 f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
                 f"{fmt(d.get('torch_async_tp'))} |")

@@ -238,19 +238,27 @@ def _ag_transport(comm: Communicator, x_shard: torch.Tensor, transport: str) -> 
     return _transport("ag_gemm", comm, x_shard.numel() * x_shard.element_size(), transport)
 
 
+def _ag_stage(comm: Communicator, x_shard: torch.Tensor, stream: torch.cuda.Stream):
+    """This rank's shard -> its symmetric staging, on `stream`."""
+    _ext.load().memcpy_async(comm.symm.bases[comm.group.rank] + comm.symm.staging_offset,
+                             x_shard.data_ptr(), x_shard.numel() * x_shard.element_size(),
+                             stream.cuda_stream)
+
+
 def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
-             cs: torch.cuda.Stream) -> list:
-    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging,
-    barrier, pull every peer's shard into `gathered` (one event per peer), barrier again so no
-    rank overwrites its staging while a peer still reads it (also across CUDA-graph replays)."""
+             cs: torch.cuda.Stream, stage: bool = True) -> list:
+    """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging (unless
+    `stage` is False: the caller did, on a stream `cs` follows), barrier, pull every peer's
+    shard into `gathered` (one event per peer), barrier again so no rank overwrites its
+    staging while a peer still reads it (also across CUDA-graph replays)."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
     nbytes = x_shard.numel() * x_shard.element_size()
     events = []
     with torch.cuda.stream(cs):
-        C.memcpy_async(symm.bases[r] + symm.staging_offset, x_shard.data_ptr(), nbytes,
-                       cs.cuda_stream)
+        if stage:
+            _ag_stage(comm, x_shard, cs)
         comm._device_barrier()
         for d in range(1, W):
             j = (r + d) % W
@@ -372,9 +380,12 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             return _mm(gathered, w, out, bias)
         main = comm._stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
+        stage_on_main = how == "copy_engine" and _AG_STAGE_ON_MAIN
+        if stage_on_main:
+            _ag_stage(comm, x_shard, main)
         cs = _fork(main)
         if how == "copy_engine":
-            ready = _ag_pull(comm, x_shard, gathered, cs)
+            ready = _ag_pull(comm, x_shard, gathered, cs, stage=not stage_on_main)
         else:
             with torch.cuda.stream(cs):
                 comm.nccl_overlap.all_gather(x_shard, gathered)
@@ -495,6 +506,13 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     _release_staging(comm, main, cs)
     return out
 
+
+# ag_gemm's copy-engine overlap stages the shard on the caller's stream before forking the
+# comm stream (True), or first thing on the comm stream (False: sessions 2-6). Session 7's
+# traces: where a graph ran the comm stream's staging copy as an SM kernel (memcpy128), the
+# first GEMM started 105-122 us into the replay, against 17-23 us where it ran on the copy
+# engine. The benchmark times both (fd_overlap_ce_stagecs: False).
+_AG_STAGE_ON_MAIN = True
 
 # gemm_ar's copy-engine pipeline exchanges its last chunk with an SM kernel (True) or the copy
 # engine between two barriers (False: session 5's tail, kept for the benchmark's A/B).

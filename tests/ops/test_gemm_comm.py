@@ -460,6 +460,25 @@ def test_ag_copy_engine_pull(emulated, W, m):
         assert torch.equal(got, torch.cat(shards)), f"rank {r}"
 
 
+@pytest.mark.parametrize("W", [2, 3, 8])
+def test_ag_copy_engine_pull_staged_by_the_caller(emulated, W):
+    """ag_gemm stages the shard on its own stream (_ag_stage) and forks the pull after it
+    (stage=False): every rank still gathers every shard."""
+    m, k = 5, 7
+    g = torch.Generator().manual_seed(W)
+    shards = [torch.randn(m, k, generator=g) for _ in range(W)]
+
+    def fn(comm, r):
+        gathered = torch.full((W * m, k), float("nan"))
+        gathered[r * m:(r + 1) * m] = shards[r]
+        gc._ag_stage(comm, shards[r], _Stream())
+        gc._ag_pull(comm, shards[r], gathered, _Stream(), stage=False)
+        return gathered
+
+    for r, got in enumerate(emulated(W, m * k * 4, fn)):
+        assert torch.equal(got, torch.cat(shards)), f"rank {r}"
+
+
 class _Signals:
     """The fused gemm_rs's per-rank counters [owner][src][piece], signalled the way the
     sm90 GEMM's tiles do (one add per N tile of every BLOCK_M row tile, per piece it touches)
