@@ -96,8 +96,7 @@ def choose_gemm(table: dict, op: str, m: int, n: int, k: int, world: int,
     """Engine for a GEMM + collective: "fused" when the fused kernel takes the call
     (`fused_ok`) and M <= the rule's fused_max_m (decode kernels) or M*N*K >= its
     fused_min_mnk with N <= its fused_max_n when set (prefill kernels); else "overlap" from
-    min_mnk up, or from
-    ce_min_mnk up when the overlap engine would move data with the copy engine
+    min_mnk up, or from ce_min_mnk up when the overlap engine would move data with the copy engine
     (`copy_engine_ok`: the communicator has staging for the call); else "unfused". Inputs are
     identical on every rank, so is the choice."""
     rule = _gemm_rule(table, op)
@@ -134,17 +133,20 @@ def gemm_chunks(table: dict, op: str, m: int, n: int, k: int, world: int,
 # waves costs as much as a full one. gemm_rs's copy-engine overlap cuts each rank block's
 # rows into chunks and multiplies every chunk as its own GEMMs; cut evenly, the pieces can
 # need more waves than the whole GEMM (2 x 1024 rows x 14336 columns in 128 x 256 tiles:
-# 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves"
-# entry, {"tile_m": rows, "tile_n": columns, "sms": n}, describes the GEMM that the pieces run
-# (cuBLAS's, as traced on the table's GPU); without it pieces are cut evenly. Taken from rank
-# 0's table, so every rank cuts the same pieces. Optional "min_gain" (default 0): the least
-# fraction of the even cut's waves that another cut must save to be taken.
+# 2 x 4 waves against 7 for 2048 rows). The table's "gemm_comm" "waves" entry, {"tile_m":
+# rows, "tile_n": columns, "sms": n}, describes the GEMM that the pieces run (cuBLAS's, as
+# traced on the table's GPU); without it pieces are cut evenly. Taken from rank 0's table, so
+# every rank cuts the same pieces. Optional "min_gain" (default 0): the least fraction of the
+# even cut's waves that another cut must save to be taken.
 
 def gemm_waves(table: dict) -> Optional[dict]:
     """The table's wave model, or None."""
     w = table.get("gemm_comm", {}).get("waves")
     if not w:
         return None
+    if not all(key in w for key in ("tile_m", "tile_n", "sms")):
+        raise ValueError(f"fusedist: tuning table gemm_comm.waves needs tile_m, tile_n and sms, "
+                         f"got {w!r}")
     model = {key: int(w[key]) for key in ("tile_m", "tile_n", "sms")}
     model["min_gain"] = float(w.get("min_gain", 0.0))
     if min(model["tile_m"], model["tile_n"], model["sms"]) < 1 or \
@@ -174,8 +176,9 @@ def _even(n: int, parts: int) -> list:
 def wave_row_bounds(rows: int, cols: int, parts: int, model: Optional[dict]) -> list:
     """Bounds of `parts` consecutive row ranges of a rows x cols GEMM output, each range run
     as its own GEMM (or as several of that shape: the argmin is the same). The even split,
-    unless a split whose ranges are whole numbers of tile rows takes fewer waves in total;
-    then the most even such split (least sum of squared rows)."""
+    unless a split whose ranges are whole numbers of tile rows takes fewer waves in total, by
+    at least the model's min_gain; then the most even such split (least sum of squared
+    rows)."""
     even = _even(rows, parts)
     if model is None or parts < 2 or rows < parts:
         return even
