@@ -12,6 +12,7 @@ A Communicator takes rank 0's table at creation, so every rank makes the same ch
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -169,7 +170,8 @@ def _waves(rows: int, cols: int, model: dict) -> int:
     return -(-tiles // model["sms"])
 
 
-def _even(n: int, parts: int) -> list:
+def even_bounds(n: int, parts: int) -> list:
+    """Bounds of `parts` near-equal consecutive ranges of range(n) (some empty when n < parts)."""
     return [n * i // parts for i in range(parts + 1)]
 
 
@@ -179,7 +181,7 @@ def wave_row_bounds(rows: int, cols: int, parts: int, model: Optional[dict]) -> 
     unless a split whose ranges are whole numbers of tile rows takes fewer waves in total, by
     at least the model's min_gain; then the most even such split (least sum of squared
     rows)."""
-    even = _even(rows, parts)
+    even = even_bounds(rows, parts)
     if model is None or parts < 2 or rows < parts:
         return even
     cut = list(_wave_row_bounds(rows, cols, parts, model["tile_m"], model["tile_n"],
@@ -191,15 +193,10 @@ def _cost(bounds: list, cols: int, model: dict) -> int:
     return sum(_waves(b - a, cols, model) for a, b in zip(bounds, bounds[1:]))
 
 
-_ROW_CACHE: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: int) -> tuple:
-    key = (rows, cols, parts, tm, tn, sms)
-    if key in _ROW_CACHE:
-        return _ROW_CACHE[key]
     model = {"tile_m": tm, "tile_n": tn, "sms": sms}
-    even = _even(rows, parts)
+    even = even_bounds(rows, parts)
     T = -(-rows // tm)  # tile rows; the last one may be partial
     best = (_cost(even, cols, model), sum((b - a) ** 2 for a, b in zip(even, even[1:])),
             tuple(even))
@@ -225,5 +222,4 @@ def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: in
         got = dp[parts].get(T)
         if got is not None and got[0] < best[0]:
             best = got
-    _ROW_CACHE[key] = best[2]
     return best[2]

@@ -257,7 +257,7 @@ def _all_aligned_splits(rows, parts, tm):
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 def test_wave_row_bounds_against_brute_force(model, rows, cols, parts):
     got = tuning.wave_row_bounds(rows, cols, parts, model)
-    even = tuning._even(rows, parts)
+    even = tuning.even_bounds(rows, parts)
     assert len(got) == parts + 1 and got[0] == 0 and got[-1] == rows
     assert all(a <= b for a, b in zip(got, got[1:]))
     cost = tuning._cost(got, cols, model)

@@ -406,9 +406,7 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 # ---- gemm_rs ------------------------------------------------------------------------------
-def _split(n: int, parts: int) -> list:
-    """Bounds of `parts` near-equal consecutive ranges of range(n) (some empty when n < parts)."""
-    return [n * i // parts for i in range(parts + 1)]
+_split = tuning.even_bounds
 
 
 def _barrier_then(comm: Communicator, stream: torch.cuda.Stream, cs: torch.cuda.Stream):
@@ -766,7 +764,7 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             _rs_copy_engine(comm, x, w_shard, out, comm._stream(), bounds)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k, rows=m)
-        bounds = [m * c // C for c in range(C + 1)]
+        bounds = _split(m, C)
         xv = x.view(W, m, k)
         main = torch.cuda.current_stream(x.device)
         cs = _fork(main)
@@ -847,7 +845,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
         by_rows = M >= 2 * C * 64
         if by_rows:
             C = max(1, min(C, M))
-            bounds = [M * c // C for c in range(C + 1)]
+            bounds = _split(M, C)
         else:  # decode-sized M: cut N into column blocks of whole 16-byte vectors
             C = max(1, min(C, n // 8))
             bounds = [(n * c // C) // 8 * 8 for c in range(C)] + [n]
