@@ -30,27 +30,19 @@ from fusedist.ops import gemm_comm as fd_gemm_comm  # noqa: E402
 from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 
 
-def ce_tail(call):
-    """call() with gemm_ar's copy-engine pipeline gathering its last chunk by the copy engine
-    between two barriers (session 5's tail), for an A/B against staging_gather_kernel. Inside
-    a captured graph the choice is made at capture."""
-    prev = fd_gemm_comm._AR_SM_GATHER
-    fd_gemm_comm._AR_SM_GATHER = False
+def flag_off(flag: str, call):
+    """call() with the module flag fd_gemm_comm.<flag> False, for an A/B of an older path
+    (inside a captured graph the choice is made at capture):
+      _AR_SM_GATHER: gemm_ar's copy-engine pipeline gathers its last chunk by the copy engine
+        between two barriers (session 5's tail), not staging_gather_kernel;
+      _AG_STAGE_ON_MAIN: ag_gemm's copy-engine overlap stages its shard on the comm stream
+        (sessions 2-6), not the caller's stream."""
+    prev = getattr(fd_gemm_comm, flag)
+    setattr(fd_gemm_comm, flag, False)
     try:
         return call()
     finally:
-        fd_gemm_comm._AR_SM_GATHER = prev
-
-
-def stage_on_cs(call):
-    """call() with ag_gemm's copy-engine overlap staging its shard on the comm stream
-    (sessions 2-6) instead of the caller's stream, for an A/B. Captured graphs keep it."""
-    prev = fd_gemm_comm._AG_STAGE_ON_MAIN
-    fd_gemm_comm._AG_STAGE_ON_MAIN = False
-    try:
-        return call()
-    finally:
-        fd_gemm_comm._AG_STAGE_ON_MAIN = prev
+        setattr(fd_gemm_comm, flag, prev)
 
 
 def shapes(quick: bool):
@@ -88,8 +80,9 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                                          transport="nccl", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
-        steps["fd_overlap_ce_stagecs"] = lambda i: stage_on_cs(lambda: fusedist.ag_gemm(
-            x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
+        steps["fd_overlap_ce_stagecs"] = lambda i: flag_off(
+            "_AG_STAGE_ON_MAIN", lambda: fusedist.ag_gemm(
+                x, w, group=comm, engine="overlap", transport="copy_engine", out=out))
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
             x, [w], 0, gname, return_A=False)
         if hopper:
@@ -146,9 +139,10 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
             # A/B in the same run: the last chunk gathered by the copy engine between two
             # barriers (session 5's tail) instead of staging_gather_kernel.
             for c, name in ((2, "fd_overlap_ce_cetail"), (4, "fd_overlap_ce_c4_cetail")):
-                steps[name] = (lambda c: lambda i: ce_tail(
-                    lambda: fusedist.gemm_ar(x, w, group=comm, engine="overlap",
-                                             transport="copy_engine", chunks=c, out=out)))(c)
+                steps[name] = (lambda c: lambda i: flag_off(
+                    "_AR_SM_GATHER", lambda: fusedist.gemm_ar(
+                        x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
+                        out=out)))(c)
         if M <= 128:
             w_nk = rnd(N, K)  # an nn.Linear weight [N, K], used as w_nk.t()
             steps["fd_fused"] = lambda i: fusedist.gemm_ar(x, w, group=comm, engine="fused",
@@ -229,7 +223,8 @@ def table(rows) -> str:
 
     for (op, M, N, K), d in keyed.items():
         fds = {k: v for k, v in d.items() if k.startswith("fd_") and v["status"] == "ok"
-               and not k.endswith(("_cetail", "_nowave", "_stagecs"))}  # A/B of older paths, not engines
+               # A/Bs of older paths, not engines
+               and not k.endswith(("_cetail", "_nowave", "_stagecs"))}
         head = (f"| {op} | {M} | {N} | {K} | {fmt(d.get('gemm_only'))} | "
                 f"{fmt(d.get('collective_only'))} | {fmt(d.get('unfused'))} | "
                 f"{fmt(d.get('torch_async_tp'))} |")
