@@ -44,12 +44,12 @@ void c_wait(ChunkWait& cw, const SymmComm& comm, const GemmWaitArgs& wait, int m
   cw.op = kOpGemmRs;
 }
 
-template <typename T>
+template <typename T, int kTile>
 void run_layout(const GemmSm90Call& a, bool w_nk) {
   if (w_nk)
-    gemm_sm90_run<T, true>(a);
+    gemm_sm90_run<T, true, kTile>(a);
   else
-    gemm_sm90_run<T, false>(a);
+    gemm_sm90_run<T, false, kTile>(a);
 }
 
 }  // namespace
@@ -57,7 +57,7 @@ void run_layout(const GemmSm90Call& a, bool w_nk) {
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
                int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
-               const GemmSignalArgs& signal, uintptr_t stream) {
+               const GemmSignalArgs& signal, uintptr_t stream, int tile) {
   const std::string op = "gemm: ";
   FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
   FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
@@ -123,10 +123,25 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     cs.piece_rows = (br + signal.pieces - 1) / signal.pieces;
     cs.src = rank;
   }
-  if (dtype == DType::kBFloat16)
-    run_layout<__nv_bfloat16>(a, w_nk);
-  else
-    run_layout<__half>(a, w_nk);
+  const bool plain = wait.flags == 0 && signal.pieces == 0;
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrowK128,
+                     op + "tile must be 0 (auto), 1 (wide) or 2..4 (narrow)");
+  FUSEDIST_CHECK_ARG(plain || tile <= kSm90TileWide,
+                     op + "the fused engines' waits and signals run on the wide tile only");
+  if (tile == kSm90TileAuto)
+    tile = plain && m <= kGemmSm90NarrowMaxM && dtype == DType::kBFloat16 ? kSm90TileNarrow
+                                                                          : kSm90TileWide;
+  FUSEDIST_CHECK_ARG(tile == kSm90TileWide || dtype == DType::kBFloat16,
+                     op + "narrow tiles: bfloat16 only (experiment build)");
+  if (dtype == DType::kBFloat16) {
+    switch (tile) {
+      case kSm90TileNarrow: return run_layout<__nv_bfloat16, kSm90TileNarrow>(a, w_nk);
+      case kSm90TileNarrowC1: return run_layout<__nv_bfloat16, kSm90TileNarrowC1>(a, w_nk);
+      case kSm90TileNarrowK128: return run_layout<__nv_bfloat16, kSm90TileNarrowK128>(a, w_nk);
+      default: return run_layout<__nv_bfloat16, kSm90TileWide>(a, w_nk);
+    }
+  }
+  run_layout<__half, kSm90TileWide>(a, w_nk);
 }
 
 }  // namespace fusedist

@@ -23,17 +23,18 @@ struct GemmSm90Call {
 
 // The scheduler's swizzle (M clusters per raster group) for m rows: 8, or less where CUTLASS's
 // padding of the M clusters to a multiple of it would add more than 1/8 phantom tiles.
-inline int gemm_sm90_swizzle(int m) {
+inline int gemm_sm90_swizzle(int m, int cluster_m) {
   const int tiles = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM;
-  const int clusters = (tiles + kGemmSm90ClusterM - 1) / kGemmSm90ClusterM;
+  const int clusters = (tiles + cluster_m - 1) / cluster_m;
   int swizzle = 8;
   while (swizzle > 1 && (clusters + swizzle - 1) / swizzle * swizzle * 8 > clusters * 9)
     swizzle /= 2;
   return swizzle;
 }
 
-// T: __nv_bfloat16 or __half; kWNK: w is the .t() of an [N, K] row-major weight.
-template <typename T, bool kWNK>
+// T: __nv_bfloat16 or __half; kWNK: w is the .t() of an [N, K] row-major weight; kTile: an
+// Sm90Tile other than auto.
+template <typename T, bool kWNK, int kTile>
 void gemm_sm90_run(const GemmSm90Call& a);
 
 }  // namespace fusedist

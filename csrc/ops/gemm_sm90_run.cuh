@@ -12,9 +12,28 @@
 
 namespace fusedist {
 
+template <typename T, bool kWNK, int kTile>
+struct Sm90TileConfig;
 template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileWide> {
+  using type = GemmSm90<T, kWNK>;
+};
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileNarrow> {
+  using type = GemmSm90<T, kWNK, 64, 64, 1, 2>;
+};
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileNarrowC1> {
+  using type = GemmSm90<T, kWNK, 64, 64, 1, 1>;
+};
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileNarrowK128> {
+  using type = GemmSm90<T, kWNK, 64, 128, 1, 2>;
+};
+
+template <typename T, bool kWNK, int kTile>
 void gemm_sm90_run(const GemmSm90Call& a) {
-  using G = GemmSm90<T, kWNK>;
+  using G = typename Sm90TileConfig<T, kWNK, kTile>::type;
   using Gemm = typename G::Gemm;
   using Kernel = typename G::Kernel;
   using E = typename G::Element;
@@ -52,7 +71,7 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   // the M clusters to a multiple of the swizzle and multiplies the padding tiles too (their
   // loads are out of bounds, their MMAs are not skipped), so take the largest swizzle that
   // pads by at most 1/8: 1024 rows (4 clusters) took 2x the time with swizzle 8.
-  args.scheduler.max_swizzle_size = gemm_sm90_swizzle(a.m);
+  args.scheduler.max_swizzle_size = gemm_sm90_swizzle(a.m, G::kClusterM);
   args.scheduler.wait = a.wait;
   args.scheduler.signal = a.signal;
 

@@ -81,8 +81,9 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 flags: Optional[torch.Tensor] = None, block_rows: int = 0,
                 pieces: int = 1, wait_on_c: bool = False, wait_peer: int = -1,
                 signal_row0: Optional[int] = None, signal_block_rows: int = 0,
-                signal_pieces: int = 0) -> torch.Tensor:
-    """The Hopper GEMM. The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+                signal_pieces: int = 0, tile: int = 0) -> torch.Tensor:
+    """The Hopper GEMM, in the tile configuration `tile` (0: the kernel picks; 1 wide; 2..
+    narrow: csrc/ops/gemm_sm90.h, Sm90Tile). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
       flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
         world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
       flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`
@@ -106,7 +107,7 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 pieces, stream.cuda_stream, wait_on_c=wait_on_c, wait_peer=wait_peer,
                 signal_offset=comm.symm.signal_offset if signal else 0,
                 signal_row0=signal_row0 if signal else 0, signal_block_rows=signal_block_rows,
-                signal_pieces=signal_pieces if signal else 0)
+                signal_pieces=signal_pieces if signal else 0, tile=tile)
     if dst is not out:
         out.copy_(dst)
     return out

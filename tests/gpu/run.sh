@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$LOGS"
 : > "$OUT/summary.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: waves, trace
+STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: gemm_only, waves, trace
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -101,6 +101,10 @@ fi
 if want gemm && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/gemm_comm.py ${FUSEDIST_GEMM_ARGS:---quick}
+fi
+if want gemm_only; then  # one GPU: fusedist's GEMMs (every Hopper tile) against torch.matmul
+  FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+    python3 benchmarks/gemm.py ${FUSEDIST_GEMM_ONLY_ARGS:-}
 fi
 if want waves; then  # one GPU: cuBLAS's waves against the tuning table's model
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_waves "${FUSEDIST_BENCH_TIMEOUT:-900}" \

@@ -69,6 +69,54 @@ def test_gemm_sm90_matches_float64(dt):
                 assert err < GEMM_REL[dt], f"gemm sm90 accumulate {dt} M={m} K={k} N={n}: {err:.3g}"
 
 
+# Every tile configuration forced in turn (kernel="sm90" picks one by M): one row, odd rows,
+# a full narrow tile, past it, at the odd (K, N) above.
+TILE_MS = (1, 37, 128, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gemm_sm90_every_tile_matches_float64(dt):
+    from fusedist import _ext
+    from fusedist.ops.gemm import launch_sm90
+
+    C = _ext.load()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(torch.randint(1 << 30, ())))
+    stream = torch.cuda.current_stream()
+    ran = 0
+    for name, tile in C.GEMM_SM90_TILES.items():
+        for m in TILE_MS:
+            for k, n in SM90_KN:
+                for layout in ("kn", "nk"):
+                    x = _fresh((m, k), dt, gen)
+                    w = _weight(k, n, layout, dt, gen)
+                    b = _fresh((n,), dt, gen) if (m + k) % 2 else None
+                    ref = x.double() @ w.double()
+                    if b is not None:
+                        ref += b.double()
+                    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+                    try:
+                        launch_sm90(x, w, b, out, stream, tile=tile)
+                    except ValueError as e:  # a configuration this build has for bf16 only
+                        assert dt != torch.bfloat16 and "bfloat16 only" in str(e), str(e)
+                        continue
+                    err = gemm_rel_err(out, ref)
+                    assert err < GEMM_REL[dt], \
+                        f"gemm sm90 tile {name} {dt} M={m} K={k} N={n} w={layout}: {err:.3g}"
+                    c = _fresh((m, n), dt, gen)
+                    acc = c.clone()
+                    launch_sm90(x, w, b, acc, stream, accumulate=True, tile=tile)
+                    err = gemm_rel_err(acc, ref + c.double())
+                    assert err < GEMM_REL[dt], \
+                        f"gemm sm90 tile {name} accumulate {dt} M={m} K={k} N={n}: {err:.3g}"
+                    ran += 1
+    assert ran > 0
+    with pytest.raises(ValueError, match="tile must be"):
+        launch_sm90(x, w, None, out, stream, tile=99)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 def test_gemm_sm90_views_and_errors():

@@ -154,17 +154,20 @@ struct CutlassElement<__half> {
   using type = cutlass::half_t;
 };
 
-// One kernel configuration per (dtype, weight layout): 128 x 256 x 64 tiles, 2 x 1 clusters
-// (the B tile multicast to both CTAs), two consumer warpgroups, as many smem stages as fit
-// beside the epilogue.
-template <typename T, bool kWNK>
+// One kernel configuration per (dtype, weight layout, tile). The wide tile (prefill and the
+// fused engines): 128 x 256 x 64 tiles, 2 x 1 clusters (the B tile multicast to both CTAs).
+// The narrow tile (plain GEMMs of few rows, gemm.cu picks it): 128 x kBlockN, 1 x kClusterN
+// clusters (A multicast along N), so an N = 8192 weight is streamed by 128 CTAs instead of
+// 32. Both: two consumer warpgroups, as many smem stages as fit beside the epilogue.
+template <typename T, bool kWNK, int kBlockN = kGemmSm90BlockN, int kBlockK = 64,
+          int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1>
 struct GemmSm90 {
   using Element = typename CutlassElement<T>::type;
   static constexpr int kBlockM = kGemmSm90BlockM;
-  static constexpr int kClusterM = kGemmSm90ClusterM;
+  static constexpr int kClusterM = kClusterM_;
   static constexpr int kAlign = 8;  // elements of one 16-byte TMA access
-  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   using LayoutA = cutlass::layout::RowMajor;
   // CUTLASS's B is K x N: RowMajor = w [K, N]; ColumnMajor = [N, K] rows (nn.Linear weight).
   using LayoutB = std::conditional_t<kWNK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;

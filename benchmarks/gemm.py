@@ -1,0 +1,105 @@
+"""fusedist's GEMMs without communication against torch.matmul (cuBLAS), at decode and small
+prefill row counts: the shapes where the choice of kernel and tile decides the speed.
+
+One GPU. For N = 8192, K in {4096, 14336} (gemm_ar's per-rank weights), w [K, N] row-major
+("kn") and the .t() of an nn.Linear [N, K] weight ("nk"), and M from 1 to 512 rows: the time
+of torch.matmul, of the decode kernel (M <= 128), of every Hopper tile configuration this build
+has (fusedist._C.GEMM_SM90_TILES) and of fusedist.gemm(kernel="auto"). Each call reads a
+different weight (a ring of copies larger than L2), as a decode step's layers do, so weights
+stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
+is checked against torch.matmul's before it is timed.
+
+    python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _harness import metadata, time_graph, write_results  # noqa: E402
+
+import fusedist  # noqa: E402
+from fusedist import _ext  # noqa: E402
+from fusedist.ops.gemm import launch_sm90  # noqa: E402
+
+MS = (1, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+L2_RING_BYTES = 3 << 27  # 384 MB of weights per shape: more than any Hopper L2 many times over
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--ks", default="4096,14336")
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/gemm.py needs a GPU")
+        return
+    dev, dt, N = torch.device("cuda", 0), torch.bfloat16, args.n
+    torch.cuda.set_device(dev)
+    C = _ext.load()
+    hopper = torch.cuda.get_device_capability(dev)[0] == 9
+    tiles = dict(C.GEMM_SM90_TILES) if hopper else {}
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def rnd(*s):
+        return (torch.randn(*s, generator=g, device=dev) * 0.1).to(dt)
+
+    ms = [int(m) for m in args.ms.split(",")]
+    rows = []
+    names = ["torch", "decode"] + [f"sm90_{t}" for t in tiles] + ["auto"]
+    md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
+          "|" + "---|" * (len(names) + 4)]
+    for K in map(int, args.ks.split(",")):
+        ring = max(2, -(-L2_RING_BYTES // (K * N * 2)))
+        for layout in ("kn", "nk"):
+            ws = [rnd(K, N) if layout == "kn" else rnd(N, K).t() for _ in range(ring)]
+            x = rnd(max(ms), K)
+            for M in ms:
+                xm = x[:M]
+                outs = [torch.empty(M, N, dtype=dt, device=dev) for _ in range(ring)]
+                calls = {"torch": lambda i, w, o: torch.matmul(xm, w, out=o)}
+                if M <= C.GEMM_AR_FUSED_MAX_M:
+                    calls["decode"] = lambda i, w, o: fusedist.gemm(xm, w, out=o, kernel="decode")
+                for t, code in tiles.items():
+                    calls[f"sm90_{t}"] = (lambda code: lambda i, w, o: launch_sm90(
+                        xm, w, None, o, torch.cuda.current_stream(), tile=code))(code)
+                calls["auto"] = lambda i, w, o: fusedist.gemm(xm, w, out=o)
+                ref = torch.matmul(xm.float(), ws[0].float())
+                times, errs = {}, {}
+                for name, call in calls.items():
+                    try:
+                        outs[0].fill_(float("nan"))
+                        call(0, ws[0], outs[0])
+                        torch.cuda.synchronize()
+                        errs[name] = ((outs[0].float() - ref).norm() / ref.norm()).item()
+                        if not errs[name] < 1e-2:
+                            raise RuntimeError(f"rel err {errs[name]:.3g}")
+                        times[name] = time_graph(
+                            lambda i, call=call: call(i, ws[i % ring], outs[i % ring]),
+                            2 * ring, 20)
+                    except (RuntimeError, ValueError) as e:
+                        print(f"K={K} {layout} M={M} {name}: {e}")
+                fd = [times[n] for n in times if n != "torch"]
+                best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
+                rows.append({"layout": layout, "M": M, "N": N, "K": K, "time_us": times,
+                             "rel_err": errs, "best_ratio": best,
+                             "weight_GBps": {n: K * N * 2 / t / 1e3 for n, t in times.items()}})
+                md.append(f"| {layout} | {K} | {M} | " + " | ".join(
+                    f"{times[n]:.1f}" if n in times else "-" for n in names) + f" | {best:.2f} |")
+            del ws
+    text = "\n".join(md)
+    paths = write_results("gemm" + args.tag, metadata(1), rows, text)
+    print(text + "\n\nresults: " + ", ".join(map(str, paths)))
+
+
+if __name__ == "__main__":
+    main()
