@@ -7,7 +7,8 @@ of torch.matmul, of the decode kernel (M <= 128), of every Hopper tile configura
 has (fusedist._C.GEMM_SM90_TILES) and of fusedist.gemm(kernel="auto"). Each call reads a
 different weight (a ring of copies larger than L2), as a decode step's layers do, so weights
 stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
-is checked against torch.matmul's before it is timed.
+is checked against torch.matmul's before it is timed. sm90_narrow_pad (a diagnosis, not a
+kernel): the narrow tile on x padded with zero rows to a whole tile, both copies included.
 
     python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
 """
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _harness import metadata, time_graph, write_results  # noqa: E402
 
 import fusedist  # noqa: E402
@@ -55,7 +55,8 @@ def main():
 
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
-    names = ["torch", "decode"] + [f"sm90_{t}" for t in tiles] + ["auto"]
+    names = ["torch", "decode"] + [f"sm90_{t}" for t in tiles] + \
+        (["sm90_narrow_pad"] if "narrow" in tiles else []) + ["auto"]
     md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
           "|" + "---|" * (len(names) + 4)]
     for K in map(int, args.ks.split(",")):
@@ -72,6 +73,19 @@ def main():
                 for t, code in tiles.items():
                     calls[f"sm90_{t}"] = (lambda code: lambda i, w, o: launch_sm90(
                         xm, w, None, o, torch.cuda.current_stream(), tile=code))(code)
+                if "narrow" in tiles and M % C.GEMM_SM90_BLOCK_M:
+                    # Diagnosis: the narrow tile with x padded by zero rows to whole tiles and
+                    # the rows copied out, copies included (partial tiles measured slow).
+                    mp = -(-M // C.GEMM_SM90_BLOCK_M) * C.GEMM_SM90_BLOCK_M
+                    xp = torch.zeros(mp, K, dtype=dt, device=dev)
+                    op = torch.empty(mp, N, dtype=dt, device=dev)
+
+                    def padded(i, w, o, xp=xp, op=op, M=M, xm=xm):
+                        xp[:M].copy_(xm)
+                        launch_sm90(xp, w, None, op, torch.cuda.current_stream(),
+                                    tile=tiles["narrow"])
+                        o.copy_(op[:M])
+                    calls["sm90_narrow_pad"] = padded
                 calls["auto"] = lambda i, w, o: fusedist.gemm(xm, w, out=o)
                 ref = torch.matmul(xm.float(), ws[0].float())
                 times, errs = {}, {}
@@ -88,7 +102,7 @@ def main():
                             2 * ring, 20)
                     except (RuntimeError, ValueError) as e:
                         print(f"K={K} {layout} M={M} {name}: {e}")
-                fd = [times[n] for n in times if n != "torch"]
+                fd = [times[n] for n in times if n not in ("torch", "sm90_narrow_pad")]
                 best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
                 rows.append({"layout": layout, "M": M, "N": N, "K": K, "time_us": times,
                              "rel_err": errs, "best_ratio": best,

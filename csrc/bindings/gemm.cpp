@@ -34,7 +34,5 @@ void register_gemm(py::module_& m) {
   py::dict tiles;  // the tile configurations this build has (gemm_sm90.h, Sm90Tile)
   tiles["wide"] = int(kSm90TileWide);
   tiles["narrow"] = int(kSm90TileNarrow);
-  tiles["narrow_c1"] = int(kSm90TileNarrowC1);
-  tiles["narrow_k128"] = int(kSm90TileNarrowK128);
   m.attr("GEMM_SM90_TILES") = tiles;
 }

@@ -124,24 +124,20 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     cs.src = rank;
   }
   const bool plain = wait.flags == 0 && signal.pieces == 0;
-  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrowK128,
-                     op + "tile must be 0 (auto), 1 (wide) or 2..4 (narrow)");
-  FUSEDIST_CHECK_ARG(plain || tile <= kSm90TileWide,
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrow,
+                     op + "tile must be 0 (auto), 1 (wide) or 2 (narrow), got " +
+                         std::to_string(tile));
+  FUSEDIST_CHECK_ARG(plain || tile != kSm90TileNarrow,
                      op + "the fused engines' waits and signals run on the wide tile only");
   if (tile == kSm90TileAuto)
-    tile = plain && m <= kGemmSm90NarrowMaxM && dtype == DType::kBFloat16 ? kSm90TileNarrow
-                                                                          : kSm90TileWide;
-  FUSEDIST_CHECK_ARG(tile == kSm90TileWide || dtype == DType::kBFloat16,
-                     op + "narrow tiles: bfloat16 only (experiment build)");
-  if (dtype == DType::kBFloat16) {
-    switch (tile) {
-      case kSm90TileNarrow: return run_layout<__nv_bfloat16, kSm90TileNarrow>(a, w_nk);
-      case kSm90TileNarrowC1: return run_layout<__nv_bfloat16, kSm90TileNarrowC1>(a, w_nk);
-      case kSm90TileNarrowK128: return run_layout<__nv_bfloat16, kSm90TileNarrowK128>(a, w_nk);
-      default: return run_layout<__nv_bfloat16, kSm90TileWide>(a, w_nk);
-    }
-  }
-  run_layout<__half, kSm90TileWide>(a, w_nk);
+    tile = plain && m <= kGemmSm90NarrowMaxM ? kSm90TileNarrow : kSm90TileWide;
+  const bool narrow = tile == kSm90TileNarrow;
+  if (dtype == DType::kBFloat16)
+    narrow ? run_layout<__nv_bfloat16, kSm90TileNarrow>(a, w_nk)
+           : run_layout<__nv_bfloat16, kSm90TileWide>(a, w_nk);
+  else
+    narrow ? run_layout<__half, kSm90TileNarrow>(a, w_nk)
+           : run_layout<__half, kSm90TileWide>(a, w_nk);
 }
 
 }  // namespace fusedist

@@ -1,5 +1,6 @@
-// csrc/ops/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: CUTLASS
-// arguments from a GemmSm90Call, checks, launch through CUTLASS's adapter. Included by the
+// csrc/ops/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: the tile
+// configuration's kernel (Sm90TileConfig), CUTLASS arguments from a GemmSm90Call, checks,
+// launch through CUTLASS's adapter. Included by the
 // gemm_sm90_<dtype>_<layout>.cu files only (each compiles one CUTLASS kernel).
 #pragma once
 #include <stdexcept>
@@ -20,15 +21,7 @@ struct Sm90TileConfig<T, kWNK, kSm90TileWide> {
 };
 template <typename T, bool kWNK>
 struct Sm90TileConfig<T, kWNK, kSm90TileNarrow> {
-  using type = GemmSm90<T, kWNK, 64, 64, 1, 2>;
-};
-template <typename T, bool kWNK>
-struct Sm90TileConfig<T, kWNK, kSm90TileNarrowC1> {
-  using type = GemmSm90<T, kWNK, 64, 64, 1, 1>;
-};
-template <typename T, bool kWNK>
-struct Sm90TileConfig<T, kWNK, kSm90TileNarrowK128> {
-  using type = GemmSm90<T, kWNK, 64, 128, 1, 2>;
+  using type = GemmSm90<T, kWNK, kGemmSm90NarrowBlockN, 64, 1, 1>;
 };
 
 template <typename T, bool kWNK, int kTile>

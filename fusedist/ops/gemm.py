@@ -7,10 +7,12 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
   * "decode" (M <= 128): the fused gemm_ar kernel with its exchange left out
     (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
-    csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused").
+    csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
+    128 x 64 tiles up to 128 rows (so N = 8192 spreads over 128 SMs), else 128 x 256.
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
   * "auto": "decode" up to DECODE_MAX_M rows, else "sm90" on an sm_90 GPU, else torch.matmul.
-These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm_comm.py).
+These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm.py, and
+benchmarks/gemm_comm.py at the GEMM + collective shapes).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from .. import _dtypes, _ext
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-DECODE_MAX_M = 128  # at M = 128 the decode kernel ran 0.80x torch.matmul, sm90 0.47x (32 tiles)
+# "auto" takes the decode kernel up to this many rows. Session 8 (benchmarks/results/gemm-*):
+# at M = 96 it beat the sm90 narrow tile (25.7 vs 28.6 us, K = 4096), at M = 128 it lost
+# (25.3 vs 22.6 us; 81.0 vs 65.7 at K = 14336). Before the narrow tile: sm90 0.47x at M = 128.
+DECODE_MAX_M = 96
 
 
 def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
@@ -82,8 +87,9 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 pieces: int = 1, wait_on_c: bool = False, wait_peer: int = -1,
                 signal_row0: Optional[int] = None, signal_block_rows: int = 0,
                 signal_pieces: int = 0, tile: int = 0) -> torch.Tensor:
-    """The Hopper GEMM, in the tile configuration `tile` (0: the kernel picks; 1 wide; 2..
-    narrow: csrc/ops/gemm_sm90.h, Sm90Tile). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+    """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
+    value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256, "narrow" 128 x 64 for plain
+    GEMMs; csrc/include/fusedist/layout.h, Sm90Tile). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
       flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
         world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
       flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`

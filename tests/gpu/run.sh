@@ -37,7 +37,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary lin
 }
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce"}  # which sanitizer runs the sanitizer stage does
+SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce gemm"}  # which sanitizer runs the sanitizer stage does
 want_san() { [[ " $SAN " == *" $1 "* ]]; }
 
 # At most 8 files come back from a lent GPU: summary.txt (nvidia-smi, ptxas spills, sanitizer
@@ -93,6 +93,13 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
   san_fused rs "gemm_rs fused" gemm_rs_fused_matches FUSEDIST_TEST_MAX_ROWS=1100
   # The copy-engine pipelines, with gemm_ar's closing gather kernel (per-block handshakes).
   san_fused ce "copy-engine pipelines" copy_engine_transport
+fi
+if want sanitizer && want_san gemm; then  # every Hopper GEMM tile, one GPU
+  stage san_gemm "${FUSEDIST_SAN_TIMEOUT:-600}" compute-sanitizer --tool memcheck \
+    --error-exitcode 3 --report-api-errors no python3 -P -m pytest -q -p no:cacheprovider \
+    -m gpu tests/ops/test_gemm.py -k every_tile
+  { echo "== compute-sanitizer memcheck (gemm tiles)"; grep -E "^=========" "$LOGS/san_gemm.log" | head -20; } \
+    >> "$OUT/summary.txt.head"
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \

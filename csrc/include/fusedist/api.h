@@ -99,8 +99,8 @@ void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
 //    `pieces` flagged pieces from rank `peer`; the C-load warp waits for them.
 //  * `signal` (pieces != 0), gemm_rs's peer blocks: rows [row0, row0 + m) of the block layout
 //    (none of them this rank's); each stored tile adds 1 on the owner's counters.
-// tile: 0 picks the configuration (the narrow tile for a plain GEMM of at most
-// kGemmSm90NarrowMaxM rows, else the wide one); 1 wide; 2.. a narrow one (plain GEMMs only).
+// tile (layout.h, Sm90Tile): 0 picks (the narrow tile for a plain GEMM of at most
+// kGemmSm90NarrowMaxM rows, else the wide one); 1 wide; 2 narrow (plain GEMMs only).
 struct GemmWaitArgs {
   uintptr_t flags = 0;  // uint32 [blocks * pieces]; 0: no wait
   int block_rows = 0;   // rows per block

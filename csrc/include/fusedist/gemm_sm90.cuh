@@ -154,11 +154,12 @@ struct CutlassElement<__half> {
   using type = cutlass::half_t;
 };
 
-// One kernel configuration per (dtype, weight layout, tile). The wide tile (prefill and the
-// fused engines): 128 x 256 x 64 tiles, 2 x 1 clusters (the B tile multicast to both CTAs).
-// The narrow tile (plain GEMMs of few rows, gemm.cu picks it): 128 x kBlockN, 1 x kClusterN
-// clusters (A multicast along N), so an N = 8192 weight is streamed by 128 CTAs instead of
-// 32. Both: two consumer warpgroups, as many smem stages as fit beside the epilogue.
+// One kernel configuration per (dtype, weight layout, tile; layout.h, Sm90Tile). The wide
+// tile (prefill and the fused engines): 128 x 256 x 64 tiles, 2 x 1 clusters (the B tile
+// multicast to both CTAs). The narrow tile (plain GEMMs of few rows): 128 x 64 x 64, no
+// cluster, so an N = 8192 weight is streamed by 128 CTAs instead of 32 (1 x 2 clusters
+// multicasting A, and 128-deep K tiles, measured no faster: benchmarks/NOTES.md, session 8).
+// Both: two consumer warpgroups, as many smem stages as fit beside the epilogue.
 template <typename T, bool kWNK, int kBlockN = kGemmSm90BlockN, int kBlockK = 64,
           int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1>
 struct GemmSm90 {

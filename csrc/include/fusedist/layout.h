@@ -58,11 +58,12 @@ constexpr int kGenerations = 3;
 constexpr int kGemmSm90BlockM = 128;
 constexpr int kGemmSm90ClusterM = 2;
 constexpr int kGemmSm90BlockN = 256;
-// Its tile configurations (GemmSm90): wide for prefill and the fused engines' waits and
-// signals; narrow for plain GEMMs of few rows. kSm90TileAuto: gemm.cu picks, the narrow tile
-// for plain GEMMs of at most kGemmSm90NarrowMaxM rows.
-enum Sm90Tile : int { kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2,
-                      kSm90TileNarrowC1 = 3, kSm90TileNarrowK128 = 4 };
+// Its tile configurations (GemmSm90): wide (the above) for prefill and the fused engines'
+// waits and signals; narrow (128 x 64, no cluster) for plain GEMMs of few rows.
+// kSm90TileAuto: gemm.cu picks, the narrow tile for plain GEMMs of at most
+// kGemmSm90NarrowMaxM rows (at M = 128, N = 8192: 128 CTAs stream the weight instead of 32).
+enum Sm90Tile : int { kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2 };
+constexpr int kGemmSm90NarrowBlockN = 64;
 constexpr int kGemmSm90NarrowMaxM = 128;
 // gemm_rs engine='fused': a rank's counter region holds kMaxSignalPieces uint32 slots per
 // source rank (row pieces of its block, at most), source-major.
