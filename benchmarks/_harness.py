@@ -111,6 +111,57 @@ def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3
     return median(times)
 
 
+def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
+                            warmup: int = 2) -> tuple[dict, dict, dict]:
+    """Microseconds per call of every step of `steps` ({name: step(i)}), timed interleaved.
+    Each step's calls i = 0..ops-1 are captured in one CUDA graph; then `rounds` rounds replay
+    every graph in turn (in order, then reversed, alternately): `warmup` untimed replays, then
+    `reps` timed ones. Returns ({name: median over all timed replays}, {name: the median of
+    each round}, {name: "ok" or why it did not run}).
+
+    Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
+    ~1450-1530 MHz within a fraction of a second (the 700 W power limit), and a GEMM takes
+    12-15% longer (benchmarks/NOTES.md, session 8). Steps timed one after another in single
+    blocks each saw the clock of their place in the run; in rounds they all see the same mix."""
+    graphs, status = {}, {}
+    for name, step in steps.items():
+        try:
+            for i in range(ops):  # eager warm-up (lazy init, allocator) outside capture
+                step(i)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(ops):
+                    step(i)
+            graphs[name], status[name] = g, "ok"
+        except Exception as e:
+            status[name] = f"n/a ({type(e).__name__}: {str(e)[:60]})"
+            torch.cuda.synchronize()
+    samples = {name: [] for name in graphs}
+    per_round = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            g = graphs[name]
+            for _ in range(warmup):
+                g.replay()
+            torch.cuda.synchronize()
+            if dist.is_initialized():
+                dist.barrier()
+            got = []
+            for _ in range(reps):
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                got.append(start.elapsed_time(end) * 1e3 / ops)
+            samples[name] += got
+            per_round[name].append(median(got))
+    graphs.clear()
+    return ({name: median(s) for name, s in samples.items()}, per_round, status)
+
+
 def time_eager(step: Callable[[int], None], ops: int, reps: int) -> float:
     for i in range(ops):
         step(i)

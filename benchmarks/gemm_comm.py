@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from statistics import median
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,9 +26,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._symmetric_memory  # noqa: E402,F401  registers torch.ops.symm_mem.*
 
 import fusedist  # noqa: E402
-from _harness import init_gpus, metadata, slowest, time_graph, write_results  # noqa: E402
+from _harness import (init_gpus, metadata, slowest, time_graphs_interleaved,  # noqa: E402
+                      write_results)
 from fusedist.ops import gemm_comm as fd_gemm_comm  # noqa: E402
 from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
+
+
+ROUNDS, REPS = 4, 5  # interleaved rounds per shape, timed replays per step and round
 
 
 def flag_off(flag: str, call):
@@ -178,25 +183,17 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                 raise RuntimeError(f"{name} M={M} N={N} K={K}: rel err {err:.3g} vs the "
                                    "unfused path; not timing a wrong kernel")
     flops = 2.0 * M * N * K  # this rank's GEMM
-    # Prefill: 3 calls per graph, 20 replays (session 6; 2 x 10 before: the same engine timed
-    # twice in one run differed by up to 8%).
-    ops, reps = (10, 20) if M <= 128 else (3, 20)
-    # Every step is timed twice, in order and then in reverse, and the two medians averaged:
-    # steps late in one pass ran up to 8% slower than the same engine early (session 6), so
-    # an A/B between neighbours must not depend on who comes first. `spread` is the relative
-    # difference between the two passes: a smaller difference between engines is noise.
-    passes = {name: [] for name in steps}
-    status = {name: "ok" for name in steps}
-    for order in (list(steps), list(steps)[::-1]):
-        for name in order:
-            try:
-                t = time_graph(steps[name], ops, reps)
-            except Exception as e:
-                t, status[name] = float("nan"), f"n/a ({type(e).__name__}: {str(e)[:60]})"
-                torch.cuda.synchronize()
-            passes[name].append(slowest(t))
-    times = {name: (sum(p) / len(p), status[name]) for name, p in passes.items()}
-    spread = {name: abs(p[0] - p[1]) / (sum(p) / 2) for name, p in passes.items()}
+    # Prefill: 3 calls per graph, decode 10. Every step is timed in ROUNDS interleaved rounds
+    # of REPS replays (_harness.time_graphs_interleaved): the GPU's clock falls under sustained
+    # load (power limit), so steps timed in single blocks (sessions 2-7: one pass, then two,
+    # in order and reversed) each saw their own clock and the same engine under two names
+    # differed by up to 8%. `spread`: (slowest - fastest round) / median, rounds' medians.
+    ops = 10 if M <= 128 else 3
+    med, per_round, status = time_graphs_interleaved(steps, ops, ROUNDS, REPS)
+    nan = float("nan")
+    times = {name: (slowest(med.get(name, nan)), status[name]) for name in steps}
+    rounds_us = {name: [slowest(t) for t in per_round.get(name, [])] for name in steps}
+    spread = {name: (max(p) - min(p)) / median(p) if p else nan for name, p in rounds_us.items()}
     rows = []
     tu = times["unfused"][0]
     tc = times["collective_only"][0]
@@ -204,7 +201,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
     for name, (t, status) in times.items():
         rows.append({"op": op, "backend": name, "M": M, "N": N, "K": K, "world": W,
                      "dtype": str(dtype), "time_us": t, "status": status,
-                     "spread": spread[name], "passes_us": passes[name],
+                     "spread": spread[name], "rounds_us": rounds_us[name],
                      "tflops": flops / t / 1e6 if t == t else float("nan"),
                      "E": (tu - t) / tc if name.startswith("fd_") else None,
                      "speedup_vs_unfused": tu / t, "speedup_vs_async_tp": ttp / t})
@@ -375,9 +372,10 @@ def main():
     ok = sorted((r["spread"], r["backend"], r["op"], r["M"], r["N"]) for r in rows
                 if r["status"] == "ok" and r.get("spread") == r.get("spread"))
     if ok:
-        md += (f"\n\nEach time is the mean of two passes (in order, then reversed). Their "
-               f"difference: median {100 * ok[len(ok) // 2][0]:.1f}%, largest "
-               f"{100 * ok[-1][0]:.1f}% ({ok[-1][1]}, {ok[-1][2]} {ok[-1][3]} x {ok[-1][4]}).")
+        md += (f"\n\nEach time is the median of {ROUNDS} interleaved rounds x {REPS} replays "
+               f"(the slowest rank's). Spread of the rounds' medians: median "
+               f"{100 * ok[len(ok) // 2][0]:.1f}%, largest {100 * ok[-1][0]:.1f}% ({ok[-1][1]}, "
+               f"{ok[-1][2]} {ok[-1][3]} x {ok[-1][4]}).")
     gl = gemm_table(rows)
     if gl:
         md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl
