@@ -114,9 +114,11 @@ def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3
 def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
                             warmup: int = 2) -> tuple[dict, dict, dict]:
     """Microseconds per call of every step of `steps` ({name: step(i)}), timed interleaved.
-    Each step's calls i = 0..ops-1 are captured in one CUDA graph; then `rounds` rounds replay
-    every graph in turn (in order, then reversed, alternately): `warmup` untimed replays, then
-    `reps` timed ones. Returns ({name: median over all timed replays}, {name: the median of
+    Each step's calls i = 0..ops-1 are captured in one CUDA graph; then an untimed round
+    brings the GPU to its loaded state (after the captures it is idle and cool, and the first
+    steps of a first timed round ran up to 10% fast), and `rounds` rounds replay every graph
+    in turn (in order, then reversed, alternately): `warmup` untimed replays, then `reps`
+    timed ones. Returns ({name: median over all timed replays}, {name: the median of
     each round}, {name: "ok" or why it did not run}).
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
@@ -141,14 +143,16 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     per_round = {name: [] for name in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     names = list(graphs)
-    for r in range(rounds):
+    for r in range(-1, rounds):  # round -1: untimed
         for name in names if r % 2 == 0 else names[::-1]:
             g = graphs[name]
-            for _ in range(warmup):
+            for _ in range(warmup if r >= 0 else warmup + reps):
                 g.replay()
             torch.cuda.synchronize()
             if dist.is_initialized():
                 dist.barrier()
+            if r < 0:
+                continue
             got = []
             for _ in range(reps):
                 start.record()
