@@ -10,6 +10,7 @@ calls with perf_counter.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,13 +113,16 @@ def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3
 
 
 def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
-                            warmup: int = 2) -> tuple[dict, dict, dict]:
+                            warmup: int = 2, pacer: Optional[str] = None,
+                            pace_us: float = 30000.0) -> tuple[dict, dict, dict]:
     """Microseconds per call of every step of `steps` ({name: step(i)}), timed interleaved.
     Each step's calls i = 0..ops-1 are captured in one CUDA graph; then an untimed round
     brings the GPU to its loaded state (after the captures it is idle and cool, and the first
     steps of a first timed round ran up to 10% fast), and `rounds` rounds replay every graph
     in turn (in order, then reversed, alternately): `warmup` untimed replays, then `reps`
-    timed ones. Returns ({name: median over all timed replays}, {name: the median of
+    timed ones. With `pacer` (a step's name), every burst starts after ~pace_us of that step's
+    graph, so each step starts from the same clock state rather than its neighbour's (without
+    it, one configuration timed under two names differed by 5% in both of two runs). Returns ({name: median over all timed replays}, {name: the median of
     each round}, {name: "ok" or why it did not run}).
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
@@ -143,9 +147,20 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     per_round = {name: [] for name in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     names = list(graphs)
+    pace = 0
+    if pacer in graphs:  # replays of the pacer's graph that take about pace_us
+        graphs[pacer].replay()
+        start.record()
+        for _ in range(3):
+            graphs[pacer].replay()
+        end.record()
+        end.synchronize()
+        pace = max(1, math.ceil(pace_us / (start.elapsed_time(end) * 1e3 / 3)))
     for r in range(-1, rounds):  # round -1: untimed
         for name in names if r % 2 == 0 else names[::-1]:
             g = graphs[name]
+            for _ in range(pace):
+                graphs[pacer].replay()
             for _ in range(warmup if r >= 0 else warmup + reps):
                 g.replay()
             torch.cuda.synchronize()

@@ -184,12 +184,13 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
                                    "unfused path; not timing a wrong kernel")
     flops = 2.0 * M * N * K  # this rank's GEMM
     # Prefill: 3 calls per graph, decode 10. Every step is timed in ROUNDS interleaved rounds
-    # of REPS replays (_harness.time_graphs_interleaved): the GPU's clock falls under sustained
-    # load (power limit), so steps timed in single blocks (sessions 2-7: one pass, then two,
-    # in order and reversed) each saw their own clock and the same engine under two names
-    # differed by up to 8%. `spread`: (slowest - fastest round) / median, rounds' medians.
+    # of REPS replays (_harness.time_graphs_interleaved), each burst after ~30 ms of the plain
+    # GEMM (the pacer): the GPU's clock falls under sustained load (power limit), so steps
+    # timed in single blocks (sessions 2-7: one pass, then two, in order and reversed) each
+    # saw their own clock and the same engine under two names differed by up to 8%. `spread`: (slowest - fastest round) / median, rounds' medians.
     ops = 10 if M <= 128 else 3
-    med, per_round, status = time_graphs_interleaved(steps, ops, ROUNDS, REPS)
+    med, per_round, status = time_graphs_interleaved(steps, ops, ROUNDS, REPS,
+                                                     pacer="gemm_only")
     nan = float("nan")
     times = {name: (slowest(med.get(name, nan)), status[name]) for name in steps}
     rounds_us = {name: [slowest(t) for t in per_round.get(name, [])] for name in steps}
