@@ -1,0 +1,74 @@
+"""Does a GEMM's time depend on how long the GPU has been busy? One GPU, no communication.
+
+For three prefill shapes, torch.matmul (cuBLAS) and fusedist.gemm(kernel="sm90") timed in
+CUDA graphs of `ops` calls x `reps` replays: short bursts (2 x 10), the gemm_comm benchmark's
+blocks of sessions 6-7 (3 x 20), sustained (3 x 100), then short again; after each timing
+nvidia-smi's SM clock, power draw and temperature. Session 8 (benchmarks/results/
+gemm_sustain-s8.txt): the SM clock fell from 1980 MHz to ~1450-1530 MHz under sustained load
+(700 W limit) and the GEMMs took 12-15% longer; hence the gemm_comm benchmark's interleaved
+rounds with a pacer (docs/benchmarks.md).
+
+    python3 benchmarks/gemm_sustain.py     # prints one line per timing
+"""
+
+import subprocess
+import time
+from statistics import median
+
+import torch
+
+from fusedist.ops.gemm import gemm as fd_gemm
+
+
+def smi() -> str:
+    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                           "--format=csv,noheader", "-i", "0"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def tg(step, ops: int, reps: int) -> float:
+    for i in range(ops):
+        step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(ops):
+            step()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(reps):
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / ops)
+    return median(ts)
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("gemm_sustain needs a GPU")
+        return
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for M, N, K in ((2048, 8192, 8192), (4096, 8192, 8192), (4096, 14336, 8192)):
+        x = (torch.randn(M, K, generator=g, device=dev) * 0.1).bfloat16()
+        w = (torch.randn(K, N, generator=g, device=dev) * 0.1).bfloat16()
+        o = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        for ops, reps in ((2, 10), (3, 20), (3, 100), (2, 10)):
+            for name, f in (("cublas", lambda: torch.matmul(x, w, out=o)),
+                            ("sm90", lambda: fd_gemm(x, w, out=o, kernel="sm90")),
+                            ("cublas", lambda: torch.matmul(x, w, out=o)),
+                            ("sm90", lambda: fd_gemm(x, w, out=o, kernel="sm90"))):
+                t = tg(f, ops, reps)
+                print(f"{M}x{N}x{K} ops={ops} reps={reps} {name:6s} {t:8.1f} us  [{smi()}]",
+                      flush=True)
+        time.sleep(2)
+
+
+if __name__ == "__main__":
+    main()
