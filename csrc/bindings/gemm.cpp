@@ -27,11 +27,12 @@ void register_gemm(py::module_& m) {
       py::arg("out"), py::arg("ldo"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("dtype"),
       py::arg("flags"), py::arg("block_rows"), py::arg("pieces"), py::arg("stream"),
       py::arg("wait_on_c") = false, py::arg("wait_peer") = -1, py::arg("signal_offset") = 0,
-      py::arg("signal_row0") = 0, py::arg("signal_block_rows") = 0, py::arg("signal_pieces") = 0, py::arg("tile") = 0);
+      py::arg("signal_row0") = 0, py::arg("signal_block_rows") = 0, py::arg("signal_pieces") = 0,
+      py::arg("tile") = 0);
   m.attr("GEMM_SM90_BLOCK_M") = kGemmSm90BlockM;
   m.attr("GEMM_SM90_BLOCK_N") = kGemmSm90BlockN;
   m.attr("GEMM_SM90_NARROW_MAX_M") = kGemmSm90NarrowMaxM;
-  py::dict tiles;  // the tile configurations this build has (gemm_sm90.h, Sm90Tile)
+  py::dict tiles;  // the tile configurations this build has (layout.h, Sm90Tile)
   tiles["wide"] = int(kSm90TileWide);
   tiles["narrow"] = int(kSm90TileNarrow);
   m.attr("GEMM_SM90_TILES") = tiles;
