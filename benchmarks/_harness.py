@@ -86,28 +86,41 @@ def metadata(world: int) -> dict:
     return meta
 
 
-def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3) -> float:
-    """Median microseconds per call of step(i), i = 0..ops-1, captured in one CUDA graph."""
-    for i in range(ops):  # eager warm-up (lazy init, allocator) outside capture
+def capture(step: Callable[[int], None], ops: int) -> torch.cuda.CUDAGraph:
+    """step(i), i = 0..ops-1, run once eagerly (lazy init, allocator) and then captured in one
+    CUDA graph."""
+    for i in range(ops):
         step(i)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(ops):
             step(i)
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
-    times = []
+    return g
+
+
+def timed_replays(g: torch.cuda.CUDAGraph, ops: int, reps: int) -> list[float]:
+    """Microseconds per call (ops calls per replay) of each of `reps` timed replays of g."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
     for _ in range(reps):
         start.record()
         g.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / ops)
+    return times
+
+
+def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3) -> float:
+    """Median microseconds per call of step(i), i = 0..ops-1, captured in one CUDA graph."""
+    g = capture(step, ops)
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    times = timed_replays(g, ops, reps)
     del g
     return median(times)
 
@@ -122,8 +135,9 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     in turn (in order, then reversed, alternately): `warmup` untimed replays, then `reps`
     timed ones. With `pacer` (a step's name), every burst starts after ~pace_us of that step's
     graph, so each step starts from the same clock state rather than its neighbour's (without
-    it, one configuration timed under two names differed by 5% in both of two runs). Returns ({name: median over all timed replays}, {name: the median of
-    each round}, {name: "ok" or why it did not run}).
+    it, one configuration timed under two names differed by 5% in both of two runs). Returns
+    ({name: median over all timed replays}, {name: the median of each round}, {name: "ok" or
+    why it did not run}).
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
     ~1450-1530 MHz within a fraction of a second (the 700 W power limit), and a GEMM takes
@@ -132,30 +146,17 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     graphs, status = {}, {}
     for name, step in steps.items():
         try:
-            for i in range(ops):  # eager warm-up (lazy init, allocator) outside capture
-                step(i)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for i in range(ops):
-                    step(i)
-            graphs[name], status[name] = g, "ok"
+            graphs[name], status[name] = capture(step, ops), "ok"
         except Exception as e:
             status[name] = f"n/a ({type(e).__name__}: {str(e)[:60]})"
             torch.cuda.synchronize()
     samples = {name: [] for name in graphs}
     per_round = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     names = list(graphs)
     pace = 0
     if pacer in graphs:  # replays of the pacer's graph that take about pace_us
         graphs[pacer].replay()
-        start.record()
-        for _ in range(3):
-            graphs[pacer].replay()
-        end.record()
-        end.synchronize()
-        pace = max(1, math.ceil(pace_us / (start.elapsed_time(end) * 1e3 / 3)))
+        pace = max(1, math.ceil(pace_us / median(timed_replays(graphs[pacer], 1, 3))))
     for r in range(-1, rounds):  # round -1: untimed
         for name in names if r % 2 == 0 else names[::-1]:
             g = graphs[name]
@@ -168,13 +169,7 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
                 dist.barrier()
             if r < 0:
                 continue
-            got = []
-            for _ in range(reps):
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                got.append(start.elapsed_time(end) * 1e3 / ops)
+            got = timed_replays(g, ops, reps)
             samples[name] += got
             per_round[name].append(median(got))
     graphs.clear()

@@ -12,40 +12,22 @@ rounds with a pacer (docs/benchmarks.md).
 """
 
 import subprocess
+import sys
 import time
-from statistics import median
+from pathlib import Path
 
 import torch
 
-from fusedist.ops.gemm import gemm as fd_gemm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import time_graph  # noqa: E402
+
+from fusedist.ops.gemm import gemm as fd_gemm  # noqa: E402
 
 
 def smi() -> str:
     return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
                            "--format=csv,noheader", "-i", "0"], capture_output=True,
                           text=True).stdout.strip()
-
-
-def tg(step, ops: int, reps: int) -> float:
-    for i in range(ops):
-        step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(ops):
-            step()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / ops)
-    return median(ts)
 
 
 def main():
@@ -64,7 +46,7 @@ def main():
                             ("sm90", lambda: fd_gemm(x, w, out=o, kernel="sm90")),
                             ("cublas", lambda: torch.matmul(x, w, out=o)),
                             ("sm90", lambda: fd_gemm(x, w, out=o, kernel="sm90"))):
-                t = tg(f, ops, reps)
+                t = time_graph(lambda i, f=f: f(), ops, reps)
                 print(f"{M}x{N}x{K} ops={ops} reps={reps} {name:6s} {t:8.1f} us  [{smi()}]",
                       flush=True)
         time.sleep(2)
