@@ -98,7 +98,7 @@ def main():
                         if not errs[name] < 1e-2:
                             raise RuntimeError(f"rel err {errs[name]:.3g}")
                         times[name] = time_graph(
-                            lambda i, call=call: call(i, ws[i % ring], outs[i % ring]),
+                            lambda i, call=call, ws=ws: call(i, ws[i % ring], outs[i % ring]),
                             2 * ring, 20)
                     except (RuntimeError, ValueError) as e:
                         print(f"K={K} {layout} M={M} {name}: {e}")
