@@ -27,6 +27,30 @@ def _weight(k, n, layout, dt, gen):
     return _fresh((k, n), dt, gen) if layout == "kn" else _fresh((n, k), dt, gen).t()
 
 
+def _check_against_float64(run, m, k, n, layout, dt, gen, bias: bool, what: str):
+    """run(x, w, b, out, accumulate) on fresh x [m, k], w [k, n] in `layout` and a bias when
+    `bias`: out (poisoned with NaN) against a float64 reference, then accumulate=True onto a
+    fresh c (out += x @ w + b, the epilogue reading out with beta = 1)."""
+    x = _fresh((m, k), dt, gen)
+    w = _weight(k, n, layout, dt, gen)
+    b = _fresh((n,), dt, gen) if bias else None
+    ref = x.double() @ w.double()
+    if b is not None:
+        ref += b.double()
+    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+    y = run(x, w, b, out, False)
+    torch.cuda.synchronize()
+    err = gemm_rel_err(y, ref)
+    assert y is out and err < GEMM_REL[dt], \
+        f"{what} {dt} M={m} K={k} N={n} w={layout} bias={bias}: {err:.3g}"
+    c = _fresh((m, n), dt, gen)
+    acc = c.clone()
+    run(x, w, b, acc, True)
+    err = gemm_rel_err(acc, ref + c.double())
+    assert err < GEMM_REL[dt], \
+        f"{what} accumulate {dt} M={m} K={k} N={n} w={layout} bias={bias}: {err:.3g}"
+
+
 def test_gemm_rejects_bad_arguments_on_cpu():
     x, w = torch.zeros(4, 8), torch.zeros(8, 16)
     with pytest.raises(TypeError, match="CUDA tensors"):
@@ -49,24 +73,10 @@ def test_gemm_sm90_matches_float64(dt):
     for m in SM90_MS:
         for k, n in SM90_KN:
             for layout in ("kn", "nk"):
-                x = _fresh((m, k), dt, gen)
-                w = _weight(k, n, layout, dt, gen)
-                b = _fresh((n,), dt, gen) if (m + n) % 2 else None
-                ref = x.double() @ w.double()
-                if b is not None:
-                    ref += b.double()
-                out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
-                y = fusedist.gemm(x, w, b, out=out, kernel="sm90")
-                torch.cuda.synchronize()
-                err = gemm_rel_err(y, ref)
-                assert y is out and err < GEMM_REL[dt], \
-                    f"gemm sm90 {dt} M={m} K={k} N={n} w={layout} bias={b is not None}: {err:.3g}"
-                # accumulate: out += x @ w (+ bias), the epilogue reading out (beta = 1).
-                c = _fresh((m, n), dt, gen)
-                acc = c.clone()
-                fusedist.gemm(x, w, b, out=acc, kernel="sm90", accumulate=True)
-                err = gemm_rel_err(acc, ref + c.double())
-                assert err < GEMM_REL[dt], f"gemm sm90 accumulate {dt} M={m} K={k} N={n}: {err:.3g}"
+                _check_against_float64(
+                    lambda x, w, b, out, acc: fusedist.gemm(x, w, b, out=out, kernel="sm90",
+                                                            accumulate=acc),
+                    m, k, n, layout, dt, gen, bias=(m + n) % 2 == 1, what="gemm sm90")
 
 
 # Every tile configuration forced in turn (kernel="sm90" picks one by M): one row, odd rows,
@@ -90,25 +100,14 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
         for m in TILE_MS:
             for k, n in SM90_KN:
                 for layout in ("kn", "nk"):
-                    x = _fresh((m, k), dt, gen)
-                    w = _weight(k, n, layout, dt, gen)
-                    b = _fresh((n,), dt, gen) if (m + k) % 2 else None
-                    ref = x.double() @ w.double()
-                    if b is not None:
-                        ref += b.double()
-                    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
-                    launch_sm90(x, w, b, out, stream, tile=tile)
-                    err = gemm_rel_err(out, ref)
-                    assert err < GEMM_REL[dt], \
-                        f"gemm sm90 tile {name} {dt} M={m} K={k} N={n} w={layout}: {err:.3g}"
-                    c = _fresh((m, n), dt, gen)
-                    acc = c.clone()
-                    launch_sm90(x, w, b, acc, stream, accumulate=True, tile=tile)
-                    err = gemm_rel_err(acc, ref + c.double())
-                    assert err < GEMM_REL[dt], \
-                        f"gemm sm90 tile {name} accumulate {dt} M={m} K={k} N={n}: {err:.3g}"
+                    _check_against_float64(
+                        lambda x, w, b, out, acc, tile=tile: launch_sm90(
+                            x, w, b, out, stream, accumulate=acc, tile=tile),
+                        m, k, n, layout, dt, gen, bias=(m + k) % 2 == 1,
+                        what=f"gemm sm90 tile {name}")
+    x, w = _fresh((8, 64), dt, gen), _fresh((64, 64), dt, gen)
     with pytest.raises(ValueError, match="tile must be"):
-        launch_sm90(x, w, None, out, stream, tile=99)
+        launch_sm90(x, w, None, torch.empty(8, 64, dtype=dt, device="cuda"), stream, tile=99)
 
 
 @pytest.mark.gpu
