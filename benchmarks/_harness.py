@@ -112,6 +112,20 @@ def timed_replays(g: torch.cuda.CUDAGraph, ops: int, reps: int) -> list[float]:
     return times
 
 
+def kernels(fn: Callable[[], None]) -> list[tuple[str, float]]:
+    """The GPU kernels one call of fn() launches, (name, device us), longest first (profiled
+    once, after one unprofiled call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return sorted(((e.name, e.device_time_total) for e in ev), key=lambda t: -t[1])
+
+
 def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3) -> float:
     """Median microseconds per call of step(i), i = 0..ops-1, captured in one CUDA graph."""
     g = capture(step, ops)

@@ -4,7 +4,8 @@ prefill row counts: the shapes where the choice of kernel and tile decides the s
 One GPU. For N = 8192, K in {4096, 14336} (gemm_ar's per-rank weights), w [K, N] row-major
 ("kn") and the .t() of an nn.Linear [N, K] weight ("nk"), and M from 1 to 512 rows: the time
 of torch.matmul, of the decode kernel (M <= 128), of every Hopper tile configuration this build
-has (fusedist._C.GEMM_SM90_TILES) and of fusedist.gemm(kernel="auto"). Each call reads a
+has (fusedist._C.GEMM_SM90_TILES) in every tile order (GEMM_SM90_RASTERS: sm90_<tile>_<raster>)
+and of fusedist.gemm(kernel="auto"); and the kernels cuBLAS runs (kn). Each call reads a
 different weight (a ring of copies larger than L2), as a decode step's layers do, so weights
 stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
 is checked against torch.matmul's before it is timed. sm90_narrow_pad (a diagnosis, not a
@@ -22,13 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import metadata, time_graph, write_results  # noqa: E402
+from _harness import kernels, metadata, time_graph, write_results  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist import _ext  # noqa: E402
 from fusedist.ops.gemm import launch_sm90  # noqa: E402
 
-MS = (1, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+MS = (1, 16, 32, 64, 96, 112, 128, 160, 192, 256, 320, 384, 512)
 L2_RING_BYTES = 3 << 27  # 384 MB of weights per shape: more than any Hopper L2 many times over
 
 
@@ -48,6 +49,7 @@ def main():
     C = _ext.load()
     hopper = torch.cuda.get_device_capability(dev)[0] == 9
     tiles = dict(C.GEMM_SM90_TILES) if hopper else {}
+    rasters = dict(C.GEMM_SM90_RASTERS) if hopper else {}
     g = torch.Generator(device=dev).manual_seed(1)
 
     def rnd(*s):
@@ -55,10 +57,11 @@ def main():
 
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
-    names = ["torch", "decode"] + [f"sm90_{t}" for t in tiles] + \
+    names = ["torch", "decode"] + [f"sm90_{t}_{r}" for t in tiles for r in rasters] + \
         (["sm90_narrow_pad"] if "narrow" in tiles else []) + ["auto"]
     md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
           "|" + "---|" * (len(names) + 4)]
+    kmd = []
     for K in map(int, args.ks.split(",")):
         ring = max(2, -(-L2_RING_BYTES // (K * N * 2)))
         for layout in ("kn", "nk"):
@@ -71,8 +74,10 @@ def main():
                 if M <= C.GEMM_AR_FUSED_MAX_M:
                     calls["decode"] = lambda i, w, o: fusedist.gemm(xm, w, out=o, kernel="decode")
                 for t, code in tiles.items():
-                    calls[f"sm90_{t}"] = (lambda code: lambda i, w, o: launch_sm90(
-                        xm, w, None, o, torch.cuda.current_stream(), tile=code))(code)
+                    for r, order in rasters.items():
+                        calls[f"sm90_{t}_{r}"] = (lambda code, order: lambda i, w, o: launch_sm90(
+                            xm, w, None, o, torch.cuda.current_stream(), tile=code,
+                            raster=order))(code, order)
                 if "narrow" in tiles and M % C.GEMM_SM90_BLOCK_M:
                     # Diagnosis: the narrow tile with x padded by zero rows to whole tiles and
                     # the rows copied out, copies included (partial tiles measured slow).
@@ -104,13 +109,20 @@ def main():
                         print(f"K={K} {layout} M={M} {name}: {e}")
                 fd = [times[n] for n in times if n not in ("torch", "sm90_narrow_pad")]
                 best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
+                cublas = [(n[:90], round(t, 1)) for n, t in
+                          kernels(lambda: torch.matmul(xm, ws[0], out=outs[0]))] \
+                    if layout == "kn" else []
+                if cublas:
+                    kmd.append(f"| {K} | {M} | " + "<br>".join(f"{n} ({t} us)" for n, t in cublas)
+                               + " |")
                 rows.append({"layout": layout, "M": M, "N": N, "K": K, "time_us": times,
-                             "rel_err": errs, "best_ratio": best,
+                             "rel_err": errs, "best_ratio": best, "cublas_kernels": cublas,
                              "weight_GBps": {n: K * N * 2 / t / 1e3 for n, t in times.items()}})
                 md.append(f"| {layout} | {K} | {M} | " + " | ".join(
                     f"{times[n]:.1f}" if n in times else "-" for n in names) + f" | {best:.2f} |")
             del ws
-    text = "\n".join(md)
+    text = "\n".join(md + ["", "cuBLAS kernels (kn; profiled once, device us):", "",
+                           "| K | M | kernels |", "|---|---|---|"] + kmd)
     paths = write_results("gemm" + args.tag, metadata(1), rows, text)
     print(text + "\n\nresults: " + ", ".join(map(str, paths)))
 

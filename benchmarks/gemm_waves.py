@@ -26,22 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _harness import metadata, time_graph, write_results  # noqa: E402
+from _harness import kernels, metadata, time_graph, write_results  # noqa: E402
 
 from fusedist import tuning  # noqa: E402
 
 
 def kernel_name(fn) -> str:
     """The name of the longest GPU kernel fn() launches (profiled once)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return max(ev, key=lambda e: e.device_time_total).name[:80] if ev else "?"
+    ks = kernels(fn)
+    return ks[0][0][:80] if ks else "?"
 
 
 def col_cut(m: int, n: int, model: dict) -> int:

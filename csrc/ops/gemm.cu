@@ -57,7 +57,7 @@ void run_layout(const GemmSm90Call& a, bool w_nk) {
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
                int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
-               const GemmSignalArgs& signal, uintptr_t stream, int tile) {
+               const GemmSignalArgs& signal, uintptr_t stream, int tile, int raster) {
   const std::string op = "gemm: ";
   FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
   FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
@@ -78,6 +78,22 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.m = m, a.n = n, a.k = k;
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
+  const bool plain = wait.flags == 0 && signal.pieces == 0;
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrow,
+                     op + "tile must be 0 (auto), 1 (wide) or 2 (narrow), got " +
+                         std::to_string(tile));
+  FUSEDIST_CHECK_ARG(plain || tile != kSm90TileNarrow,
+                     op + "the fused engines' waits and signals run on the wide tile only");
+  FUSEDIST_CHECK_ARG(raster >= kSm90RasterAuto && raster <= kSm90RasterAlongM,
+                     op + "raster must be 0 (auto), 1 (along N) or 2 (along M), got " +
+                         std::to_string(raster));
+  FUSEDIST_CHECK_ARG(plain || raster != kSm90RasterAlongM,
+                     op + "the fused engines' waits and signals hand out tiles along N only");
+  if (tile == kSm90TileAuto)
+    tile = plain && m <= kGemmSm90NarrowMaxM ? kSm90TileNarrow : kSm90TileWide;
+  if (raster == kSm90RasterAuto)
+    raster = tile == kSm90TileNarrow ? kSm90RasterAlongM : kSm90RasterAlongN;
+  a.raster_m = raster == kSm90RasterAlongM;
   if (wait.flags != 0 || signal.pieces != 0) {
     a.sms -= kReservedSms;
     FUSEDIST_CHECK_ARG(comm != nullptr, op + "the fused engines' waits and signals need a communicator");
@@ -123,14 +139,6 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     cs.piece_rows = (br + signal.pieces - 1) / signal.pieces;
     cs.src = rank;
   }
-  const bool plain = wait.flags == 0 && signal.pieces == 0;
-  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrow,
-                     op + "tile must be 0 (auto), 1 (wide) or 2 (narrow), got " +
-                         std::to_string(tile));
-  FUSEDIST_CHECK_ARG(plain || tile != kSm90TileNarrow,
-                     op + "the fused engines' waits and signals run on the wide tile only");
-  if (tile == kSm90TileAuto)
-    tile = plain && m <= kGemmSm90NarrowMaxM ? kSm90TileNarrow : kSm90TileWide;
   const bool narrow = tile == kSm90TileNarrow;
   if (dtype == DType::kBFloat16)
     narrow ? run_layout<__nv_bfloat16, kSm90TileNarrow>(a, w_nk)

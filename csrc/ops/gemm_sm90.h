@@ -18,6 +18,7 @@ struct GemmSm90Call {
   ChunkWait wait;                // wait.flags == nullptr: no wait
   ChunkSignal signal;            // signal.offset == 0: no signals
   int sms;                       // persistent CTAs
+  bool raster_m;                 // tiles handed out along M (layout.h, Sm90Raster)
   cudaStream_t stream;
 };
 

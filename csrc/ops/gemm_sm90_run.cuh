@@ -57,14 +57,17 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = a.c ? a.beta : 0.0f;
   args.epilogue.thread.bias_ptr = reinterpret_cast<const E*>(a.bias);
-  args.scheduler.raster_order =
-      cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions::AlongN;
-  // A wave of 64 clusters covers 16 M-tiles x 8 N-tiles instead of 2 x 64: the weight is
-  // streamed from HBM far fewer times when it does not fit in L2 (N = 14336). CUTLASS pads
-  // the M clusters to a multiple of the swizzle and multiplies the padding tiles too (their
-  // loads are out of bounds, their MMAs are not skipped), so take the largest swizzle that
-  // pads by at most 1/8: 1024 rows (4 clusters) took 2x the time with swizzle 8.
-  args.scheduler.max_swizzle_size = gemm_sm90_swizzle(a.m, G::kClusterM);
+  using Raster =
+      cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params::RasterOrderOptions;
+  args.scheduler.raster_order = a.raster_m ? Raster::AlongM : Raster::AlongN;
+  // Along N: a wave of 64 clusters covers 16 M-tiles x 8 N-tiles instead of 2 x 64: the
+  // weight is streamed from HBM far fewer times when it does not fit in L2 (N = 14336).
+  // CUTLASS pads the M clusters to a multiple of the swizzle and multiplies the padding tiles
+  // too (their loads are out of bounds, their MMAs are not skipped), so take the largest
+  // swizzle that pads by at most 1/8: 1024 rows (4 clusters) took 2x the time with swizzle 8.
+  // Along M (few row blocks): every row block of one weight strip runs in the same wave
+  // already; a swizzle would only pad the N tiles.
+  args.scheduler.max_swizzle_size = a.raster_m ? 1 : gemm_sm90_swizzle(a.m, G::kClusterM);
   args.scheduler.wait = a.wait;
   args.scheduler.signal = a.signal;
 

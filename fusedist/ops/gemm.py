@@ -86,10 +86,12 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 flags: Optional[torch.Tensor] = None, block_rows: int = 0,
                 pieces: int = 1, wait_on_c: bool = False, wait_peer: int = -1,
                 signal_row0: Optional[int] = None, signal_block_rows: int = 0,
-                signal_pieces: int = 0, tile: int = 0) -> torch.Tensor:
+                signal_pieces: int = 0, tile: int = 0, raster: int = 0) -> torch.Tensor:
     """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
     value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256, "narrow" 128 x 64 for plain
-    GEMMs; csrc/include/fusedist/layout.h, Sm90Tile). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+    GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
+    `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
+    GEMMs only; layout.h, Sm90Raster). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
       flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
         world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
       flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`
@@ -113,7 +115,7 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 pieces, stream.cuda_stream, wait_on_c=wait_on_c, wait_peer=wait_peer,
                 signal_offset=comm.symm.signal_offset if signal else 0,
                 signal_row0=signal_row0 if signal else 0, signal_block_rows=signal_block_rows,
-                signal_pieces=signal_pieces if signal else 0, tile=tile)
+                signal_pieces=signal_pieces if signal else 0, tile=tile, raster=raster)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -79,9 +79,10 @@ def test_gemm_sm90_matches_float64(dt):
                     m, k, n, layout, dt, gen, bias=(m + n) % 2 == 1, what="gemm sm90")
 
 
-# Every tile configuration forced in turn (kernel="sm90" picks one by M): one row, odd rows,
-# a full narrow tile, past it, at the odd (K, N) above.
-TILE_MS = (1, 37, 128, 200)
+# Every tile configuration in every tile order forced in turn (kernel="sm90" picks both by M):
+# one row, odd rows, a full narrow tile, past it (2 and 3 row blocks, the last partial, where
+# the order decides which tiles share a wave), at the odd (K, N) above.
+TILE_MS = (1, 37, 128, 200, 300)
 
 
 @pytest.mark.gpu
@@ -96,18 +97,31 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
     gen.manual_seed(int(torch.randint(1 << 30, ())))
     stream = torch.cuda.current_stream()
     assert set(C.GEMM_SM90_TILES) == {"wide", "narrow"}
+    assert set(C.GEMM_SM90_RASTERS) == {"along_n", "along_m"}
     for name, tile in C.GEMM_SM90_TILES.items():
-        for m in TILE_MS:
-            for k, n in SM90_KN:
-                for layout in ("kn", "nk"):
-                    _check_against_float64(
-                        lambda x, w, b, out, acc, tile=tile: launch_sm90(
-                            x, w, b, out, stream, accumulate=acc, tile=tile),
-                        m, k, n, layout, dt, gen, bias=(m + k) % 2 == 1,
-                        what=f"gemm sm90 tile {name}")
+        for order, raster in C.GEMM_SM90_RASTERS.items():
+            for m in TILE_MS:
+                for k, n in SM90_KN:
+                    for layout in ("kn", "nk"):
+                        _check_against_float64(
+                            lambda x, w, b, out, acc, tile=tile, raster=raster: launch_sm90(
+                                x, w, b, out, stream, accumulate=acc, tile=tile, raster=raster),
+                            m, k, n, layout, dt, gen, bias=(m + k) % 2 == 1,
+                            what=f"gemm sm90 tile {name} raster {order}")
     x, w = _fresh((8, 64), dt, gen), _fresh((64, 64), dt, gen)
+    out = torch.empty(8, 64, dtype=dt, device="cuda")
     with pytest.raises(ValueError, match="tile must be"):
-        launch_sm90(x, w, None, torch.empty(8, 64, dtype=dt, device="cuda"), stream, tile=99)
+        launch_sm90(x, w, None, out, stream, tile=99)
+    with pytest.raises(ValueError, match="raster must be"):
+        launch_sm90(x, w, None, out, stream, raster=7)
+    # The fused engines' waits run on the wide tile, handing tiles out along N only.
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="wide tile only"):
+        launch_sm90(x, w, None, out, stream, flags=flags, block_rows=4,
+                    tile=C.GEMM_SM90_TILES["narrow"])
+    with pytest.raises(ValueError, match="along N only"):
+        launch_sm90(x, w, None, out, stream, flags=flags, block_rows=4,
+                    raster=C.GEMM_SM90_RASTERS["along_m"])
 
 
 @pytest.mark.gpu

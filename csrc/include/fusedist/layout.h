@@ -65,6 +65,12 @@ constexpr int kGemmSm90BlockN = 256;
 enum Sm90Tile : int { kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2 };
 constexpr int kGemmSm90NarrowBlockN = 64;
 constexpr int kGemmSm90NarrowMaxM = 128;
+// The order the persistent scheduler hands out tiles. Along N (the wide tile's, with
+// swizzled groups of M tiles): a wave covers few row blocks and many weight columns. Along M
+// (plain GEMMs only): a wave covers every row block of fewer weight columns, so a weight that
+// does not fit in L2 streams from HBM once, not once per row block (the narrow tile above
+// 128 rows). kSm90RasterAuto: along M for the narrow tile, along N for the wide one.
+enum Sm90Raster : int { kSm90RasterAuto = 0, kSm90RasterAlongN = 1, kSm90RasterAlongM = 2 };
 // gemm_rs engine='fused': a rank's counter region holds kMaxSignalPieces uint32 slots per
 // source rank (row pieces of its block, at most), source-major.
 constexpr int kMaxSignalPieces = 64;
