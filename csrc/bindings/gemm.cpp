@@ -12,7 +12,7 @@ void register_gemm(py::module_& m) {
          uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo, int m,
          int n, int k, int dtype, uintptr_t flags, int block_rows, int pieces, uintptr_t stream,
          bool wait_on_c, int wait_peer, uint64_t signal_offset, int signal_row0,
-         int signal_block_rows, int signal_pieces, int tile, int raster) {
+         int signal_block_rows, int signal_pieces, int tile, int raster, int m_load) {
         GemmWaitArgs wait;
         wait.flags = flags, wait.block_rows = block_rows, wait.pieces = pieces;
         wait.on_c = wait_on_c, wait.peer = wait_peer;
@@ -20,7 +20,7 @@ void register_gemm(py::module_& m) {
         signal.offset = signal_offset, signal.row0 = signal_row0;
         signal.block_rows = signal_block_rows, signal.pieces = signal_pieces;
         gemm_sm90(comm, x, ldx, w, ldw, w_nk, bias, c, ldc, beta, out, ldo, m, n, k, DType(dtype),
-                  wait, signal, stream, tile, raster);
+                  wait, signal, stream, tile, raster, m_load);
       },
       py::arg("comm").none(true), py::arg("x"), py::arg("ldx"), py::arg("w"), py::arg("ldw"),
       py::arg("w_nk"), py::arg("bias"), py::arg("c"), py::arg("ldc"), py::arg("beta"),
@@ -28,7 +28,7 @@ void register_gemm(py::module_& m) {
       py::arg("flags"), py::arg("block_rows"), py::arg("pieces"), py::arg("stream"),
       py::arg("wait_on_c") = false, py::arg("wait_peer") = -1, py::arg("signal_offset") = 0,
       py::arg("signal_row0") = 0, py::arg("signal_block_rows") = 0, py::arg("signal_pieces") = 0,
-      py::arg("tile") = 0, py::arg("raster") = 0);
+      py::arg("tile") = 0, py::arg("raster") = 0, py::arg("m_load") = 0);
   m.attr("GEMM_SM90_BLOCK_M") = kGemmSm90BlockM;
   m.attr("GEMM_SM90_BLOCK_N") = kGemmSm90BlockN;
   m.attr("GEMM_SM90_NARROW_MAX_M") = kGemmSm90NarrowMaxM;

@@ -57,7 +57,8 @@ void run_layout(const GemmSm90Call& a, bool w_nk) {
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
                int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
-               const GemmSignalArgs& signal, uintptr_t stream, int tile, int raster) {
+               const GemmSignalArgs& signal, uintptr_t stream, int tile, int raster,
+               int m_load) {
   const std::string op = "gemm: ";
   FUSEDIST_CHECK_ARG(m >= 1 && n >= 1 && k >= 1, op + "M, N and K must be positive");
   FUSEDIST_CHECK_ARG(n % 8 == 0 && k % 8 == 0,
@@ -76,6 +77,7 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.x = x, a.w = w, a.bias = bias, a.c = c, a.out = out;
   a.ldx = ldx, a.ldw = ldw, a.ldc = ldc, a.ldo = ldo, a.beta = beta;
   a.m = m, a.n = n, a.k = k;
+  a.m_load = m;
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
   const bool plain = wait.flags == 0 && signal.pieces == 0;
@@ -94,6 +96,11 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   if (raster == kSm90RasterAuto)
     raster = tile == kSm90TileNarrow ? kSm90RasterAlongM : kSm90RasterAlongN;
   a.raster_m = raster == kSm90RasterAlongM;
+  if (m_load > m) {  // 0 or m: no rows past m
+    FUSEDIST_CHECK_ARG(plain, op + "m_load is for plain GEMMs (no waits or signals)");
+    const int whole = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM * kGemmSm90BlockM;
+    a.m_load = m_load < whole ? m_load : whole;
+  }
   if (wait.flags != 0 || signal.pieces != 0) {
     a.sms -= kReservedSms;
     FUSEDIST_CHECK_ARG(comm != nullptr, op + "the fused engines' waits and signals need a communicator");

@@ -15,6 +15,8 @@ struct GemmSm90Call {
   int64_t ldx, ldw, ldc, ldo;    // row strides (elements)
   float beta;
   int m, n, k;
+  int m_load;                    // rows of x the mainloop may read: m .. m rounded up to the
+                                 // tile (the rows past m are real memory, their output unused)
   ChunkWait wait;                // wait.flags == nullptr: no wait
   ChunkSignal signal;            // signal.offset == 0: no signals
   int sms;                       // persistent CTAs

@@ -77,11 +77,21 @@ void gemm_sm90_run(const GemmSm90Call& a) {
                      std::string("gemm: CUTLASS cannot run this problem (") +
                          cutlassGetStatusString(s) + "); M, N, K and the strides must suit 16-byte TMA rows");
   FUSEDIST_CHECK_ARG(Gemm::get_workspace_size(args) == 0, "gemm: unexpected workspace need");
-  s = gemm.initialize(args, nullptr, a.stream);
+  // The mainloop's TMA reads a whole tile of x's rows when x has them (m_load): a box whose
+  // rows lie past the tensor's end is zero-filled by the TMA unit, and that measured slow
+  // (benchmarks/NOTES.md, session 9). The stores keep the true M (their own tensor map, which
+  // clips the rows past it); the scheduler sees the same tiles either way.
+  typename Gemm::Arguments load_args = args;
+  cute::get<0>(load_args.problem_shape) = a.m_load;
+  s = gemm.initialize(load_args, nullptr, a.stream);
   if (s != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fusedist: gemm: CUTLASS initialize failed: ") +
                              cutlassGetStatusString(s));
-  s = gemm.run(a.stream);
+  typename Kernel::Params params = gemm.params();
+  if (a.m_load != a.m)
+    params.epilogue =
+        Kernel::CollectiveEpilogue::to_underlying_arguments(args.problem_shape, args.epilogue, nullptr);
+  s = Gemm::run(params, a.stream);
   FUSEDIST_LAUNCH_CHECK("gemm_sm90 (CUTLASS GemmUniversal)");
   if (s != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fusedist: gemm: CUTLASS launch failed: ") +

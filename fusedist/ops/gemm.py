@@ -64,6 +64,13 @@ def _weight(w: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     return w, w_nk, ldw
 
 
+def readable_rows(t: torch.Tensor) -> int:
+    """Rows of the 2-D row-major view t (row stride t.stride(0)) that lie wholly in its
+    storage: t.shape[0], or more when t is the first rows of a larger buffer."""
+    avail = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return max(t.shape[0], (avail - t.shape[1]) // t.stride(0) + 1)
+
+
 def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                   stream: torch.cuda.Stream) -> torch.Tensor:
     """The decode kernel (comm None: no exchange; else gemm_ar's fused all-reduce). Misaligned
@@ -91,7 +98,9 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
     value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256, "narrow" 128 x 64 for plain
     GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
     `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
-    GEMMs only; layout.h, Sm90Raster). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+    GEMMs only; layout.h, Sm90Raster). A plain GEMM whose x is the first rows of a larger
+    buffer reads whole tiles of its rows (the rows past M never reach out): tile loads that
+    run past a tensor's end measured slow (docs/design/gemm.md). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
       flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
         world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
       flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`
@@ -108,6 +117,7 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
         dst.copy_(out)
     b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
     signal = signal_row0 is not None
+    m_load = readable_rows(xa) if flags is None and not signal else 0
     C.gemm_sm90(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                 w.data_ptr(), ldw, w_nk, b, dst.data_ptr() if accumulate else 0, dst.stride(0),
                 1.0, dst.data_ptr(), dst.stride(0), x.shape[0], w.shape[1], x.shape[1],
@@ -115,7 +125,8 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 pieces, stream.cuda_stream, wait_on_c=wait_on_c, wait_peer=wait_peer,
                 signal_offset=comm.symm.signal_offset if signal else 0,
                 signal_row0=signal_row0 if signal else 0, signal_block_rows=signal_block_rows,
-                signal_pieces=signal_pieces if signal else 0, tile=tile, raster=raster)
+                signal_pieces=signal_pieces if signal else 0, tile=tile, raster=raster,
+                m_load=m_load)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -97,7 +97,7 @@ fi
 if want sanitizer && want_san gemm; then  # every Hopper GEMM tile, one GPU
   stage san_gemm "${FUSEDIST_SAN_TIMEOUT:-600}" compute-sanitizer --tool memcheck \
     --error-exitcode 3 --report-api-errors no python3 -P -m pytest -q -p no:cacheprovider \
-    -m gpu tests/ops/test_gemm.py -k every_tile
+    -m gpu tests/ops/test_gemm.py -k "every_tile or larger_buffer"
   { echo "== compute-sanitizer memcheck (gemm tiles)"; grep -E "^=========" "$LOGS/san_gemm.log" | head -20; } \
     >> "$OUT/summary.txt.head"
 fi

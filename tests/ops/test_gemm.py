@@ -124,6 +124,34 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
                     raster=C.GEMM_SM90_RASTERS["along_m"])
 
 
+# x as the first rows of a larger buffer: the mainloop then reads whole tiles of rows (no
+# tile load past the tensor's end). The rows past M are NaN: none may reach out.
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gemm_sm90_slice_of_larger_buffer_matches_float64(dt):
+    from fusedist import _ext
+    from fusedist.ops.gemm import launch_sm90, readable_rows
+
+    C = _ext.load()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(torch.randint(1 << 30, ())))
+    stream = torch.cuda.current_stream()
+    for name, tile in C.GEMM_SM90_TILES.items():
+        for m in (1, 37, 200, 300):
+            for k, n in SM90_KN:
+                for layout in ("kn", "nk"):
+                    def run(x, w, b, out, acc, tile=tile, m=m):
+                        buf = torch.full((m + 130, x.shape[1]), float("nan"), dtype=dt,
+                                         device="cuda")
+                        buf[:m].copy_(x)
+                        xs = buf[:m]
+                        assert readable_rows(xs) == m + 130
+                        return launch_sm90(xs, w, b, out, stream, accumulate=acc, tile=tile)
+                    _check_against_float64(run, m, k, n, layout, dt, gen, bias=m % 2 == 1,
+                                           what=f"gemm sm90 tile {name}, x a slice")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 def test_gemm_sm90_views_and_errors():

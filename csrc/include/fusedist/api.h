@@ -102,6 +102,9 @@ void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
 // tile (layout.h, Sm90Tile): 0 picks (the narrow tile for a plain GEMM of at most
 // kGemmSm90NarrowMaxM rows, else the wide one); 1 wide; 2 narrow (plain GEMMs only).
 // raster (layout.h, Sm90Raster): 0 picks by tile; 1 along N; 2 along M (plain GEMMs only).
+// m_load (plain GEMMs): rows of x (from row 0, row stride ldx) that may be read, m or more;
+// the mainloop reads up to a whole tile of them, so no tile load runs past x's end (those
+// loads are slow); rows past m never reach out. 0: m.
 struct GemmWaitArgs {
   uintptr_t flags = 0;  // uint32 [blocks * pieces]; 0: no wait
   int block_rows = 0;   // rows per block
@@ -118,6 +121,7 @@ struct GemmSignalArgs {
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
                uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
                int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
-               const GemmSignalArgs& signal, uintptr_t stream, int tile = 0, int raster = 0);
+               const GemmSignalArgs& signal, uintptr_t stream, int tile = 0, int raster = 0,
+               int m_load = 0);
 
 }  // namespace fusedist
