@@ -91,16 +91,19 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
                          std::to_string(raster));
   FUSEDIST_CHECK_ARG(plain || raster != kSm90RasterAlongM,
                      op + "the fused engines' waits and signals hand out tiles along N only");
-  if (tile == kSm90TileAuto)
-    tile = plain && m <= kGemmSm90NarrowMaxM ? kSm90TileNarrow : kSm90TileWide;
-  if (raster == kSm90RasterAuto)
-    raster = tile == kSm90TileNarrow ? kSm90RasterAlongM : kSm90RasterAlongN;
-  a.raster_m = raster == kSm90RasterAlongM;
   if (m_load > m) {  // 0 or m: no rows past m
     FUSEDIST_CHECK_ARG(plain, op + "m_load is for plain GEMMs (no waits or signals)");
     const int whole = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM * kGemmSm90BlockM;
     a.m_load = m_load < whole ? m_load : whole;
   }
+  const bool whole_tiles = a.m_load % kGemmSm90BlockM == 0;
+  if (tile == kSm90TileAuto)
+    tile = plain && (m <= kGemmSm90BlockM || m <= kGemmSm90NarrowMaxM && whole_tiles)
+               ? kSm90TileNarrow
+               : kSm90TileWide;
+  if (raster == kSm90RasterAuto)
+    raster = tile == kSm90TileNarrow ? kSm90RasterAlongM : kSm90RasterAlongN;
+  a.raster_m = raster == kSm90RasterAlongM;
   if (wait.flags != 0 || signal.pieces != 0) {
     a.sms -= kReservedSms;
     FUSEDIST_CHECK_ARG(comm != nullptr, op + "the fused engines' waits and signals need a communicator");

@@ -8,9 +8,14 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
     (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
     csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
-    128 x 64 tiles up to 128 rows (so N = 8192 spreads over 128 SMs), else 128 x 256.
+    128 x 64 tiles for one row block (so N = 8192 spreads over 128 SMs) and up to 256 rows
+    when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
+    larger buffer (as in CUDA-graph decode, where activations are slices of a max-batch
+    buffer), the GEMM reads whole tiles of its rows: tile loads that run past a tensor's end
+    are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
-  * "auto": "decode" up to DECODE_MAX_M rows, else "sm90" on an sm_90 GPU, else torch.matmul.
+  * "auto": auto_kernel() below: "decode" for few rows, else "sm90" on an sm_90 GPU, else
+    torch.matmul.
 These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm.py, and
 benchmarks/gemm_comm.py at the GEMM + collective shapes).
 """
@@ -25,10 +30,24 @@ from .. import _dtypes, _ext
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-# "auto" takes the decode kernel up to this many rows. Session 8 (benchmarks/results/gemm-*):
-# at M = 96 it beat the sm90 narrow tile (25.7 vs 28.6 us, K = 4096), at M = 128 it lost
-# (25.3 vs 22.6 us; 81.0 vs 65.7 at K = 14336). Before the narrow tile: sm90 0.47x at M = 128.
-DECODE_MAX_M = 96
+# "auto" takes the decode kernel up to DECODE_MAX_M rows, and up to DECODE_MAX_M_PARTIAL when
+# the sm90 GEMM's narrow tile would read past x's end (x lacks whole tiles of rows). Session 9
+# (benchmarks/results/gemm_s9b-*, K = 4096 / 14336, w [K, N]): at M = 64 decode 21.5 / 64.7 us
+# against the narrow tile's 22.8 / 65.2; at M = 96 decode 26.1 / 87.1 against 23.0 / 65.5
+# with whole tiles and 28.6 / 91.0 without.
+DECODE_MAX_M = 64
+DECODE_MAX_M_PARTIAL = 96
+
+
+def auto_kernel(m: int, readable_rows: int, accumulate: bool, hopper: bool) -> str:
+    """kernel="auto"'s choice for m rows of x of which readable_rows lie in its storage:
+    "decode", "sm90" or "torch"."""
+    block = _ext.load().GEMM_SM90_BLOCK_M
+    whole = -(-m // block) * block
+    if not accumulate and (m <= DECODE_MAX_M or
+                           m <= DECODE_MAX_M_PARTIAL and readable_rows < whole):
+        return "decode"
+    return "sm90" if hopper else "torch"
 
 
 def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
@@ -173,11 +192,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         raise ValueError(f"fusedist.gemm: out must be a contiguous ({m}, {n}) tensor of "
                          f"{x.dtype} on {x.device}")
     if kernel == "auto":
-        if m <= DECODE_MAX_M and not accumulate:
-            kernel = "decode"
-        elif sm90_available(x.device):
-            kernel = "sm90"
-        else:
+        # A misaligned x is copied (aligned()), and the copy has no rows past m.
+        readable = readable_rows(x) if x.data_ptr() % 16 == 0 else m
+        kernel = auto_kernel(m, readable, accumulate, sm90_available(x.device))
+        if kernel == "torch":
             res = torch.addmm(bias, x, w) if bias is not None else x @ w
             return out.add_(res) if accumulate else out.copy_(res)
     stream = torch.cuda.current_stream(x.device)
