@@ -10,7 +10,7 @@ different weight (a ring of copies larger than L2), as a decode step's layers do
 stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
 is checked against torch.matmul's before it is timed. x[:M] is a slice of a 512-row buffer, so
 the sm90 GEMMs read whole tiles of rows (fusedist.ops.gemm.launch_sm90). Diagnoses, not
-kernels: sm90_narrow_exact, the narrow tile on a copy of x[:M] (its last tile's loads run past
+kernels: sm90_<narrow|mid>_exact, the tile on a copy of x[:M] (its last tile's loads run past
 the end); sm90_narrow_pad, x copied into zero rows to a whole tile, both copies included.
 
     python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
@@ -60,7 +60,8 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     names = ["torch", "decode"] + [f"sm90_{t}_{r}" for t in tiles for r in rasters] + \
-        (["sm90_narrow_exact", "sm90_narrow_pad"] if "narrow" in tiles else []) + ["auto"]
+        [f"sm90_{t}_exact" for t in ("narrow", "mid") if t in tiles] + \
+        (["sm90_narrow_pad"] if "narrow" in tiles else []) + ["auto"]
     md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
           "|" + "---|" * (len(names) + 4)]
     kmd = []
@@ -85,8 +86,10 @@ def main():
                     # past its end (the sm90 columns read the rows after x[:M], as a slice of
                     # a larger activation buffer lets them).
                     xe = xm.clone()
-                    calls["sm90_narrow_exact"] = lambda i, w, o, xe=xe: launch_sm90(
-                        xe, w, None, o, torch.cuda.current_stream(), tile=tiles["narrow"])
+                    for t in ("narrow", "mid"):
+                        if t in tiles:
+                            calls[f"sm90_{t}_exact"] = (lambda code: lambda i, w, o: launch_sm90(
+                                xe, w, None, o, torch.cuda.current_stream(), tile=code))(tiles[t])
                     # Diagnosis: the narrow tile with x padded by zero rows to whole tiles and
                     # the rows copied out, copies included (partial tiles measured slow).
                     mp = -(-M // C.GEMM_SM90_BLOCK_M) * C.GEMM_SM90_BLOCK_M
@@ -115,8 +118,8 @@ def main():
                             2 * ring, 20)
                     except (RuntimeError, ValueError) as e:
                         print(f"K={K} {layout} M={M} {name}: {e}")
-                fd = [times[n] for n in times if n not in ("torch", "sm90_narrow_pad",
-                                                           "sm90_narrow_exact")]
+                fd = [times[n] for n in times
+                      if n != "torch" and not n.endswith(("_pad", "_exact"))]
                 best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
                 cublas = [(n[:90], round(t, 1)) for n, t in
                           kernels(lambda: torch.matmul(xm, ws[0], out=outs[0]))] \

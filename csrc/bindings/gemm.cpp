@@ -31,10 +31,11 @@ void register_gemm(py::module_& m) {
       py::arg("tile") = 0, py::arg("raster") = 0, py::arg("m_load") = 0);
   m.attr("GEMM_SM90_BLOCK_M") = kGemmSm90BlockM;
   m.attr("GEMM_SM90_BLOCK_N") = kGemmSm90BlockN;
-  m.attr("GEMM_SM90_NARROW_MAX_M") = kGemmSm90NarrowMaxM;
+  m.attr("GEMM_SM90_MID_MAX_M") = kGemmSm90MidMaxM;
   py::dict tiles;  // the tile configurations this build has (layout.h, Sm90Tile)
   tiles["wide"] = int(kSm90TileWide);
   tiles["narrow"] = int(kSm90TileNarrow);
+  tiles["mid"] = int(kSm90TileMid);
   m.attr("GEMM_SM90_TILES") = tiles;
   py::dict rasters;  // the scheduler's tile orders (layout.h, Sm90Raster)
   rasters["along_n"] = int(kSm90RasterAlongN);

@@ -52,6 +52,16 @@ void run_layout(const GemmSm90Call& a, bool w_nk) {
     gemm_sm90_run<T, false, kTile>(a);
 }
 
+template <typename T>
+void run_tile(const GemmSm90Call& a, bool w_nk, int tile) {
+  if (tile == kSm90TileNarrow)
+    run_layout<T, kSm90TileNarrow>(a, w_nk);
+  else if (tile == kSm90TileMid)
+    run_layout<T, kSm90TileMid>(a, w_nk);
+  else
+    run_layout<T, kSm90TileWide>(a, w_nk);
+}
+
 }  // namespace
 
 void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
@@ -81,10 +91,10 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
   const bool plain = wait.flags == 0 && signal.pieces == 0;
-  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileNarrow,
-                     op + "tile must be 0 (auto), 1 (wide) or 2 (narrow), got " +
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileMid,
+                     op + "tile must be 0 (auto), 1 (wide), 2 (narrow) or 3 (mid), got " +
                          std::to_string(tile));
-  FUSEDIST_CHECK_ARG(plain || tile != kSm90TileNarrow,
+  FUSEDIST_CHECK_ARG(plain || tile == kSm90TileAuto || tile == kSm90TileWide,
                      op + "the fused engines' waits and signals run on the wide tile only");
   FUSEDIST_CHECK_ARG(raster >= kSm90RasterAuto && raster <= kSm90RasterAlongM,
                      op + "raster must be 0 (auto), 1 (along N) or 2 (along M), got " +
@@ -97,12 +107,16 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     a.m_load = m_load < whole ? m_load : whole;
   }
   const bool whole_tiles = a.m_load % kGemmSm90BlockM == 0;
-  if (tile == kSm90TileAuto)
-    tile = plain && (m <= kGemmSm90BlockM || m <= kGemmSm90NarrowMaxM && whole_tiles)
-               ? kSm90TileNarrow
-               : kSm90TileWide;
+  if (tile == kSm90TileAuto) {
+    if (plain && m <= kGemmSm90BlockM)
+      tile = kSm90TileNarrow;
+    else if (plain && m <= kGemmSm90MidMaxM && whole_tiles)
+      tile = kSm90TileMid;
+    else
+      tile = kSm90TileWide;
+  }
   if (raster == kSm90RasterAuto)
-    raster = tile == kSm90TileNarrow ? kSm90RasterAlongM : kSm90RasterAlongN;
+    raster = tile == kSm90TileWide ? kSm90RasterAlongN : kSm90RasterAlongM;
   a.raster_m = raster == kSm90RasterAlongM;
   if (wait.flags != 0 || signal.pieces != 0) {
     a.sms -= kReservedSms;
@@ -149,13 +163,10 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     cs.piece_rows = (br + signal.pieces - 1) / signal.pieces;
     cs.src = rank;
   }
-  const bool narrow = tile == kSm90TileNarrow;
   if (dtype == DType::kBFloat16)
-    narrow ? run_layout<__nv_bfloat16, kSm90TileNarrow>(a, w_nk)
-           : run_layout<__nv_bfloat16, kSm90TileWide>(a, w_nk);
+    run_tile<__nv_bfloat16>(a, w_nk, tile);
   else
-    narrow ? run_layout<__half, kSm90TileNarrow>(a, w_nk)
-           : run_layout<__half, kSm90TileWide>(a, w_nk);
+    run_tile<__half>(a, w_nk, tile);
 }
 
 }  // namespace fusedist

@@ -23,6 +23,10 @@ template <typename T, bool kWNK>
 struct Sm90TileConfig<T, kWNK, kSm90TileNarrow> {
   using type = GemmSm90<T, kWNK, kGemmSm90NarrowBlockN, 64, 1, 1>;
 };
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileMid> {
+  using type = GemmSm90<T, kWNK, kGemmSm90MidBlockN, 64, 1, 1>;
+};
 
 template <typename T, bool kWNK, int kTile>
 void gemm_sm90_run(const GemmSm90Call& a) {

@@ -8,8 +8,8 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
     (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
     csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
-    128 x 64 tiles for one row block (so N = 8192 spreads over 128 SMs) and up to 256 rows
-    when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
+    128 x 64 tiles for one row block (so N = 8192 spreads over 128 SMs), 128 x 128 up to 256
+    rows when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
     larger buffer (as in CUDA-graph decode, where activations are slices of a max-batch
     buffer), the GEMM reads whole tiles of its rows: tile loads that run past a tensor's end
     are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
@@ -114,8 +114,8 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 signal_row0: Optional[int] = None, signal_block_rows: int = 0,
                 signal_pieces: int = 0, tile: int = 0, raster: int = 0) -> torch.Tensor:
     """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
-    value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256, "narrow" 128 x 64 for plain
-    GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
+    value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256; "narrow" 128 x 64 and "mid"
+    128 x 128 for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
     `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
     GEMMs only; layout.h, Sm90Raster). A plain GEMM whose x is the first rows of a larger
     buffer reads whole tiles of its rows (the rows past M never reach out): tile loads that

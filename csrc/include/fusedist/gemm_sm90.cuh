@@ -159,7 +159,9 @@ struct CutlassElement<__half> {
 // multicast to both CTAs). The narrow tile (plain GEMMs of few rows): 128 x 64 x 64, no
 // cluster, so an N = 8192 weight is streamed by 128 CTAs instead of 32 (1 x 2 clusters
 // multicasting A, and 128-deep K tiles, measured no faster: benchmarks/NOTES.md, session 8).
-// Both: two consumer warpgroups, as many smem stages as fit beside the epilogue.
+// The mid tile (plain GEMMs of 129-256 rows): 128 x 128 x 64, no cluster: half the bytes per
+// output of the narrow tile's two tiles per SM at those rows (layout.h).
+// All: two consumer warpgroups, as many smem stages as fit beside the epilogue.
 template <typename T, bool kWNK, int kBlockN = kGemmSm90BlockN, int kBlockK = 64,
           int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1>
 struct GemmSm90 {

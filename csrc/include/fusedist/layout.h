@@ -59,14 +59,17 @@ constexpr int kGemmSm90BlockM = 128;
 constexpr int kGemmSm90ClusterM = 2;
 constexpr int kGemmSm90BlockN = 256;
 // Its tile configurations (GemmSm90): wide (the above) for prefill and the fused engines'
-// waits and signals; narrow (128 x 64, no cluster) for plain GEMMs of few rows.
-// kSm90TileAuto: gemm.cu picks the narrow tile for plain GEMMs of one row block (at M = 128,
-// N = 8192: 128 CTAs stream the weight instead of 32), and up to kGemmSm90NarrowMaxM rows
-// when x has whole tiles of rows to read (m_load: the narrow tile on partial tiles loses to
-// the wide one, 54-66 us against 44 at M = 160-192, K = 4096; with whole tiles it wins, 33).
-enum Sm90Tile : int { kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2 };
+// waits and signals; narrow (128 x 64, no cluster) and mid (128 x 128, no cluster) for plain
+// GEMMs of few rows. kSm90TileAuto: gemm.cu picks the narrow tile for plain GEMMs of one row
+// block (at M = 128, N = 8192: 128 CTAs stream the weight instead of 32), and the mid tile up
+// to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
+// (128 + BlockN) x K elements per tile: at 129-256 rows the mid tile's 128 tiles take in 2 MB
+// per SM at K = 4096, the narrow tile's 256 tiles 3 MB (two per SM). Partial row blocks, read
+// past x's end, lose to the wide tile (the narrow one: 54-66 us against 44 at M = 160-192).
+enum Sm90Tile : int { kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3 };
 constexpr int kGemmSm90NarrowBlockN = 64;
-constexpr int kGemmSm90NarrowMaxM = 256;
+constexpr int kGemmSm90MidBlockN = 128;
+constexpr int kGemmSm90MidMaxM = 256;
 // The order the persistent scheduler hands out tiles. Along N (the wide tile's, with
 // swizzled groups of M tiles): a wave covers few row blocks and many weight columns. Along M
 // (plain GEMMs only): a wave covers every row block of fewer weight columns, so a weight that
