@@ -15,7 +15,7 @@ mkdir -p "$OUT" "$LOGS"
 : > "$OUT/summary.txt"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: gemm_only, waves, trace
+STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: gemm_only, waves, trace, ncu
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 
@@ -112,6 +112,12 @@ fi
 if want gemm_only; then  # one GPU: fusedist's GEMMs (every Hopper tile) against torch.matmul
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
     python3 benchmarks/gemm.py ${FUSEDIST_GEMM_ONLY_ARGS:-}
+fi
+if want ncu; then  # one GPU: Nsight Compute counters of cuBLAS and every sm90 tile (FUSEDIST_NCU_MS)
+  stage ncu "${FUSEDIST_BENCH_TIMEOUT:-900}" ncu --clock-control none --print-kernel-base function \
+    -k regex:"nvjet|device_kernel|splitK" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    python3 benchmarks/profile_gemm.py --ms "${FUSEDIST_NCU_MS:-128,256}"
+  cp "$LOGS/ncu.log" "$OUT/" 2>/dev/null
 fi
 if want waves; then  # one GPU: cuBLAS's waves against the tuning table's model
   FUSEDIST_RESULTS_DIR="$OUT" stage bench_waves "${FUSEDIST_BENCH_TIMEOUT:-900}" \
