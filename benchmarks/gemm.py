@@ -10,7 +10,7 @@ different weight (a ring of copies larger than L2), as a decode step's layers do
 stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
 is checked against torch.matmul's before it is timed. x[:M] is a slice of a 512-row buffer, so
 the sm90 GEMMs read whole tiles of rows (fusedist.ops.gemm.launch_sm90). Diagnoses, not
-kernels: sm90_<narrow|mid>_exact, the tile on a copy of x[:M] (its last tile's loads run past
+kernels: sm90_<narrow|mid|swap>_exact, the tile on a copy of x[:M] (its last tile's loads run past
 the end); sm90_narrow_pad, x copied into zero rows to a whole tile, both copies included.
 
     python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
@@ -60,7 +60,7 @@ def main():
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     names = ["torch", "decode"] + [f"sm90_{t}_{r}" for t in tiles for r in rasters] + \
-        [f"sm90_{t}_exact" for t in ("narrow", "mid") if t in tiles] + \
+        [f"sm90_{t}_exact" for t in ("narrow", "mid", "swap") if t in tiles] + \
         (["sm90_narrow_pad"] if "narrow" in tiles else []) + ["auto"]
     md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
           "|" + "---|" * (len(names) + 4)]
@@ -86,7 +86,7 @@ def main():
                     # past its end (the sm90 columns read the rows after x[:M], as a slice of
                     # a larger activation buffer lets them).
                     xe = xm.clone()
-                    for t in ("narrow", "mid"):
+                    for t in ("narrow", "mid", "swap"):
                         if t in tiles:
                             calls[f"sm90_{t}_exact"] = (lambda code: lambda i, w, o: launch_sm90(
                                 xe, w, None, o, torch.cuda.current_stream(), tile=code))(tiles[t])

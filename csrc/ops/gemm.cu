@@ -58,6 +58,8 @@ void run_tile(const GemmSm90Call& a, bool w_nk, int tile) {
     run_layout<T, kSm90TileNarrow>(a, w_nk);
   else if (tile == kSm90TileMid)
     run_layout<T, kSm90TileMid>(a, w_nk);
+  else if (tile == kSm90TileSwap)
+    run_layout<T, kSm90TileSwap>(a, w_nk);
   else
     run_layout<T, kSm90TileWide>(a, w_nk);
 }
@@ -91,8 +93,8 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
   const bool plain = wait.flags == 0 && signal.pieces == 0;
-  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileMid,
-                     op + "tile must be 0 (auto), 1 (wide), 2 (narrow) or 3 (mid), got " +
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileSwap,
+                     op + "tile must be 0 (auto), 1 (wide), 2 (narrow), 3 (mid) or 4 (swap), got " +
                          std::to_string(tile));
   FUSEDIST_CHECK_ARG(plain || tile == kSm90TileAuto || tile == kSm90TileWide,
                      op + "the fused engines' waits and signals run on the wide tile only");
@@ -101,12 +103,11 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
                          std::to_string(raster));
   FUSEDIST_CHECK_ARG(plain || raster != kSm90RasterAlongM,
                      op + "the fused engines' waits and signals hand out tiles along N only");
-  if (m_load > m) {  // 0 or m: no rows past m
-    FUSEDIST_CHECK_ARG(plain, op + "m_load is for plain GEMMs (no waits or signals)");
-    const int whole = (m + kGemmSm90BlockM - 1) / kGemmSm90BlockM * kGemmSm90BlockM;
-    a.m_load = m_load < whole ? m_load : whole;
-  }
-  const bool whole_tiles = a.m_load % kGemmSm90BlockM == 0;
+  // Rows of x readable (0 or m: none past m), and rows up to a whole tile of them.
+  const int readable = m_load > m ? m_load : m;
+  FUSEDIST_CHECK_ARG(plain || readable == m, op + "m_load is for plain GEMMs (no waits or signals)");
+  auto whole = [m](int rows) { return (m + rows - 1) / rows * rows; };
+  const bool whole_tiles = readable >= whole(kGemmSm90BlockM);
   if (tile == kSm90TileAuto) {
     if (plain && m <= kGemmSm90BlockM)
       tile = kSm90TileNarrow;
@@ -115,6 +116,8 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     else
       tile = kSm90TileWide;
   }
+  const int whole_rows = whole(tile == kSm90TileSwap ? kGemmSm90SwapTokens : kGemmSm90BlockM);
+  a.m_load = readable < whole_rows ? readable : whole_rows;
   if (raster == kSm90RasterAuto)
     raster = tile == kSm90TileWide ? kSm90RasterAlongN : kSm90RasterAlongM;
   a.raster_m = raster == kSm90RasterAlongM;

@@ -27,6 +27,10 @@ template <typename T, bool kWNK>
 struct Sm90TileConfig<T, kWNK, kSm90TileMid> {
   using type = GemmSm90<T, kWNK, kGemmSm90MidBlockN, 64, 1, 1>;
 };
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileSwap> {
+  using type = GemmSm90<T, kWNK, kGemmSm90SwapTokens, 64, 1, 2, true>;
+};
 
 template <typename T, bool kWNK, int kTile>
 void gemm_sm90_run(const GemmSm90Call& a) {
@@ -34,18 +38,34 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   using Gemm = typename G::Gemm;
   using Kernel = typename G::Kernel;
   using E = typename G::Element;
-  // Strides are (M or N mode, K mode, batch) for A and B, (M, N, batch) for C and D.
+  // Strides are (M or N mode, K mode, batch) for A and B, (M, N, batch) for C and D; the
+  // unit-stride mode of each layout is a compile-time 1.
   typename Kernel::StrideA sa{};
   typename Kernel::StrideB sb{};
   typename Kernel::StrideC sc{};
   typename Kernel::StrideD sd{};
-  cute::get<0>(sa) = a.ldx;
-  if constexpr (kWNK)
-    cute::get<0>(sb) = a.ldw;  // [N, K] rows: n steps by ldw, k by 1
-  else
-    cute::get<1>(sb) = a.ldw;  // [K, N] rows: k steps by ldw, n by 1
-  cute::get<0>(sd) = a.ldo;
-  cute::get<0>(sc) = a.c ? a.ldc : a.ldo;
+  // The operands in CUTLASS's order, and its (M, N) modes: (tokens, weight columns), or the
+  // reverse when swapped.
+  uintptr_t pa = a.x, pb = a.w;
+  int pm = a.m, pn = a.n;
+  if constexpr (G::kSwapAB) {
+    pa = a.w, pb = a.x, pm = a.n, pn = a.m;
+    if constexpr (kWNK)
+      cute::get<0>(sa) = a.ldw;  // [N, K] rows: a weight column steps by ldw, k by 1
+    else
+      cute::get<1>(sa) = a.ldw;  // [K, N] rows: k steps by ldw, a weight column by 1
+    cute::get<0>(sb) = a.ldx;    // x [M, K] rows: a token steps by ldx
+    cute::get<1>(sd) = a.ldo;    // out [M, N] = D^T: a token steps by ldo
+    cute::get<1>(sc) = a.c ? a.ldc : a.ldo;
+  } else {
+    cute::get<0>(sa) = a.ldx;
+    if constexpr (kWNK)
+      cute::get<0>(sb) = a.ldw;  // [N, K] rows: n steps by ldw, k by 1
+    else
+      cute::get<1>(sb) = a.ldw;  // [K, N] rows: k steps by ldw, n by 1
+    cute::get<0>(sd) = a.ldo;
+    cute::get<0>(sc) = a.c ? a.ldc : a.ldo;
+  }
 
   cutlass::KernelHardwareInfo hw;
   FUSEDIST_CUDA_CHECK(cudaGetDevice(&hw.device_id));
@@ -53,8 +73,8 @@ void gemm_sm90_run(const GemmSm90Call& a) {
 
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {a.m, a.n, a.k, 1},
-      {reinterpret_cast<const E*>(a.x), sa, reinterpret_cast<const E*>(a.w), sb},
+      {pm, pn, a.k, 1},
+      {reinterpret_cast<const E*>(pa), sa, reinterpret_cast<const E*>(pb), sb},
       // No c: the C descriptor points at out (a valid tensor map) and beta = 0 skips its load.
       {{}, reinterpret_cast<const E*>(a.c ? a.c : a.out), sc, reinterpret_cast<E*>(a.out), sd},
       hw};
@@ -71,7 +91,9 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   // swizzle that pads by at most 1/8: 1024 rows (4 clusters) took 2x the time with swizzle 8.
   // Along M (few row blocks): every row block of one weight strip runs in the same wave
   // already; a swizzle would only pad the N tiles.
-  args.scheduler.max_swizzle_size = a.raster_m ? 1 : gemm_sm90_swizzle(a.m, G::kClusterM);
+  // Swapped, CUTLASS's M tiles are weight strips: no swizzle.
+  args.scheduler.max_swizzle_size =
+      a.raster_m || G::kSwapAB ? 1 : gemm_sm90_swizzle(a.m, G::kClusterM);
   args.scheduler.wait = a.wait;
   args.scheduler.signal = a.signal;
 
@@ -86,7 +108,7 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   // (benchmarks/NOTES.md, session 9). The stores keep the true M (their own tensor map, which
   // clips the rows past it); the scheduler sees the same tiles either way.
   typename Gemm::Arguments load_args = args;
-  cute::get<0>(load_args.problem_shape) = a.m_load;
+  cute::get<G::kSwapAB ? 1 : 0>(load_args.problem_shape) = a.m_load;
   s = gemm.initialize(load_args, nullptr, a.stream);
   if (s != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fusedist: gemm: CUTLASS initialize failed: ") +

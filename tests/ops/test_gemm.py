@@ -120,7 +120,7 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(int(torch.randint(1 << 30, ())))
     stream = torch.cuda.current_stream()
-    assert set(C.GEMM_SM90_TILES) == {"wide", "narrow", "mid"}
+    assert set(C.GEMM_SM90_TILES) == {"wide", "narrow", "mid", "swap"}
     assert set(C.GEMM_SM90_RASTERS) == {"along_n", "along_m"}
     for name, tile in C.GEMM_SM90_TILES.items():
         for order, raster in C.GEMM_SM90_RASTERS.items():
@@ -140,7 +140,7 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
         launch_sm90(x, w, None, out, stream, raster=7)
     # The fused engines' waits run on the wide tile, handing tiles out along N only.
     flags = torch.zeros(2, dtype=torch.int32, device="cuda")
-    for small in ("narrow", "mid"):
+    for small in ("narrow", "mid", "swap"):
         with pytest.raises(ValueError, match="wide tile only"):
             launch_sm90(x, w, None, out, stream, flags=flags, block_rows=4,
                         tile=C.GEMM_SM90_TILES[small])

@@ -162,26 +162,36 @@ struct CutlassElement<__half> {
 // The mid tile (plain GEMMs of 129-256 rows): 128 x 128 x 64, no cluster: half the bytes per
 // output of the narrow tile's two tiles per SM at those rows (layout.h).
 // All: two consumer warpgroups, as many smem stages as fit beside the epilogue.
+// kSwapAB: CUTLASS computes D^T = W^T X^T: its M is our N (weight columns), its N our M
+// (tokens); A is the weight, B is x, D (and C) column-major, the bias per row of D.
 template <typename T, bool kWNK, int kBlockN = kGemmSm90BlockN, int kBlockK = 64,
-          int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1>
+          int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1, bool kSwapAB_ = false>
 struct GemmSm90 {
   using Element = typename CutlassElement<T>::type;
   static constexpr int kBlockM = kGemmSm90BlockM;
   static constexpr int kClusterM = kClusterM_;
+  static constexpr bool kSwapAB = kSwapAB_;
   static constexpr int kAlign = 8;  // elements of one 16-byte TMA access
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
-  using LayoutA = cutlass::layout::RowMajor;
+  using RowMajor = cutlass::layout::RowMajor;
+  using ColumnMajor = cutlass::layout::ColumnMajor;
+  // CUTLASS's A is M x K, RowMajor = K contiguous. Swapped, A is the weight: [N, K] rows are
+  // K-major, [K, N] rows N-major.
+  using LayoutA = std::conditional_t<kSwapAB && !kWNK, ColumnMajor, RowMajor>;
   // CUTLASS's B is K x N: RowMajor = w [K, N]; ColumnMajor = [N, K] rows (nn.Linear weight).
-  using LayoutB = std::conditional_t<kWNK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using LayoutD = cutlass::layout::RowMajor;
+  // Swapped, B is x: [M, K] rows, K-major.
+  using LayoutB = std::conditional_t<kSwapAB || kWNK, ColumnMajor, RowMajor>;
+  using LayoutD = std::conditional_t<kSwapAB, ColumnMajor, RowMajor>;
+  using Fusion = std::conditional_t<
+      kSwapAB, cutlass::epilogue::fusion::LinCombPerRowBias<Element, float, Element, Element, float>,
+      cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutD, kAlign,
       Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float>>::
-      CollectiveOp;
+      Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, float, TileShape, ClusterShape,
