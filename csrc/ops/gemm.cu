@@ -109,8 +109,10 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   auto whole = [m](int rows) { return (m + rows - 1) / rows * rows; };
   const bool whole_tiles = readable >= whole(kGemmSm90BlockM);
   if (tile == kSm90TileAuto) {
-    if (plain && m <= kGemmSm90BlockM)
+    if (plain && m <= kGemmSm90SwapTokens)
       tile = kSm90TileNarrow;
+    else if (plain && m <= kGemmSm90BlockM)
+      tile = kSm90TileSwap;
     else if (plain && m <= kGemmSm90MidMaxM && whole_tiles)
       tile = kSm90TileMid;
     else

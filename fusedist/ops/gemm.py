@@ -8,8 +8,9 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
     (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
     csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
-    128 x 64 tiles for one row block (so N = 8192 spreads over 128 SMs), 128 x 128 up to 256
-    rows when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
+    128 x 64 tiles up to 64 rows (so N = 8192 spreads over 128 SMs), swap-AB tiles of 128
+    weight columns x 64 tokens (1 x 2 clusters sharing the weight tile) to 128 rows, 128 x 128
+    up to 256 rows when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
     larger buffer (as in CUDA-graph decode, where activations are slices of a max-batch
     buffer), the GEMM reads whole tiles of its rows: tile loads that run past a tensor's end
     are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
@@ -30,22 +31,16 @@ from .. import _dtypes, _ext
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-# "auto" takes the decode kernel up to DECODE_MAX_M rows, and up to DECODE_MAX_M_PARTIAL when
-# the sm90 GEMM's narrow tile would read past x's end (x lacks whole tiles of rows). Session 9
-# (benchmarks/results/gemm_s9b-*, K = 4096 / 14336, w [K, N]): at M = 64 decode 21.5 / 64.7 us
-# against the narrow tile's 22.8 / 65.2; at M = 96 decode 26.1 / 87.1 against 23.0 / 65.5
-# with whole tiles and 28.6 / 91.0 without.
+# "auto" takes the decode kernel up to DECODE_MAX_M rows. Session 9 (benchmarks/results/
+# gemm_s9f-*, K = 4096 / 14336, w [K, N]): at M = 64 decode 21.6 / 65.2 us against the sm90
+# GEMM's 22.8 / 65.4 (narrow tile) and 24.7 / 74.4 (swap tile); at M = 96 decode 26.1 / 87.0
+# against the swap tile's 21.7 / 59.9 (23.7 / 68.3 on x of exactly M rows).
 DECODE_MAX_M = 64
-DECODE_MAX_M_PARTIAL = 96
 
 
-def auto_kernel(m: int, readable_rows: int, accumulate: bool, hopper: bool) -> str:
-    """kernel="auto"'s choice for m rows of x of which readable_rows lie in its storage:
-    "decode", "sm90" or "torch"."""
-    block = _ext.load().GEMM_SM90_BLOCK_M
-    whole = -(-m // block) * block
-    if not accumulate and (m <= DECODE_MAX_M or
-                           m <= DECODE_MAX_M_PARTIAL and readable_rows < whole):
+def auto_kernel(m: int, accumulate: bool, hopper: bool) -> str:
+    """kernel="auto"'s choice for m rows: "decode", "sm90" or "torch"."""
+    if not accumulate and m <= DECODE_MAX_M:
         return "decode"
     return "sm90" if hopper else "torch"
 
@@ -114,8 +109,8 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 signal_row0: Optional[int] = None, signal_block_rows: int = 0,
                 signal_pieces: int = 0, tile: int = 0, raster: int = 0) -> torch.Tensor:
     """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
-    value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256; "narrow" 128 x 64 and "mid"
-    128 x 128 for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
+    value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256; "narrow" 128 x 64, "mid"
+    128 x 128 and "swap" (64 tokens x 128 weight columns) for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
     `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
     GEMMs only; layout.h, Sm90Raster). A plain GEMM whose x is the first rows of a larger
     buffer reads whole tiles of its rows (the rows past M never reach out): tile loads that
@@ -192,9 +187,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         raise ValueError(f"fusedist.gemm: out must be a contiguous ({m}, {n}) tensor of "
                          f"{x.dtype} on {x.device}")
     if kernel == "auto":
-        # A misaligned x is copied (aligned()), and the copy has no rows past m.
-        readable = readable_rows(x) if x.data_ptr() % 16 == 0 else m
-        kernel = auto_kernel(m, readable, accumulate, sm90_available(x.device))
+        kernel = auto_kernel(m, accumulate, sm90_available(x.device))
         if kernel == "torch":
             res = torch.addmm(bias, x, w) if bias is not None else x @ w
             return out.add_(res) if accumulate else out.copy_(res)

@@ -60,22 +60,18 @@ def test_gemm_rejects_bad_arguments_on_cpu():
 
 
 def test_gemm_auto_kernel_choice():
-    from fusedist.ops.gemm import auto_kernel, readable_rows
+    from fusedist.ops.gemm import DECODE_MAX_M, auto_kernel, readable_rows
 
-    # The decode kernel for few rows; from 65 rows the narrow sm90 tile when x has whole
-    # tiles of rows to read, up to 96 rows the decode kernel when it has not.
-    assert auto_kernel(1, 1, False, True) == "decode"
-    assert auto_kernel(64, 64, False, True) == "decode"
-    assert auto_kernel(65, 128, False, True) == "sm90"
-    assert auto_kernel(96, 96, False, True) == "decode"
-    assert auto_kernel(96, 127, False, True) == "decode"
-    assert auto_kernel(96, 512, False, True) == "sm90"
-    assert auto_kernel(97, 97, False, True) == "sm90"
-    assert auto_kernel(4096, 4096, False, True) == "sm90"
+    # The decode kernel for few rows, then the sm90 GEMM (whose launcher picks the tile).
+    assert DECODE_MAX_M == 64
+    assert auto_kernel(1, False, True) == "decode"
+    assert auto_kernel(64, False, True) == "decode"
+    assert auto_kernel(65, False, True) == "sm90"
+    assert auto_kernel(4096, False, True) == "sm90"
     # The decode kernel does not accumulate; no Hopper GPU: torch.matmul.
-    assert auto_kernel(8, 8, True, True) == "sm90"
-    assert auto_kernel(8, 8, True, False) == "torch"
-    assert auto_kernel(500, 500, False, False) == "torch"
+    assert auto_kernel(8, True, True) == "sm90"
+    assert auto_kernel(8, True, False) == "torch"
+    assert auto_kernel(500, False, False) == "torch"
     buf = torch.zeros(10, 16)
     assert readable_rows(buf[:3]) == 10
     assert readable_rows(buf[4:7]) == 6
@@ -83,8 +79,9 @@ def test_gemm_auto_kernel_choice():
     assert readable_rows(buf[:3].clone()) == 3
 
 
-# M: 1 row, odd, one past a tile, many waves; (K, N): not multiples of the 128 x 256 x 64 tile.
-SM90_MS = (1, 37, 129, 1000, 2053)
+# M: 1 row, odd, the swap tile's range, one past a row block, many waves; (K, N): not multiples
+# of the 128 x 256 x 64 tile.
+SM90_MS = (1, 37, 100, 129, 1000, 2053)
 SM90_KN = ((72, 40), (1000, 776), (4104, 520), (520, 2312))
 
 

@@ -66,9 +66,11 @@ constexpr int kGemmSm90BlockN = 256;
 // (128 + BlockN) x K elements per tile: at 129-256 rows the mid tile's 128 tiles take in 2 MB
 // per SM at K = 4096, the narrow tile's 256 tiles 3 MB (two per SM). Partial row blocks, read
 // past x's end, lose to the wide tile (the narrow one: 54-66 us against 44 at M = 160-192).
-// swap (forced only, plain GEMMs): D^T = W^T X^T in 128 weight columns x 64 tokens, the
-// weight tile multicast to a 1 x 2 cluster (cuBLAS's shape at M = 128); tokens on the MMA's
-// N side, kGemmSm90SwapTokens per tile.
+// swap (plain GEMMs): D^T = W^T X^T in 128 weight columns x 64 tokens, the weight tile
+// multicast to a 1 x 2 cluster (cuBLAS's shape at M = 128); tokens on the MMA's N side,
+// kGemmSm90SwapTokens per tile. Auto takes it for more than one token tile (the cluster's
+// second CTA has rows) up to one row block: 65-128 rows, 0.94-1.16x cuBLAS where the narrow
+// tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*).
 enum Sm90Tile : int {
   kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4
 };
