@@ -33,8 +33,8 @@ KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 # "auto" takes the decode kernel up to DECODE_MAX_M rows. Session 9 (benchmarks/results/
 # gemm_s9f-*, K = 4096 / 14336, w [K, N]): at M = 64 decode 21.6 / 65.2 us against the sm90
-# GEMM's 22.8 / 65.4 (narrow tile) and 24.7 / 74.4 (swap tile); at M = 96 decode 26.1 / 87.0
-# against the swap tile's 21.7 / 59.9 (23.7 / 68.3 on x of exactly M rows).
+# GEMM's 22.9 / 66.4 (narrow tile) and 24.7 / 75.2 (swap tile); at M = 96 decode 26.1 / 87.0
+# against the swap tile's 21.7 / 60.2 (23.7 / 68.3 on x of exactly M rows).
 DECODE_MAX_M = 64
 
 
