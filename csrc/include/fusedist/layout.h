@@ -60,16 +60,16 @@ constexpr int kGemmSm90ClusterM = 2;
 constexpr int kGemmSm90BlockN = 256;
 // Its tile configurations (GemmSm90): wide (the above) for prefill and the fused engines'
 // waits and signals; narrow (128 x 64, no cluster) and mid (128 x 128, no cluster) for plain
-// GEMMs of few rows. kSm90TileAuto: gemm.cu picks the narrow tile for plain GEMMs of one row
-// block (at M = 128, N = 8192: 128 CTAs stream the weight instead of 32), and the mid tile up
-// to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
+// GEMMs of few rows. kSm90TileAuto: gemm.cu picks, for plain GEMMs, the narrow tile up to
+// kGemmSm90SwapTokens rows (at N = 8192: 128 CTAs stream the weight instead of 32), the swap
+// tile (below) to one row block, and the mid tile up to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
 // (128 + BlockN) x K elements per tile: at 129-256 rows the mid tile's 128 tiles take in 2 MB
 // per SM at K = 4096, the narrow tile's 256 tiles 3 MB (two per SM). Partial row blocks, read
 // past x's end, lose to the wide tile (the narrow one: 54-66 us against 44 at M = 160-192).
 // swap (plain GEMMs): D^T = W^T X^T in 128 weight columns x 64 tokens, the weight tile
 // multicast to a 1 x 2 cluster (cuBLAS's shape at M = 128); tokens on the MMA's N side,
 // kGemmSm90SwapTokens per tile. Auto takes it for more than one token tile (the cluster's
-// second CTA has rows) up to one row block: 65-128 rows, 0.94-1.16x cuBLAS where the narrow
+// second CTA has rows) up to one row block: 65-128 rows, 0.93-1.15x cuBLAS where the narrow
 // tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*).
 enum Sm90Tile : int {
   kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4
@@ -81,8 +81,9 @@ constexpr int kGemmSm90SwapTokens = 64;
 // The order the persistent scheduler hands out tiles. Along N (the wide tile's, with
 // swizzled groups of M tiles): a wave covers few row blocks and many weight columns. Along M
 // (plain GEMMs only): a wave covers every row block of fewer weight columns, so a weight that
-// does not fit in L2 streams from HBM once, not once per row block (the narrow tile above
-// 128 rows). kSm90RasterAuto: along M for the narrow tile, along N for the wide one.
+// does not fit in L2 streams from HBM once, not once per row block (the narrow tile: no faster
+// at 160-256 rows, faster at 320-384; benchmarks/NOTES.md, session 9). kSm90RasterAuto: along
+// N for the wide tile, along M for the others (the swap tile's M is the weight's columns).
 enum Sm90Raster : int { kSm90RasterAuto = 0, kSm90RasterAlongN = 1, kSm90RasterAlongM = 2 };
 // gemm_rs engine='fused': a rank's counter region holds kMaxSignalPieces uint32 slots per
 // source rank (row pieces of its block, at most), source-major.
