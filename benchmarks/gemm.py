@@ -8,10 +8,11 @@ has (fusedist._C.GEMM_SM90_TILES) in every tile order (GEMM_SM90_RASTERS: sm90_<
 and of fusedist.gemm(kernel="auto"); and the kernels cuBLAS runs (kn). Each call reads a
 different weight (a ring of copies larger than L2), as a decode step's layers do, so weights
 stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
-is checked against torch.matmul's before it is timed. x[:M] is a slice of a 512-row buffer, so
-the sm90 GEMMs read whole tiles of rows (fusedist.ops.gemm.launch_sm90). Diagnoses, not
-kernels: sm90_<narrow|mid|swap>_exact, the tile on a copy of x[:M] (its last tile's loads run past
-the end); sm90_narrow_pad, x copied into zero rows to a whole tile, both copies included.
+is checked against torch.matmul's before it is timed. x[:M] is a slice of a buffer of
+max(--ms) rows, so below that the sm90 GEMMs read whole tiles of rows
+(fusedist.ops.gemm.launch_sm90). Diagnoses, not kernels: sm90_<narrow|mid|swap>_exact, the
+tile on a copy of x[:M] (its last tile's loads run past the end); sm90_narrow_pad, x copied
+into zero rows to a whole tile, both copies included.
 
     python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
 """
