@@ -393,6 +393,28 @@ AG_FUSED_SHAPES = tuple(sh for sh in ((1, 72, 40), (37, 200, 136), (129, 1000, 7
                         if sh[0] <= int(os.environ.get("FUSEDIST_TEST_MAX_ROWS", 1 << 30)))
 
 
+def _back_to_back(dt, what, step, calls=10):
+    """step(i) -> (output, float64 reference) for call i; all calls are issued before any
+    output is checked, so nothing waits between them."""
+    pairs = [step(i) for i in range(calls)]
+    for i, (y, ref) in enumerate(pairs):
+        assert gemm_rel_err(y, ref) < GEMM_REL[dt], f"{what} back-to-back call {i}"
+
+
+def _needs_staging(rt, what, call):
+    """call(small) on a communicator with 1 KB of staging must raise a ValueError naming
+    staging_bytes (the fix); `what` is the failure message if it runs instead."""
+    small = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1024)
+    try:
+        call(small)
+    except ValueError as e:
+        assert "staging_bytes" in str(e), str(e)
+    else:
+        raise AssertionError(what)
+    finally:
+        small.close()
+
+
 @check
 def ag_gemm_fused_matches_reference(rt, seed):
     """One persistent wgmma GEMM over the gathered rows, each tile waiting for the copy-engine
@@ -424,15 +446,14 @@ def ag_gemm_fused_matches_reference(rt, seed):
                 assert_identical_across_ranks(rt, y, what)
     # Back to back: 10 calls with fresh inputs, nothing waited for between them.
     m, k, n, dt = 300, 520, 264, torch.bfloat16
-    outs, refs = [], []
-    for i in range(10):
+
+    def step(i):
         s = (seed, "ag-fused-loop", i)
         xs = [fresh((m, k), dt, dev, rank_seed(s, p)) for p in range(W)]
         w = fresh((k, n), dt, dev, rank_seed(s, "w"))
-        outs.append(fusedist.ag_gemm(xs[me], w, group=ce, engine="fused", chunks=1 + i % 3))
-        refs.append(torch.cat(xs).double() @ w.double())
-    for i, (y, ref) in enumerate(zip(outs, refs)):
-        assert gemm_rel_err(y, ref) < GEMM_REL[dt], f"fused ag_gemm back-to-back call {i}"
+        return (fusedist.ag_gemm(xs[me], w, group=ce, engine="fused", chunks=1 + i % 3),
+                torch.cat(xs).double() @ w.double())
+    _back_to_back(dt, "fused ag_gemm", step)
     # A CUDA graph: two fused ag_gemm calls around a copy-engine gemm_rs, fresh inputs per
     # replay (the flags are zeroed inside the graph, so a replay never sees the last one's).
     check_mixed_graph(rt, seed, "ag-fused-graph", m, k, n, dt, 8,
@@ -441,16 +462,10 @@ def ag_gemm_fused_matches_reference(rt, seed):
                       rs=lambda x, w: fusedist.gemm_rs(x, w, group=ce, engine="overlap",
                                                        transport="copy_engine", chunks=2))
     # Without staging for the shard the fused engine says why, naming the fix.
-    small = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1024)
-    x = torch.zeros((m, k), dtype=dt, device=dev)
-    try:
-        fusedist.ag_gemm(x, torch.zeros((k, n), dtype=dt, device=dev), group=small,
-                         engine="fused")
-    except ValueError as e:
-        assert "staging_bytes" in str(e), str(e)
-    else:
-        raise AssertionError("ag_gemm(engine='fused') ran without staging for the shard")
-    small.close()
+    _needs_staging(rt, "ag_gemm(engine='fused') ran without staging for the shard",
+                   lambda small: fusedist.ag_gemm(
+                       torch.zeros((m, k), dtype=dt, device=dev),
+                       torch.zeros((k, n), dtype=dt, device=dev), group=small, engine="fused"))
     ce.close()
 
 
@@ -488,15 +503,14 @@ def gemm_rs_fused_matches_reference(rt, seed):
                 assert y is out and err < GEMM_REL[dt], f"{what}: rel err {err:.3g}"
     # Back to back: 10 calls, fresh inputs, pieces 1..3, nothing waited for between them.
     m, k, n, dt = 300, 520, 264, torch.bfloat16
-    outs, refs = [], []
-    for i in range(10):
+
+    def step(i):
         s = (seed, "rs-fused-loop", i)
         xs = [fresh((W * m, k), dt, dev, rank_seed(s, "x", p)) for p in range(W)]
         ws = [fresh((k, n), dt, dev, rank_seed(s, "w", p)) for p in range(W)]
-        outs.append(fusedist.gemm_rs(xs[me], ws[me], group=ce, engine="fused", chunks=1 + i % 3))
-        refs.append(sum(x.double() @ w.double() for x, w in zip(xs, ws))[me * m:(me + 1) * m])
-    for i, (y, ref) in enumerate(zip(outs, refs)):
-        assert gemm_rel_err(y, ref) < GEMM_REL[dt], f"fused gemm_rs back-to-back call {i}"
+        return (fusedist.gemm_rs(xs[me], ws[me], group=ce, engine="fused", chunks=1 + i % 3),
+                sum(x.double() @ w.double() for x, w in zip(xs, ws))[me * m:(me + 1) * m])
+    _back_to_back(dt, "fused gemm_rs", step)
     # A CUDA graph: fused ag_gemm -> fused gemm_rs -> copy-engine ag_gemm, fresh inputs per
     # replay, outputs poisoned (the counters must be zero again at the end of every replay).
     check_mixed_graph(rt, seed, "rs-fused-graph", m, k, n, dt, 8,
@@ -505,15 +519,10 @@ def gemm_rs_fused_matches_reference(rt, seed):
                       ag_b=lambda x, w: fusedist.ag_gemm(x, w, group=ce, engine="overlap",
                                                          transport="copy_engine"))
     # Without staging for the partials the fused engine says why, naming the fix.
-    small = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1024)
-    try:
-        fusedist.gemm_rs(torch.zeros((W * m, k), dtype=dt, device=dev),
-                         torch.zeros((k, n), dtype=dt, device=dev), group=small, engine="fused")
-    except ValueError as e:
-        assert "staging_bytes" in str(e), str(e)
-    else:
-        raise AssertionError("gemm_rs(engine='fused') ran without staging for the partials")
-    small.close()
+    _needs_staging(rt, "gemm_rs(engine='fused') ran without staging for the partials",
+                   lambda small: fusedist.gemm_rs(
+                       torch.zeros((W * m, k), dtype=dt, device=dev),
+                       torch.zeros((k, n), dtype=dt, device=dev), group=small, engine="fused"))
     ce.close()
 
 

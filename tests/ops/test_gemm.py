@@ -19,6 +19,19 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def _seeded() -> torch.Generator:
+    """A CUDA generator with a fresh seed: new inputs on every run."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(torch.randint(1 << 30, ())))
+    return gen
+
+
+def _launcher_setup():
+    """What the launch_sm90 tests share: the extension, a fresh generator, the stream."""
+    from fusedist import _ext
+    return _ext.load(), _seeded(), torch.cuda.current_stream()
+
+
 def _fresh(shape, dt, gen):
     return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * 0.5).to(dt)
 
@@ -89,8 +102,7 @@ SM90_KN = ((72, 40), (1000, 776), (4104, 520), (520, 2312))
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_gemm_sm90_matches_float64(dt):
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(torch.randint(1 << 30, ())))  # fresh inputs every run
+    gen = _seeded()
     for m in SM90_MS:
         for k, n in SM90_KN:
             for layout in ("kn", "nk"):
@@ -110,13 +122,9 @@ TILE_MS = (1, 37, 128, 200, 300)
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_gemm_sm90_every_tile_matches_float64(dt):
-    from fusedist import _ext
     from fusedist.ops.gemm import launch_sm90
 
-    C = _ext.load()
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(torch.randint(1 << 30, ())))
-    stream = torch.cuda.current_stream()
+    C, gen, stream = _launcher_setup()
     assert set(C.GEMM_SM90_TILES) == {"wide", "narrow", "mid", "swap"}
     assert set(C.GEMM_SM90_RASTERS) == {"along_n", "along_m"}
     for name, tile in C.GEMM_SM90_TILES.items():
@@ -152,13 +160,9 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_gemm_sm90_slice_of_larger_buffer_matches_float64(dt):
-    from fusedist import _ext
     from fusedist.ops.gemm import launch_sm90, readable_rows
 
-    C = _ext.load()
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(torch.randint(1 << 30, ())))
-    stream = torch.cuda.current_stream()
+    C, gen, stream = _launcher_setup()
     for name, tile in C.GEMM_SM90_TILES.items():
         for m in (1, 37, 200, 300):
             for k, n in SM90_KN:
@@ -177,8 +181,7 @@ def test_gemm_sm90_slice_of_larger_buffer_matches_float64(dt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="kernel='sm90' needs a Hopper GPU")
 def test_gemm_sm90_views_and_errors():
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(int(torch.randint(1 << 30, ())))
+    gen = _seeded()
     dt = torch.bfloat16
     # x and out starting off a 16-byte boundary go through aligned copies.
     m, k, n = 77, 264, 136
