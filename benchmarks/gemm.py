@@ -7,8 +7,13 @@ of torch.matmul, of the decode kernel (M <= 128), of every Hopper tile configura
 has (fusedist._C.GEMM_SM90_TILES) in every tile order (GEMM_SM90_RASTERS: sm90_<tile>_<raster>)
 and of fusedist.gemm(kernel="auto"); and the kernels cuBLAS runs (kn). Each call reads a
 different weight (a ring of copies larger than L2), as a decode step's layers do, so weights
-stream from HBM for every kernel alike. CUDA graphs, median of replays; every fusedist output
-is checked against torch.matmul's before it is timed. x[:M] is a slice of a buffer of
+stream from HBM for every kernel alike. CUDA graphs; every fusedist output is checked against
+torch.matmul's before it is timed. Timing (--timing): "paced" (default) replays every kernel's
+graph in interleaved rounds, each burst after ~30 ms of torch.matmul, so all see the clock of
+a GPU under sustained load, as in a serving loop and in benchmarks/gemm_comm.py (the median of
+all timed replays); "blocks" times each kernel alone, one after another (sessions 8-9): the
+GPU runs cooler and faster there, and tiles do not gain alike from it (benchmarks/NOTES.md,
+session 10). x[:M] is a slice of a buffer of
 max(--ms) rows, so below that the sm90 GEMMs read whole tiles of rows
 (fusedist.ops.gemm.launch_sm90). Diagnoses, not kernels: sm90_<narrow|mid|swap>_exact, the
 tile on a copy of x[:M] (its last tile's loads run past the end); sm90_narrow_pad, x copied
@@ -26,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import kernels, metadata, time_graph, write_results  # noqa: E402
+from _harness import (kernels, metadata, time_graph, time_graphs_interleaved,  # noqa: E402
+                      write_results)
 
 import fusedist  # noqa: E402
 from fusedist import _ext  # noqa: E402
@@ -43,6 +49,11 @@ def main():
     ap.add_argument("--ks", default="4096,14336")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--timing", default="paced", choices=["paced", "blocks"],
+                    help="paced (default): every kernel timed in interleaved rounds, each burst "
+                    "after ~30 ms of torch.matmul (the loaded GPU's clock); blocks: each kernel "
+                    "alone, one graph after another (sessions 8-9; the GPU runs cooler)")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds (paced)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/gemm.py needs a GPU")
@@ -105,7 +116,7 @@ def main():
                     calls["sm90_narrow_pad"] = padded
                 calls["auto"] = lambda i, w, o: fusedist.gemm(xm, w, out=o)
                 ref = torch.matmul(xm.float(), ws[0].float())
-                times, errs = {}, {}
+                times, errs, steps = {}, {}, {}
                 for name, call in calls.items():
                     try:
                         outs[0].fill_(float("nan"))
@@ -114,11 +125,17 @@ def main():
                         errs[name] = ((outs[0].float() - ref).norm() / ref.norm()).item()
                         if not errs[name] < 1e-2:
                             raise RuntimeError(f"rel err {errs[name]:.3g}")
-                        times[name] = time_graph(
-                            lambda i, call=call, ws=ws: call(i, ws[i % ring], outs[i % ring]),
-                            2 * ring, 20)
                     except (RuntimeError, ValueError) as e:
                         print(f"K={K} {layout} M={M} {name}: {e}")
+                        continue
+                    steps[name] = (lambda call: lambda i: call(i, ws[i % ring],
+                                                               outs[i % ring]))(call)
+                if args.timing == "blocks":
+                    times = {name: time_graph(step, 2 * ring, 20) for name, step in steps.items()}
+                else:
+                    med, _, status = time_graphs_interleaved(steps, 2 * ring, args.rounds, 5,
+                                                             pacer="torch")
+                    times = {n: t for n, t in med.items() if status[n] == "ok"}
                 fd = [times[n] for n in times
                       if n != "torch" and not n.endswith(("_pad", "_exact"))]
                 best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
