@@ -99,6 +99,59 @@ def capture(step: Callable[[int], None], ops: int) -> torch.cuda.CUDAGraph:
     return g
 
 
+_NVML: dict = {}
+
+
+def sm_clock_mhz() -> Optional[int]:
+    """The current SM clock of this process's GPU in MHz, read through NVML (libnvidia-ml,
+    ctypes: no Python package needed), or None where NVML is not there."""
+    dev = torch.cuda.current_device()
+    if dev not in _NVML:
+        _NVML[dev] = None
+        try:
+            import ctypes
+
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() == 0:
+                handle = ctypes.c_void_p()
+                uuid = str(torch.cuda.get_device_properties(dev).uuid)
+                uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+                if lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) == 0:
+                    _NVML[dev] = (lib, handle)
+        except Exception:
+            pass
+    if _NVML[dev] is None:
+        return None
+    import ctypes
+
+    lib, handle = _NVML[dev]
+    mhz = ctypes.c_uint()
+    return int(mhz.value) if lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(mhz)) == 0 \
+        else None  # 1: NVML_CLOCK_SM
+
+
+def clock_under(g: torch.cuda.CUDAGraph, replay_us: float, busy_us: float = 4000.0
+                ) -> Optional[int]:
+    """The SM clock (MHz) while g runs: ~busy_us of replays are queued and the clock is read
+    about halfway through them, then the GPU is drained. None without NVML. Every rank must
+    call it for a collective's graph (it replays g as many times on every rank: the count
+    comes from the slowest rank's replay_us)."""
+    have = sm_clock_mhz() is not None
+    replay_us = slowest(replay_us)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # all ranks replay, or none
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, have)
+        have = all(flags)
+    if not have:
+        return None
+    for _ in range(max(2, math.ceil(busy_us / max(replay_us, 1.0)))):
+        g.replay()
+    time.sleep(busy_us / 2e6)
+    mhz = sm_clock_mhz()
+    torch.cuda.synchronize()
+    return mhz
+
+
 def timed_replays(g: torch.cuda.CUDAGraph, ops: int, reps: int) -> list[float]:
     """Microseconds per call (ops calls per replay) of each of `reps` timed replays of g."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -141,7 +194,8 @@ def time_graph(step: Callable[[int], None], ops: int, reps: int, warmup: int = 3
 
 def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
                             warmup: int = 2, pacer: Optional[str] = None,
-                            pace_us: float = 30000.0) -> tuple[dict, dict, dict]:
+                            pace_us: float = 30000.0, clocks: Optional[dict] = None
+                            ) -> tuple[dict, dict, dict]:
     """Microseconds per call of every step of `steps` ({name: step(i)}), timed interleaved.
     Each step's calls i = 0..ops-1 are captured in one CUDA graph; then an untimed round
     brings the GPU to its loaded state (after the captures it is idle and cool, and the first
@@ -151,7 +205,9 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     graph, so each step starts from the same clock state rather than its neighbour's (without
     it, one configuration timed under two names differed by 5% in both of two runs). Returns
     ({name: median over all timed replays}, {name: the median of each round}, {name: "ok" or
-    why it did not run}).
+    why it did not run}). With `clocks` (a dict), clocks[name] gets the SM clock in MHz read
+    while that step's graph ran, once per round, right after its timed replays (clock_under;
+    empty without NVML).
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
     ~1450-1530 MHz within a fraction of a second (the 700 W power limit), and a GEMM takes
@@ -186,6 +242,9 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
             got = timed_replays(g, ops, reps)
             samples[name] += got
             per_round[name].append(median(got))
+            if clocks is not None:
+                mhz = clock_under(g, median(got) * ops)
+                clocks.setdefault(name, []).extend([] if mhz is None else [mhz])
     graphs.clear()
     return ({name: median(s) for name, s in samples.items()}, per_round, status)
 

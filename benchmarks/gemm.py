@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from statistics import median
 from pathlib import Path
 
 import torch
@@ -77,6 +78,8 @@ def main():
     md = ["| layout | K | M | " + " | ".join(f"{n} us" for n in names) + " | best fusedist / torch |",
           "|" + "---|" * (len(names) + 4)]
     kmd = []
+    cmd = ["| layout | K | M | " + " | ".join(f"{n} MHz" for n in names) + " |",
+           "|" + "---|" * (len(names) + 3)]
     for K in map(int, args.ks.split(",")):
         ring = max(2, -(-L2_RING_BYTES // (K * N * 2)))
         for layout in ("kn", "nk"):
@@ -130,12 +133,14 @@ def main():
                         continue
                     steps[name] = (lambda call: lambda i: call(i, ws[i % ring],
                                                                outs[i % ring]))(call)
+                clocks = {}
                 if args.timing == "blocks":
                     times = {name: time_graph(step, 2 * ring, 20) for name, step in steps.items()}
                 else:
                     med, _, status = time_graphs_interleaved(steps, 2 * ring, args.rounds, 5,
-                                                             pacer="torch")
+                                                             pacer="torch", clocks=clocks)
                     times = {n: t for n, t in med.items() if status[n] == "ok"}
+                mhz = {n: median(c) for n, c in clocks.items() if c}
                 fd = [times[n] for n in times
                       if n != "torch" and not n.endswith(("_pad", "_exact"))]
                 best = times["torch"] / min(fd) if fd and "torch" in times else float("nan")
@@ -145,14 +150,20 @@ def main():
                 if cublas:
                     kmd.append(f"| {K} | {M} | " + "<br>".join(f"{n} ({t} us)" for n, t in cublas)
                                + " |")
+                if mhz:
+                    cmd.append(f"| {layout} | {K} | {M} | " + " | ".join(
+                        f"{mhz[n]:.0f}" if n in mhz else "-" for n in names) + " |")
                 rows.append({"layout": layout, "M": M, "N": N, "K": K, "time_us": times,
+                             "sm_clock_mhz": mhz,
                              "rel_err": errs, "best_ratio": best, "cublas_kernels": cublas,
                              "weight_GBps": {n: K * N * 2 / t / 1e3 for n, t in times.items()}})
                 md.append(f"| {layout} | {K} | {M} | " + " | ".join(
                     f"{times[n]:.1f}" if n in times else "-" for n in names) + f" | {best:.2f} |")
-            del ws
-    text = "\n".join(md + ["", "cuBLAS kernels (kn; profiled once, device us):", "",
-                           "| K | M | kernels |", "|---|---|---|"] + kmd)
+            ws = None  # the ring is freed before the next layout allocates its own
+    clock_md = ["", "SM clock while each kernel ran (NVML, MHz, the median of its rounds; "
+                "paced timing only):", ""] + cmd if len(cmd) > 2 else []
+    text = "\n".join(md + clock_md + ["", "cuBLAS kernels (kn; profiled once, device us):", "",
+                                       "| K | M | kernels |", "|---|---|---|"] + kmd)
     paths = write_results("gemm" + args.tag, metadata(1), rows, text)
     print(text + "\n\nresults: " + ", ".join(map(str, paths)))
 

@@ -189,8 +189,9 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
     # timed in single blocks (sessions 2-7: one pass, then two, in order and reversed) each
     # saw their own clock and the same engine under two names differed by up to 8%. `spread`: (slowest - fastest round) / median, rounds' medians.
     ops = 10 if M <= 128 else 3
+    clocks = {}
     med, per_round, status = time_graphs_interleaved(steps, ops, ROUNDS, REPS,
-                                                     pacer="gemm_only")
+                                                     pacer="gemm_only", clocks=clocks)
     nan = float("nan")
     times = {name: (slowest(med.get(name, nan)), status[name]) for name in steps}
     rounds_us = {name: [slowest(t) for t in per_round.get(name, [])] for name in steps}
@@ -203,10 +204,33 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         rows.append({"op": op, "backend": name, "M": M, "N": N, "K": K, "world": W,
                      "dtype": str(dtype), "time_us": t, "status": status,
                      "spread": spread[name], "rounds_us": rounds_us[name],
+                     "sm_clock_mhz": ranks_clock(clocks.get(name, [])),
                      "tflops": flops / t / 1e6 if t == t else float("nan"),
                      "E": (tu - t) / tc if name.startswith("fd_") else None,
                      "speedup_vs_unfused": tu / t, "speedup_vs_async_tp": ttp / t})
     return rows
+
+
+def ranks_clock(mhz: list) -> list:
+    """Every rank's median SM clock (MHz, NVML) while a step ran, rank order; None per rank
+    without readings."""
+    mine = median(mhz) if mhz else None
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def clock_line(rows) -> str:
+    """One sentence on the SM clocks the steps ran at (the lowest-clocked rank's), or ''."""
+    got = sorted((min(c), r["backend"], r["op"], r["M"], r["N"]) for r in rows
+                 if r["status"] == "ok" and r.get("sm_clock_mhz")
+                 and None not in r["sm_clock_mhz"] for c in [r["sm_clock_mhz"]])
+    if not got:
+        return ""
+    return (f"SM clock while each step ran (NVML, the median of its rounds, the lower rank's): "
+            f"{got[0][0]:.0f}-{got[-1][0]:.0f} MHz over all steps; lowest {got[0][1]} "
+            f"({got[0][2]} {got[0][3]} x {got[0][4]}), highest {got[-1][1]} ({got[-1][2]} "
+            f"{got[-1][3]} x {got[-1][4]}); per step in the JSON (`sm_clock_mhz`).")
 
 
 def table(rows) -> str:
@@ -377,6 +401,9 @@ def main():
                f"(the slowest rank's). Spread of the rounds' medians: median "
                f"{100 * ok[len(ok) // 2][0]:.1f}%, largest {100 * ok[-1][0]:.1f}% ({ok[-1][1]}, "
                f"{ok[-1][2]} {ok[-1][3]} x {ok[-1][4]}).")
+    cl = clock_line(rows)
+    if cl:
+        md += "\n\n" + cl
     gl = gemm_table(rows)
     if gl:
         md += "\n\n## fusedist GEMM without communication vs torch.matmul (us)\n\n" + gl
