@@ -37,6 +37,7 @@ void register_gemm(py::module_& m) {
   tiles["narrow"] = int(kSm90TileNarrow);
   tiles["mid"] = int(kSm90TileMid);
   tiles["swap"] = int(kSm90TileSwap);
+  tiles["swap_1wg"] = int(kSm90TileSwap1wg);
   m.attr("GEMM_SM90_TILES") = tiles;
   py::dict rasters;  // the scheduler's tile orders (layout.h, Sm90Raster)
   rasters["along_n"] = int(kSm90RasterAlongN);

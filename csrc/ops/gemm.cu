@@ -60,6 +60,8 @@ void run_tile(const GemmSm90Call& a, bool w_nk, int tile) {
     run_layout<T, kSm90TileMid>(a, w_nk);
   else if (tile == kSm90TileSwap)
     run_layout<T, kSm90TileSwap>(a, w_nk);
+  else if (tile == kSm90TileSwap1wg)
+    run_layout<T, kSm90TileSwap1wg>(a, w_nk);
   else
     run_layout<T, kSm90TileWide>(a, w_nk);
 }
@@ -93,9 +95,9 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
   a.stream = reinterpret_cast<cudaStream_t>(stream);
   a.sms = current_device_sm_count();
   const bool plain = wait.flags == 0 && signal.pieces == 0;
-  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileSwap,
-                     op + "tile must be 0 (auto), 1 (wide), 2 (narrow), 3 (mid) or 4 (swap), got " +
-                         std::to_string(tile));
+  FUSEDIST_CHECK_ARG(tile >= kSm90TileAuto && tile <= kSm90TileSwap1wg,
+                     op + "tile must be 0 (auto), 1 (wide), 2 (narrow), 3 (mid), 4 (swap) or "
+                          "5 (swap_1wg), got " + std::to_string(tile));
   FUSEDIST_CHECK_ARG(plain || tile == kSm90TileAuto || tile == kSm90TileWide,
                      op + "the fused engines' waits and signals run on the wide tile only");
   FUSEDIST_CHECK_ARG(raster >= kSm90RasterAuto && raster <= kSm90RasterAlongM,
@@ -118,7 +120,9 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     else
       tile = kSm90TileWide;
   }
-  const int whole_rows = whole(tile == kSm90TileSwap ? kGemmSm90SwapTokens : kGemmSm90BlockM);
+  const int whole_rows = whole(tile == kSm90TileSwap || tile == kSm90TileSwap1wg
+                                   ? kGemmSm90SwapTokens
+                                   : kGemmSm90BlockM);
   a.m_load = readable < whole_rows ? readable : whole_rows;
   if (raster == kSm90RasterAuto)
     raster = tile == kSm90TileWide ? kSm90RasterAlongN : kSm90RasterAlongM;

@@ -32,6 +32,11 @@ struct Sm90TileConfig<T, kWNK, kSm90TileSwap> {
   using type = GemmSm90<T, kWNK, kGemmSm90SwapTokens, 64, 1, 2, true>;
 };
 
+template <typename T, bool kWNK>
+struct Sm90TileConfig<T, kWNK, kSm90TileSwap1wg> {
+  using type = GemmSm90<T, kWNK, kGemmSm90SwapTokens, 64, 1, 2, true, true>;
+};
+
 template <typename T, bool kWNK, int kTile>
 void gemm_sm90_run(const GemmSm90Call& a) {
   using G = typename Sm90TileConfig<T, kWNK, kTile>::type;
@@ -94,8 +99,10 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   // Swapped, CUTLASS's M tiles are weight strips: no swizzle.
   args.scheduler.max_swizzle_size =
       a.raster_m || G::kSwapAB ? 1 : gemm_sm90_swizzle(a.m, G::kClusterM);
-  args.scheduler.wait = a.wait;
-  args.scheduler.signal = a.signal;
+  if constexpr (!G::kOneWG) {  // fusedist's scheduler; the one-warpgroup kernel has CUTLASS's
+    args.scheduler.wait = a.wait;
+    args.scheduler.signal = a.signal;
+  }
 
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);

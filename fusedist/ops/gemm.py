@@ -110,7 +110,8 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                 signal_pieces: int = 0, tile: int = 0, raster: int = 0) -> torch.Tensor:
     """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
     value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256; "narrow" 128 x 64, "mid"
-    128 x 128 and "swap" (64 tokens x 128 weight columns) for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
+    128 x 128, "swap" (64 tokens x 128 weight columns) and "swap_1wg" (the same, one consumer
+    warpgroup, not persistent) for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
     `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
     GEMMs only; layout.h, Sm90Raster). A plain GEMM whose x is the first rows of a larger
     buffer reads whole tiles of its rows (the rows past M never reach out): tile loads that

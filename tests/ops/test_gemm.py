@@ -125,7 +125,7 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
     from fusedist.ops.gemm import launch_sm90
 
     C, gen, stream = _launcher_setup()
-    assert set(C.GEMM_SM90_TILES) == {"wide", "narrow", "mid", "swap"}
+    assert set(C.GEMM_SM90_TILES) == {"wide", "narrow", "mid", "swap", "swap_1wg"}
     assert set(C.GEMM_SM90_RASTERS) == {"along_n", "along_m"}
     for name, tile in C.GEMM_SM90_TILES.items():
         for order, raster in C.GEMM_SM90_RASTERS.items():
@@ -145,7 +145,7 @@ def test_gemm_sm90_every_tile_matches_float64(dt):
         launch_sm90(x, w, None, out, stream, raster=7)
     # The fused engines' waits run on the wide tile, handing tiles out along N only.
     flags = torch.zeros(2, dtype=torch.int32, device="cuda")
-    for small in ("narrow", "mid", "swap"):
+    for small in ("narrow", "mid", "swap", "swap_1wg"):
         with pytest.raises(ValueError, match="wide tile only"):
             launch_sm90(x, w, None, out, stream, flags=flags, block_rows=4,
                         tile=C.GEMM_SM90_TILES[small])

@@ -164,13 +164,17 @@ struct CutlassElement<__half> {
 // All: two consumer warpgroups, as many smem stages as fit beside the epilogue.
 // kSwapAB: CUTLASS computes D^T = W^T X^T: its M is our N (weight columns), its N our M
 // (tokens); A is the weight, B is x, D (and C) column-major, the bias per row of D.
+// kOneWG: one consumer warpgroup per CTA, not persistent (CUTLASS's KernelTmaWarpSpecialized,
+// its own scheduler: no ChunkScheduler hooks), for plain GEMMs.
 template <typename T, bool kWNK, int kBlockN = kGemmSm90BlockN, int kBlockK = 64,
-          int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1, bool kSwapAB_ = false>
+          int kClusterM_ = kGemmSm90ClusterM, int kClusterN = 1, bool kSwapAB_ = false,
+          bool kOneWG_ = false>
 struct GemmSm90 {
   using Element = typename CutlassElement<T>::type;
   static constexpr int kBlockM = kGemmSm90BlockM;
   static constexpr int kClusterM = kClusterM_;
   static constexpr bool kSwapAB = kSwapAB_;
+  static constexpr bool kOneWG = kOneWG_;
   static constexpr int kAlign = 8;  // elements of one 16-byte TMA access
   using TileShape = cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::Int<kBlockK>>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
@@ -190,16 +194,20 @@ struct GemmSm90 {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutD, kAlign,
-      Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      Element, LayoutD, kAlign,
+      std::conditional_t<kOneWG, cutlass::epilogue::TmaWarpSpecialized,
+                         cutlass::epilogue::TmaWarpSpecializedCooperative>,
       Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, ChunkSchedulerTag>;
+      std::conditional_t<kOneWG, cutlass::gemm::KernelTmaWarpSpecialized,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<
+      cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+      std::conditional_t<kOneWG, void, ChunkSchedulerTag>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 

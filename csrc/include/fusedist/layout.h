@@ -71,8 +71,12 @@ constexpr int kGemmSm90BlockN = 256;
 // kGemmSm90SwapTokens per tile. Auto takes it for more than one token tile (the cluster's
 // second CTA has rows) up to one row block: 65-128 rows, 0.93-1.15x cuBLAS where the narrow
 // tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*).
+// swap_1wg: the swap tile with one consumer warpgroup doing the whole 128 x 64 tile, not
+// persistent (CUTLASS's KernelTmaWarpSpecialized; the other tiles run two cooperative
+// warpgroups on fusedist's persistent scheduler). Plain GEMMs only; auto does not take it.
 enum Sm90Tile : int {
-  kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4
+  kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4,
+  kSm90TileSwap1wg = 5
 };
 constexpr int kGemmSm90NarrowBlockN = 64;
 constexpr int kGemmSm90MidBlockN = 128;
