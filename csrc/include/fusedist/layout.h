@@ -62,18 +62,20 @@ constexpr int kGemmSm90BlockN = 256;
 // waits and signals; narrow (128 x 64, no cluster) and mid (128 x 128, no cluster) for plain
 // GEMMs of few rows. kSm90TileAuto: gemm.cu picks, for plain GEMMs, the narrow tile up to
 // kGemmSm90SwapTokens rows (at N = 8192: 128 CTAs stream the weight instead of 32), the swap
-// tile (below) to one row block, and the mid tile up to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
+// tile's one-warpgroup form (swap_1wg, below) to one row block, and the mid tile up to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
 // (128 + BlockN) x K elements per tile: at 129-256 rows the mid tile's 128 tiles take in 2 MB
 // per SM at K = 4096, the narrow tile's 256 tiles 3 MB (two per SM). Partial row blocks, read
 // past x's end, lose to the wide tile (the narrow one: 54-66 us against 44 at M = 160-192).
 // swap (plain GEMMs): D^T = W^T X^T in 128 weight columns x 64 tokens, the weight tile
 // multicast to a 1 x 2 cluster (cuBLAS's shape at M = 128); tokens on the MMA's N side,
-// kGemmSm90SwapTokens per tile. Auto takes it for more than one token tile (the cluster's
-// second CTA has rows) up to one row block: 65-128 rows, 0.93-1.15x cuBLAS where the narrow
-// tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*).
+// kGemmSm90SwapTokens per tile. Built for more than one token tile (the cluster's second CTA
+// has rows) up to one row block, 65-128 rows: 0.93-1.15x cuBLAS block-timed where the narrow
+// tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*); auto's tile there in session 9.
 // swap_1wg: the swap tile with one consumer warpgroup doing the whole 128 x 64 tile, not
 // persistent (CUTLASS's KernelTmaWarpSpecialized; the other tiles run two cooperative
-// warpgroups on fusedist's persistent scheduler). Plain GEMMs only; auto does not take it.
+// warpgroups on fusedist's persistent scheduler). Plain GEMMs only. Auto's tile for 65-128
+// rows since session 10: 3-11% faster than the cooperative swap tile at 96-128 rows under
+// load (paced, benchmarks/results/gemm_s10d-*), 0.92-1.11x cuBLAS.
 enum Sm90Tile : int {
   kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4,
   kSm90TileSwap1wg = 5
