@@ -114,7 +114,7 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
     if (plain && m <= kGemmSm90SwapTokens)
       tile = kSm90TileNarrow;
     else if (plain && m <= kGemmSm90BlockM)
-      tile = kSm90TileSwap1wg;  // 3-11% ahead of the cooperative swap tile under load
+      tile = kSm90TileSwap1wg;  // 5-11% ahead of the cooperative swap tile under load
     else if (plain && m <= kGemmSm90MidMaxM && whole_tiles)
       tile = kSm90TileMid;
     else

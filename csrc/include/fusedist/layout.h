@@ -74,7 +74,7 @@ constexpr int kGemmSm90BlockN = 256;
 // swap_1wg: the swap tile with one consumer warpgroup doing the whole 128 x 64 tile, not
 // persistent (CUTLASS's KernelTmaWarpSpecialized; the other tiles run two cooperative
 // warpgroups on fusedist's persistent scheduler). Plain GEMMs only. Auto's tile for 65-128
-// rows since session 10: 3-11% faster than the cooperative swap tile at 96-128 rows under
+// rows since session 10: 5-11% faster than the cooperative swap tile at 96-128 rows under
 // load (paced, benchmarks/results/gemm_s10d-*), 0.92-1.11x cuBLAS.
 enum Sm90Tile : int {
   kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4,
