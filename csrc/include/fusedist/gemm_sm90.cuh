@@ -161,7 +161,8 @@ struct CutlassElement<__half> {
 // multicasting A, and 128-deep K tiles, measured no faster: benchmarks/NOTES.md, session 8).
 // The mid tile (plain GEMMs of 129-256 rows): 128 x 128 x 64, no cluster: half the bytes per
 // output of the narrow tile's two tiles per SM at those rows (layout.h).
-// All: two consumer warpgroups, as many smem stages as fit beside the epilogue.
+// All but kOneWG: two consumer warpgroups (cooperative); all: as many smem stages as fit
+// beside the epilogue.
 // kSwapAB: CUTLASS computes D^T = W^T X^T: its M is our N (weight columns), its N our M
 // (tokens); A is the weight, B is x, D (and C) column-major, the bias per row of D.
 // kOneWG: one consumer warpgroup per CTA, not persistent (CUTLASS's KernelTmaWarpSpecialized,

@@ -62,7 +62,8 @@ constexpr int kGemmSm90BlockN = 256;
 // waits and signals; narrow (128 x 64, no cluster) and mid (128 x 128, no cluster) for plain
 // GEMMs of few rows. kSm90TileAuto: gemm.cu picks, for plain GEMMs, the narrow tile up to
 // kGemmSm90SwapTokens rows (at N = 8192: 128 CTAs stream the weight instead of 32), the swap
-// tile's one-warpgroup form (swap_1wg, below) to one row block, and the mid tile up to kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
+// tile's one-warpgroup form (swap_1wg, below) to one row block, and the mid tile up to
+// kGemmSm90MidMaxM rows when x has whole tiles of rows to read (m_load). Each SM takes in
 // (128 + BlockN) x K elements per tile: at 129-256 rows the mid tile's 128 tiles take in 2 MB
 // per SM at K = 4096, the narrow tile's 256 tiles 3 MB (two per SM). Partial row blocks, read
 // past x's end, lose to the wide tile (the narrow one: 54-66 us against 44 at M = 160-192).
