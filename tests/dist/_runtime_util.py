@@ -62,7 +62,10 @@ def check_all_reduce(rt, group, ranks, seed, what) -> None:
 
 
 def step(failures: list, rank: int, name: str, fn) -> None:
-    """Run one check; record its failure instead of raising (gathered later)."""
+    """Run one check; record its failure instead of raising (gathered later). A failing rank
+    also prints its error at once: a check that fails on one rank can leave the others in a
+    collective it skipped, and then the gather never comes (the launcher's timeout ends the
+    run), so the line printed here is the only record of the cause."""
     t0 = time.time()
     try:
         fn()
@@ -71,6 +74,7 @@ def step(failures: list, rank: int, name: str, fn) -> None:
         status = "FAIL"
         failures.append(f"rank {rank} {name}: {type(e).__name__}: {e}\n"
                         + traceback.format_exc(limit=4))
+        print(f"[FAIL] rank {rank} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     if rank == 0:
         print(f"[{status}] {name} ({time.time() - t0:.2f}s)", flush=True)
 
