@@ -84,6 +84,16 @@ def assert_identical_across_ranks(rt, y, what):
     assert all(d == got[0] for d in got), f"{what}: outputs differ across ranks: {got}"
 
 
+def record_failure(failures: list, rank: int, name: str, e: Exception) -> None:
+    """Keep check `name`'s failure on this rank for the final gather, and print it at once: a
+    check that fails on one rank can leave the others in a collective it skipped, and then
+    the gather never comes (the launcher's timeout ends the run), so this line is the only
+    record of the cause."""
+    failures.append(f"rank {rank} {name}: {type(e).__name__}: {e}\n"
+                    + traceback.format_exc(limit=4))
+    print(f"[FAIL] rank {rank} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 def main(select: str | None = None) -> None:
     rt = fusedist.init()
     failures, statuses = [], []
@@ -101,8 +111,7 @@ def main(select: str | None = None) -> None:
             status = "ok"
         except Exception as e:  # noqa: BLE001 - every failure is reported, then gathered
             status = "FAIL"
-            failures.append(f"rank {rt.rank} {fn.__name__}: {type(e).__name__}: {e}\n"
-                            + traceback.format_exc(limit=4))
+            record_failure(failures, rt.rank, fn.__name__, e)
         statuses.append((fn.__name__, status))
         if rt.rank == 0:
             print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s)", flush=True)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import fresh, rank_seed  # noqa: E402
+from _harness import fresh, rank_seed, record_failure  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -62,19 +61,15 @@ def check_all_reduce(rt, group, ranks, seed, what) -> None:
 
 
 def step(failures: list, rank: int, name: str, fn) -> None:
-    """Run one check; record its failure instead of raising (gathered later). A failing rank
-    also prints its error at once: a check that fails on one rank can leave the others in a
-    collective it skipped, and then the gather never comes (the launcher's timeout ends the
-    run), so the line printed here is the only record of the cause."""
+    """Run one check; record its failure instead of raising (gathered later, and printed at
+    once: _harness.record_failure)."""
     t0 = time.time()
     try:
         fn()
         status = "ok"
     except Exception as e:  # noqa: BLE001 - reported, then gathered
         status = "FAIL"
-        failures.append(f"rank {rank} {name}: {type(e).__name__}: {e}\n"
-                        + traceback.format_exc(limit=4))
-        print(f"[FAIL] rank {rank} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        record_failure(failures, rank, name, e)
     if rank == 0:
         print(f"[{status}] {name} ({time.time() - t0:.2f}s)", flush=True)
 
