@@ -31,7 +31,6 @@ template <typename T, bool kWNK>
 struct Sm90TileConfig<T, kWNK, kSm90TileSwap> {
   using type = GemmSm90<T, kWNK, kGemmSm90SwapTokens, 64, 1, 2, true>;
 };
-
 template <typename T, bool kWNK>
 struct Sm90TileConfig<T, kWNK, kSm90TileSwap1wg> {
   using type = GemmSm90<T, kWNK, kGemmSm90SwapTokens, 64, 1, 2, true, true>;

@@ -9,9 +9,9 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
     csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
     128 x 64 tiles up to 64 rows (so N = 8192 spreads over 128 SMs), swap-AB tiles of 128
-    weight columns x 64 tokens (1 x 2 clusters sharing the weight tile) to 128 rows, 128 x 128
-    up to 256 rows when x has whole tiles of rows to read, else 128 x 256. When x is the first rows of a
-    larger buffer (as in CUDA-graph decode, where activations are slices of a max-batch
+    weight columns x 64 tokens (1 x 2 clusters sharing the weight tile, one consumer
+    warpgroup) to 128 rows, 128 x 128 up to 256 rows when x has whole tiles of rows to read,
+    else 128 x 256. When x is the first rows of a larger buffer (as in CUDA-graph decode, where activations are slices of a max-batch
     buffer), the GEMM reads whole tiles of its rows: tile loads that run past a tensor's end
     are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).

@@ -99,10 +99,10 @@ void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
 //    `pieces` flagged pieces from rank `peer`; the C-load warp waits for them.
 //  * `signal` (pieces != 0), gemm_rs's peer blocks: rows [row0, row0 + m) of the block layout
 //    (none of them this rank's); each stored tile adds 1 on the owner's counters.
-// tile (layout.h, Sm90Tile): 0 picks (a plain GEMM: the narrow tile up to 64 rows, the swap
-// tile to 128, the mid tile up to kGemmSm90MidMaxM rows with whole tiles readable; else the
-// wide one);
-// 1 wide; 2 narrow; 3 mid; 4 swap (narrow, mid and swap: plain GEMMs only).
+// tile (layout.h, Sm90Tile): 0 picks (a plain GEMM: the narrow tile up to 64 rows, the
+// one-warpgroup swap tile to 128, the mid tile up to kGemmSm90MidMaxM rows with whole tiles
+// readable; else the wide one);
+// 1 wide; 2 narrow; 3 mid; 4 swap; 5 swap_1wg (all but wide: plain GEMMs only).
 // raster (layout.h, Sm90Raster): 0 picks by tile; 1 along N; 2 along M (plain GEMMs only).
 // m_load (plain GEMMs): rows of x (from row 0, row stride ldx) that may be read, m or more;
 // the mainloop reads up to a whole tile of them, so no tile load runs past x's end (those
