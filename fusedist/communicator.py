@@ -142,7 +142,7 @@ class Communicator:
         _by_name[self.name] = self
 
     # ---- validation ------------------------------------------------------------------
-    def _check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
+    def check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fusedist.{op}: {arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != self.device.type:
@@ -163,7 +163,7 @@ class Communicator:
             raise TypeError(f"fusedist.{op}: {arg} has dtype {t.dtype}; supported: "
                             f"{', '.join(str(d) for d in dtypes)}")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise CommunicatorClosedError(
                 f"fusedist: the communicator of group {self.group.name} is closed (after "
@@ -174,7 +174,7 @@ class Communicator:
     def check(self) -> None:
         """Raise if a symmetric kernel recorded a timeout (cheap host read; call after a sync
         or between graph replays to surface a dead peer)."""
-        self._check_open()
+        self.check_open()
 
     # ---- all-reduce ------------------------------------------------------------------
     def choose_algo(self, nbytes: int, dtype: torch.dtype, algo: str = "auto") -> str:
@@ -183,13 +183,13 @@ class Communicator:
             if algo != "nccl" and self.symm is None:
                 return "nccl"
             # Past an algorithm's capacity: two-shot if the message fits there, else NCCL.
-            if algo == "one_shot" and nbytes > self._capacity("one_shot", dtype):
+            if algo == "one_shot" and nbytes > self.capacity("one_shot", dtype):
                 algo = "two_shot"
-            if algo == "two_shot" and nbytes > self._capacity("two_shot", dtype):
+            if algo == "two_shot" and nbytes > self.capacity("two_shot", dtype):
                 algo = "nccl"
         return algo
 
-    def _capacity(self, algo: str, dtype: torch.dtype) -> int:
+    def capacity(self, algo: str, dtype: torch.dtype) -> int:
         C = _ext.load()
         return C.allreduce_max_numel(self.symm.handle, _dtypes.code(dtype),
                                      _ALGO_CODE[algo]) * dtype.itemsize
@@ -199,12 +199,12 @@ class Communicator:
         """Sum `x` over the group. Returns `out` (a new tensor when None; pass out=x for in
         place), or an AsyncHandle when async_op=True."""
         op = "all_reduce"
-        self._check_open()
-        self._check_tensor(op, "x", x)
+        self.check_open()
+        self.check_tensor(op, "x", x)
         if out is None:
             out = torch.empty_like(x)
         else:
-            self._check_tensor(op, "out", out)
+            self.check_tensor(op, "out", out)
             if out.shape != x.shape or out.dtype != x.dtype:
                 raise ValueError(f"fusedist.all_reduce: out has shape {tuple(out.shape)} and dtype "
                                  f"{out.dtype}, x has {tuple(x.shape)} and {x.dtype}; they must match")
@@ -222,7 +222,7 @@ class Communicator:
                     f"fusedist.all_reduce: algo={algo!r} needs symmetric memory, which group "
                     f"{self.group.name} does not have (peer access unavailable, size 1, or "
                     "symmetric=False); use algo='nccl' or 'auto'")
-            cap = self._capacity(chosen, x.dtype)
+            cap = self.capacity(chosen, x.dtype)
             if nbytes > cap:
                 raise ValueError(
                     f"fusedist.all_reduce: x has {nbytes} bytes, more than the {cap} bytes "
@@ -237,23 +237,31 @@ class Communicator:
             return handle
         return self._launch(x, out, chosen)
 
-    def _stream(self) -> torch.cuda.Stream:
+    def launch_stream(self) -> torch.cuda.Stream:
         """The caller's stream, ordered after this communicator's pending async call (its
-        symmetric kernels run one at a time)."""
+        symmetric kernels run one at a time). Ops launch their kernels on it."""
         stream = torch.cuda.current_stream(self.device)
+        self.order_after_pending(stream)
+        return stream
+
+    def order_after_pending(self, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait for this communicator's pending async call, if any."""
         if self._pending_async is not None:
             stream.wait_event(self._pending_async)
             self._pending_async = None
-        return stream
 
-    def _device_barrier(self) -> None:
+    def clear_pending(self) -> None:
+        """Forget the pending async call: the caller's stream already follows it."""
+        self._pending_async = None
+
+    def device_barrier(self) -> None:
         """Barrier on the current stream, on the device: a one-shot all-reduce of 32 bytes,
         which completes on a rank only after every peer's kernel ran, i.e. after everything
         queued before it on the peers' streams. Bounded by the communicator's timeout."""
         self.all_reduce(self._barrier_token, algo="one_shot", out=self._barrier_token)
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
-        stream = self._stream()
+        stream = self.launch_stream()
         with nvtx_range(f"fusedist.all_reduce.{algo}"):
             if algo == "nccl" or self.group.size == 1:
                 return self.nccl.all_reduce(x, out)

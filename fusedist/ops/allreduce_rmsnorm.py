@@ -41,10 +41,10 @@ def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _validate(comm: Communicator, x, residual, weight, eps, out_dtype):
     op = "all_reduce_add_rmsnorm"
-    comm._check_open()
-    comm._check_tensor(op, "x", x)
-    comm._check_tensor(op, "residual", residual)
-    comm._check_tensor(op, "weight", weight)
+    comm.check_open()
+    comm.check_tensor(op, "x", x)
+    comm.check_tensor(op, "residual", residual)
+    comm.check_tensor(op, "weight", weight)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"fusedist.{op}: x must be [..., hidden] with hidden > 0, got "
                          f"{tuple(x.shape)}")
@@ -67,7 +67,7 @@ def _fused_ok(comm: Communicator, x: torch.Tensor) -> bool:
     hidden = x.shape[-1]
     per = 16 // x.element_size()
     return (hidden % per == 0 and hidden // per <= MAX_FUSED_VECTORS and
-            x.numel() * x.element_size() <= comm._capacity("one_shot", x.dtype))
+            x.numel() * x.element_size() <= comm.capacity("one_shot", x.dtype))
 
 
 def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -99,10 +99,7 @@ def _fused(comm, x, residual, weight, eps, fp8):
     C = _ext.load()
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    stream = torch.cuda.current_stream(comm.device)
-    if comm._pending_async is not None:
-        stream.wait_event(comm._pending_async)
-        comm._pending_async = None
+    stream = comm.launch_stream()
     tensors = [t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight)]
     xs, rs, ws = tensors
     normed = torch.empty(x.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)

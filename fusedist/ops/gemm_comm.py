@@ -172,8 +172,8 @@ def _ce_bounds(op: str, chunks, comm: Communicator, m: int, n: int, k: int, rows
 
 
 def _validate(op: str, comm: Communicator, x, w, bias, x_name: str, w_name: str):
-    comm._check_open()
-    comm._check_tensor(op, x_name, x, DTYPES)
+    comm.check_open()
+    comm.check_tensor(op, x_name, x, DTYPES)
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"fusedist.{op}: {w_name} must be a torch.Tensor, got {type(w).__name__}")
     if w.device != x.device or w.dtype != x.dtype:
@@ -259,7 +259,7 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
     with torch.cuda.stream(cs):
         if stage:
             _ag_stage(comm, x_shard, cs)
-        comm._device_barrier()
+        comm.device_barrier()
         for d in range(1, W):
             j = (r + d) % W
             C.memcpy_async(gathered.data_ptr() + j * nbytes, symm.bases[j] + symm.staging_offset,
@@ -267,7 +267,7 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
             ev = torch.cuda.Event()
             ev.record(cs)
             events.append((j, ev))
-        comm._device_barrier()
+        comm.device_barrier()
     return events
 
 
@@ -308,7 +308,7 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
     W, r = comm.group.size, comm.group.rank
     m, k = x_shard.shape
     row_bytes = k * x_shard.element_size()
-    main = comm._stream()
+    main = comm.launch_stream()
     gathered = symm.staging(x_shard.dtype, (W * m, k))
     flags = torch.zeros(W * pieces, dtype=torch.int32, device=x_shard.device)
     flags[r * pieces:(r + 1) * pieces] = 1
@@ -317,7 +317,7 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
     bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
     cs = _fork(main)
     with torch.cuda.stream(cs):
-        comm._device_barrier()
+        comm.device_barrier()
         staged = torch.cuda.Event()
         staged.record(cs)
         for d in range(1, W):
@@ -328,7 +328,7 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
                 C.memcpy_async(symm.bases[r] + offset, symm.bases[j] + offset,
                                (b - a) * row_bytes, cs.cuda_stream)
                 C.stream_write_u32(flags.data_ptr() + 4 * (j * pieces + p), 1, cs.cuda_stream)
-        comm._device_barrier()
+        comm.device_barrier()
     flags.record_stream(cs)
     main.wait_event(staged)
     launch_sm90(gathered, w, bias, out, main, comm=comm, flags=flags, block_rows=m,
@@ -378,7 +378,7 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
         if eng == "unfused":
             comm.nccl.all_gather(x_shard, gathered)
             return _mm(gathered, w, out, bias)
-        main = comm._stream() if how == "copy_engine" else \
+        main = comm.launch_stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
         stage_on_main = how == "copy_engine" and _AG_STAGE_ON_MAIN
         if stage_on_main:
@@ -417,7 +417,7 @@ def _barrier_then(comm: Communicator, stream: torch.cuda.Stream, cs: torch.cuda.
     ev.record(stream)
     cs.wait_event(ev)
     with torch.cuda.stream(cs):
-        comm._device_barrier()
+        comm.device_barrier()
 
 
 def _barrier_pull(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
@@ -436,7 +436,7 @@ def _release_staging(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda
     """A closing barrier on `cs` (no rank rewrites its staging, in a later call or graph
     replay, while a peer still reads it), then `main` follows `cs`."""
     with torch.cuda.stream(cs):
-        comm._device_barrier()
+        comm.device_barrier()
     main.wait_stream(cs)
 
 
@@ -663,7 +663,7 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
     n = w.shape[1]
     m = M // W
     row = n * x.element_size()
-    main = comm._stream()
+    main = comm.launch_stream()
     stage = symm.staging(x.dtype, (M, n))
     piece_rows = -(-m // pieces)  # the kernels' piece size: ceil, the last piece shorter
     bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
@@ -693,7 +693,7 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
                     C.stream_write_u32(flags.data_ptr() + 4 * p, 1, cs.cuda_stream)
         pulled = torch.cuda.Event()
         pulled.record(cs)
-        comm._device_barrier()
+        comm.device_barrier()
     own = x[r * m:(r + 1) * m]
     if W == 2:
         flags.record_stream(cs)
@@ -761,7 +761,7 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
         if how == "copy_engine":
             # Each chunk is multiplied as pieces of [rows, N]: cut where they fill GEMM waves.
             bounds = _ce_bounds(op, chunks, comm, M, n, k, m, "M / world", wave_cols=n)
-            _rs_copy_engine(comm, x, w_shard, out, comm._stream(), bounds)
+            _rs_copy_engine(comm, x, w_shard, out, comm.launch_stream(), bounds)
             return out.add_(bias) if bias is not None else out
         C = _chunks(op, chunks, comm, M, n, k, rows=m)
         bounds = _split(m, C)
@@ -824,7 +824,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
                   copy_engine_ok=how == "copy_engine")
     with nvtx_range(f"fusedist.gemm_ar.{eng}"):
         if eng == "fused":
-            return launch_decode(comm, x, w_shard, bias, out, comm._stream())
+            return launch_decode(comm, x, w_shard, bias, out, comm.launch_stream())
         if comm.device.type == "cpu" or eng == "unfused":
             torch.matmul(x, w_shard, out=out)
             comm.all_reduce(out, out=out)
@@ -835,7 +835,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             # same path: an out that is not 16-byte aligned on this rank (alignment can differ
             # between ranks) goes through an aligned buffer instead of changing the path.
             dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
-            _ar_copy_engine(comm, x, w_shard, dst, comm._stream(), bounds)
+            _ar_copy_engine(comm, x, w_shard, dst, comm.launch_stream(), bounds)
             if dst is not out:
                 out.copy_(dst)
             return out.add_(bias) if bias is not None else out
@@ -867,7 +867,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
         out.record_stream(cs)
         x.record_stream(cs)
         main.wait_stream(cs)
-        comm._pending_async = None  # the caller's stream now follows the comm stream
+        comm.clear_pending()  # the caller's stream now follows the comm stream
         return out.add_(bias) if bias is not None else out
 
 

@@ -138,7 +138,7 @@ def bad_input_errors(rt, seed):
                 torch.zeros(8, device=f"cuda:{other}")))
         comm = fusedist.get_communicator()
         if comm.symm is not None:
-            too_big = comm._capacity("one_shot", torch.float32) // 4 + 4
+            too_big = comm.capacity("one_shot", torch.float32) // 4 + 4
             expect(ValueError, "max_bytes", lambda: fusedist.all_reduce(
                 torch.zeros(too_big, device=dev), algo="one_shot"))
 

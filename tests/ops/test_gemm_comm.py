@@ -370,7 +370,7 @@ def emulated(monkeypatch):
             comm = gc.Communicator.__new__(gc.Communicator)
             comm.group = type("G", (), {"size": W, "rank": r})()
             comm.symm = _Symm(world, r)
-            comm._device_barrier = lambda: world.barrier.wait()
+            comm.device_barrier = lambda: world.barrier.wait()
             try:
                 results[r] = fn(comm, r)
             except Exception as e:  # noqa: BLE001 - reported below
@@ -547,7 +547,7 @@ def test_gemm_rs_fused_orchestration(emulated, monkeypatch, W, m, pieces):
     b = torch.randn(n, generator=torch.Generator().manual_seed(5))
 
     def fn(comm, r):
-        comm._stream = lambda: _Stream()
+        comm.launch_stream = lambda: _Stream()
         comm.symm.signal_offset = 0
         out = torch.full((m, n), float("nan"))
         return gc._rs_fused(comm, xs[r], ws[r], b, out, pieces)
@@ -585,7 +585,7 @@ def test_ag_gemm_fused_orchestration(emulated, monkeypatch, W, m, pieces):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
 
     def fn(comm, r):
-        comm._stream = lambda: _Stream()
+        comm.launch_stream = lambda: _Stream()
         out = torch.full((W * m, n), float("nan"))
         return gc._ag_fused(comm, shards[r], w, b, out, pieces)
 
