@@ -1,0 +1,393 @@
+"""Runner: chunked prefill and CUDA-graph decode of a fusedist.models Transformer.
+
+    runner = Runner(model, max_batch=8, max_seq_len=4096)          # KV cache sized here
+    out = runner.generate([[1, 2, 3], [4, 5]], max_new_tokens=32,
+                          sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=0))
+    out.ids, out.prefill_ms, out.ms_per_step, out.tokens_per_s
+
+Memory is sized up front: the KV cache holds max_batch sequences of max_seq_len tokens
+(pages of page_size tokens; page 0 is a scratch page that padded batch rows write to), or
+whatever kv_budget_bytes holds, which must cover that. Sequence b owns pages
+1 + b * pages_per_seq ... in a static block table.
+
+Decode is captured once per batch-size bucket (1, 2, 4, ..., the first >= max_batch) as one
+CUDA graph over static buffers: token ids, positions, block_table, seq_lens, slot_mapping.
+The graph computes positions (seq_lens - 1) and slot_mapping itself, so a step is: write the
+new token ids, replay, sample, seq_lens += 1. The attention DecodePlan is made outside the
+graph, for the cache's full length, so one graph replays for every length. Sampling (greedy,
+temperature, top-k, top-p) runs outside the graph from a seeded torch.Generator with the
+exponential-race form of multinomial sampling (argmax of p / Exp(1) noise): reproducible for
+a seed, and identical on every rank because every rank holds the same gathered logits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0          # 0: off
+    top_p: float = 1.0      # 1.0: off
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token ids [n] (int64) from logits [n, vocab]."""
+    if params.greedy or params.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    lg = logits.float() / params.temperature
+    if params.top_k and params.top_k < lg.shape[-1]:
+        kth = torch.topk(lg, params.top_k, dim=-1).values[:, -1:]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_lg, idx = torch.sort(lg, dim=-1, descending=True)
+        cum = sorted_lg.softmax(-1).cumsum(-1)
+        drop = (cum - sorted_lg.softmax(-1)) > params.top_p   # keeps at least the top token
+        lg = lg.scatter(-1, idx, sorted_lg.masked_fill(drop, float("-inf")))
+    probs = lg.softmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+@dataclass
+class StepMeta:
+    """The fields of fusedist.nn.AttentionMetadata the torch backend reads; used only when
+    fusedist.nn.attention is not importable (the torch backend needs nothing else)."""
+    mode: str
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    max_q_len: Optional[int] = None
+    plan: object = None
+
+
+def _metadata(**kw):
+    try:
+        from ..nn.attention import AttentionMetadata
+    except ImportError:
+        return StepMeta(**kw)
+    return AttentionMetadata(**kw)
+
+
+@dataclass
+class GenerationResult:
+    ids: list                       # per sequence: generated ids (up to and including an EOS)
+    prefill_ms: float
+    decode_ms: float
+    steps: int                      # decode steps (graph replays) after the prefill
+    batch: int
+    prompt_tokens: int
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.decode_ms / self.steps if self.steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.steps / (self.decode_ms / 1e3) if self.steps else float("nan")
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= max_batch:
+            return out
+        b *= 2
+
+
+class Runner:
+    def __init__(self, model, *, max_batch: int, max_seq_len: int, page_size: int = 16,
+                 kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
+                 prefill_chunk: int = 4096):
+        if max_batch < 1 or max_seq_len < 1:
+            raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
+                             f"{max_seq_len}")
+        self.model, self.device = model, model.device
+        self.page_size = page_size
+        self.buckets = buckets_for(max_batch)
+        self.max_rows = self.buckets[-1]
+        self.pages_per_seq = math.ceil(max_seq_len / page_size)
+        self.max_seq_len = self.pages_per_seq * page_size
+        self.prefill_chunk = prefill_chunk
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        page_bytes = model.kv_bytes_per_token() * page_size
+        need = 1 + self.max_rows * self.pages_per_seq
+        if kv_budget_bytes is not None:
+            num_pages = int(kv_budget_bytes // page_bytes)
+            if num_pages < need:
+                raise ValueError(
+                    f"Runner: the KV budget of {kv_budget_bytes / 2**30:.2f} GiB holds {num_pages} "
+                    f"pages of {page_size} tokens; {self.max_rows} rows x {self.max_seq_len} tokens "
+                    f"need {need} ({need * page_bytes / 2**30:.2f} GiB); raise the budget "
+                    "(--kv-budget-gb) or lower the batch / sequence length")
+        else:
+            num_pages = need
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+                if need * page_bytes > 0.9 * free:
+                    raise ValueError(
+                        f"Runner: the KV cache for {self.max_rows} rows x {self.max_seq_len} "
+                        f"tokens needs {need * page_bytes / 2**30:.2f} GiB, more than 90% of the "
+                        f"{free / 2**30:.2f} GiB free; lower the batch or sequence length")
+        self.num_pages = num_pages
+        self.kv_bytes = num_pages * page_bytes
+        self.cache = model.new_cache(self.max_rows, self.max_seq_len, page_size, num_pages)
+        dev, R = self.device, self.max_rows
+        bt = torch.zeros(R, self.pages_per_seq, dtype=torch.int32)
+        bt[:] = 1 + torch.arange(R * self.pages_per_seq, dtype=torch.int32).view(R, -1)
+        self.block_table_host = bt
+        # Static decode buffers (graph inputs). Rows past the live batch point at page 0.
+        self.bt = bt.to(dev)
+        self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(R, dtype=torch.int32, device=dev)
+        self.slots = torch.zeros(R, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+        self._metas: dict[int, object] = {}
+
+    # ---- decode --------------------------------------------------------------------------
+    def _meta(self, b: int):
+        if b not in self._metas:
+            plan = self.model.decode_plan(b, self.page_size, self.max_seq_len)
+            self._metas[b] = _metadata(mode="decode", block_table=self.bt[:b],
+                                       seq_lens=self.seq_lens[:b], slot_mapping=self.slots[:b],
+                                       plan=plan)
+        return self._metas[b]
+
+    def _body(self, b: int) -> torch.Tensor:
+        pos = self.seq_lens[:b].long() - 1
+        self.positions[:b].copy_(pos)
+        page = self.bt[:b].gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
+        self.slots[:b].copy_(page * self.page_size + pos % self.page_size)
+        return self.model(self.tokens[:b], self.positions[:b], self.cache, self._meta(b))
+
+    def capture(self, b: int) -> None:
+        """Capture the batch-b decode step (the live batch rows' cache slots at position
+        seq_lens - 1 are written by the warm-up: call before prefill)."""
+        if b in self.graphs or not self.cuda_graphs:
+            return
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s), torch.no_grad():
+            for _ in range(2):
+                self._body(b)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+            out = self._body(b)
+        self.graphs[b] = (g, out)
+
+    @torch.no_grad()
+    def decode_step(self, b: int) -> torch.Tensor:
+        """One decode step of bucket b over the static buffers; logits [b, vocab]."""
+        if b in self.graphs:
+            g, out = self.graphs[b]
+            g.replay()
+            return out
+        return self._body(b)
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"Runner: batch {n} exceeds max_batch {self.buckets[-1]}")
+
+    # ---- prefill -------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,
+                all_logits: bool = False):
+        """Chunked prefill of every prompt (sequence b in batch row b, its tokens at positions
+        start..start+len-1 after `start` tokens already in the cache); returns the last
+        token's logits [len(prompts), vocab], or with all_logits a list of [len, vocab], one
+        per prompt (every position's logits)."""
+        P, dev = self.page_size, self.device
+        last = [None] * len(prompts)
+        every = [[] for _ in prompts]
+        work = [(b, 0) for b in range(len(prompts))]     # (row, tokens of it done)
+        while work:
+            budget, chunk = self.prefill_chunk, []
+            while work and budget > 0:
+                b, done = work.pop(0)
+                n = min(len(prompts[b]) - done, budget)
+                chunk.append((b, done, n))
+                budget -= n
+                if done + n < len(prompts[b]):
+                    work.insert(0, (b, done + n))
+            toks, pos, cu, lens, out_rows, out_seq = [], [], [0], [], [], []
+            for b, done, n in chunk:
+                toks += list(prompts[b][done:done + n])
+                p = list(range(start + done, start + done + n))
+                pos += p
+                cu.append(cu[-1] + n)
+                lens.append(start + done + n)
+                if all_logits:
+                    out_rows += range(cu[-2], cu[-1])
+                    out_seq += [b] * n
+                elif done + n == len(prompts[b]):
+                    out_rows.append(cu[-1] - 1)
+                    out_seq.append(b)
+            rows = [b for b, _, _ in chunk]
+            pos_t = torch.tensor(pos, dtype=torch.int64)
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            seq_of_tok = torch.repeat_interleave(rows_t, torch.tensor([n for _, _, n in chunk]))
+            page = self.block_table_host[seq_of_tok, pos_t // P].long()
+            meta = _metadata(mode="prefill", block_table=self.bt[rows_t.to(dev)],
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                             slot_mapping=(page * P + pos_t % P).to(dev),
+                             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                             max_q_len=max(n for _, _, n in chunk))
+            logits = self.model(torch.tensor(toks, dtype=torch.int64, device=dev), pos_t.to(dev),
+                                self.cache, meta, seq_rows=rows_t.to(dev),
+                                logits_rows=torch.tensor(out_rows, dtype=torch.int64, device=dev)
+                                if out_rows else None)
+            for i, b in enumerate(out_seq):
+                last[b] = logits[i]
+                every[b].append(logits[i])
+        if all_logits:
+            return [torch.stack(e) for e in every]
+        return torch.stack(last)
+
+    @torch.no_grad()
+    def fill_context(self, tokens: int, seed: int = 0) -> None:
+        """Benchmarks: make every row's first `tokens` cache positions random keys / values
+        (N(0, 1)), as if a prompt of that length had been prefilled."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        for kv in (self.cache.k, self.cache.v):
+            for t in kv:
+                t.copy_(torch.randn(t.shape, generator=g, device=self.device, dtype=torch.float32))
+
+    # ---- generate ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
+                 context_fill: int = 0, eos_check_every: int = 1,
+                 progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
+        n = len(prompts)
+        if n == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("Runner.generate: pass at least one prompt, each of >= 1 token")
+        if max_new_tokens < 1:
+            raise ValueError(f"Runner.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        longest = context_fill + max(len(p) for p in prompts) + max_new_tokens
+        if longest > self.max_seq_len:
+            raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
+                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
+                             "with a larger max_seq_len")
+        b = self.bucket(n)
+        dev = self.device
+        self.seq_lens.fill_(1)
+        self.capture(b)
+        if context_fill:
+            self.fill_context(context_fill, sampling.seed)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(sampling.seed)
+        eos = torch.tensor(list(eos_ids) or [-1], device=dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        nxt = sample(self.prefill(prompts, start=context_fill), sampling, gen)
+        sync()
+        t1 = time.perf_counter()
+        outs = [nxt]
+        done = torch.isin(nxt, eos)
+        lens = torch.tensor([context_fill + len(p) + 1 for p in prompts], dtype=torch.int32)
+        self.seq_lens[:n].copy_(lens.to(dev))
+        steps = 0
+        for step in range(1, max_new_tokens):
+            if eos_ids and step % eos_check_every == 0 and bool(done.all()):
+                break
+            self.tokens[:n].copy_(nxt)
+            nxt = sample(self.decode_step(b)[:n], sampling, gen)
+            self.seq_lens[:n] += 1
+            outs.append(nxt)
+            done |= torch.isin(nxt, eos)
+            steps += 1
+            if progress is not None:
+                progress(step + 1, max_new_tokens)
+        sync()
+        t2 = time.perf_counter()
+        ids = torch.stack(outs, dim=1).tolist()
+        if eos_ids:
+            stop = set(eos_ids)
+            ids = [row[:next((i + 1 for i, t in enumerate(row) if t in stop), len(row))]
+                   for row in ids]
+        return GenerationResult(ids=ids, prefill_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3,
+                                steps=steps, batch=n,
+                                prompt_tokens=sum(len(p) for p in prompts),
+                                timings={"bucket": b, "graphs": b in self.graphs})
+
+    # ---- profile -------------------------------------------------------------------------
+    @torch.no_grad()
+    def profile_step(self, n: int) -> dict:
+        """One decode step of batch n under torch.profiler: kernel time per class (GEMM /
+        attention / communication / other), us."""
+        from torch.profiler import ProfilerActivity, profile
+
+        b = self.bucket(n)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda"
+                                         else [])
+        self.decode_step(b)
+        with profile(activities=acts) as prof:
+            self.decode_step(b)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
+        kernels = {}
+        for e in prof.events():
+            cuda = self.device.type == "cuda"
+            dt = getattr(e, "device_type", None)
+            on_dev = dt is not None and "CUDA" in str(dt)
+            if cuda and not on_dev:
+                continue
+            if not cuda and (e.cpu_parent is not None or not e.name.startswith("aten::")):
+                continue
+            us = (e.device_time if cuda else e.cpu_time) if hasattr(e, "device_time") else \
+                (e.cuda_time if cuda else e.cpu_time)
+            k = classify_kernel(e.name)
+            out[k] += us
+            kernels[e.name] = kernels.get(e.name, 0.0) + us
+        out["total"] = sum(out.values())
+        out["top"] = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+        return out
+
+
+_CLASSES = (
+    ("communication", ("allreduce", "all_reduce", "nccl", "allgather", "all_gather",
+                       "rmsnorm_kernel", "reduce_scatter", "c10d")),
+    ("attention", ("attention", "attn", "flash", "fmha", "decode_kernel", "rope", "paged",
+                   "sdpa", "softmax", "merge", "cudnn", "scaled_dot_product")),
+    ("gemm", ("gemm", "gemv", "sm90", "cutlass", "nvjet", "cublas", "matmul", "addmm",
+              "aten::mm", "aten::bmm", "linear", "xmma", "wgmma")),
+)
+
+
+def classify_kernel(name: str) -> str:
+    low = name.lower()
+    for cls, keys in _CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
