@@ -129,7 +129,8 @@ class Runner:
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_chunk = prefill_chunk
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        # CUDA graphs on a GPU unless turned off; a CPU model always decodes eagerly.
+        self.cuda_graphs = self.device.type == "cuda" and cuda_graphs is not False
         page_bytes = model.kv_bytes_per_token() * page_size
         need = 1 + self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:

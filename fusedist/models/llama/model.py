@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -37,6 +39,9 @@ from .config import LlamaConfig
 from .weights import WeightSource, check_tp, kv_head_range, padded_vocab
 
 BACKENDS = ("fusedist", "torch")
+# torch >= 2.13 renames all_gather_into_tensor; the torch backend keeps the name every
+# supported torch has.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -81,9 +86,9 @@ class _Exchange:
         if self.backend == "fusedist":
             from ...nn.linear import _gather_columns
             return _gather_columns(self.comm, y)
-        parts = torch.empty((self.tp,) + tuple(y.shape), dtype=y.dtype, device=y.device)
+        parts = torch.empty((self.tp * y.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
         dist.all_gather_into_tensor(parts, y.contiguous(), group=self.comm.group.pg)
-        return parts.permute(1, 0, 2).reshape(y.shape[0], -1)
+        return parts.view(self.tp, y.shape[0], -1).permute(1, 0, 2).reshape(y.shape[0], -1)
 
 
 class MLP(torch.nn.Module):

@@ -1,0 +1,307 @@
+"""python -m fusedist.generate: generate tokens with a tensor-parallel Llama-family model.
+
+    python -m fusedist.generate                                  # GPU: Llama-3-8B shape, random
+                                                                 # weights, beside plain torch;
+                                                                 # CPU: the tiny config
+    torchrun --nproc-per-node 2 -m fusedist.generate --device cpu   # TP 2 over gloo
+    torchrun --nproc-per-node 8 -m fusedist.generate --model /ckpt/Meta-Llama-3-70B \\
+        --prompt "The capital of France is" --max-new-tokens 64
+    python -m fusedist.generate --config llama-3-8b --random-weights --batch 64 \\
+        --context-fill 4000 --baseline torch --json
+
+Launched like every fusedist job (torchrun, mpirun, srun: fusedist.init()); --tp defaults to
+the launcher's world size. Progress goes to stderr on rank 0; results to stdout on rank 0
+(one JSON object with --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m fusedist.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model")
+    src.add_argument("--model", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    src.add_argument("--config", help="named config: llama-3-8b, llama-3.1-8b, llama-3-70b, tiny")
+    src.add_argument("--random-weights", action="store_true", help="seeded random weights")
+    src.add_argument("--weights-seed", type=int, default=0)
+    src.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
+    src.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                     help="default bfloat16 on GPU, float32 on CPU")
+    src.add_argument("--device", choices=("cpu", "cuda"), help="default cuda when a GPU is visible")
+    inp = p.add_argument_group("input")
+    inp.add_argument("--batch", type=int, default=1)
+    inp.add_argument("--prompt-len", type=int, help="random prompt ids of this length")
+    inp.add_argument("--prompt-ids", help="comma-separated prompt ids, e.g. 1,2,3")
+    inp.add_argument("--prompt", help="prompt text (needs tokenizer.json in --model)")
+    inp.add_argument("--context-fill", type=int, default=0,
+                     help="benchmark: this many random KV-cache tokens before the prompt")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless "
+                     "--temperature / --top-k / --top-p is given)")
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, default=0, help="sampling and random-prompt seed")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate max tokens")
+    run = p.add_argument_group("runner")
+    run.add_argument("--kv-budget-gb", type=float, help="KV-cache memory (default: what the "
+                     "batch and length need)")
+    run.add_argument("--page-size", type=int, default=16)
+    run.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk")
+    run.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    out = p.add_argument_group("output")
+    out.add_argument("--baseline", choices=("torch", "none"),
+                     help="also run the plain-torch model and print both (default: torch for "
+                     "the embedded default model, else none)")
+    out.add_argument("--profile", action="store_true",
+                     help="break one decode step down into GEMM / attention / communication / other")
+    out.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p.parse_args(argv)
+
+
+class Progress:
+    """Rank 0's progress on stderr: tqdm when installed, else a plain line every 10%."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar, self.label, self.last = enabled, None, "", -1
+        try:
+            import tqdm  # noqa: F401
+            self.tqdm = tqdm.tqdm
+        except ImportError:
+            self.tqdm = None
+
+    def stage(self, label: str):
+        self.close()
+        self.label, self.last = label, -1
+        return self.update
+
+    def update(self, i: int, n: int):
+        if not self.enabled:
+            return
+        if self.tqdm is not None:
+            if self.bar is None:
+                self.bar = self.tqdm(total=n, desc=self.label, file=sys.stderr, leave=False)
+            self.bar.update(i - self.bar.n)
+            return
+        pct = 100 * i // max(n, 1)
+        if pct // 10 != self.last // 10 or i == n:
+            self.last = pct
+            print(f"{self.label}: {i}/{n}", file=sys.stderr, flush=True)
+
+    def note(self, msg: str):
+        if self.enabled:
+            self.close()
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _defaults(args, cuda: bool):
+    embedded = args.model is None and args.config is None
+    if embedded:
+        args.config = "llama-3-8b" if cuda else "tiny"
+        args.random_weights = True
+    if args.model is None and not args.random_weights:
+        raise SystemExit("fusedist.generate: --config needs --random-weights (named configs ship "
+                         "without weights); pass --model DIR for a checkpoint")
+    if args.baseline is None:
+        args.baseline = "torch" if embedded else "none"
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 128 if cuda else 32
+    if args.prompt_len is None and args.prompt_ids is None and args.prompt is None:
+        args.prompt_len = 128 if cuda else 16
+    return args
+
+
+def _prompts(args, cfg, tokenizer, rank0):
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise SystemExit("fusedist.generate: --prompt needs tokenizer.json in --model; pass "
+                             "--prompt-ids or --prompt-len instead")
+        ids = tokenizer.encode(args.prompt).ids
+    elif args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise SystemExit(f"fusedist.generate: --prompt-ids must be comma-separated ints, got "
+                             f"{args.prompt_ids!r}")
+    else:
+        g = torch.Generator().manual_seed(args.seed)
+        ids = None
+        rows = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
+        return rows.tolist()
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if not ids or bad:
+        raise SystemExit(f"fusedist.generate: prompt ids must be in [0, {cfg.vocab_size}); got "
+                         f"{bad[:5] or 'none'}")
+    return [list(ids) for _ in range(args.batch)]
+
+
+def _tokenizer(model_dir):
+    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+
+
+def prefill_flops(cfg, prompt_lens, context: int) -> float:
+    """Model FLOPs of prefilling these prompts (2 per multiply-add; causal attention counted
+    over the cached context plus the prompt's own triangle; the LM head on one token each)."""
+    h, L = cfg.hidden_size, cfg.num_layers
+    per_tok = 2.0 * L * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h +
+                         3 * h * cfg.intermediate_size)
+    total = 0.0
+    for n in prompt_lens:
+        attn = 4.0 * L * cfg.q_size * (n * context + n * (n + 1) / 2)
+        total += per_tok * n + attn + 2.0 * cfg.vocab_size * h
+    return total
+
+
+def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
+    from .models import Runner, SamplingParams, build_model
+
+    longest = args.context_fill + max(len(p) for p in prompts) + args.max_new_tokens
+    prog.note(f"[{backend}] building {cfg.name or 'model'} ({cfg.num_params() / 1e6:.1f} M params, "
+              f"{dtype}, tp {rt.tp.size}) on {device}")
+    t0 = time.perf_counter()
+    model = build_model(cfg, src, backend=backend, group=rt.tp, dtype=dtype, device=device,
+                        max_position=max(longest, 16), progress=prog.stage(f"[{backend}] loading"))
+    load_s = time.perf_counter() - t0
+    budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
+    runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
+                    kv_budget_bytes=budget, cuda_graphs=False if args.no_graphs else None,
+                    prefill_chunk=args.prefill_chunk)
+    sampling_on = not args.greedy and any(v is not None for v in (args.temperature, args.top_k,
+                                                                  args.top_p))
+    sp = SamplingParams(greedy=not sampling_on,
+                        temperature=1.0 if args.temperature is None else args.temperature,
+                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
+                        seed=args.seed)
+    eos = () if args.ignore_eos or args.random_weights else cfg.eos_token_ids
+    # Warm-up (graph capture, cuBLAS / allocator first calls) outside the timed run.
+    prog.note(f"[{backend}] warm-up")
+    runner.generate([p[:8] for p in prompts], 2, sp, context_fill=args.context_fill)
+    res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
+                          context_fill=args.context_fill,
+                          progress=prog.stage(f"[{backend}] decoding"))
+    prog.close()
+    flops = prefill_flops(cfg, [len(p) for p in prompts], args.context_fill)
+    out = {"ids": res.ids, "load_s": round(load_s, 3), "prefill_ms": round(res.prefill_ms, 3),
+           "ms_per_token": round(res.ms_per_step, 4), "tokens_per_s": round(res.tokens_per_s, 2),
+           "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
+           "prefill_tflops_per_gpu": round(flops / rt.tp.size / (res.prefill_ms / 1e3) / 1e12, 2),
+           "kv_cache_gib": round(runner.kv_bytes / 2**30, 3)}
+    if args.profile:
+        out["profile_us"] = {k: (round(v, 1) if isinstance(v, float) else v)
+                             for k, v in runner.profile_step(len(prompts)).items()}
+    del runner, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import fusedist
+    from .launch_env import detect_launch_env
+    from .models.llama import LlamaConfig, open_weights
+
+    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fusedist.generate: --device cuda but no GPU is visible; use --device cpu")
+    args = _defaults(args, cuda)
+    world = detect_launch_env().world_size
+    tp = args.tp or world
+    if world % tp:
+        raise SystemExit(f"fusedist.generate: --tp {tp} does not divide the world size {world}")
+    rt = fusedist.init(tp_size=tp, backend="nccl" if cuda else "gloo")
+    rank0 = rt.rank == 0
+    prog = Progress(rank0 and not args.quiet)
+    try:
+        cfg = LlamaConfig.from_dir(args.model) if args.model else LlamaConfig.named(args.config)
+        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+        device = rt.device
+        src = open_weights(args.model if not args.random_weights else None, cfg,
+                           args.weights_seed if args.random_weights else None)
+        tok = _tokenizer(args.model)
+        prompts = _prompts(args, cfg, tok, rank0)
+        results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
+                                           device, prog)}
+        if args.baseline == "torch":
+            results["torch"] = run_backend("torch", args, cfg, src, prompts, rt, dtype, device,
+                                           prog)
+    finally:
+        prog.close()
+    if rank0:
+        report(args, cfg, rt, dtype, prompts, results, tok)
+    fusedist.shutdown()
+    return 0
+
+
+def report(args, cfg, rt, dtype, prompts, results, tok):
+    fd = results["fusedist"]
+    summary = {"model": args.model or args.config, "tp": rt.tp.size, "world": rt.world_size,
+               "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
+               "batch": len(prompts), "prompt_len": len(prompts[0]),
+               "context_fill": args.context_fill, "max_new_tokens": args.max_new_tokens,
+               "ids": fd["ids"],
+               "timings": {k: {kk: vv for kk, vv in v.items() if kk != "ids"}
+                           for k, v in results.items()}}
+    if rt.device.type == "cuda":
+        summary["gpu"] = torch.cuda.get_device_name(rt.device)
+    if tok is not None:
+        summary["text"] = [tok.decode(ids) for ids in fd["ids"]]
+    if "torch" in results:
+        tb = results["torch"]
+        summary["torch_ids_match"] = tb["ids"] == fd["ids"]
+        summary["speedup"] = round(tb["ms_per_token"] / fd["ms_per_token"], 3)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+        return
+    print(f"model {summary['model']} ({cfg.num_params() / 1e6:.1f} M params), tp {rt.tp.size}, "
+          f"{summary['dtype']}, batch {len(prompts)}, prompt {len(prompts[0])} tokens"
+          + (f" after {args.context_fill} cached" if args.context_fill else "")
+          + f", {args.max_new_tokens} new")
+    if tok is not None:
+        print(f"text: {summary['text'][0]!r}")
+    else:
+        print(f"ids[0]: {fd['ids'][0]}")
+    cols = ("prefill ms", "ms/token", "tokens/s", "prefill TFLOP/s/GPU")
+    keys = ("prefill_ms", "ms_per_token", "tokens_per_s", "prefill_tflops_per_gpu")
+    print(f"{'backend':<10}" + "".join(f"{c:>22}" for c in cols))
+    for name, r in results.items():
+        print(f"{name:<10}" + "".join(f"{r[k]:>22}" for k in keys))
+    if "speedup" in summary:
+        print(f"speedup (torch ms/token / fusedist ms/token): {summary['speedup']}x; same ids: "
+              f"{summary['torch_ids_match']}")
+    for name, r in results.items():
+        if "profile_us" in r:
+            p = r["profile_us"]
+            print(f"{name} decode step (us): " + ", ".join(
+                f"{k} {p[k]}" for k in ("gemm", "attention", "communication", "other", "total")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
