@@ -1,0 +1,48 @@
+// fusedist._C attention bindings: declarations only (csrc/ops/attention/).
+#include <pybind11/pybind11.h>
+
+#include "fusedist/attention/api.h"
+
+namespace py = pybind11;
+using namespace fusedist;
+
+void register_attention(py::module_& m) {
+  py::class_<DecodeArgs>(m, "DecodeArgs",
+                         "One paged decode call: device pointers as integers, sizes, dtype codes")
+      .def(py::init<>())
+      .def_readwrite("q", &DecodeArgs::q)
+      .def_readwrite("k_cache", &DecodeArgs::k_cache)
+      .def_readwrite("v_cache", &DecodeArgs::v_cache)
+      .def_readwrite("k_scale", &DecodeArgs::k_scale)
+      .def_readwrite("v_scale", &DecodeArgs::v_scale)
+      .def_readwrite("block_table", &DecodeArgs::block_table)
+      .def_readwrite("seq_lens", &DecodeArgs::seq_lens)
+      .def_readwrite("out", &DecodeArgs::out)
+      .def_readwrite("o_partial", &DecodeArgs::o_partial)
+      .def_readwrite("lse_partial", &DecodeArgs::lse_partial)
+      .def_readwrite("counters", &DecodeArgs::counters)
+      .def_readwrite("batch", &DecodeArgs::batch)
+      .def_readwrite("q_heads", &DecodeArgs::q_heads)
+      .def_readwrite("kv_heads", &DecodeArgs::kv_heads)
+      .def_readwrite("head_dim", &DecodeArgs::head_dim)
+      .def_readwrite("page_size", &DecodeArgs::page_size)
+      .def_readwrite("bt_stride", &DecodeArgs::bt_stride)
+      .def_readwrite("num_splits", &DecodeArgs::num_splits)
+      .def_readwrite("scale", &DecodeArgs::scale)
+      .def_property(
+          "q_dtype", [](const DecodeArgs& a) { return int(a.q_dtype); },
+          [](DecodeArgs& a, int v) { a.q_dtype = DType(v); })
+      .def_property(
+          "kv_dtype", [](const DecodeArgs& a) { return int(a.kv_dtype); },
+          [](DecodeArgs& a, int v) { a.kv_dtype = DType(v); });
+  m.def("attention_decode", &attention_decode, py::arg("args"), py::arg("stream"));
+  m.def(
+      "attention_decode_ctas_per_sm",
+      [](int head_dim, int q_dtype, int kv_dtype) {
+        return attention_decode_ctas_per_sm(head_dim, DType(q_dtype), DType(kv_dtype));
+      },
+      py::arg("head_dim"), py::arg("q_dtype"), py::arg("kv_dtype"));
+  m.attr("ATTENTION_DECODE_MAX_SPLITS") = kAttentionDecodeMaxSplits;
+  m.attr("ATTENTION_DECODE_TILE_HEADS") = kAttentionDecodeTileHeads;
+  m.attr("ATTENTION_DECODE_SLAB") = kAttentionDecodeSlab;
+}

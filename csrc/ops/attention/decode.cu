@@ -1,0 +1,137 @@
+// Launcher for the paged decode kernel: validates, picks the (head_dim, q dtype, KV dtype)
+// instantiation and launches it (csrc/include/fusedist/attention/decode.cuh).
+#include <string>
+
+#include "fusedist/attention/api.h"
+#include "fusedist/attention/decode.cuh"
+
+namespace fusedist {
+namespace {
+
+using attention::DecodeParams;
+using attention::DecodeTraits;
+using attention::paged_decode_kernel;
+
+static_assert(attention::kDecodeMaxSplits == kAttentionDecodeMaxSplits, "keep in sync");
+static_assert(attention::kDecodeTileHeads == kAttentionDecodeTileHeads, "keep in sync");
+static_assert(attention::kDecodeSlab == kAttentionDecodeSlab, "keep in sync");
+
+template <int D, typename QT, typename KVT>
+const void* prepared_kernel() {
+  static const bool once = [] {
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, QT, KVT>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             DecodeTraits<D, QT, KVT>::kSmemBytes));
+    return true;
+  }();
+  (void)once;
+  return reinterpret_cast<const void*>(paged_decode_kernel<D, QT, KVT>);
+}
+
+template <int D, typename QT, typename KVT>
+void launch(const DecodeParams& p, cudaStream_t stream) {
+  prepared_kernel<D, QT, KVT>();
+  const dim3 grid(p.num_splits, p.kv_heads * p.q_tiles, p.batch);
+  paged_decode_kernel<D, QT, KVT>
+      <<<grid, attention::kDecodeThreads, DecodeTraits<D, QT, KVT>::kSmemBytes, stream>>>(p);
+  FUSEDIST_LAUNCH_CHECK("paged_decode_kernel");
+}
+
+template <int D, typename QT, typename KVT>
+int occupancy() {
+  const void* k = prepared_kernel<D, QT, KVT>();
+  int n = 0;
+  FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &n, k, attention::kDecodeThreads, DecodeTraits<D, QT, KVT>::kSmemBytes));
+  return n;
+}
+
+void check_dtypes(int head_dim, DType q, DType kv) {
+  FUSEDIST_CHECK_ARG(q == DType::kBFloat16 || q == DType::kFloat16,
+                     std::string("attention_decode: q must be bfloat16 or float16, got ") +
+                         dtype_name(q));
+  FUSEDIST_CHECK_ARG(kv == q || kv == DType::kFloat8E4M3,
+                     std::string("attention_decode: the KV cache must have q's dtype (") +
+                         dtype_name(q) + ") or float8_e4m3fn, got " + dtype_name(kv));
+  FUSEDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256,
+                     "attention_decode: head_dim must be 64, 128 or 256, got " +
+                         std::to_string(head_dim));
+}
+
+// Runs CALL<D, QT, KVT> for the instantiation of (head_dim, q, kv): the table of instances.
+#define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, CALL)                               \
+  do {                                                                                \
+    check_dtypes(head_dim, q, kv);                                                    \
+    const bool fp8_ = (kv) == DType::kFloat8E4M3, bf16_ = (q) == DType::kBFloat16;    \
+    switch (head_dim) {                                                               \
+      case 64: FUSEDIST_DECODE_DTYPES(64, CALL); break;                               \
+      case 128: FUSEDIST_DECODE_DTYPES(128, CALL); break;                             \
+      default: FUSEDIST_DECODE_DTYPES(256, CALL); break;                              \
+    }                                                                                 \
+  } while (0)
+#define FUSEDIST_DECODE_DTYPES(D_, CALL)                                              \
+  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16);                         \
+  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3);                             \
+  else if (!fp8_) CALL(D_, __half, __half);                                           \
+  else CALL(D_, __half, __nv_fp8_e4m3)
+
+}  // namespace
+
+void attention_decode(const DecodeArgs& a, uintptr_t stream) {
+  const std::string w = "attention_decode: ";
+  FUSEDIST_CHECK_ARG(a.batch >= 0 && a.batch <= 65535, w + "batch must be in [0, 65535], got " +
+                                                           std::to_string(a.batch));
+  FUSEDIST_CHECK_ARG(a.kv_heads > 0 && a.q_heads > 0 && a.q_heads % a.kv_heads == 0,
+                     w + "q_heads (" + std::to_string(a.q_heads) +
+                         ") must be a positive multiple of kv_heads (" +
+                         std::to_string(a.kv_heads) + ")");
+  FUSEDIST_CHECK_ARG(a.page_size > 0 && a.page_size % attention::kDecodeSlab == 0,
+                     w + "page_size must be a positive multiple of 16, got " +
+                         std::to_string(a.page_size));
+  FUSEDIST_CHECK_ARG(a.num_splits >= 1 && a.num_splits <= attention::kDecodeMaxSplits,
+                     w + "num_splits must be in [1, " +
+                         std::to_string(attention::kDecodeMaxSplits) + "], got " +
+                         std::to_string(a.num_splits));
+  FUSEDIST_CHECK_ARG(a.q && a.k_cache && a.v_cache && a.block_table && a.seq_lens && a.out,
+                     w + "q, k_cache, v_cache, block_table, seq_lens and out must be non-null");
+  FUSEDIST_CHECK_ARG(a.num_splits == 1 || (a.o_partial && a.lse_partial && a.counters),
+                     w + "num_splits > 1 needs the workspace (o_partial, lse_partial, counters)");
+  FUSEDIST_CHECK_ARG(a.kv_dtype != DType::kFloat8E4M3 || (a.k_scale && a.v_scale),
+                     w + "an fp8 KV cache needs k_scale and v_scale");
+  FUSEDIST_CHECK_ARG(a.bt_stride >= 0, w + "bt_stride must be >= 0");
+  FUSEDIST_CHECK_ARG((a.q | a.out | a.k_cache | a.v_cache | a.o_partial) % 16 == 0,
+                     w + "q, out, k_cache, v_cache and o_partial must be 16-byte aligned");
+  if (a.batch == 0) return;
+  DecodeParams p{};
+  p.q = reinterpret_cast<const void*>(a.q);
+  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
+  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
+  p.k_scale = reinterpret_cast<const float*>(a.k_scale);
+  p.v_scale = reinterpret_cast<const float*>(a.v_scale);
+  p.block_table = reinterpret_cast<const int*>(a.block_table);
+  p.seq_lens = reinterpret_cast<const int*>(a.seq_lens);
+  p.out = reinterpret_cast<void*>(a.out);
+  p.o_partial = reinterpret_cast<float*>(a.o_partial);
+  p.lse_partial = reinterpret_cast<float*>(a.lse_partial);
+  p.counters = reinterpret_cast<int*>(a.counters);
+  p.batch = a.batch, p.q_heads = a.q_heads, p.kv_heads = a.kv_heads;
+  p.group = a.q_heads / a.kv_heads;
+  p.q_tiles = (p.group + attention::kDecodeTileHeads - 1) / attention::kDecodeTileHeads;
+  p.page_size = a.page_size, p.bt_stride = a.bt_stride, p.num_splits = a.num_splits;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  FUSEDIST_CHECK_ARG(int64_t(a.kv_heads) * p.q_tiles <= 65535, w + "too many head tiles");
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+#define FUSEDIST_DECODE_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, s)
+  FUSEDIST_DECODE_DISPATCH(a.head_dim, a.q_dtype, a.kv_dtype, FUSEDIST_DECODE_LAUNCH);
+#undef FUSEDIST_DECODE_LAUNCH
+}
+
+int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
+  int n = 0;
+#define FUSEDIST_DECODE_OCC(D_, QT_, KVT_) n = occupancy<D_, QT_, KVT_>()
+  FUSEDIST_DECODE_DISPATCH(head_dim, q_dtype, kv_dtype, FUSEDIST_DECODE_OCC);
+#undef FUSEDIST_DECODE_OCC
+  return n;
+}
+
+}  // namespace fusedist

@@ -1,0 +1,268 @@
+"""Paged split-KV decode attention (fusedist/ops/_attention_decode.py, csrc attention/decode)
+against a float64 reference on the gathered cache: odd and mixed lengths in one batch, shuffled
+page tables with every unused page and slot NaN-poisoned (and unread block-table entries out
+of range), page sizes 16-256, head dims 64/128/256, GQA ratios 1/4/7/8/20, fp8 KV against the
+dequantized values, NaN-poisoned outputs, graph replays with new lengths and tables, bitwise
+determinism. The planner rule and the argument checks run on the CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedist.ops import _attention_decode as ad
+from tests.tolerances import GEMM_REL
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+# ---- CPU: the planner ----------------------------------------------------------------------
+def test_choose_num_splits_fills_one_wave_and_caps():
+    # batch 1, 4 kv heads, 4K tokens: 256 slabs -> 32 splits (the merge cap), 128 CTAs
+    assert ad.choose_num_splits(1, 4, 1, 4096, 132, 2) == 32
+    # short context: never fewer than 8 slabs (128 tokens) a split
+    assert ad.choose_num_splits(1, 4, 1, 512, 132, 2) == 4
+    # batch 16 x 4 heads = 64 CTAs: 4 splits fill the 264 slots of one wave
+    assert ad.choose_num_splits(16, 4, 1, 4096, 132, 2) == 4
+    # a batch that fills the GPU on its own: no split, no merge
+    assert ad.choose_num_splits(64, 4, 1, 4096, 132, 2) == 1
+    assert ad.choose_num_splits(256, 8, 1, 131072, 132, 2) == 1
+    assert ad.choose_num_splits(0, 4, 1, 0, 132, 2) == 1
+
+
+def test_plan_workspace_sized_from_the_plan():
+    p = ad.plan_decode(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132, ctas_per_sm=2)
+    assert p.num_splits == 11 and p.grid == (11, 8, 3)
+    assert tuple(p.o_partial.shape) == (3, 32, 11, 128) and p.o_partial.dtype == torch.float32
+    assert tuple(p.lse_partial.shape) == (3, 32, 11)
+    assert tuple(p.counters.shape) == (3, 8) and int(p.counters.abs().sum()) == 0
+    one = ad.plan_decode(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132, ctas_per_sm=2)
+    assert one.num_splits == 1 and one.o_partial is None
+    wide = ad.plan_decode(1, 40, 2, 64, 32, 100, device="cpu", num_splits=3)
+    assert wide.q_tiles == 2 and wide.grid == (3, 4, 1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(head_dim=96), "head_dim"),
+    (dict(q_heads=12, kv_heads=8), "multiple of kv_heads"),
+    (dict(page_size=8), "page_size"),
+    (dict(num_splits=129), "num_splits"),
+    (dict(dtype=torch.float32), "q dtype"),
+])
+def test_plan_rejects_bad_arguments(kw, match):
+    args = dict(batch=2, q_heads=16, kv_heads=4, head_dim=128, page_size=16, max_seq_len=64,
+                device="cpu", num_sms=132, ctas_per_sm=2)
+    args.update(kw)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ad.plan_decode(**args)
+
+
+# ---- GPU -----------------------------------------------------------------------------------
+class Case:
+    """A paged cache holding `lens` tokens per sequence in shuffled pages, every unused page,
+    slot and block-table entry poisoned."""
+
+    def __init__(self, lens, q_heads, kv_heads, head_dim, page_size, dtype, kv_dtype,
+                 spare_pages=7, gen=None):
+        dev = torch.device("cuda")
+        self.lens, self.B = list(lens), len(lens)
+        self.q_heads, self.kv_heads, self.D, self.P = q_heads, kv_heads, head_dim, page_size
+        self.dtype, self.kv_dtype = dtype, kv_dtype
+        pages = [math.ceil(n / page_size) for n in lens]
+        self.max_pages = max(pages + [1]) + 2
+        num_pages = sum(pages) + spare_pages
+        perm = torch.randperm(num_pages, generator=gen).tolist()
+        bt = torch.randint(2**28, 2**30, (self.B, self.max_pages), generator=gen,
+                           dtype=torch.int32)  # unread entries: far out of range
+        it = iter(perm)
+        for b, n in enumerate(pages):
+            for j in range(n):
+                bt[b, j] = next(it)
+        self.block_table = bt.to(dev)
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        fp8 = kv_dtype != dtype
+        if fp8:
+            nan8 = torch.full(shape, 0x7F, dtype=torch.uint8, device=dev).view(FP8)
+            self.k_cache, self.v_cache = nan8.clone(), nan8.clone()
+            self.k_scale = torch.full(shape[:3], float("nan"), device=dev)
+            self.v_scale = torch.full(shape[:3], float("nan"), device=dev)
+        else:
+            self.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=dev)
+            self.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=dev)
+            self.k_scale = self.v_scale = None
+        self.k_ref, self.v_ref = [], []  # float64 [len, kv_heads, D] per sequence
+        for b, n in enumerate(lens):
+            tok = torch.arange(n, device=dev)
+            pg = self.block_table[b, (tok // page_size)].long()
+            slot = tok % page_size
+            for cache, ref, scl in ((self.k_cache, self.k_ref, self.k_scale),
+                                    (self.v_cache, self.v_ref, self.v_scale)):
+                x = torch.randn((n, kv_heads, head_dim), device=dev)
+                if fp8:
+                    s = torch.rand((n, kv_heads), device=dev) * 0.02 + 0.005
+                    q8 = (x / s[..., None]).clamp(-448, 448).to(FP8)
+                    cache.view(torch.uint8)[pg, slot] = q8.view(torch.uint8)
+                    scl[pg, slot] = s
+                    ref.append(q8.float().double() * s.double()[..., None])
+                else:
+                    xc = x.to(dtype)
+                    cache[pg, slot] = xc
+                    ref.append(xc.double())
+        self.q = torch.randn((self.B, q_heads, head_dim), device=dev).to(dtype)
+        self.scale = head_dim ** -0.5
+
+    def reference(self, q=None) -> torch.Tensor:
+        q = self.q if q is None else q
+        G = self.q_heads // self.kv_heads
+        out = torch.zeros((self.B, self.q_heads, self.D), dtype=torch.float64, device=q.device)
+        for b, n in enumerate(self.lens):
+            if n <= 0:
+                continue
+            qb = q[b].double().view(self.kv_heads, G, self.D)
+            s = torch.einsum("hgd,thd->hgt", qb, self.k_ref[b]) * self.scale
+            out[b] = torch.einsum("hgt,thd->hgd", s.softmax(-1), self.v_ref[b]).reshape(
+                self.q_heads, self.D)
+        return out
+
+    def plan(self, num_splits=None, max_seq_len=None):
+        return ad.plan_decode(self.B, self.q_heads, self.kv_heads, self.D, self.P,
+                              max(self.lens) if max_seq_len is None else max_seq_len,
+                              num_splits=num_splits, dtype=self.dtype,
+                              kv_dtype=self.kv_dtype)
+
+    def run(self, plan, out=None):
+        out = torch.full_like(self.q, float("nan")) if out is None else out
+        return ad.run_decode(plan, self.q, self.k_cache, self.v_cache, self.block_table,
+                             self.seq_lens, out, self.scale, self.k_scale, self.v_scale)
+
+
+def check(case: Case, out: torch.Tensor, ref: torch.Tensor, what: str):
+    tol = GEMM_REL[case.dtype]
+    assert bool(torch.isfinite(out).all()), f"{what}: non-finite output"
+    for b, n in enumerate(case.lens):
+        if n <= 0:
+            assert int((out[b] != 0).sum()) == 0, f"{what}: seq_len {n} must give zeros"
+            continue
+        o, r = out[b].double(), ref[b]
+        err = float((o - r).norm() / r.norm())
+        assert err < tol, f"{what}: sequence {b} (len {n}) rel err {err:.3e} >= {tol}"
+
+
+CASES = [  # lens, q_heads, kv_heads, head_dim, page_size, dtype, fp8 kv
+    ([1, 17, 4095, 4097, 32769], 16, 4, 128, 16, torch.bfloat16, False),
+    ([17, 4095, 1, 300, 0], 8, 8, 64, 64, torch.float16, False),
+    ([4097, 33, 1], 14, 2, 256, 256, torch.bfloat16, False),
+    ([513, 1, 2049], 64, 8, 128, 16, torch.bfloat16, False),
+    ([999, 31], 40, 2, 128, 32, torch.float16, False),           # 20 heads: two head tiles
+    ([1, 4097, 700, 0], 32, 8, 128, 16, torch.bfloat16, True),
+    ([4095, 17], 16, 4, 64, 64, torch.float16, True),
+    ([2049, 1], 14, 2, 256, 256, torch.bfloat16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", CASES)
+def test_decode_matches_float64_reference(lens, hq, hkv, d, ps, dtype, fp8):
+    if fp8 and FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    case = Case(lens, hq, hkv, d, ps, dtype, FP8 if fp8 else dtype)
+    ref = case.reference()
+    for splits in (None, 1, 7, 128):
+        plan = case.plan(num_splits=splits)
+        out = case.run(plan)
+        torch.cuda.synchronize()
+        check(case, out, ref, f"num_splits={plan.num_splits}")
+        assert int(plan.counters.abs().sum()) == 0 if plan.counters is not None else True
+
+
+@pytest.mark.gpu
+def test_decode_bitwise_deterministic():
+    case = Case([32769, 4097, 5], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16)
+    plan = case.plan(num_splits=32)
+    a = case.run(plan)
+    b = case.run(plan)
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_graph_replays_with_new_lengths_and_tables(fp8):
+    if fp8 and FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    kvd = FP8 if fp8 else torch.bfloat16
+    gen = torch.Generator().manual_seed(1234)
+    sets = [Case(lens, 16, 4, 128, 16, torch.bfloat16, kvd, gen=gen)
+            for lens in ([4097, 1, 17, 300], [1, 5000, 64, 0], [2500, 2500, 3, 4095])]
+    # one static cache big enough for every set; each set's pages copied into it
+    num_pages = max(c.k_cache.shape[0] for c in sets)
+    max_pages = max(c.max_pages for c in sets)
+    st = sets[0]
+    k = torch.empty((num_pages,) + tuple(st.k_cache.shape[1:]), dtype=st.k_cache.dtype,
+                    device="cuda")
+    v = torch.empty_like(k)
+    ks = vs = None
+    if fp8:
+        ks = torch.empty((num_pages,) + tuple(st.k_scale.shape[1:]), device="cuda")
+        vs = torch.empty_like(ks)
+    q = torch.empty_like(st.q)
+    bt = torch.empty((4, max_pages), dtype=torch.int32, device="cuda")
+    lens = torch.empty(4, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(st.q)
+
+    def load(c):
+        k.view(torch.uint8).fill_(0x7F) if fp8 else k.fill_(float("nan"))
+        v.copy_(k)
+        k[: c.k_cache.shape[0]] = c.k_cache
+        v[: c.v_cache.shape[0]] = c.v_cache
+        if fp8:
+            ks.fill_(float("nan")), vs.fill_(float("nan"))
+            ks[: c.k_scale.shape[0]] = c.k_scale
+            vs[: c.v_scale.shape[0]] = c.v_scale
+        bt.fill_(2**30)
+        bt[:, : c.max_pages] = c.block_table
+        lens.copy_(c.seq_lens)
+        q.copy_(c.q)
+
+    plan = ad.plan_decode(4, 16, 4, 128, 16, 5000, dtype=torch.bfloat16, kv_dtype=kvd)
+    assert plan.num_splits > 1
+    load(sets[0])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
+    for c in sets + sets[:1]:
+        load(c)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(c, out, c.reference(), "graph replay")
+        replayed = out.clone()
+        out.fill_(float("nan"))
+        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
+        torch.cuda.synchronize()
+        assert torch.equal(out, replayed), "graph replay differs from eager"
+
+
+@pytest.mark.gpu
+def test_run_decode_rejects_bad_arguments():
+    case = Case([40, 3], 16, 4, 64, 16, torch.bfloat16, torch.bfloat16)
+    plan = case.plan()
+    out = torch.empty_like(case.q)
+    with pytest.raises(ValueError, match="q is non-contiguous"):
+        ad.run_decode(plan, case.q.transpose(0, 1).contiguous().transpose(0, 1), case.k_cache,
+                      case.v_cache, case.block_table, case.seq_lens, out, 1.0)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        ad.run_decode(plan, case.q, case.k_cache, case.v_cache, case.block_table.long(),
+                      case.seq_lens, out, 1.0)
+    with pytest.raises(ValueError, match="plan was made for"):
+        big = torch.zeros((3, 16, 64), dtype=torch.bfloat16, device="cuda")
+        ad.run_decode(plan, big, case.k_cache, case.v_cache, case.block_table,
+                      case.seq_lens, torch.empty_like(big), 1.0)
