@@ -2,8 +2,10 @@
 
 from .allreduce import all_reduce, all_reduce_
 from .allreduce_rmsnorm import all_reduce_add_rmsnorm, rmsnorm_reference
+from .attention import DecodePlan, decode, decode_plan, prefill, rope_append, rope_cos_sin
 from .gemm import gemm
 from .gemm_comm import ag_gemm, gemm_ar, gemm_rs
 
 __all__ = ["all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "rmsnorm_reference",
-           "gemm", "ag_gemm", "gemm_rs", "gemm_ar"]
+           "gemm", "ag_gemm", "gemm_rs", "gemm_ar",
+           "rope_cos_sin", "rope_append", "DecodePlan", "decode_plan", "decode", "prefill"]

@@ -1,0 +1,189 @@
+"""TPAttention: one tensor-parallel attention layer over a paged KV cache.
+
+    attn = TPAttention(hidden, num_heads, num_kv_heads, rope_scaling=cfg.rope_scaling)
+    attn.load_full(q_w, k_w, v_w, o_w)               # full HF-layout weights
+    y = attn(x, positions, cache, layer, meta)        # [T, hidden], all-reduced
+    part = attn(x, positions, cache, layer, meta, reduce=False)  # this rank's partial o_proj
+
+Sharding over the tensor-parallel group of size W (Megatron / vLLM):
+  q heads      rank r owns heads [r H/W, (r+1) H/W) (H % W == 0).
+  kv heads     Hkv >= W: rank r owns [r Hkv/W, (r+1) Hkv/W) (Hkv % W == 0); Hkv < W: each kv head
+               is replicated on W / Hkv consecutive ranks (W % Hkv == 0), rank r holds kv head
+               r // (W / Hkv), the one its q heads read.
+  qkv          one column-parallel [q_r | k_r | v_r] weight [(H/W + 2 Hkv_r) D, hidden] (and
+               bias): x is replicated, the GEMM needs no communication.
+  o_proj       row-parallel [hidden, H/W D] (columns of this rank's q heads): reduce=True
+               all-reduces through fusedist.gemm_ar; reduce=False returns the partial product so
+               the caller fuses the all-reduce with residual + RMSNorm. At W = 1 there is no
+               communication at all.
+The cache passed in holds this rank's kv heads (Hkv_r of them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..communicator import Communicator, GroupLike, get_communicator, resolve_group
+from ..ops.attention import DecodePlan, decode, prefill, rope_append, rope_cos_sin
+from ..ops.gemm_comm import gemm_ar
+from ..runtime import is_initialized
+from .kv_cache import PagedKVCache
+
+MODES = ("decode", "prefill")
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer, built by the runner outside CUDA graphs; the
+    tensors are static buffers so a captured graph replays with new values.
+    decode:  one token per sequence (T == batch), plan from fusedist.ops.decode_plan.
+    prefill: cu_seqlens_q int32/int64 [batch + 1] splits the T tokens into sequences."""
+    mode: str
+    block_table: torch.Tensor               # int32 [batch, max_pages]
+    seq_lens: torch.Tensor                  # int32 [batch], including this step's tokens
+    slot_mapping: torch.Tensor              # int64 [T]
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    max_q_len: Optional[int] = None
+    plan: Optional[DecodePlan] = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"AttentionMetadata: mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "prefill" and self.cu_seqlens_q is None:
+            raise ValueError("AttentionMetadata: prefill needs cu_seqlens_q (int [batch + 1])")
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"TPAttention: num_kv_heads={num_kv_heads} is not divisible by the "
+                             f"tensor-parallel size {tp_size}")
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads:
+        raise ValueError(f"TPAttention: tensor-parallel size {tp_size} is not a multiple of "
+                         f"num_kv_heads={num_kv_heads}; kv heads cannot be replicated evenly")
+    return 1
+
+
+def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """[first, last) of the kv heads rank tp_rank holds."""
+    n = kv_heads_per_rank(num_kv_heads, tp_size)
+    first = tp_rank * n if num_kv_heads >= tp_size else tp_rank // (tp_size // num_kv_heads)
+    return first, first + n
+
+
+class TPAttention(torch.nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: Optional[int] = None, *, qkv_bias: bool = False,
+                 rope_base: float = 10000.0, rope_scaling: Optional[dict] = None,
+                 max_position: int = 8192, rope_style: str = "neox", group: GroupLike = None,
+                 dtype=None, device=None, rotary_dim: Optional[int] = None,
+                 softmax_scale: Optional[float] = None):
+        super().__init__()
+        self.comm = None
+        if group is not None or is_initialized():
+            g = group.group if isinstance(group, Communicator) else resolve_group(group)
+            self.tp_size, self.tp_rank = g.size, g.rank
+            if self.tp_size > 1:
+                self.comm = get_communicator(group)
+            default_device = g.device
+        else:   # no fusedist.init(): a single-process layer
+            self.tp_size, self.tp_rank, default_device = 1, 0, torch.device("cpu")
+        device = torch.device(device) if device is not None else default_device
+        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        if num_heads % self.tp_size:
+            raise ValueError(f"TPAttention: num_heads={num_heads} is not divisible by the "
+                             f"tensor-parallel size {self.tp_size}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"TPAttention: num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if rope_style not in ("neox", "gptj"):
+            raise ValueError(f"TPAttention: rope_style must be 'neox' or 'gptj', got "
+                             f"{rope_style!r}")
+        self.hidden_size, self.num_heads, self.num_kv_heads = hidden_size, num_heads, num_kv_heads
+        self.head_dim, self.rope_style = head_dim, rope_style
+        self.q_heads = num_heads // self.tp_size                 # per rank
+        self.kv_heads = kv_heads_per_rank(num_kv_heads, self.tp_size)
+        self.kv_first = kv_head_range(num_kv_heads, self.tp_size, self.tp_rank)[0]
+        self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        rows = (self.q_heads + 2 * self.kv_heads) * head_dim
+        p = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=dtype, device=device),  # noqa
+                                          requires_grad=False)
+        self.qkv_weight = p(rows, hidden_size)
+        self.qkv_bias = p(rows) if qkv_bias else None
+        self.o_weight = p(hidden_size, self.q_heads * head_dim)
+        self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_position, rope_base,
+                                                     rope_scaling, device=device,
+                                                     rotary_dim=rotary_dim), persistent=False)
+
+    @torch.no_grad()
+    def load_full(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+        """Full HF-layout weights: q_w [H D, hidden], k_w / v_w [Hkv D, hidden], o_w
+        [hidden, H D]; takes this rank's shard."""
+        D, hid = self.head_dim, self.hidden_size
+        for name, w, want in (("q_w", q_w, (self.num_heads * D, hid)),
+                              ("k_w", k_w, (self.num_kv_heads * D, hid)),
+                              ("v_w", v_w, (self.num_kv_heads * D, hid)),
+                              ("o_w", o_w, (hid, self.num_heads * D))):
+            if tuple(w.shape) != want:
+                raise ValueError(f"TPAttention.load_full: {name} must be {list(want)}, got "
+                                 f"{list(w.shape)}")
+        if (self.qkv_bias is not None) != (q_b is not None):
+            raise ValueError("TPAttention.load_full: pass q_b, k_b, v_b exactly when the module "
+                             "was built with qkv_bias=True")
+        qs = slice(self.tp_rank * self.q_heads * D, (self.tp_rank + 1) * self.q_heads * D)
+        ks = slice(self.kv_first * D, (self.kv_first + self.kv_heads) * D)
+        self.qkv_weight.copy_(torch.cat([q_w[qs], k_w[ks], v_w[ks]]))
+        if self.qkv_bias is not None:
+            self.qkv_bias.copy_(torch.cat([q_b[qs], k_b[ks], v_b[ks]]))
+        self.o_weight.copy_(o_w[:, qs])
+        return self
+
+    def make_cache(self, num_layers: int, num_pages: int, page_size: int = 16,
+                   kv_dtype: Optional[torch.dtype] = None) -> PagedKVCache:
+        """A cache for this rank's kv heads."""
+        return PagedKVCache(num_layers, self.kv_heads, self.head_dim, num_pages, page_size,
+                            self.qkv_weight.dtype, self.qkv_weight.device, kv_dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, layer: int,
+                meta: AttentionMetadata, *, reduce: bool = True) -> torch.Tensor:
+        T = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"TPAttention: x must be [tokens, {self.hidden_size}], got "
+                             f"{tuple(x.shape)}")
+        if cache.kv_heads != self.kv_heads or cache.head_dim != self.head_dim:
+            raise ValueError(f"TPAttention: the cache holds {cache.kv_heads} kv heads of "
+                             f"{cache.head_dim}; this rank needs {self.kv_heads} of "
+                             f"{self.head_dim} (TPAttention.make_cache builds one)")
+        D, hq, hk = self.head_dim, self.q_heads, self.kv_heads
+        if self.qkv_bias is not None:
+            qkv = torch.addmm(self.qkv_bias, x, self.qkv_weight.t())
+        else:
+            qkv = x @ self.qkv_weight.t()
+        q = qkv[:, :hq * D].view(T, hq, D)
+        k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
+        v = qkv[:, (hq + hk) * D:].view(T, hk, D)
+        k_cache, v_cache, k_scale, v_scale = cache.layer(layer)
+        rope_append(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                    style=self.rope_style, k_scale=k_scale, v_scale=v_scale)
+        if meta.mode == "decode":
+            o = decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.plan,
+                       scale=self.scale, k_scale=k_scale, v_scale=v_scale)
+        else:
+            o = prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                        scale=self.scale, max_q_len=meta.max_q_len, k_scale=k_scale,
+                        v_scale=v_scale)
+        o = o.reshape(T, hq * D)
+        if self.tp_size == 1 or not reduce or T == 0:
+            return o @ self.o_weight.t()   # T == 0 on every rank alike: nothing to reduce
+        return gemm_ar(o, self.o_weight.t(), group=self.comm)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads} "
+                f"(per rank {self.q_heads}/{self.kv_heads}), head_dim={self.head_dim}, "
+                f"tp={self.tp_size}, rope={self.rope_style}")

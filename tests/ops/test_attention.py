@@ -1,0 +1,534 @@
+"""fusedist.ops.attention: rope_cos_sin / rope_append / decode / prefill against float64
+references built from the unpaged K/V (so page indexing is tested too), over shuffled page
+tables whose unused pages, unused slots and unused table entries are NaN-poisoned. CPU cases run
+everywhere; the same cases run on CUDA under the gpu marker (the kernels, or the torch paths
+where no kernel applies)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tolerances import GEMM_REL, count_bad  # noqa: E402
+
+import fusedist  # noqa: E402
+from fusedist.ops import attention as A  # noqa: E402
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _gen(device) -> torch.Generator:
+    """A generator with a fresh seed: new inputs on every run (the seed is in failures)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int(torch.randint(1 << 30, ())))
+    return g
+
+
+def _randn(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# paged caches from contiguous per-sequence K/V
+# ------------------------------------------------------------------------------------------------
+
+def _quant(x):
+    """float64 -> (e4m3, float32 scale) per token-head; returns also the dequantized float64."""
+    q, s = A.quantize_fp8_reference(x)
+    return q, s, q.double() * s.double()[..., None]
+
+
+def build_paged(ks, vs, page_size, cache_dtype, device, gen, spare_pages=3, width_extra=2):
+    """Scatter sequences' K/V ([L, H, D] float tensors) into shuffled pages of a NaN-poisoned
+    cache. Returns (k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, k_ref, v_ref):
+    k_ref/v_ref are float64 per sequence, the values the cache represents (dequantized for
+    FP8). The table's entries past each sequence's pages point at random (poisoned) pages."""
+    H, D = ks[0].shape[1], ks[0].shape[2]
+    need = [-(-k.shape[0] // page_size) for k in ks]
+    total = sum(need) + spare_pages
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(
+        int(torch.randint(1 << 30, ()))))
+    fp8 = FP8 is not None and cache_dtype == FP8
+    kc = torch.full((total, page_size, H, D), float("nan"), device=device).to(cache_dtype)
+    vc = torch.full_like(kc, float("nan"))
+    ksc = torch.full((total, page_size, H), float("nan"), device=device) if fp8 else None
+    vsc = torch.full_like(ksc, float("nan")) if fp8 else None
+    width = max(need) + width_extra
+    bt = torch.randint(0, total, (len(ks), width), generator=torch.Generator().manual_seed(7),
+                       dtype=torch.int32)
+    k_ref, v_ref = [], []
+    at = 0
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        L = k.shape[0]
+        pages = perm[at:at + need[b]]
+        at += need[b]
+        bt[b, :need[b]] = pages.to(torch.int32)
+        slots = (pages.repeat_interleave(page_size) * page_size +
+                 torch.arange(page_size).repeat(need[b]))[:L].to(device)
+        refs = []
+        for src, cache, sc in ((k, kc, ksc), (v, vc, vsc)):
+            if fp8:
+                qv, s, deq = _quant(src.to(device))
+                cache.view(-1, H, D)[slots] = qv
+                sc.view(-1, H)[slots] = s
+                refs.append(deq)
+            else:
+                cache.view(-1, H, D)[slots] = src.to(device).to(cache_dtype)
+                refs.append(src.to(device).to(cache_dtype).double())
+        k_ref.append(refs[0])
+        v_ref.append(refs[1])
+    seq_lens = torch.tensor([k.shape[0] for k in ks], dtype=torch.int32, device=device)
+    return kc, vc, ksc, vsc, bt.to(device), seq_lens, k_ref, v_ref
+
+
+def bad_rows(out, ref, dtype) -> int:
+    """Head vectors [.., D] of out whose relative L2 error exceeds GEMM_REL[dtype] (or that hold
+    a non-finite value). For paths that round the softmax probabilities to the input dtype
+    before P @ V (flash-style kernels, SDPA), whose error is relative to a row's magnitude, not
+    to each element (as in a GEMM's sums of products)."""
+    o, r = out.double().flatten(0, -2), ref.double().flatten(0, -2)
+    err = (o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)
+    ok = (err <= GEMM_REL[dtype]) & torch.isfinite(o).all(-1)
+    return int((~ok).sum())
+
+
+def count_wrong(out, ref, dtype, exact_path: bool) -> int:
+    """fp32-accumulating reference paths: elementwise TOL (one rounding of the output);
+    kernels and SDPA: bad_rows."""
+    return count_bad(out, ref, dtype) if exact_path else bad_rows(out, ref, dtype)
+
+
+def naive_attention(q, k, v, scale, offset):
+    """float64: q [n, Hq, D], k/v [L, Hkv, D]; query i sees keys [0, offset + i]."""
+    n, Hq, D = q.shape
+    L, Hkv, _ = k.shape
+    if L == 0:
+        return torch.zeros(n, Hq, D, dtype=torch.float64, device=q.device)
+    rep = Hq // Hkv
+    kk = k.double().repeat_interleave(rep, dim=1)
+    vv = v.double().repeat_interleave(rep, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), kk) * scale
+    allowed = torch.arange(L, device=q.device)[None, :] <= \
+        (offset + torch.arange(n, device=q.device))[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), vv)
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+
+def test_rope_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for base, D, scaling in ((500000.0, 128, LLAMA3), (10000.0, 64, dict(LLAMA3, factor=32.0,
+                                                                      high_freq_factor=2.0)),
+                             (10000.0, 128, {"rope_type": "linear", "factor": 4.0})):
+        cfg = LlamaConfig(hidden_size=D * 4, num_attention_heads=4, head_dim=D,
+                          rope_theta=base, rope_scaling=dict(scaling),
+                          max_position_embeddings=131072)
+        hf, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+        ours = A.rope_inv_freq(D, base, scaling)
+        assert torch.allclose(ours, hf.double(), rtol=1e-6, atol=0), (scaling, ours - hf)
+
+
+def _rope64(x, pos, inv, style):
+    """float64 rotation as complex multiplication, independent of the op's formulation."""
+    x = x.double()
+    D = x.shape[-1]
+    rd = 2 * inv.numel()
+    ang = pos.double()[:, None] * inv.double()[None, :]           # [T, rd/2]
+    rot = torch.polar(torch.ones_like(ang), ang)[:, None, :]
+    r = x[..., :rd]
+    if style == "neox":
+        z = torch.complex(r[..., :rd // 2], r[..., rd // 2:]) * rot
+        out = torch.cat([z.real, z.imag], -1)
+    else:
+        z = torch.complex(r[..., 0::2], r[..., 1::2]) * rot
+        out = torch.stack([z.real, z.imag], -1).flatten(-2)
+    return torch.cat([out, x[..., rd:]], -1) if rd < D else out
+
+
+def test_rope_cos_sin_layout():
+    cs = A.rope_cos_sin(64, 1000, 10000.0, LLAMA3)
+    inv = A.rope_inv_freq(64, 10000.0, LLAMA3)
+    assert cs.shape == (1000, 64) and cs.dtype == torch.float32
+    ang = torch.arange(1000, dtype=torch.float64)[:, None] * inv
+    assert torch.allclose(cs[:, :32].double(), ang.cos(), atol=1e-7)
+    assert torch.allclose(cs[:, 32:].double(), ang.sin(), atol=1e-7)
+
+
+def _rope_case(device, T, Hq, Hkv, D, style, scaling, dtype, cache_dtype, page_size, gen,
+               rotary_dim=None, positions_dtype=torch.int64, pad_tokens=0, strided=False):
+    max_pos = 9000
+    cs = A.rope_cos_sin(D, max_pos, 500000.0, scaling, device=device, rotary_dim=rotary_dim)
+    inv = A.rope_inv_freq(rotary_dim or D, 500000.0, scaling)
+    if strided:   # q, k, v as slices of one fused [T, (Hq + 2 Hkv) D] projection output
+        qkv = _randn((T, (Hq + 2 * Hkv) * D), dtype, device, gen)
+        q = qkv[:, :Hq * D].view(T, Hq, D)
+        k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    else:
+        q = _randn((T, Hq, D), dtype, device, gen)
+        k = _randn((T, Hkv, D), dtype, device, gen)
+        v = _randn((T, Hkv, D), dtype, device, gen)
+    pos = torch.randint(0, max_pos, (T,), generator=gen, device=device).to(positions_dtype)
+    num_pages = -(-T // page_size) + 2
+    perm = torch.randperm(num_pages * page_size, generator=gen, device=device)
+    slots = perm[:T].clone()
+    if pad_tokens:
+        slots[-pad_tokens:] = -1
+    kc = torch.full((num_pages, page_size, Hkv, D), float("nan"), device=device).to(cache_dtype)
+    vc = torch.full_like(kc, float("nan"))
+    fp8 = FP8 is not None and cache_dtype == FP8
+    ksc = torch.full((num_pages, page_size, Hkv), float("nan"), device=device) if fp8 else None
+    vsc = torch.full_like(ksc, float("nan")) if fp8 else None
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    A.rope_append(q, k, v, pos, cs, kc, vc, slots, style=style, k_scale=ksc, v_scale=vsc)
+    what = f"T={T} {Hq}/{Hkv}x{D} {style} {scaling and scaling['rope_type']} {dtype} {cache_dtype}"
+    q_ref = _rope64(q0, pos.cpu(), inv, style).to(device)
+    k_ref = _rope64(k0, pos.cpu(), inv, style).to(device)
+    assert count_bad(q, q_ref, dtype) == 0, f"{what}: q has {count_bad(q, q_ref, dtype)} bad"
+    assert count_bad(k, k_ref, dtype) == 0, f"{what}: k has {count_bad(k, k_ref, dtype)} bad"
+    assert torch.equal(v, v0), f"{what}: v changed"
+    live = slots >= 0
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool, device=device)
+    written[slots[live]] = True
+    fk, fv = kc.view(-1, Hkv, D), vc.view(-1, Hkv, D)
+    untouched = fk[~written].float()
+    assert bool(untouched.isnan().all()) and bool(fv[~written].float().isnan().all()), \
+        f"{what}: slots outside slot_mapping were written"
+    if fp8:
+        assert bool(ksc.view(-1, Hkv)[~written].isnan().all()), f"{what}: stray scale writes"
+        for cache, sc, src in ((fk, ksc, k), (fv, vsc, v)):
+            ref = src[live].double()
+            s = sc.view(-1, Hkv)[slots[live]]
+            exp = ref.abs().amax(-1) / 448.0
+            assert torch.allclose(s.double(), exp, rtol=1e-6, atol=0), f"{what}: fp8 scales"
+            deq = cache[slots[live]].double() * s.double()[..., None]
+            # e4m3 keeps 3 mantissa bits: half a step is 2^-4 relative; subnormals step
+            # 2^-9 * 448 * scale / 448 absolute.
+            ok = (deq - ref).abs() <= 0.0625 * ref.abs() + s.double()[..., None] * 2**-6
+            assert bool(ok.all()), f"{what}: {int((~ok).sum())} fp8 cache elements off"
+    else:
+        assert torch.equal(fk[slots[live]], k[live]), f"{what}: k cache != rotated k"
+        assert torch.equal(fv[slots[live]], v[live]), f"{what}: v cache != v"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+def test_rope_append(device, style, scaling):
+    gen = _gen(device)
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if device == "cpu" else ())
+    for dtype in dtypes:
+        for T, Hq, Hkv, D, ps in ((1, 32, 8, 128, 16), (19, 28, 4, 64, 64), (99, 8, 8, 256, 16),
+                                  (7, 14, 2, 128, 256)):
+            _rope_case(device, T, Hq, Hkv, D, style, scaling, dtype, dtype, ps, gen)
+    # partial rotary, int32 positions, padding tokens (slot -1), a strided fused-QKV input
+    _rope_case(device, 33, 8, 2, 128, style, scaling, torch.bfloat16, torch.bfloat16, 16, gen,
+               rotary_dim=64, positions_dtype=torch.int32, pad_tokens=5)
+    _rope_case(device, 17, 16, 4, 128, style, scaling, torch.bfloat16, torch.bfloat16, 16, gen,
+               strided=True)
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_append_fp8(device):
+    gen = _gen(device)
+    for style in ("neox", "gptj"):
+        for dtype in (torch.bfloat16, torch.float16):
+            for T, Hq, Hkv, D, ps in ((1, 32, 8, 128, 16), (37, 8, 1, 64, 64),
+                                      (5, 16, 8, 256, 16)):
+                _rope_case(device, T, Hq, Hkv, D, style, LLAMA3, dtype, FP8, ps, gen,
+                           pad_tokens=1 if T > 1 else 0)
+
+
+def test_rope_append_bad_inputs():
+    q = torch.zeros(3, 4, 64)
+    k = torch.zeros(3, 2, 64)
+    cs = A.rope_cos_sin(64, 100)
+    kc = torch.zeros(4, 16, 2, 64)
+    pos = torch.zeros(3, dtype=torch.int64)
+    slots = torch.zeros(3, dtype=torch.int64)
+    cases = (
+        (dict(style="rotate"), "style must be"),
+        (dict(slot_mapping=slots.int()), "slot_mapping must be int64"),
+        (dict(positions=pos[:2]), "positions must be"),
+        (dict(cos_sin=cs.double()), "cos_sin must be"),
+        (dict(k_cache=torch.zeros(4, 16, 3, 64)), "v_cache"),
+        (dict(k_cache=torch.zeros(4, 16, 3, 64), v_cache=torch.zeros(4, 16, 3, 64)),
+         "does not fit the cache"),
+    )
+    for kw, match in cases:
+        args = dict(q=q, k=k, v=k.clone(), positions=pos, cos_sin=cs, k_cache=kc,
+                    v_cache=kc.clone(), slot_mapping=slots)
+        style = kw.pop("style", "neox")
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            A.rope_append(**args, style=style)
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+# ------------------------------------------------------------------------------------------------
+
+def _decode_case(device, lens, Hq, Hkv, D, ps, dtype, cache_dtype, gen, plan=True):
+    ks = [_randn((L, Hkv, D), torch.float32, device, gen) for L in lens]
+    vs = [_randn((L, Hkv, D), torch.float32, device, gen) for L in lens]
+    kc, vc, ksc, vsc, bt, sl, k_ref, v_ref = build_paged(ks, vs, ps, cache_dtype, device, gen)
+    B = len(lens)
+    q = _randn((B, Hq, D), dtype, device, gen)
+    out = torch.full_like(q, float("nan"))
+    p = A.decode_plan(B, Hq, Hkv, D, ps, max(lens), device, dtype, cache_dtype) if plan else None
+    scale = 1 / math.sqrt(D)
+    got = A.decode(q, kc, vc, bt, sl, p, out=out, k_scale=ksc, v_scale=vsc)
+    assert got is out
+    ref = torch.stack([naive_attention(q[b:b + 1], k_ref[b], v_ref[b], scale, lens[b] - 1)[0]
+                       for b in range(B)])
+    bad = count_wrong(out, ref, dtype, p is None and device == "cpu" or
+                      (p is not None and p.backend == "reference"))
+    assert bad == 0, (f"decode lens={lens} {Hq}/{Hkv}x{D} ps={ps} {dtype}/{cache_dtype}: "
+                      f"{bad} of {out.numel()} wrong (backend {p.backend if p else 'none'})")
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_decode_page_sizes_mixed_lengths(device, page_size):
+    gen = _gen(device)
+    for dtype in (torch.bfloat16, torch.float16):
+        _decode_case(device, [1, 17, 300, 4097, 255, 256, 257], 32, 8, 128, page_size, dtype,
+                     dtype, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("gqa", [1, 4, 7, 8])
+def test_decode_head_dims_gqa(device, head_dim, gqa):
+    gen = _gen(device)
+    Hkv = 2
+    _decode_case(device, [33, 1, 129, 1000], gqa * Hkv, Hkv, head_dim, 16, torch.bfloat16,
+                 torch.bfloat16, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_long_contexts(device):
+    gen = _gen(device)
+    _decode_case(device, [4095, 32769, 1], 4, 1, 64, 64, torch.bfloat16, torch.bfloat16, gen)
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_fp8(device):
+    gen = _gen(device)
+    for dtype in (torch.bfloat16, torch.float16):
+        for Hq, Hkv, D, ps in ((32, 8, 128, 16), (28, 4, 64, 64), (8, 1, 256, 256)):
+            _decode_case(device, [1, 17, 700, 2049], Hq, Hkv, D, ps, dtype, FP8, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_zero_length_and_no_plan(device):
+    gen = _gen(device)
+    ks = [_randn((L, 2, 64), torch.float32, device, gen) for L in (0, 5)]
+    vs = [_randn((L, 2, 64), torch.float32, device, gen) for L in (0, 5)]
+    kc, vc, _, _, bt, sl, k_ref, v_ref = build_paged(ks, vs, 16, torch.bfloat16, device, gen)
+    q = _randn((2, 8, 64), torch.bfloat16, device, gen)
+    out = A.decode(q, kc, vc, bt, sl)
+    assert bool((out[0] == 0).all()), "a sequence of length 0 must give zeros"
+    ref = naive_attention(q[1:], k_ref[1], v_ref[1], 1 / 8, 4)
+    assert count_wrong(out[1:], ref, torch.bfloat16, device == "cpu") == 0
+
+
+def test_decode_bad_inputs():
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
+    bt = torch.zeros(3, 2, dtype=torch.int32)
+    sl = torch.ones(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        A.decode(q, kc, kc, bt.long(), sl)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        A.decode(q, kc, kc, bt, sl[:2])
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        A.decode(torch.zeros(3, 7, 64, dtype=torch.bfloat16), kc, kc, bt, sl)
+    with pytest.raises(ValueError, match="q's dtype"):
+        A.decode(q.half(), kc, kc, bt, sl)
+    with pytest.raises(ValueError, match="does not fit this call"):
+        A.decode(q, kc, kc, bt, sl, A.decode_plan(3, 8, 2, 128, 16, 64))
+    if FP8 is not None:
+        with pytest.raises(ValueError, match="needs k_scale"):
+            A.decode(q, kc.to(FP8), kc.to(FP8), bt, sl)
+
+
+# ------------------------------------------------------------------------------------------------
+# prefill
+# ------------------------------------------------------------------------------------------------
+
+def _prefill_case(device, chunks, Hq, Hkv, D, ps, dtype, cache_dtype, backend, gen):
+    """chunks: (new tokens n, cached tokens L incl. the new ones) per sequence."""
+    ks = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
+    vs = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
+    kc, vc, ksc, vsc, bt, sl, k_ref, v_ref = build_paged(ks, vs, ps, cache_dtype, device, gen)
+    ns = [n for n, _ in chunks]
+    cu = torch.tensor([0] + list(torch.tensor(ns).cumsum(0)), dtype=torch.int32, device=device)
+    T = sum(ns)
+    q = _randn((T, Hq, D), dtype, device, gen)
+    out = torch.full_like(q, float("nan"))
+    A.prefill(q, kc, vc, bt, sl, cu, out=out, max_q_len=max(ns), k_scale=ksc, v_scale=vsc,
+              backend=backend)
+    scale = 1 / math.sqrt(D)
+    refs = [naive_attention(q[int(cu[b]):int(cu[b + 1])], k_ref[b], v_ref[b], scale, L - n)
+            for b, (n, L) in enumerate(chunks)]
+    ref = torch.cat(refs)
+    exact = backend == "reference" or (backend == "auto" and device == "cpu")
+    bad = count_wrong(out, ref, dtype, exact)
+    assert bad == 0, (f"prefill {chunks} {Hq}/{Hkv}x{D} ps={ps} {dtype}/{cache_dtype} "
+                      f"{backend}: {bad} of {out.numel()} wrong")
+
+
+MIXED = [(37, 37), (5, 300), (1, 17), (0, 20), (64, 164), (129, 129)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_prefill_mixed_chunks(device, backend):
+    gen = _gen(device)
+    for dtype in (torch.bfloat16, torch.float16):
+        for Hq, Hkv, D, ps in ((32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256)):
+            _prefill_case(device, MIXED, Hq, Hkv, D, ps, dtype, dtype, backend, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_long_odd(device):
+    gen = _gen(device)
+    _prefill_case(device, [(4097, 4097), (100, 4095)], 4, 1, 64, 16, torch.bfloat16,
+                  torch.bfloat16, "auto", gen)
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_fp8(device):
+    gen = _gen(device)
+    for backend in ("reference", "sdpa"):
+        _prefill_case(device, MIXED, 16, 4, 128, 16, torch.bfloat16, FP8, backend, gen)
+
+
+def test_prefill_bad_inputs():
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    sl = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="rise from 0"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="append first"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 4, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="backend must be"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32), backend="x")
+
+
+# ------------------------------------------------------------------------------------------------
+# the torch.library ops under torch.compile and CUDA graphs
+# ------------------------------------------------------------------------------------------------
+
+def _step_inputs(device, gen, dtype=torch.bfloat16):
+    B, Hq, Hkv, D, ps = 3, 8, 2, 64, 16
+    lens = [5, 40, 17]
+    num_pages = 16
+    kc = _randn((num_pages, ps, Hkv, D), dtype, device, gen)
+    vc = _randn((num_pages, ps, Hkv, D), dtype, device, gen)
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(3))
+    bt = perm[:B * 4].view(B, 4).to(torch.int32).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    pos = (sl - 1).long()
+    slots = bt.long()[torch.arange(B, device=device), pos // ps] * ps + pos % ps
+    q = _randn((B, Hq, D), dtype, device, gen)
+    k = _randn((B, Hkv, D), dtype, device, gen)
+    v = _randn((B, Hkv, D), dtype, device, gen)
+    cs = A.rope_cos_sin(D, 128, device=device)
+    return q, k, v, pos, cs, kc, vc, slots, bt, sl
+
+
+def _step(q, k, v, pos, cs, kc, vc, slots, bt, sl, plan):
+    A.rope_append(q, k, v, pos, cs, kc, vc, slots)
+    return A.decode(q, kc, vc, bt, sl, plan)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_ops_under_torch_compile(backend):
+    gen = _gen("cpu")
+    args = _step_inputs("cpu", gen)
+    plan = A.decode_plan(3, 8, 2, 64, 16, 64)
+    eager_args = [a.clone() for a in args]
+    want = _step(*eager_args, plan)
+    torch._dynamo.reset()
+    fn = torch.compile(_step, backend=backend, fullgraph=True)
+    got = fn(*args, plan)
+    assert torch.equal(got, want)
+    for a, b in zip(args, eager_args):
+        assert torch.equal(a, b), "in-place effects differ under torch.compile"
+    # prefill through the compiled op as well
+    q, k, v, pos, cs, kc, vc, slots, bt, sl = args
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    pf = torch.compile(lambda *a: A.prefill(*a), backend=backend, fullgraph=True)
+    assert torch.equal(pf(q, kc, vc, bt, sl, cu), A.prefill(q, kc, vc, bt, sl, cu))
+
+
+def test_ops_registered():
+    for name in ("rope_append", "attention_decode", "attention_prefill"):
+        assert hasattr(torch.ops.fusedist, name), name
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_replay_new_lengths():
+    """One capture, replays with new lengths and block tables; equals eager bitwise."""
+    gen = _gen("cuda")
+    q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
+    plan = A.decode_plan(3, 8, 2, 64, 16, 64, "cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    A.decode(q, kc, vc, bt, sl, plan, out=out)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.decode(q, kc, vc, bt, sl, plan, out=out)
+    for lens in ([1, 64, 33], [64, 2, 9], [17, 17, 17]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        bt.copy_(torch.randperm(16, generator=torch.Generator().manual_seed(lens[0]))[:12]
+                 .view(3, 4).to(torch.int32))
+        q.copy_(_randn(q.shape, q.dtype, "cuda", gen))
+        out.fill_(float("nan"))
+        g.replay()
+        eager = A.decode(q, kc, vc, bt, sl, plan)
+        assert torch.equal(out, eager), f"graph != eager at lens {lens}"
+
+
+@pytest.mark.gpu
+def test_rope_append_cuda_graph():
+    gen = _gen("cuda")
+    q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
+    sq, sk, sv = q.clone(), k.clone(), v.clone()
+    g = torch.cuda.CUDAGraph()
+    A.rope_append(sq.clone(), sk.clone(), sv, pos, cs, kc.clone(), vc.clone(), slots)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        A.rope_append(sq, sk, sv, pos, cs, kc, vc, slots)
+    for _ in range(2):
+        q0 = _randn(q.shape, q.dtype, "cuda", gen)
+        k0 = _randn(k.shape, k.dtype, "cuda", gen)
+        sq.copy_(q0)
+        sk.copy_(k0)
+        pos.copy_(torch.randint(0, 128, pos.shape, generator=gen, device="cuda"))
+        g.replay()
+        eq, ek, kc2, vc2 = q0.clone(), k0.clone(), kc.clone(), vc.clone()
+        A.rope_append_reference(eq, ek, sv, pos, cs, kc2, vc2, slots)
+        assert count_bad(sq, eq.float(), torch.bfloat16) == 0
+        assert count_bad(sk, ek.float(), torch.bfloat16) == 0
