@@ -358,19 +358,21 @@ class Runner:
                 torch.cuda.synchronize(self.device)
         out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
         kernels = {}
+        cuda = self.device.type == "cuda"
         for e in prof.events():
-            cuda = self.device.type == "cuda"
-            dt = getattr(e, "device_type", None)
-            on_dev = dt is not None and "CUDA" in str(dt)
-            if cuda and not on_dev:
-                continue
-            if not cuda and (e.cpu_parent is not None or not e.name.startswith("aten::")):
-                continue
-            us = (e.device_time if cuda else e.cpu_time) if hasattr(e, "device_time") else \
-                (e.cuda_time if cuda else e.cpu_time)
+            on_dev = "CUDA" in str(getattr(e, "device_type", ""))
+            if cuda:
+                if not on_dev:
+                    continue
+                us = float(getattr(e, "device_time_total", 0.0) or
+                           getattr(e, "cuda_time_total", 0.0))
+            else:
+                if e.cpu_parent is not None or not e.name.startswith("aten::"):
+                    continue
+                us = float(e.cpu_time_total)
             k = classify_kernel(e.name)
             out[k] += us
-            kernels[e.name] = kernels.get(e.name, 0.0) + us
+            kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us
         out["total"] = sum(out.values())
         out["top"] = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
         return out

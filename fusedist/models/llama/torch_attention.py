@@ -97,8 +97,11 @@ class TorchAttention(torch.nn.Module):
             vc[rows, :, positions] = v
             S = kc.shape[2]
             mask = torch.arange(S, device=x.device)[None, :] < meta.seq_lens[:, None].long()
-            o = F.scaled_dot_product_attention(q[:, :, None], kc[:T], vc[:T],
-                                               attn_mask=mask[:, None, None, :], enable_gqa=True)
+            # The G = H / KH query heads of a kv head as G query rows against its cache: SDPA
+            # then reads each K/V row once (enable_gqa with a mask would copy the cache).
+            G = H // KH
+            o = F.scaled_dot_product_attention(q.view(T, KH, G, D), kc[:T], vc[:T],
+                                               attn_mask=mask[:, None, None, :])
             o = o.reshape(T, H * D)
         else:
             o = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
@@ -112,9 +115,11 @@ class TorchAttention(torch.nn.Module):
                 vc[row, :, p0:L] = v[s:e].transpose(0, 1)
                 i = torch.arange(e - s, device=x.device)[:, None]
                 mask = torch.arange(L, device=x.device)[None, :] <= p0 + i
-                oj = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1)[None], kc[row:row + 1, :, :L], vc[row:row + 1, :, :L],
-                    attn_mask=mask[None, None], enable_gqa=True)
+                G = H // KH
+                kk = kc[row, :, :L].repeat_interleave(G, dim=0)[None]
+                vv = vc[row, :, :L].repeat_interleave(G, dim=0)[None]
+                oj = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kk, vv,
+                                                    attn_mask=mask[None, None])
                 o[s:e] = oj[0].transpose(0, 1)
             o = o.reshape(T, H * D)
         return F.linear(o, self.wo)
