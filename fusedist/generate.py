@@ -212,6 +212,7 @@ def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
            "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
            "prefill_tflops_per_gpu": round(flops / rt.tp.size / (res.prefill_ms / 1e3) / 1e12, 2),
            "kv_cache_gib": round(runner.kv_bytes / 2**30, 3)}
+    out["step_ms"] = round(runner.time_step(len(prompts)), 4)
     if args.profile:
         out["profile_us"] = {k: (round(v, 1) if isinstance(v, float) else v)
                              for k, v in runner.profile_step(len(prompts)).items()}
@@ -288,11 +289,11 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
         print(f"text: {summary['text'][0]!r}")
     else:
         print(f"ids[0]: {fd['ids'][0]}")
-    cols = ("prefill ms", "ms/token", "tokens/s", "prefill TFLOP/s/GPU")
-    keys = ("prefill_ms", "ms_per_token", "tokens_per_s", "prefill_tflops_per_gpu")
-    print(f"{'backend':<10}" + "".join(f"{c:>22}" for c in cols))
+    cols = ("prefill ms", "ms/token", "step ms", "tokens/s", "prefill TFLOP/s/GPU")
+    keys = ("prefill_ms", "ms_per_token", "step_ms", "tokens_per_s", "prefill_tflops_per_gpu")
+    print(f"{'backend':<10}" + "".join(f"{c:>21}" for c in cols))
     for name, r in results.items():
-        print(f"{name:<10}" + "".join(f"{r[k]:>22}" for k in keys))
+        print(f"{name:<10}" + "".join(f"{r[k]:>21}" for k in keys))
     if "speedup" in summary:
         print(f"speedup (torch ms/token / fusedist ms/token): {summary['speedup']}x; same ids: "
               f"{summary['torch_ids_match']}")

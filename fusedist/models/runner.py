@@ -325,7 +325,8 @@ class Runner:
             nxt = sample(self.decode_step(b)[:n], sampling, gen)
             self.seq_lens[:n] += 1
             outs.append(nxt)
-            done |= torch.isin(nxt, eos)
+            if eos_ids:
+                done |= torch.isin(nxt, eos)
             steps += 1
             if progress is not None:
                 progress(step + 1, max_new_tokens)
@@ -341,19 +342,40 @@ class Runner:
                                 prompt_tokens=sum(len(p) for p in prompts),
                                 timings={"bucket": b, "graphs": b in self.graphs})
 
+    @torch.no_grad()
+    def time_step(self, n: int, iters: int = 20) -> float:
+        """ms per decode step of batch n alone (graph replays back to back, CUDA events;
+        no sampling). Call after generate(): each replay rewrites the slot at seq_lens - 1."""
+        b = self.bucket(n)
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                self.decode_step(b)
+            return (time.perf_counter() - t0) * 1e3 / iters
+        self.decode_step(b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            self.decode_step(b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
     # ---- profile -------------------------------------------------------------------------
     @torch.no_grad()
     def profile_step(self, n: int) -> dict:
-        """One decode step of batch n under torch.profiler: kernel time per class (GEMM /
-        attention / communication / other), us."""
+        """One decode step of batch n under torch.profiler, run eagerly (the graph's kernels,
+        each named; their durations are the replay's, the launch gaps are not counted):
+        kernel time per class (GEMM / attention / communication / other), us. Call after
+        generate(): the step writes the cache slot at each row's seq_lens - 1."""
         from torch.profiler import ProfilerActivity, profile
 
         b = self.bucket(n)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda"
                                          else [])
-        self.decode_step(b)
+        self._body(b)
         with profile(activities=acts) as prof:
-            self.decode_step(b)
+            self._body(b)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}

@@ -131,6 +131,8 @@ class Transformer(torch.nn.Module):
         self.tp, self.rank = self.comm.group.size, self.comm.group.rank
         check_tp(cfg, self.tp)
         device = torch.device(device) if device is not None else self.comm.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.max_position = max_position or cfg.max_position
         self.ex = _Exchange(self.comm, backend)
