@@ -8,6 +8,7 @@ void register_allreduce(py::module_& m);
 void register_gemm_comm(py::module_& m);
 void register_gemm(py::module_& m);
 void register_attention(py::module_& m);
+void register_rope(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_C, m) {
   register_gemm_comm(m);
   register_gemm(m);
   register_attention(m);
+  register_rope(m);
 }

@@ -221,42 +221,47 @@ def _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
                       f"{k_cache.device}")
 
 
-def _rope_kernel_ok(q, k, v, cos_sin, k_cache) -> bool:
-    if q.device.type != "cuda" or not _ext.available():
-        return False
-    C = _ext.load()
-    if not hasattr(C, "rope_append"):
+def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
+    """The shapes csrc/ops/attention/rope_append.cu serves; others take the plain-torch path."""
+    if q.device.type != "cuda" or not _ext.available() or not hasattr(_ext.load(),
+                                                                      "rope_append"):
         return False
     D = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 512
-            and cos_sin.shape[1] % 16 == 0 and all(t.is_contiguous() or _rows_ok(t)
-                                                   for t in (q, k, v)))
+    return (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+            and cos_sin.shape[1] % 16 == 0 and cos_sin.data_ptr() % 16 == 0
+            and k_cache.data_ptr() % 16 == 0 and all(_rows_ok(t) for t in (q, k, v))
+            and positions.is_contiguous() and slot_mapping.is_contiguous())
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    """[T, H, D] with rows of whole heads at a 16-byte aligned token stride (a slice of a fused
-    QKV output)."""
-    es = t.element_size()
-    return (t.stride(2) == 1 and t.stride(1) == t.shape[2] and (t.stride(0) * es) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+    """[T, H, D] with contiguous heads at a 16-byte aligned token stride (a contiguous tensor
+    or a slice of a fused QKV output)."""
+    return (t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
                       k_scale, v_scale) -> None:
     if q.shape[0] == 0:
         return
-    if _rope_kernel_ok(q, k, v, cos_sin, k_cache):
+    if _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping):
         from .. import _dtypes
         C = _ext.load()
-        fp8 = FP8 is not None and k_cache.dtype == FP8
-        C.rope_append(q.data_ptr(), k.data_ptr(), v.data_ptr(), positions.data_ptr(),
-                      cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                      k_scale.data_ptr() if fp8 else 0, v_scale.data_ptr() if fp8 else 0,
-                      slot_mapping.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                      cos_sin.shape[1], cos_sin.shape[0], q.stride(0), k.stride(0), v.stride(0),
-                      int(positions.dtype == torch.int64), ROPE_STYLES.index(style),
-                      _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype),
-                      torch.cuda.current_stream(q.device).cuda_stream)
+        a = C.RopeAppendArgs()
+        a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        a.positions, a.cos_sin = positions.data_ptr(), cos_sin.data_ptr()
+        a.k_cache, a.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        if k_scale is not None:
+            a.k_scale, a.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+        a.slot_mapping = slot_mapping.data_ptr()
+        a.tokens, a.q_heads, a.kv_heads, a.head_dim = q.shape[0], q.shape[1], k.shape[1], \
+            q.shape[2]
+        a.rot, a.max_position = cos_sin.shape[1], cos_sin.shape[0]
+        a.q_stride, a.k_stride, a.v_stride = q.stride(0), k.stride(0), v.stride(0)
+        a.positions_int64 = positions.dtype == torch.int64
+        a.style = ROPE_STYLES.index(style)
+        a.dtype, a.cache_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
+        C.rope_append(a, torch.cuda.current_stream(q.device).cuda_stream)
         return
     rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                           style=style, k_scale=k_scale, v_scale=v_scale)
@@ -401,6 +406,13 @@ def _decode_module():
         return None
 
 
+def _decode_kernel_fits(head_dim, page_size, dtype, kv_dtype) -> bool:
+    """The shapes the decode kernel serves (fusedist/ops/_attention_decode.py); others take the
+    plain-torch path."""
+    return (head_dim in (64, 128, 256) and page_size % 16 == 0
+            and dtype in (torch.bfloat16, torch.float16) and kv_dtype in (dtype, FP8))
+
+
 def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                 max_seq_len: int, device=None, dtype=torch.bfloat16,
                 kv_dtype: Optional[torch.dtype] = None) -> DecodePlan:
@@ -422,7 +434,7 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         _fail(op, f"kv_dtype {kv_dtype} is not supported; use one of {KV_DTYPES}")
     plan = DecodePlan(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, device,
                       dtype, kv_dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and _decode_kernel_fits(head_dim, page_size, dtype, kv_dtype):
         mod = _decode_module()
         if mod is not None:
             plan.impl = mod.plan_decode(batch=batch, q_heads=q_heads, kv_heads=kv_heads,
