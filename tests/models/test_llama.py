@@ -279,3 +279,23 @@ def test_gpu_sampling_reproducible(gpu_setup):
     sp = SamplingParams(greedy=False, temperature=0.8, top_p=0.95, top_k=100, seed=123)
     a = r.generate(prompts, 24, sp).ids
     assert a == r.generate(prompts, 24, sp).ids
+
+
+def test_cli_prompt_text_with_tokenizer(rt, ckpts, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>"] + [f"w{i}" for i in range(199)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = tmp_path / "tok"
+    d.mkdir()
+    for f in os.listdir(ckpts["qwen2"]):
+        os.symlink(os.path.join(ckpts["qwen2"], f), d / f)
+    tok.save(str(d / "tokenizer.json"))
+    out = _cli(["--model", str(d), "--prompt", "w5 w17 w3 w120", "--max-new-tokens", "6",
+                "--dtype", "float32"])
+    m = _model(str(d))
+    lib = Runner(m, max_batch=1, max_seq_len=32).generate([[6, 18, 4, 121]], 6,
+                                                          eos_ids=m.cfg.eos_token_ids).ids
+    assert out["ids"] == lib
+    assert out["text"] == [tok.decode(lib[0])]
