@@ -113,6 +113,19 @@ def test_sampling_seeded(rt):
     assert r.generate(prompts, 12, top1).ids == r.generate(prompts, 12).ids
 
 
+def test_eos_stops_each_sequence(rt):
+    cfg = LlamaConfig.named("tiny")
+    m = build_model(cfg, RandomWeights(cfg, seed=6), dtype=torch.float32, device="cpu")
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    prompts = [[9, 8, 7], [1, 2]]
+    full = r.generate(prompts, 12).ids
+    eos = full[0][3]
+    got = r.generate(prompts, 12, eos_ids=(eos,)).ids
+    for row, ref in zip(got, full):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert row == ref[:cut]
+
+
 def test_random_weights_consistent_per_shard():
     cfg = LlamaConfig.named("tiny")
     src = RandomWeights(cfg, seed=1)
