@@ -654,18 +654,44 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             out[a:e] = _reference_chunk(q[a:e], k, v, scale)
 
 
+# Prefill on CUDA: torch SDPA backends in this order of preference (the first that takes the
+# inputs runs), and whether GQA heads are expanded (repeat_interleave) so backends without
+# native GQA (cuDNN on some torch builds) can take the call. benchmarks/attention_prefill.py
+# measures the alternatives; docs/design/attention.md records the choice.
+PREFILL_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+PREFILL_EXPAND_GQA = False
+
+
+def _sdpa_context(device):
+    import contextlib
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    order = [names[n] for n in PREFILL_SDPA_BACKENDS]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:   # torch without set_priority: the allowed set only
+        return sdpa_kernel(order)
+
+
 def _sdpa_chunk(q, k, v, scale):
     """q [n, Hq, D] against k, v [L, Hkv, D]; token i sees keys [0, L - n + i]."""
     from torch.nn.attention.bias import causal_lower_right
     n, L = q.shape[0], k.shape[0]
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and PREFILL_EXPAND_GQA:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, len, D]
     gqa = qh.shape[1] != kh.shape[1]
-    if n == L:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=gqa)
-    else:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, L),
-                                           scale=scale, enable_gqa=gqa)
+    with _sdpa_context(q.device):
+        if n == L:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, L),
+                                               scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
 
 
