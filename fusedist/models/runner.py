@@ -5,10 +5,11 @@
                           sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=0))
     out.ids, out.prefill_ms, out.ms_per_step, out.tokens_per_s
 
-Memory is sized up front: the KV cache holds max_batch sequences of max_seq_len tokens
-(pages of page_size tokens; page 0 is a scratch page that padded batch rows write to), or
-whatever kv_budget_bytes holds, which must cover that. Sequence b owns pages
-1 + b * pages_per_seq ... in a static block table.
+Memory is sized up front: the KV cache holds one row per sequence of the largest bucket (the
+batch rounded up to a power of two), max_seq_len tokens each, in pages of page_size tokens;
+kv_budget_bytes, when given, must cover that. Row b owns pages b * pages_per_seq ... in a
+static block table; padded rows of a bucket (batch < bucket) decode at seq_len 1 in their own
+pages, and their outputs are dropped.
 
 Decode is captured once per batch-size bucket (1, 2, 4, ..., the first >= max_batch) as one
 CUDA graph over static buffers: token ids, positions, block_table, seq_lens, slot_mapping.
@@ -132,7 +133,7 @@ class Runner:
         # CUDA graphs on a GPU unless turned off; a CPU model always decodes eagerly.
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs is not False
         page_bytes = model.kv_bytes_per_token() * page_size
-        need = 1 + self.max_rows * self.pages_per_seq
+        need = self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:
             num_pages = int(kv_budget_bytes // page_bytes)
             if num_pages < need:
@@ -155,9 +156,9 @@ class Runner:
         self.cache = model.new_cache(self.max_rows, self.max_seq_len, page_size, num_pages)
         dev, R = self.device, self.max_rows
         bt = torch.zeros(R, self.pages_per_seq, dtype=torch.int32)
-        bt[:] = 1 + torch.arange(R * self.pages_per_seq, dtype=torch.int32).view(R, -1)
+        bt[:] = torch.arange(R * self.pages_per_seq, dtype=torch.int32).view(R, -1)
         self.block_table_host = bt
-        # Static decode buffers (graph inputs). Rows past the live batch point at page 0.
+        # Static decode buffers (graph inputs).
         self.bt = bt.to(dev)
         self.tokens = torch.zeros(R, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(R, dtype=torch.int64, device=dev)
