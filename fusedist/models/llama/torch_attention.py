@@ -113,13 +113,16 @@ class TorchAttention(torch.nn.Module):
                 p0 = L - (e - s)
                 kc[row, :, p0:L] = k[s:e].transpose(0, 1)
                 vc[row, :, p0:L] = v[s:e].transpose(0, 1)
-                i = torch.arange(e - s, device=x.device)[:, None]
-                mask = torch.arange(L, device=x.device)[None, :] <= p0 + i
                 G = H // KH
                 kk = kc[row, :, :L].repeat_interleave(G, dim=0)[None]
                 vv = vc[row, :, :L].repeat_interleave(G, dim=0)[None]
-                oj = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kk, vv,
-                                                    attn_mask=mask[None, None])
+                qq = q[s:e].transpose(0, 1)[None]
+                if p0 == 0:     # no cached prefix: plain causal (SDPA's flash / cuDNN paths)
+                    oj = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                else:
+                    i = torch.arange(e - s, device=x.device)[:, None]
+                    mask = torch.arange(L, device=x.device)[None, :] <= p0 + i
+                    oj = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None])
                 o[s:e] = oj[0].transpose(0, 1)
             o = o.reshape(T, H * D)
         return F.linear(o, self.wo)
