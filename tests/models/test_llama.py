@@ -84,8 +84,9 @@ def test_greedy_matches_hf_generate(rt, ckpts, hf, kind):
         assert ids == hf_greedy(hf[kind], p, 32), kind
 
 
-def test_prefill_equals_decode_steps(rt, ckpts):
-    m = _model(ckpts["llama3"])
+@pytest.mark.parametrize("backend", ["fusedist", "torch"])
+def test_prefill_equals_decode_steps(rt, ckpts, backend):
+    m = _model(ckpts["llama3"], backend)
     prompt = _prompt(13, m.cfg.vocab_size, 4)
     full = Runner(m, max_batch=1, max_seq_len=32).prefill([prompt], all_logits=True)[0]
     chunked = Runner(m, max_batch=1, max_seq_len=32, prefill_chunk=5).prefill(
