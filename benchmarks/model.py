@@ -58,10 +58,15 @@ def main():
             continue
         t = out["timings"]
         for backend, r in t.items():
+            if "error" in r:
+                print(f"row {spec} {backend}: {r}", flush=True)
+                md.append(f"| {b} | {fill + L}+{new} | {backend} | failed: {r['error'][:80]} |")
+                continue
             prof = r.get("profile_us", {})
             row = {"batch": b, "prompt_len": L, "context_fill": fill, "new_tokens": new,
                    "context": fill + L + new, "backend": backend, "command": cmd,
-                   "speedup_vs_torch": round(t["torch"]["step_ms"] / r["step_ms"], 3),
+                   "speedup_vs_torch": round(t["torch"]["step_ms"] / r["step_ms"], 3)
+                   if "step_ms" in t.get("torch", {}) else None,
                    "target_step_ms": TARGETS.get(b) if backend == "fusedist" else None,
                    **{k: v for k, v in r.items() if k != "profile_us"},
                    "profile_us": {k: v for k, v in prof.items() if k != "top"},
