@@ -36,7 +36,11 @@ def run_row(cfg, batch, prompt_len, fill, new, tp, timeout):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    return " ".join(cmd[cmd.index("fusedist.generate") - 1:]), json.loads(p.stdout.splitlines()[-1])
+    out = json.loads(p.stdout.splitlines()[-1])
+    if any(k in r for r in out["timings"].values() for k in ("error", "graph_error",
+                                                            "profile_error")):
+        print(p.stderr[-4000:], flush=True)
+    return " ".join(cmd[cmd.index("fusedist.generate") - 1:]), out
 
 
 def main():
