@@ -8,7 +8,8 @@ rope: fusedist.ops.rope_append (the fused kernel) against the same work in plain
 distinct input buffers and cache regions; GB/s = bytes moved (q and k read + written, v read,
 k and v cache rows written, cos/sin rows read) / time.
 prefill: fusedist.ops.prefill over a paged cache (page 16, shuffled pages: gathers each
-sequence's KV, then torch SDPA with the lower-right causal alignment) against torch SDPA on
+sequence's KV, then torch SDPA with the lower-right causal alignment; lengths passed on the
+host, out=None, as TPAttention calls it) against torch SDPA on
 contiguous [1, heads, S, 128] tensors (cuDNN and flash backends, is_causal); eager calls
 (prefill reads its lengths on the host), median of 7 x 5 calls. TFLOP/s counts the causal
 half: 4 * q_heads * head_dim * sum over queries of the keys each sees.
@@ -147,7 +148,6 @@ def prefill_rows(quick: bool) -> list[dict]:
         sl = torch.tensor([L], dtype=torch.int32, device="cuda")
         cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
         q = torch.randn((n, hq, D), device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(q)
         fl = _flops(hq, n, L)
         row = dict(section="prefill", q_heads=hq, kv_heads=hkv, new_tokens=n, context=L,
                    page_size=ps, tflops_counted=fl / 1e12)
@@ -157,7 +157,8 @@ def prefill_rows(quick: bool) -> list[dict]:
                                     ("fusedist_flash_first", ("flash", "cudnn", "efficient",
                                                               "math"), False)):
             A.PREFILL_SDPA_BACKENDS, A.PREFILL_EXPAND_GQA = order, expand
-            fn = lambda i=0: A.prefill(q, kc, vc, bt, sl, cu, out=out)  # noqa: E731
+            fn = lambda i=0: A.prefill(q, kc, vc, bt, sl, cu, seq_lens_host=[L],  # noqa: E731
+                                       cu_seqlens_q_host=[0, n])
             try:
                 t = H.time_eager(fn, 5, 7)
                 row[f"{name}_us"] = t

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,6 +49,10 @@ class AttentionMetadata:
     cu_seqlens_q: Optional[torch.Tensor] = None
     max_q_len: Optional[int] = None
     plan: Optional[DecodePlan] = None
+    # prefill: the same lengths as host lists (the runner has them); without them prefill
+    # reads seq_lens / cu_seqlens_q from the device, a synchronization per layer.
+    seq_lens_host: Optional[Sequence[int]] = None
+    cu_seqlens_q_host: Optional[Sequence[int]] = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -177,7 +181,8 @@ class TPAttention(torch.nn.Module):
         else:
             o = prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                         scale=self.scale, max_q_len=meta.max_q_len, k_scale=k_scale,
-                        v_scale=v_scale)
+                        v_scale=v_scale, seq_lens_host=meta.seq_lens_host,
+                        cu_seqlens_q_host=meta.cu_seqlens_q_host)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
             return o @ self.o_weight.t()   # T == 0 on every rank alike: nothing to reduce

@@ -33,7 +33,7 @@ import importlib
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -569,13 +569,17 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
             scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
             max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-            v_scale: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+            v_scale: Optional[torch.Tensor] = None, backend: str = "auto",
+            seq_lens_host: Optional[Sequence[int]] = None,
+            cu_seqlens_q_host: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Chunked prefill: sequence b's n_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] are the last n_b of its seq_lens[b] cached tokens;
-    new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D].
+    new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
+    (with out=None and one sequence, SDPA's own output, no copy).
     backend: "sdpa" (torch SDPA on the gathered KV), "reference" (fp32 plain torch), "auto"
-    (sdpa on CUDA, reference on CPU). Reads cu_seqlens_q and seq_lens on the host (prefill
-    is not graph-captured)."""
+    (sdpa on CUDA, reference on CPU). The lengths are needed on the host: pass
+    seq_lens_host / cu_seqlens_q_host (the runner has them) to skip reading the device
+    tensors, which synchronizes with the GPU (prefill is not graph-captured)."""
     op = "prefill"
     if backend not in PREFILL_BACKENDS:
         _fail(op, f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
@@ -597,24 +601,24 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _fail(op, f"cu_seqlens_q must be int32/int64 [batch + 1 = {B + 1}], got "
                   f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _check_tables(op, block_table, seq_lens, B, k_cache.device)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype:
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         _fail(op, f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     mq = -1 if max_q_len is None else int(max_q_len)
     if torch.compiler.is_compiling():
+        out = torch.empty_like(q) if out is None else out
         torch.ops.fusedist.attention_prefill(out, q, k_cache, v_cache, block_table, seq_lens,
                                              cu_seqlens_q, scale, mq, k_scale, v_scale, backend)
-    else:
-        _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, mq,
-                      k_scale, v_scale, backend)
-    return out
+        return out
+    return _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                         mq, k_scale, v_scale, backend, seq_lens_host, cu_seqlens_q_host)
 
 
-def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size):
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
+def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=None, cu=None):
+    cu = cu_seqlens_q.tolist() if cu is None else [int(c) for c in cu]
+    lens = seq_lens.tolist() if lens is None else [int(n) for n in lens]
+    if len(cu) != len(lens) + 1:
+        _fail(op, f"cu_seqlens_q_host has {len(cu)} entries for {len(lens)} sequences")
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         _fail(op, f"cu_seqlens_q must rise from 0 to the {T} query tokens, got {cu}")
     for b, (a, e) in enumerate(zip(cu, cu[1:])):
@@ -628,12 +632,15 @@ def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size):
 
 
 def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
-                  max_q_len, k_scale, v_scale, backend) -> None:
+                  max_q_len, k_scale, v_scale, backend, lens=None, cu=None) -> torch.Tensor:
     T = q.shape[0]
     if T == 0:
-        return
+        return torch.empty_like(q) if out is None else out
     ps = k_cache.shape[1]
-    cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps)
+    if lens is not None and len(lens) != seq_lens.shape[0]:
+        _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
+    cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
+    live = [b for b in range(len(lens)) if cu[b + 1] > cu[b]]
     use_sdpa = backend == "sdpa" or (backend == "auto" and q.device.type == "cuda")
     # SDPA takes one dtype: q's for bf16/fp16 caches. FP8 caches dequantize to fp32 and SDPA
     # runs in fp32: rounding dequantized K/V to bf16 on top of the flash-style P rounding
@@ -647,11 +654,14 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         pages = block_table[b, :-(-L // ps)].long()
         k = _gather_seq(k_cache, pages, L, k_scale, kv_dtype)     # [L, Hkv, D]
         v = _gather_seq(v_cache, pages, L, v_scale, kv_dtype)
-        if use_sdpa:
-            qs = q[a:e].to(kv_dtype)
-            out[a:e] = _sdpa_chunk(qs, k, v, scale)
-        else:
-            out[a:e] = _reference_chunk(q[a:e], k, v, scale)
+        o = _sdpa_chunk(q[a:e].to(kv_dtype), k, v, scale) if use_sdpa else \
+            _reference_chunk(q[a:e], k, v, scale)
+        if out is None and live == [b] and o.dtype == q.dtype:
+            return o.contiguous()   # the one sequence: SDPA's output as it is (no copy)
+        if out is None:
+            out = torch.empty_like(q)
+        out[a:e] = o
+    return out
 
 
 # Prefill on CUDA: torch SDPA backends in this order of preference (the first that takes the

@@ -118,7 +118,7 @@ def run_scenario(cfg, dtype, device, seed, group=None, reduce=True, kv_dtype=Non
                        cache.kv_dtype)
     done = [0] * B
     worst = 0.0
-    for mode, news in STEPS:
+    for step, (mode, news) in enumerate(STEPS):
         slots, pos, rows, ref_rows = [], [], [], []
         for b, n in enumerate(news):
             slots += table.append(b, n)
@@ -133,6 +133,9 @@ def run_scenario(cfg, dtype, device, seed, group=None, reduce=True, kv_dtype=Non
                                  torch.tensor(slots, dtype=torch.int64, device=device),
                                  cu_seqlens_q=cu if mode == "prefill" else None,
                                  max_q_len=max(news), plan=plan if mode == "decode" else None)
+        if step % 2:   # odd steps hand prefill the lengths on the host as well
+            meta.seq_lens_host = table.seq_lens().tolist()
+            meta.cu_seqlens_q_host = cu.tolist()
         y = attn(x, torch.tensor(pos, dtype=torch.int64, device=device), cache, 1, meta,
                  reduce=reduce)
         assert y.shape == (x.shape[0], hidden) and y.dtype == dtype, (y.shape, y.dtype)

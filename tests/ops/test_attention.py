@@ -194,8 +194,8 @@ def _rope_case(device, T, Hq, Hkv, D, style, scaling, dtype, cache_dtype, page_s
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     A.rope_append(q, k, v, pos, cs, kc, vc, slots, style=style, k_scale=ksc, v_scale=vsc)
     what = f"T={T} {Hq}/{Hkv}x{D} {style} {scaling and scaling['rope_type']} {dtype} {cache_dtype}"
-    q_ref = _rope64(q0, pos.cpu(), inv, style).to(device)
-    k_ref = _rope64(k0, pos.cpu(), inv, style).to(device)
+    q_ref = _rope64(q0.cpu(), pos.cpu(), inv, style).to(device)
+    k_ref = _rope64(k0.cpu(), pos.cpu(), inv, style).to(device)
     assert count_bad(q, q_ref, dtype) == 0, f"{what}: q has {count_bad(q, q_ref, dtype)} bad"
     assert count_bad(k, k_ref, dtype) == 0, f"{what}: k has {count_bad(k, k_ref, dtype)} bad"
     assert torch.equal(v, v0), f"{what}: v changed"
@@ -372,7 +372,8 @@ def test_decode_bad_inputs():
 # prefill
 # ------------------------------------------------------------------------------------------------
 
-def _prefill_case(device, chunks, Hq, Hkv, D, ps, dtype, cache_dtype, backend, gen):
+def _prefill_case(device, chunks, Hq, Hkv, D, ps, dtype, cache_dtype, backend, gen,
+                  host=False):
     """chunks: (new tokens n, cached tokens L incl. the new ones) per sequence."""
     ks = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
     vs = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
@@ -384,6 +385,11 @@ def _prefill_case(device, chunks, Hq, Hkv, D, ps, dtype, cache_dtype, backend, g
     out = torch.full_like(q, float("nan"))
     A.prefill(q, kc, vc, bt, sl, cu, out=out, max_q_len=max(ns), k_scale=ksc, v_scale=vsc,
               backend=backend)
+    if len(chunks) == 1 or host:   # out=None (one sequence: SDPA's own output), host lengths
+        got = A.prefill(q, kc, vc, bt, sl, cu, k_scale=ksc, v_scale=vsc, backend=backend,
+                        seq_lens_host=sl.tolist() if host else None,
+                        cu_seqlens_q_host=cu.tolist() if host else None)
+        assert torch.equal(got, out), "out=None / host lengths changed the result"
     scale = 1 / math.sqrt(D)
     refs = [naive_attention(q[int(cu[b]):int(cu[b + 1])], k_ref[b], v_ref[b], scale, L - n)
             for b, (n, L) in enumerate(chunks)]
@@ -403,7 +409,9 @@ def test_prefill_mixed_chunks(device, backend):
     gen = _gen(device)
     for dtype in (torch.bfloat16, torch.float16):
         for Hq, Hkv, D, ps in ((32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256)):
-            _prefill_case(device, MIXED, Hq, Hkv, D, ps, dtype, dtype, backend, gen)
+            _prefill_case(device, MIXED, Hq, Hkv, D, ps, dtype, dtype, backend, gen,
+                          host=Hq == 7)
+        _prefill_case(device, [(200, 333)], 16, 4, 128, 16, dtype, dtype, backend, gen)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -432,6 +440,9 @@ def test_prefill_bad_inputs():
         A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 3, 4], dtype=torch.int32))
     with pytest.raises(ValueError, match="append first"):
         A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 4, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q_host has"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32),
+                  seq_lens_host=[3, 4], cu_seqlens_q_host=[0, 5])
     with pytest.raises(ValueError, match="backend must be"):
         A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32), backend="x")
 
