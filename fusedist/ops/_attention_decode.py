@@ -1,7 +1,7 @@
 """Paged split-KV decode attention: the planner and the launcher behind fusedist's decode().
 
     plan = plan_decode(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, *,
-                       device=None, num_sms=None, ctas_per_sm=None, num_splits=None,
+                       device=None, num_sms=None, num_splits=None,
                        dtype=torch.bfloat16, kv_dtype=None) -> DecodeWorkPlan
     run_decode(plan, q, k_cache, v_cache, block_table, seq_lens, out, scale=None,
                k_scale=None, v_scale=None) -> out      (scale None: head_dim ** -0.5)
@@ -37,11 +37,14 @@ from .. import _dtypes, _ext
 
 HEAD_DIMS = (64, 128, 256)
 SLAB = 16          # tokens per slab (csrc: kDecodeSlab)
-TILE_HEADS = 16    # query heads one CTA serves (csrc: kDecodeTileHeads)
+TILE_HEADS = 8     # query heads one CTA serves (csrc: kDecodeTileHeads)
 MAX_SPLITS = 128   # csrc: kDecodeMaxSplits
 # The rule's knobs: a split covers at least MIN_SLABS_PER_SPLIT slabs (fewer leaves the
 # four warps of a CTA without a pipeline to fill), and at most MAX_MERGE_SPLITS splits are
-# merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA).
+# merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA). Measured on
+# one H200 (benchmarks/results/h200-w1/attention.md, "sweep" rows): one CTA per SM (132) is
+# the best or within 3% of the best split count at 16/4 and 32/8 heads, batch 1-16; a second
+# wave of CTAs per SM only adds merge work.
 MIN_SLABS_PER_SPLIT = 8
 MAX_MERGE_SPLITS = 32
 
@@ -52,14 +55,13 @@ def available() -> bool:
 
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
-                      num_sms: int, ctas_per_sm: int) -> int:
-    """Splits per sequence: enough CTAs to fill one wave of the GPU (num_sms x ctas_per_sm)
-    when batch x heads alone does not, never splits of fewer than MIN_SLABS_PER_SPLIT slabs,
-    never more than MAX_MERGE_SPLITS. Large batches take 1 split (no merge at all)."""
+                      num_sms: int) -> int:
+    """Splits per sequence: about one CTA per SM when batch x head tiles alone leaves SMs
+    idle, never splits of fewer than MIN_SLABS_PER_SPLIT slabs, never more than
+    MAX_MERGE_SPLITS. A batch that fills the SMs on its own takes 1 split (no merge)."""
     ctas = max(1, batch * kv_heads * q_tiles)
-    wave = max(1, num_sms * max(1, ctas_per_sm))
     slabs = max(1, math.ceil(max_seq_len / SLAB))
-    by_wave = wave // ctas
+    by_wave = max(1, num_sms) // ctas
     by_len = slabs // MIN_SLABS_PER_SPLIT
     return max(1, min(by_wave, by_len, MAX_MERGE_SPLITS, MAX_SPLITS))
 
@@ -107,12 +109,11 @@ def _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len):
 
 def plan_decode(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                 max_seq_len: int, *, device=None, num_sms: Optional[int] = None,
-                ctas_per_sm: Optional[int] = None, num_splits: Optional[int] = None,
+                num_splits: Optional[int] = None,
                 dtype: torch.dtype = torch.bfloat16,
                 kv_dtype: Optional[torch.dtype] = None) -> DecodeWorkPlan:
     """The grid and workspace for decode calls of up to `batch` sequences (module docstring).
-    num_sms / ctas_per_sm default to the device's (the SM count, the kernel's occupancy);
-    num_splits overrides the rule (benchmarks sweep it). dtype is q's and out's."""
+    num_sms defaults to the device's SM count; num_splits overrides the rule (benchmarks sweep it). dtype is q's and out's."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -131,14 +132,7 @@ def plan_decode(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else 132
-        if ctas_per_sm is None:
-            ctas_per_sm = 2
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    ctas_per_sm = _ext.load().attention_decode_ctas_per_sm(
-                        head_dim, _dtypes.code(q_dtype), _dtypes.code(kv_dtype))
-        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms,
-                                       ctas_per_sm)
+        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"fusedist.decode: num_splits must be in [1, {MAX_SPLITS}], got "
                          f"{num_splits}")

@@ -19,29 +19,31 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 # ---- CPU: the planner ----------------------------------------------------------------------
-def test_choose_num_splits_fills_one_wave_and_caps():
-    # batch 1, 4 kv heads, 4K tokens: 256 slabs -> 32 splits (the merge cap), 128 CTAs
-    assert ad.choose_num_splits(1, 4, 1, 4096, 132, 2) == 32
+def test_choose_num_splits_fills_the_sms_once_and_caps():
+    # batch 1, 4 kv heads, 4K tokens: 132 // 4 = 33 CTAs a head, capped at 32 splits
+    assert ad.choose_num_splits(1, 4, 1, 4096, 132) == 32
+    # 8 kv heads: 16 splits, 128 CTAs
+    assert ad.choose_num_splits(1, 8, 1, 4096, 132) == 16
     # short context: never fewer than 8 slabs (128 tokens) a split
-    assert ad.choose_num_splits(1, 4, 1, 512, 132, 2) == 4
-    # batch 16 x 4 heads = 64 CTAs: 4 splits fill the 264 slots of one wave
-    assert ad.choose_num_splits(16, 4, 1, 4096, 132, 2) == 4
+    assert ad.choose_num_splits(1, 4, 1, 512, 132) == 4
+    # batch 16 x 4 heads = 64 CTAs: 2 splits
+    assert ad.choose_num_splits(16, 4, 1, 4096, 132) == 2
     # a batch that fills the GPU on its own: no split, no merge
-    assert ad.choose_num_splits(64, 4, 1, 4096, 132, 2) == 1
-    assert ad.choose_num_splits(256, 8, 1, 131072, 132, 2) == 1
-    assert ad.choose_num_splits(0, 4, 1, 0, 132, 2) == 1
+    assert ad.choose_num_splits(64, 4, 1, 4096, 132) == 1
+    assert ad.choose_num_splits(256, 8, 1, 131072, 132) == 1
+    assert ad.choose_num_splits(0, 4, 1, 0, 132) == 1
 
 
 def test_plan_workspace_sized_from_the_plan():
-    p = ad.plan_decode(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132, ctas_per_sm=2)
-    assert p.num_splits == 11 and p.grid == (11, 8, 3)
-    assert tuple(p.o_partial.shape) == (3, 32, 11, 128) and p.o_partial.dtype == torch.float32
-    assert tuple(p.lse_partial.shape) == (3, 32, 11)
+    p = ad.plan_decode(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
+    assert p.num_splits == 5 and p.grid == (5, 8, 3)
+    assert tuple(p.o_partial.shape) == (3, 32, 5, 128) and p.o_partial.dtype == torch.float32
+    assert tuple(p.lse_partial.shape) == (3, 32, 5)
     assert tuple(p.counters.shape) == (3, 8) and int(p.counters.abs().sum()) == 0
-    one = ad.plan_decode(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132, ctas_per_sm=2)
+    one = ad.plan_decode(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
     assert one.num_splits == 1 and one.o_partial is None
     wide = ad.plan_decode(1, 40, 2, 64, 32, 100, device="cpu", num_splits=3)
-    assert wide.q_tiles == 2 and wide.grid == (3, 4, 1)
+    assert wide.q_tiles == 3 and wide.grid == (3, 6, 1)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -53,7 +55,7 @@ def test_plan_workspace_sized_from_the_plan():
 ])
 def test_plan_rejects_bad_arguments(kw, match):
     args = dict(batch=2, q_heads=16, kv_heads=4, head_dim=128, page_size=16, max_seq_len=64,
-                device="cpu", num_sms=132, ctas_per_sm=2)
+                device="cpu", num_sms=132)
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
         ad.plan_decode(**args)
@@ -156,7 +158,7 @@ CASES = [  # lens, q_heads, kv_heads, head_dim, page_size, dtype, fp8 kv
     ([17, 4095, 1, 300, 0], 8, 8, 64, 64, torch.float16, False),
     ([4097, 33, 1], 14, 2, 256, 256, torch.bfloat16, False),
     ([513, 1, 2049], 64, 8, 128, 16, torch.bfloat16, False),
-    ([999, 31], 40, 2, 128, 32, torch.float16, False),           # 20 heads: two head tiles
+    ([999, 31], 40, 2, 128, 32, torch.float16, False),           # 20 heads: three head tiles
     ([1, 4097, 700, 0], 32, 8, 128, 16, torch.bfloat16, True),
     ([4095, 17], 16, 4, 64, 64, torch.float16, True),
     ([2049, 1], 14, 2, 256, 256, torch.bfloat16, True),

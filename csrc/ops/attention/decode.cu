@@ -4,6 +4,7 @@
 
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/decode.cuh"
+#include "fusedist/launch.h"
 
 namespace fusedist {
 namespace {
@@ -32,9 +33,9 @@ template <int D, typename QT, typename KVT>
 void launch(const DecodeParams& p, cudaStream_t stream) {
   prepared_kernel<D, QT, KVT>();
   const dim3 grid(p.num_splits, p.kv_heads * p.q_tiles, p.batch);
-  paged_decode_kernel<D, QT, KVT>
-      <<<grid, attention::kDecodeThreads, DecodeTraits<D, QT, KVT>::kSmemBytes, stream>>>(p);
-  FUSEDIST_LAUNCH_CHECK("paged_decode_kernel");
+  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT>, grid,
+                     dim3(attention::kDecodeThreads), DecodeTraits<D, QT, KVT>::kSmemBytes, stream,
+                     p);
 }
 
 template <int D, typename QT, typename KVT>

@@ -27,7 +27,7 @@ void attention_decode(const DecodeArgs& args, uintptr_t stream);
 int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype);
 
 constexpr int kAttentionDecodeMaxSplits = 128;
-constexpr int kAttentionDecodeTileHeads = 16;
+constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;
 
 }  // namespace fusedist

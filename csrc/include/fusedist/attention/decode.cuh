@@ -15,17 +15,19 @@
 //
 // Protocol. Grid (num_splits, kv_heads * q_tiles, batch), 128 threads. CTA (s, h, b) takes the
 // s-th of num_splits equal runs of 16-token slabs of sequence b (a slab never crosses a page:
-// page_size is a multiple of 16), for the <= 16 query heads of tile h that share one kv head
+// page_size is a multiple of 16), for the <= 8 query heads of tile h that share one kv head
 // (GQA packing: the K/V tiles are read once for all of them). Lengths are read on the device,
 // so one captured graph replays with new lengths and block tables. Each warp streams its own
 // slabs (slab i of the CTA goes to warp i % 4) through a private ring of kStages cp.async
-// buffers (zero-filled past the sequence end, so unused cache memory never enters the sums);
-// S = Q K^T and O += P V run on m16n8k16 tensor-core MMAs with fp32 accumulation, query heads
-// as the 16 MMA rows, with an online softmax in the exp2 domain. The four warps merge their
-// (m, l, O) in shared memory. With one split the CTA writes the output; otherwise it writes
-// its normalised O and LSE to the workspace, and the last CTA of the (sequence, head tile) to
-// arrive (a device-scope counter) merges all splits in split order. Every sum runs in a fixed
-// order, so results are bitwise identical run to run and graph replay equals eager.
+// buffers (zero-filled past the sequence end, so unused cache memory never enters the sums).
+// The MMAs (m16n8k16, fp32 accumulation) put the 16 tokens of a slab on the M side and the
+// 8 heads on N: S^T = K q^T (K through ldmatrix), an online softmax per head in the exp2
+// domain, then O^T += V^T P^T (V through ldmatrix.trans, P^T transposed in registers by
+// movmatrix). The four warps merge their (m, l, O) in shared memory. With one split the CTA
+// writes the output; otherwise it writes its normalised O and LSE to the workspace, and the
+// last CTA of the (sequence, head tile) to arrive (a device-scope counter) merges all splits
+// in split order. Every sum runs in a fixed order, so results are bitwise identical run to
+// run and graph replay equals eager.
 //
 // FP8 KV: each warp converts its slab to fp16 in shared memory (e4m3 -> fp16 is exact), the
 // MMAs run in fp16 (q converted to fp16: |q| must stay below 65504), k_scale multiplies the
@@ -39,14 +41,19 @@
 #include <type_traits>
 
 #include "fusedist/mma.cuh"
+#include "fusedist/signals.cuh"
 
 namespace fusedist {
 namespace attention {
 
-constexpr int kDecodeThreads = 128;
+#ifndef FUSEDIST_DECODE_WARPS
+#define FUSEDIST_DECODE_WARPS 4
+#endif
+constexpr int kDecodeThreads = 32 * FUSEDIST_DECODE_WARPS;
+
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeSlab = 16;        // tokens per slab (one MMA k-step of P V)
-constexpr int kDecodeTileHeads = 16;   // query heads per CTA (the MMA's 16 rows)
+constexpr int kDecodeTileHeads = 8;    // query heads per CTA (the MMA's 8 columns)
 constexpr int kDecodeMaxSplits = 128;  // the merge keeps [16][splits] weights in shared memory
 
 struct DecodeParams {
@@ -65,16 +72,33 @@ struct DecodeParams {
   float scale_log2;  // softmax scale * log2(e)
 };
 
+// Chunk c of row r of a 16-bit slab (rows of D / 8 >= 8 chunks) sits at c ^ h(r), h(r) =
+// (r & 1) << 2 | (r >> 1) & 3: the K fragment loads (rows 2k, 2k + 1, chunks 4 blk .. 4 blk + 3
+// per quarter warp) and the V ldmatrix (8 consecutive rows, one chunk) are both conflict-free.
+__device__ __forceinline__ int slab_swz(int r, int c) {
+  return c ^ (((r & 1) << 2) | ((r >> 1) & 3));
+}
+
 template <int D, typename QT, typename KVT>
 struct DecodeTraits {
   static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
   // The MMA's input type: q's type, or fp16 when the cache is fp8.
   using MT = typename std::conditional<kFp8, __half, QT>::type;
   static constexpr int kRowBytes = D * int(sizeof(KVT));  // one cache row (token, head)
-  static constexpr int kRow16 = D * 2;                     // one 16-bit row in shared memory
+  static constexpr int kRow16 = D * 2;                     // one 16-bit row
   static constexpr int kSlabBytes = kDecodeSlab * kRowBytes;
+  // Byte offset of 16-byte chunk c of row r: in a stage's raw rows (fp8 rows unswizzled: the
+  // conversion reads them row-contiguously), and in a 16-bit slab (swizzled).
+  __device__ static int stage_off(int r, int c) {
+    return r * kRowBytes + (kFp8 ? c : slab_swz(r, c)) * 16;
+  }
+  __device__ static int c16_off(int r, int c) { return r * kRow16 + slab_swz(r, c) * 16; }
   static constexpr int kStageBytes = 2 * kSlabBytes + (kFp8 ? 2 * kDecodeSlab * 4 : 0);
+#ifdef FUSEDIST_DECODE_STAGES
+  static constexpr int kStages = FUSEDIST_DECODE_STAGES;
+#else
   static constexpr int kStages = D >= 256 ? 3 : (D >= 128 ? 3 : 4);
+#endif
   static constexpr int kConvBytes = kFp8 ? 2 * kDecodeSlab * kRow16 : 0;
   static constexpr int kWarpBytes = kStages * kStageBytes + kConvBytes;
   static constexpr int kMergeBytes =
@@ -85,13 +109,6 @@ struct DecodeTraits {
                                                              : kMergeBytes + kSplitBytes);
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
 };
-
-// Chunk c of row r of a 16-bit slab (rows of D / 8 >= 8 chunks) sits at c ^ h(r), h(r) =
-// (r & 1) << 2 | (r >> 1) & 3: the K fragment loads (rows 2k, 2k + 1, chunks 4 blk .. 4 blk + 3
-// per quarter warp) and the V ldmatrix (8 consecutive rows, one chunk) are both conflict-free.
-__device__ __forceinline__ int slab_swz(int r, int c) {
-  return c ^ (((r & 1) << 2) | ((r >> 1) & 3));
-}
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b);
@@ -123,6 +140,14 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint16_t w) {
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
 }
 
+// Transpose an 8x8 b16 matrix held in the accumulator layout (lane 4 r + c: row r, columns
+// 2c, 2c + 1) across the warp.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
                "r"(src_bytes)
@@ -147,8 +172,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   using MT = typename Tr::MT;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kStages = Tr::kStages;
-  constexpr int kBlk = D / 32;   // 32-dim blocks of q / K (two MMA k-steps each)
-  constexpr int kNt = D / 8;     // n-tiles of O
+  constexpr int kKs = D / 16;    // MMA k-steps of S = K q^T, and m-tiles of O^T = V^T P^T
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int split = blockIdx.x;
@@ -161,6 +185,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int head0 = kvh * p.group + qt * kDecodeTileHeads;  // first q head of this tile
   const int rows = min(kDecodeTileHeads, p.group - qt * kDecodeTileHeads);
 
+  pdl_wait();  // q, the cache and the workspace may belong to the previous kernel
   const int len = max(__ldg(p.seq_lens + b), 0);
   const int nslab = (len + kDecodeSlab - 1) / kDecodeSlab;
   const int per_split = (nslab + p.num_splits - 1) / p.num_splits;
@@ -171,37 +196,26 @@ __global__ void __launch_bounds__(kDecodeThreads)
                          ? (s_end - s_begin - warp + kDecodeWarps - 1) / kDecodeWarps
                          : 0;
 
-  // ---- q fragments (dims permuted identically in q and K: the MMA sums over all of them) ----
-  // k-step 2 blk + js, lane (g, q4): a0/a2 = row g dims 32 blk + 8 q4 + 4 js + {0,1}/{2,3},
-  // a1/a3 = the same for row g + 8.
-  uint32_t qa[2 * kBlk][4];
+  // ---- q as the MMA's B operand (n = 8 heads): b0 = q[g][16 ks + 2 q4 ..], b1 = .. + 8 ----
+  uint32_t qf[kKs][2];
   {
     const QT* qb = static_cast<const QT*>(p.q) + (int64_t(b) * p.q_heads + head0) * D;
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(qb + int64_t(g) * D);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = g + 8 * half;
+    for (int ks = 0; ks < kKs; ++ks)
 #pragma unroll
-      for (int blk = 0; blk < kBlk; ++blk) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (row < rows)
-          v = __ldg(reinterpret_cast<const uint4*>(qb + int64_t(row) * D + blk * 32 + q4 * 8));
-        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      for (int hi = 0; hi < 2; ++hi) {
+        uint32_t w = g < rows ? __ldg(qr + ks * 8 + hi * 4 + q4) : 0u;
         if (!std::is_same<MT, QT>::value) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            float2 f = unpack2<QT>(w[i]);
-            w[i] = pack2<MT>(f.x, f.y);
-          }
+          const float2 f = unpack2<QT>(w);
+          w = pack2<MT>(f.x, f.y);
         }
-        qa[2 * blk][half] = w[0];
-        qa[2 * blk][2 + half] = w[1];
-        qa[2 * blk + 1][half] = w[2];
-        qa[2 * blk + 1][2 + half] = w[3];
+        qf[ks][hi] = w;
       }
-    }
   }
 
   unsigned char* wbase = smem + warp * Tr::kWarpBytes;
+
   const int* bt = p.block_table + int64_t(b) * p.bt_stride;
   const int64_t tok_stride = int64_t(p.kv_heads) * D;  // elements between tokens of one page
   const char* kc = static_cast<const char*>(p.k_cache);
@@ -223,18 +237,20 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const int64_t row0 = (int64_t(page) * p.page_size + tok0 % p.page_size) * tok_stride +
                            int64_t(kvh) * D;  // element offset of (tok0, kvh)
       unsigned char* st = wbase + (i % kStages) * Tr::kStageBytes;
-      const uint32_t kdst = smem_addr(st), vdst = smem_addr(st + Tr::kSlabBytes);
-      constexpr int kChunksRow = Tr::kRowBytes / 16;
-      constexpr int kPerLane = kDecodeSlab * kChunksRow / 32;
+      {
+        const uint32_t kdst = smem_addr(st), vdst = smem_addr(st + Tr::kSlabBytes);
+        constexpr int kChunksRow = Tr::kRowBytes / 16;
+        constexpr int kPerLane = kDecodeSlab * kChunksRow / 32;
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int c = lane + 32 * j;
-        const int r = c / kChunksRow, cc = c % kChunksRow;
-        const bool ok = tok0 + r < len;
-        const int64_t off = (row0 + r * tok_stride) * int64_t(sizeof(KVT)) + cc * 16;
-        const uint32_t so = uint32_t(r * Tr::kRowBytes + (kFp8 ? cc : slab_swz(r, cc)) * 16);
-        cp_async16(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
-        cp_async16(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
+        for (int j = 0; j < kPerLane; ++j) {
+          const int c = lane + 32 * j;
+          const int r = c / kChunksRow, cc = c % kChunksRow;
+          const bool ok = tok0 + r < len;
+          const int64_t off = (row0 + r * tok_stride) * int64_t(sizeof(KVT)) + cc * 16;
+          const uint32_t so = uint32_t(Tr::stage_off(r, cc));
+          cp_async16(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
+          cp_async16(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
+        }
       }
       if (kFp8) {
         const int r = lane & 15;
@@ -247,10 +263,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
     cp_async_commit();
   };
 
-  float o[kNt][4];
+  // O^T [D x 8 heads]: o[mt] = rows (dims) 16 mt + g, + 8; columns (heads) 2 q4, 2 q4 + 1
+  float o[kKs][4];
 #pragma unroll
-  for (int n = 0; n < kNt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  for (int n = 0; n < kKs; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // heads 2 q4, 2 q4 + 1
 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -275,7 +292,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         for (int j = 0; j < kChunks / 32; ++j) {
           const int c = lane + 32 * j;
           const int r = c / (Tr::kRowBytes / 16), cc = c % (Tr::kRowBytes / 16);
-          const uint4 w = *reinterpret_cast<const uint4*>(src + c * 16);
+          const uint4 w = *reinterpret_cast<const uint4*>(src + Tr::stage_off(r, cc));
           const uint32_t in[4] = {w.x, w.y, w.z, w.w};
           uint32_t h[8];
 #pragma unroll
@@ -283,9 +300,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
             h[2 * e] = fp8x2_to_half2(uint16_t(in[e] & 0xffff));
             h[2 * e + 1] = fp8x2_to_half2(uint16_t(in[e] >> 16));
           }
-          *reinterpret_cast<uint4*>(dst + r * Tr::kRow16 + slab_swz(r, 2 * cc) * 16) =
+          *reinterpret_cast<uint4*>(dst + Tr::c16_off(r, 2 * cc)) =
               make_uint4(h[0], h[1], h[2], h[3]);
-          *reinterpret_cast<uint4*>(dst + r * Tr::kRow16 + slab_swz(r, 2 * cc + 1) * 16) =
+          *reinterpret_cast<uint4*>(dst + Tr::c16_off(r, 2 * cc + 1)) =
               make_uint4(h[4], h[5], h[6], h[7]);
         }
       }
@@ -295,112 +312,101 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const int tok0 = (s_begin + warp + i * kDecodeWarps) * kDecodeSlab;
 
-    // ---- S = Q K^T: 16 heads x 16 tokens, two n-tiles of 8 tokens ----
-    float s[2][4];
+    // ---- S^T = K q^T: 16 tokens (MMA rows) x 8 heads, K through ldmatrix ----
+    // ldmatrix lane address: 8x8 matrix mi = lane / 8 holds rows (mi & 1) * 8 + lane % 8 and
+    // chunk 2 ks + (mi >> 1) for K (a0..a3); for V^T rows (mi >> 1) * 8 + lane % 8, chunk
+    // 2 mt + (mi & 1) (the transposed load gives a0..a3 of V^T).
+    const int mi = lane >> 3, ri = lane & 7;
+    float s[4];
+    {
+      const int r = (mi & 1) * 8 + ri;
+      const uint32_t kbase = smem_addr(kb);
+      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};  // two short chains
+      uint32_t a[kKs][4];  // every fragment load in flight before the first MMA
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const int r = nt * 8 + g;
+      for (int ks = 0; ks < kKs; ++ks) ldmatrix_x4(a[ks], kbase + Tr::c16_off(r, 2 * ks + (mi >> 1)));
 #pragma unroll
-      for (int blk = 0; blk < kBlk; ++blk) {
-        const uint4 kv =
-            *reinterpret_cast<const uint4*>(kb + r * Tr::kRow16 + slab_swz(r, blk * 4 + q4) * 16);
-        mma_16816<MT>(s[nt], qa[2 * blk], kv.x, kv.y);
-        mma_16816<MT>(s[nt], qa[2 * blk + 1], kv.z, kv.w);
-      }
+      for (int ks = 0; ks < kKs; ++ks)
+        mma_16816<MT>((ks & 1) ? sb : sa, a[ks], qf[ks][0], qf[ks][1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[e] = sa[e] + sb[e];
     }
-    // scale, per-token k scale, mask past the end; lane holds tokens nt*8 + 2 q4 + {0,1}
+    // s[0], s[1]: token g, heads 2 q4, 2 q4 + 1; s[2], s[3]: token g + 8
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int hi = 0; hi < 2; ++hi) {
+      const int t = g + 8 * hi;
+      float f = p.scale_log2;
+      if (kFp8) f *= ksc[t];
+      const bool ok = tok0 + t < len;
+      s[2 * hi] = ok ? s[2 * hi] * f : -INFINITY;
+      s[2 * hi + 1] = ok ? s[2 * hi + 1] * f : -INFINITY;
+    }
+    // ---- online softmax per head (column): reduce over the 8 lanes of one q4 ----
+    float pr[4];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int t = nt * 8 + 2 * q4 + e;
-        float f = p.scale_log2;
-        if (kFp8) f *= ksc[t];
-        const bool ok = tok0 + t < len;
-        s[nt][e] = ok ? s[nt][e] * f : -INFINITY;
-        s[nt][2 + e] = ok ? s[nt][2 + e] * f : -INFINITY;
-      }
-    // ---- online softmax (rows g and g + 8) ----
-    float pr[2][4];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float mx = fmaxf(fmaxf(s[0][2 * hf], s[0][2 * hf + 1]), fmaxf(s[1][2 * hf], s[1][2 * hf + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[hf], mx);
+    for (int e = 0; e < 2; ++e) {
+      float mx = fmaxf(s[e], s[2 + e]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[e], mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run[hf] - m_use);
-      m_run[hf] = m_new;
-      float sum = 0.f;
+      const float alpha = exp2f(m_run[e] - m_use);
+      m_run[e] = m_new;
+      pr[e] = exp2f(s[e] - m_use);
+      pr[2 + e] = exp2f(s[2 + e] - m_use);
+      l_run[e] = l_run[e] * alpha + pr[e] + pr[2 + e];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float v = exp2f(s[nt][2 * hf + e] - m_use);
-          pr[nt][2 * hf + e] = v;
-          sum += v;
-        }
-      l_run[hf] = l_run[hf] * alpha + sum;
-#pragma unroll
-      for (int n = 0; n < kNt; ++n) {
-        o[n][2 * hf] *= alpha;
-        o[n][2 * hf + 1] *= alpha;
+      for (int n = 0; n < kKs; ++n) {
+        o[n][e] *= alpha;
+        o[n][2 + e] *= alpha;
       }
     }
     if (kFp8) {
       const float* vsc = ksc + kDecodeSlab;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float f = vsc[nt * 8 + 2 * q4 + e];
-          pr[nt][e] *= f;
-          pr[nt][2 + e] *= f;
-        }
+      const float f0 = vsc[g], f1 = vsc[g + 8];
+      pr[0] *= f0, pr[1] *= f0, pr[2] *= f1, pr[3] *= f1;
     }
-    uint32_t pa[4];
-    pa[0] = pack2<MT>(pr[0][0], pr[0][1]);
-    pa[1] = pack2<MT>(pr[0][2], pr[0][3]);
-    pa[2] = pack2<MT>(pr[1][0], pr[1][1]);
-    pa[3] = pack2<MT>(pr[1][2], pr[1][3]);
-    // ---- O += P V: V [16 tokens][D] through ldmatrix.trans, two n-tiles per load ----
+    // P^T [16 tokens x 8 heads] as the B operand of O^T += V^T P^T: transpose the two 8x8
+    // halves of the accumulator layout in registers.
+    const uint32_t b0 = movmatrix_trans(pack2<MT>(pr[0], pr[1]));
+    const uint32_t b1 = movmatrix_trans(pack2<MT>(pr[2], pr[3]));
     {
-      const int mi = lane >> 3, ri = lane & 7;
-      const int r = (mi & 1) * 8 + ri;
-      const uint32_t vrow = smem_addr(vb + r * Tr::kRow16);
+      const int r = (mi >> 1) * 8 + ri;
+      const uint32_t vbase = smem_addr(vb);
+      uint32_t a[kKs][4];
 #pragma unroll
-      for (int db = 0; db < D / 16; ++db) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vrow + slab_swz(r, 2 * db + (mi >> 1)) * 16);
-        mma_16816<MT>(o[2 * db], pa, bv[0], bv[1]);
-        mma_16816<MT>(o[2 * db + 1], pa, bv[2], bv[3]);
-      }
+      for (int mt = 0; mt < kKs; ++mt)
+        ldmatrix_x4_trans(a[mt], vbase + Tr::c16_off(r, 2 * mt + (mi & 1)));
+#pragma unroll
+      for (int mt = 0; mt < kKs; ++mt) mma_16816<MT>(o[mt], a[mt], b0, b1);
     }
   }
   cp_async_wait<0>();
+  pdl_trigger();
 
-  // ---- merge the four warps ----
+  // ---- merge the warps ----
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    l_run[hf] += __shfl_xor_sync(0xffffffffu, l_run[hf], 1);
-    l_run[hf] += __shfl_xor_sync(0xffffffffu, l_run[hf], 2);
-  }
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], off);
   __syncthreads();  // stage buffers are free
-  float* sm_o = reinterpret_cast<float*>(smem);                        // [warps][16][D]
-  float* sm_ml = sm_o + kDecodeWarps * kDecodeTileHeads * D;           // [warps][16][2]
-  float* sm_w = sm_ml + kDecodeWarps * kDecodeTileHeads * 2;           // [16][splits + 1]
+  float* sm_o = reinterpret_cast<float*>(smem);                        // [warps][8][D]
+  float* sm_ml = sm_o + kDecodeWarps * kDecodeTileHeads * D;           // [warps][8][2]
+  float* sm_w = sm_ml + kDecodeWarps * kDecodeTileHeads * 2;           // [8][splits + 1]
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int row = g + 8 * hf;
+  for (int e = 0; e < 2; ++e) {
+    const int row = 2 * q4 + e;
     if (row < rows) {
       float* dst = sm_o + (warp * kDecodeTileHeads + row) * D;
 #pragma unroll
-      for (int n = 0; n < kNt; ++n)
-        *reinterpret_cast<float2*>(dst + n * 8 + 2 * q4) = make_float2(o[n][2 * hf], o[n][2 * hf + 1]);
-      if (q4 == 0) {
-        sm_ml[(warp * kDecodeTileHeads + row) * 2] = m_run[hf];
-        sm_ml[(warp * kDecodeTileHeads + row) * 2 + 1] = l_run[hf];
+      for (int mt = 0; mt < kKs; ++mt) {
+        dst[mt * 16 + g] = o[mt][e];
+        dst[mt * 16 + g + 8] = o[mt][2 + e];
+      }
+      if (g == 0) {
+        sm_ml[(warp * kDecodeTileHeads + row) * 2] = m_run[e];
+        sm_ml[(warp * kDecodeTileHeads + row) * 2 + 1] = l_run[e];
       }
     }
   }
@@ -485,11 +491,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const float* src = p.o_partial + qrow * S * D + d;
     const float* w = sm_w + row * (kDecodeMaxSplits + 1);
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int sI = 0; sI < S; ++sI) {
-      const float ws = w[sI];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + int64_t(sI) * D));
-      if (ws != 0.f) acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
+    for (int s0 = 0; s0 < S; s0 += 16) {  // 16 loads in flight, then the sums in split order
+      float4 v[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        v[j] = s0 + j < S ? __ldcg(reinterpret_cast<const float4*>(src + int64_t(s0 + j) * D))
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float ws = s0 + j < S ? w[s0 + j] : 0.f;
+        acc.x += ws * v[j].x, acc.y += ws * v[j].y, acc.z += ws * v[j].z, acc.w += ws * v[j].w;
+      }
     }
     QT* out = static_cast<QT*>(p.out) + qrow * D + d;
     out[0] = from_f32<QT>(acc.x), out[1] = from_f32<QT>(acc.y);
