@@ -168,6 +168,8 @@ def decode_rows(quick: bool, ceiling: float, sweep: bool) -> list[dict]:
             r["target"] = f"{'<=' if tgt[0] == 'us' else '>='} {tgt[1]} {tgt[0]}"
             r["met"] = t <= tgt[1] if tgt[0] == "us" else r["tbs"] >= tgt[1]
         rows.append(r)
+        if CHECKPOINT is not None:
+            CHECKPOINT(rows)
         print(f"  {kind:8s} {hq}/{hkv} B{B:<3d} x {ctx:<6d} ps{ps:<3d} {r['kv_dtype']:13s} "
               f"{layout:10s} splits {splits:3d}: {t:8.2f} us {r['tbs']:5.2f} TB/s "
               f"({r['pct_hbm']:.0f}%)", flush=True)
@@ -205,6 +207,7 @@ def decode_rows(quick: bool, ceiling: float, sweep: bool) -> list[dict]:
     return rows
 
 
+CHECKPOINT = None  # main() sets it: rows so far -> result files (a cut-short run keeps them)
 SECTIONS = {"decode": decode_rows}  # further sections: name -> fn(quick, ceiling, sweep)
 
 
@@ -283,6 +286,21 @@ def main():
     meta = H.metadata(1)
     ceiling = hbm_ceiling_tbs()
     print(f"HBM ceiling (copy): {ceiling:.2f} TB/s")
+    gpu = "h200" if "H200" in meta.get("gpu", "") else meta.get("gpu", "gpu").replace(" ", "_")
+    out = Path(args.out) if args.out else H.RESULTS / f"{gpu.lower()}-w1"
+    out.mkdir(parents=True, exist_ok=True)
+    meta["hbm_ceiling_tbs"] = ceiling
+
+    def write(done, final=False):
+        (out / "attention.json").write_text(json.dumps({"meta": meta, "rows": done}, indent=1))
+        md = markdown(meta, ceiling, done)
+        (out / "attention.md").write_text(md)
+        if final:
+            plot(done, out / "attention.png")
+        return md
+
+    global CHECKPOINT
+    CHECKPOINT = lambda done: write(list(done))  # noqa: E731
     rows = []
     for name in args.what.split(","):
         if name not in SECTIONS:
@@ -296,15 +314,8 @@ def main():
         for r in rows:
             if "tbs" in r:
                 r["pct_hbm"] = 100 * r["tbs"] / ceiling
-    gpu = "h200" if "H200" in meta.get("gpu", "") else meta.get("gpu", "gpu").replace(" ", "_")
-    out = Path(args.out) if args.out else H.RESULTS / f"{gpu.lower()}-w1"
-    out.mkdir(parents=True, exist_ok=True)
     meta["hbm_ceiling_tbs"] = ceiling
-    (out / "attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = markdown(meta, ceiling, rows)
-    (out / "attention.md").write_text(md)
-    plot(rows, out / "attention.png")
-    print(md)
+    print(write(rows, final=True))
 
 
 if __name__ == "__main__":
