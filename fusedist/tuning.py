@@ -354,3 +354,68 @@ def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: in
         if got is not None and got[0] < best[0]:
             best = got
     return best[2]
+
+
+# ---- fusedist.gemm(kernel="auto") ---------------------------------------------------------
+# The table's "gemm" section lists the regions where one of fusedist's GEMM kernels beat
+# torch.matmul in a same-run measurement (benchmarks/gemm.py --write-rules derives them):
+#   {"rules": [{"kernel": "decode" | "sm90", "layout": "kn" | "nk", "dtype": "bfloat16",
+#               "k": K, "n": N, "m": [lo, hi]}, ...]}
+# Every other call takes torch.matmul.
+GEMM_KERNELS = ("decode", "sm90")
+GEMM_LAYOUTS = ("kn", "nk")
+
+
+def gemm_rules(table: dict) -> list:
+    """The table's GEMM rules, checked."""
+    rules = table.get("gemm", {}).get("rules", [])
+    for r in rules:
+        if r.get("kernel") not in GEMM_KERNELS or r.get("layout") not in GEMM_LAYOUTS or \
+                not isinstance(r.get("m"), list) or len(r["m"]) != 2 or r["m"][0] > r["m"][1] \
+                or not all(isinstance(r.get(key), int) for key in ("k", "n")) or \
+                not isinstance(r.get("dtype"), str):
+            raise ValueError(f"fusedist: tuning table gemm rule {r!r} needs kernel in "
+                             f"{GEMM_KERNELS}, layout in {GEMM_LAYOUTS}, dtype, int k and n, "
+                             "and m = [lo, hi]")
+    return rules
+
+
+def choose_gemm_kernel(table: dict, m: int, k: int, n: int, layout: str, dtype: str) -> str:
+    """The kernel of the first rule covering (m, k, n, layout, dtype), else "torch"."""
+    for r in gemm_rules(table):
+        if r["k"] == k and r["n"] == n and r["layout"] == layout and r["dtype"] == dtype and \
+                r["m"][0] <= m <= r["m"][1]:
+            return r["kernel"]
+    return "torch"
+
+
+def derive_gemm_rules(points: list, min_ratio: float = 0.99, min_median: float = 1.0) -> list:
+    """GEMM rules from measurements. points: dicts with kernel, layout, dtype, k, n, m and
+    ratio (torch.matmul time / the kernel's time, same run). A measured m qualifies for a
+    kernel when every ratio there is >= min_ratio and their median >= min_median; runs of
+    consecutive qualifying m (in the measured m of that shape) become one rule [first, last].
+    Where two kernels qualify at one m, the one with the larger median wins."""
+    from statistics import median
+    by: dict = {}
+    for p in points:
+        shape = (p["layout"], p["dtype"], int(p["k"]), int(p["n"]))
+        by.setdefault(shape, {}).setdefault(int(p["m"]), {}).setdefault(
+            p["kernel"], []).append(float(p["ratio"]))
+    rules = []
+    for (layout, dtype, k, n), per_m in sorted(by.items()):
+        best = {}
+        for m, kernels in per_m.items():
+            ok = {kn: median(rs) for kn, rs in kernels.items()
+                  if min(rs) >= min_ratio and median(rs) >= min_median}
+            best[m] = max(ok, key=ok.get) if ok else "torch"
+        run = None
+        for m in sorted(best) + [None]:
+            kern = best.get(m) if m is not None else None
+            if run is not None and kern == run["kernel"]:
+                run["m"][1] = m
+                continue
+            if run is not None and run["kernel"] != "torch":
+                rules.append(run)
+            run = None if m is None else {"kernel": kern, "layout": layout, "dtype": dtype,
+                                          "k": k, "n": n, "m": [m, m]}
+    return rules

@@ -45,3 +45,24 @@ def gemm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     r = ref.double()
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+# GEMM outputs, element by element: |out - ref| <= rtol |ref| + atol rms(ref). The rtol term
+# is a few roundings of the output dtype; the atol term, relative to the output's RMS, covers
+# elements near zero (sums of K products that cancel), whose error comes from roundings of
+# intermediates of the output's scale (a partial per rank, a bias add). A stale 16-byte vector
+# (values of another row or call, of the output's scale) or a NaN left from the poison fails.
+GEMM_ELEM = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
+             torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def count_bad_gemm(out: torch.Tensor, ref: torch.Tensor, table=GEMM_ELEM) -> int:
+    """Elements of a GEMM output outside GEMM_ELEM's bound for out's dtype (NaN/inf count
+    as bad)."""
+    rtol, atol = table[out.dtype]
+    o = out.double()
+    r = ref.double()
+    rms = float(r.pow(2).mean().sqrt()) if r.numel() else 0.0
+    ok = (o - r).abs() <= rtol * r.abs() + atol * rms
+    ok &= torch.isfinite(o)
+    return int((~ok).sum())

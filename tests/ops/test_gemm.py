@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+from tolerances import GEMM_REL, count_bad_gemm, gemm_rel_err  # noqa: E402
 
 import fusedist  # noqa: E402
 
@@ -66,30 +66,150 @@ def _check_against_float64(run, m, k, n, layout, dt, gen, bias: bool, what: str)
 
 def test_gemm_rejects_bad_arguments_on_cpu():
     x, w = torch.zeros(4, 8), torch.zeros(8, 16)
-    with pytest.raises(TypeError, match="CUDA tensors"):
-        fusedist.gemm(x, w)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        fusedist.gemm(x, w)  # float32
+    xb, wb = x.bfloat16(), w.bfloat16()
     with pytest.raises(ValueError, match="kernel must be one of"):
-        fusedist.gemm(x, w, kernel="cublas")
+        fusedist.gemm(xb, wb, kernel="cublas")
+    with pytest.raises(ValueError, match="kernel='sm90' needs CUDA tensors"):
+        fusedist.gemm(xb, wb, kernel="sm90")
+    with pytest.raises(ValueError, match="accumulate=True adds into out"):
+        fusedist.gemm(xb, wb, accumulate=True)
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(4, 16\)"):
+        fusedist.gemm(xb, wb, out=torch.empty(4, 15, dtype=torch.bfloat16))
 
 
-def test_gemm_auto_kernel_choice():
-    from fusedist.ops.gemm import DECODE_MAX_M, auto_kernel, readable_rows
+def _cpu(shape, dt):
+    return (torch.randn(shape, dtype=torch.float32) * 0.5).to(dt)
 
-    # The decode kernel for few rows, then the sm90 GEMM (whose launcher picks the tile).
-    assert DECODE_MAX_M == 64
-    assert auto_kernel(1, False, True) == "decode"
-    assert auto_kernel(64, False, True) == "decode"
-    assert auto_kernel(65, False, True) == "sm90"
-    assert auto_kernel(4096, False, True) == "sm90"
-    # The decode kernel does not accumulate; no Hopper GPU: torch.matmul.
-    assert auto_kernel(8, True, True) == "sm90"
-    assert auto_kernel(8, True, False) == "torch"
-    assert auto_kernel(500, False, False) == "torch"
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 8, 8), (37, 72, 40), (129, 1000, 776), (5, 4104, 24)])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_gemm_cpu_reference_matches_float64(dt, m, k, n, layout):
+    """CPU tensors: fp32 accumulation rounded once, with bias, out= and accumulate=True."""
+    x = _cpu((m, k), dt)
+    w = _cpu((k, n), dt) if layout == "kn" else _cpu((n, k), dt).t()
+    b = _cpu((n,), dt)
+    ref = x.double() @ w.double()
+    for bias in (None, b):
+        want = ref + (b.double() if bias is not None else 0)
+        out = torch.full((m, n), float("nan"), dtype=dt)
+        y = fusedist.gemm(x, w, bias, out=out)
+        assert y is out
+        assert count_bad_gemm(y, want) == 0 and gemm_rel_err(y, want) < GEMM_REL[dt]
+        # Rounded once: exactly the fp32 result rounded to dt.
+        exact = (x.float() @ w.float() + (b.float() if bias is not None else 0)).to(dt)
+        assert torch.equal(y, exact)
+        c = _cpu((m, n), dt)
+        acc = c.clone()
+        assert fusedist.gemm(x, w, bias, out=acc, accumulate=True) is acc
+        assert count_bad_gemm(acc, want + c.double()) == 0
+        exact = (x.float() @ w.float() + (b.float() if bias is not None else 0) + c.float())
+        assert torch.equal(acc, exact.to(dt))
+    assert fusedist.gemm(x, w).dtype == dt and fusedist.gemm(x, w).shape == (m, n)
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kernel", ["auto", "decode", "sm90"])
+def test_gemm_empty_batch(dev, kernel):
+    """M = 0 (an idle rank's batch): an empty [0, N] result, out untouched, on every kernel."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    if dev == "cpu" and kernel != "auto" or dev == "cuda" and kernel != "auto" and not _hopper():
+        pytest.skip("that kernel does not run here")
+    dt = torch.bfloat16
+    x = torch.empty(0, 64, dtype=dt, device=dev)
+    w = torch.randn(64, 48, device=dev).to(dt)
+    y = fusedist.gemm(x, w, kernel=kernel)
+    assert y.shape == (0, 48) and y.dtype == dt
+    y = fusedist.gemm(x, w.t().contiguous().t(), torch.ones(48, dtype=dt, device=dev),
+                      kernel=kernel)
+    assert y.shape == (0, 48)
+    if kernel != "decode":
+        out = torch.empty(0, 48, dtype=dt, device=dev)
+        assert fusedist.gemm(x, w, out=out, accumulate=True, kernel=kernel) is out
+
+
+def test_gemm_k_zero_is_the_bias():
+    x = torch.empty(3, 0, dtype=torch.bfloat16)
+    w = torch.empty(0, 16, dtype=torch.bfloat16)
+    b = torch.arange(16.0).bfloat16()
+    assert torch.equal(fusedist.gemm(x, w, b), b.expand(3, 16))
+
+
+def test_gemm_auto_kernel_follows_the_rules():
+    from fusedist.ops.gemm import auto_kernel, readable_rows
+    table = {"gemm": {"rules": [
+        {"kernel": "decode", "layout": "nk", "dtype": "bfloat16", "k": 14336, "n": 8192,
+         "m": [16, 32]},
+        {"kernel": "sm90", "layout": "kn", "dtype": "bfloat16", "k": 4096, "n": 8192,
+         "m": [96, 112]}]}}
+    bf = torch.bfloat16
+    assert auto_kernel(16, 14336, 8192, "nk", bf, False, True, table) == "decode"
+    assert auto_kernel(32, 14336, 8192, "nk", bf, False, True, table) == "decode"
+    # Outside the measured region, another layout, dtype or shape: torch.matmul.
+    assert auto_kernel(33, 14336, 8192, "nk", bf, False, True, table) == "torch"
+    assert auto_kernel(1, 14336, 8192, "nk", bf, False, True, table) == "torch"
+    assert auto_kernel(16, 14336, 8192, "kn", bf, False, True, table) == "torch"
+    assert auto_kernel(16, 14336, 8192, "nk", torch.float16, False, True, table) == "torch"
+    assert auto_kernel(16, 14336, 4096, "nk", bf, False, True, table) == "torch"
+    assert auto_kernel(100, 4096, 8192, "kn", bf, False, True, table) == "sm90"
+    assert auto_kernel(100, 4096, 8192, "kn", bf, True, True, table) == "sm90"
+    # The decode kernel does not accumulate; no Hopper GPU or no rows: torch.matmul.
+    assert auto_kernel(16, 14336, 8192, "nk", bf, True, True, table) == "torch"
+    assert auto_kernel(100, 4096, 8192, "kn", bf, False, False, table) == "torch"
+    assert auto_kernel(0, 4096, 8192, "kn", bf, False, True, table) == "torch"
+    assert auto_kernel(16, 14336, 8192, "nk", bf, False, True, {}) == "torch"
     buf = torch.zeros(10, 16)
     assert readable_rows(buf[:3]) == 10
     assert readable_rows(buf[4:7]) == 6
     assert readable_rows(buf[:3, :8]) == 10
     assert readable_rows(buf[:3].clone()) == 3
+
+
+# The shapes where fusedist's kernel measured slower than torch.matmul on H200 (bf16, the
+# nn.Linear weight passed as w.t()): auto must take torch.matmul there.
+LOSING = [(1, 14336, 4096), (1, 4096, 6144), (1, 4096, 28672), (2048, 4096, 4096),
+          (4096, 8192, 8192), (64, 4096, 8192), (128, 14336, 8192), (512, 4096, 8192)]
+
+
+@pytest.mark.parametrize("m,k,n", LOSING)
+def test_shipped_rules_take_torch_where_fusedist_lost(m, k, n):
+    from fusedist import tuning
+    from fusedist.ops.gemm import auto_kernel
+    table = tuning.load_table("NVIDIA H200", 1)
+    for layout in ("kn", "nk"):
+        assert auto_kernel(m, k, n, layout, torch.bfloat16, False, True, table) == "torch"
+
+
+def test_derive_gemm_rules_keeps_only_consistent_wins():
+    from fusedist import tuning
+    base = {"layout": "nk", "dtype": "bfloat16", "k": 4096, "n": 8192}
+    pts = [{**base, "kernel": "decode", "m": m, "ratio": r} for m, rs in
+           ((1, (1.02, 1.01)), (8, (1.00, 1.03)), (16, (1.05, 0.95)), (32, (1.01,)),
+            (64, (0.98, 0.99))) for r in rs]
+    pts += [{**base, "kernel": "sm90", "m": m, "ratio": r} for m, r in
+            ((32, 1.04), (128, 1.02), (256, 1.01), (512, 0.97))]
+    pts += [{**base, "layout": "kn", "kernel": "decode", "m": 1, "ratio": 1.2}]
+    rules = tuning.derive_gemm_rules(pts)
+    assert rules == [
+        {"kernel": "decode", "layout": "kn", "dtype": "bfloat16", "k": 4096, "n": 8192,
+         "m": [1, 1]},
+        # 1 and 8 win; 16 lost once (0.95); 32: sm90 has the larger median; 64 lost.
+        {"kernel": "decode", "layout": "nk", "dtype": "bfloat16", "k": 4096, "n": 8192,
+         "m": [1, 8]},
+        {"kernel": "sm90", "layout": "nk", "dtype": "bfloat16", "k": 4096, "n": 8192,
+         "m": [32, 32]},
+        {"kernel": "sm90", "layout": "nk", "dtype": "bfloat16", "k": 4096, "n": 8192,
+         "m": [128, 256]}]
+    for r in rules:
+        assert tuning.choose_gemm_kernel({"gemm": {"rules": rules}}, r["m"][0], r["k"], r["n"],
+                                         r["layout"], r["dtype"]) == r["kernel"]
+    assert tuning.choose_gemm_kernel({"gemm": {"rules": rules}}, 16, 4096, 8192, "nk",
+                                     "bfloat16") == "torch"
+    with pytest.raises(ValueError, match="gemm rule"):
+        tuning.gemm_rules({"gemm": {"rules": [{"kernel": "cublas"}]}})
 
 
 # M: 1 row, odd, the swap tile's range, one past a row block, many waves; (K, N): not multiples
