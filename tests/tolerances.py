@@ -66,3 +66,11 @@ def count_bad_gemm(out: torch.Tensor, ref: torch.Tensor, table=GEMM_ELEM) -> int
     ok = (o - r).abs() <= rtol * r.abs() + atol * rms
     ok &= torch.isfinite(o)
     return int((~ok).sum())
+
+
+def gemm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The GEMM tests' check, compared against GEMM_REL: the relative Frobenius error, or inf
+    when any element is outside count_bad_gemm's element-wise bound (or not finite)."""
+    if count_bad_gemm(out, ref):
+        return float("inf")
+    return gemm_rel_err(out, ref)

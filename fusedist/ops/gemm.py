@@ -198,6 +198,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring). CPU
     tensors take the plain-torch reference (fp32 accumulation, rounded once); M = 0 returns
     the empty [0, N] output (out unchanged)."""
+    if hasattr(torch, "compiler") and torch.compiler.is_compiling():
+        if accumulate:
+            if out is None:
+                raise ValueError("fusedist.gemm: accumulate=True adds into out; pass out=")
+            torch.ops.fusedist.gemm_accumulate_(x, w, bias, out, kernel)
+            return out
+        y = torch.ops.fusedist.gemm(x, w, bias, kernel)
+        return y if out is None else out.copy_(y)
     if kernel not in KERNELS:
         raise ValueError(f"fusedist.gemm: kernel must be one of {KERNELS}, got {kernel!r}")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
@@ -264,3 +272,26 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
                              f"{_ext.load().GEMM_AR_FUSED_MAX_M} rows, got {m}; use kernel='auto'")
         return launch_decode(None, x, w, bias, out, stream)
     return launch_sm90(x, w, bias, out, stream, accumulate=accumulate)
+
+
+# ---- torch.compile: torch.library registrations ------------------------------------------
+@torch.library.custom_op("fusedist::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             kernel: str = "auto") -> torch.Tensor:
+    return gemm(x, w, bias, kernel=kernel)
+
+
+@_gemm_op.register_fake
+def _(x, w, bias=None, kernel="auto"):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("fusedist::gemm_accumulate_", mutates_args=("out",))
+def _gemm_accumulate_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                        out: torch.Tensor, kernel: str = "auto") -> None:
+    gemm(x, w, bias, out=out, kernel=kernel, accumulate=True)
+
+
+@_gemm_accumulate_op.register_fake
+def _(x, w, bias, out, kernel="auto"):
+    return None

@@ -101,6 +101,8 @@ def _fused_common_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) 
     K, N = w.shape
     if N % 8 or K % 8:
         return f"N = {N} and K = {K} must be multiples of 8"
+    if x.shape[0] == 0 or K == 0 or N == 0:
+        return f"an empty problem (x {tuple(x.shape)}, w {tuple(w.shape)})"
     if weight_layout(w) is None:
         return (f"w has strides {tuple(w.stride())}; it must be a row-major [K, N] tensor or the "
                 ".t() of a row-major [N, K] one (call .contiguous())")
@@ -114,8 +116,6 @@ def _fused_sm90_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) ->
         return why
     if not sm90_available(comm.device):
         return f"{comm.device} is not a Hopper (sm_90) GPU"
-    if x.shape[0] == 0 or w.shape[0] == 0 or w.shape[1] == 0:
-        return f"an empty problem (x {tuple(x.shape)}, w {tuple(w.shape)})"
     return None
 
 
@@ -345,6 +345,9 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     engine): "auto" (copy engine when the communicator has staging_bytes for the shard, else
     NCCL), "nccl" or "copy_engine". chunks (fused engine): copy pieces per rank block, each
     flagged as it lands (default 1)."""
+    if _compiling():
+        return _compiled(torch.ops.fusedist.ag_gemm, x_shard, w, bias, get_communicator(group),
+                         engine, transport, chunks, out)
     op = "ag_gemm"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.ag_gemm: transport must be one of {TRANSPORTS}, got "
@@ -355,6 +358,8 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     m, k = x_shard.shape
     n = w.shape[1]
     out = _out(op, out, (W * m, n), x_shard)
+    if out.numel() == 0:
+        return out  # every rank's shard has the same shape: every rank skips the collective
     how = _ag_transport(comm, x_shard, transport) if comm.device.type == "cuda" else "nccl"
     fused_why_not = _fused_ag_why_not(comm, x_shard, w) if comm.device.type == "cuda" else \
         "CPU tensors"
@@ -722,6 +727,9 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     engine, whose chunks the table's wave model may cut unevenly), or pieces per block of the
     fused engine (default one per 2048 rows, at most MAX_SIGNAL_PIECES). The copy-engine
     overlap also takes a list of row counts summing to M / world: the chunks' rows, as given."""
+    if _compiling():
+        return _compiled(torch.ops.fusedist.gemm_rs, x, w_shard, bias, get_communicator(group),
+                         engine, transport, chunks, out)
     op = "gemm_rs"
     if transport not in TRANSPORTS:
         raise ValueError(f"fusedist.gemm_rs: transport must be one of {TRANSPORTS}, got "
@@ -736,6 +744,8 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
                          f"{W}; pad M to a multiple of {W}")
     m = M // W
     out = _out(op, out, (m, n), x)
+    if out.numel() == 0:
+        return out  # M (and N) are the same on every rank: every rank skips the collective
     how = _transport(op, comm, M * n * x.element_size(), transport) \
         if comm.device.type == "cuda" else "nccl"
     fused_why_not = _fused_rs_why_not(comm, x, w_shard) if comm.device.type == "cuda" else \
@@ -808,6 +818,9 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     rows' GEMM, and a copy-engine all-gather; needs staging_bytes >= M * N * itemsize), or
     "auto" (the copy engine when the staging fits). chunks: pipeline depth (default from the
     tuning table); the copy-engine transport also takes a list of row counts summing to M."""
+    if _compiling():
+        return _compiled(torch.ops.fusedist.gemm_ar, x, w_shard, bias, get_communicator(group),
+                         engine, transport, chunks, out)
     op = "gemm_ar"
     if transport not in AR_TRANSPORTS:
         raise ValueError(f"fusedist.gemm_ar: transport must be one of {AR_TRANSPORTS}, got "
@@ -817,6 +830,8 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     M, k = x.shape
     n = w_shard.shape[1]
     out = _out(op, out, (M, n), x)
+    if out.numel() == 0:
+        return out  # M (and N) are the same on every rank: every rank skips the collective
     how = "collective"
     if comm.device.type == "cuda" and comm.group.size > 1:
         how = _transport(op, comm, M * n * x.element_size(), transport, "collective")
@@ -871,37 +886,71 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
         return out.add_(bias) if bias is not None else out
 
 
-# ---- torch.library registrations ----------------------------------------------------------
+# ---- torch.compile: torch.library registrations ------------------------------------------
+# Under torch.compile the public functions call these ops (dynamo cannot trace a
+# Communicator): the communicator travels by name, chunks as a depth (0: the table's) or a
+# list of row counts, out= by a copy into it (the op itself is functional).
+def _compiling() -> bool:
+    return hasattr(torch, "compiler") and torch.compiler.is_compiling()
+
+
+def _chunks_args(chunks) -> tuple:
+    if chunks is None:
+        return 0, None
+    if isinstance(chunks, (list, tuple)):
+        return 0, [int(c) for c in chunks]
+    return int(chunks), None
+
+
+def _chunks_of(chunks: int, chunk_rows: Optional[list]):
+    return list(chunk_rows) if chunk_rows is not None else (chunks or None)
+
+
+def _compiled(op, x, w, bias, comm, engine, transport, chunks, out):
+    depth, rows = _chunks_args(chunks)
+    y = op(x, w, comm.name, engine, bias, transport, depth, rows)
+    return y if out is None else out.copy_(y)
+
+
 @torch.library.custom_op("fusedist::ag_gemm", mutates_args=())
-def _ag_gemm_op(x_shard: torch.Tensor, w: torch.Tensor, comm_name: str, engine: str
-                ) -> torch.Tensor:
-    return ag_gemm(x_shard, w, group=communicator_by_name(comm_name), engine=engine)
+def _ag_gemm_op(x_shard: torch.Tensor, w: torch.Tensor, comm_name: str, engine: str = "auto",
+                bias: Optional[torch.Tensor] = None, transport: str = "auto", chunks: int = 0,
+                chunk_rows: Optional[list[int]] = None) -> torch.Tensor:
+    return ag_gemm(x_shard, w, bias, group=communicator_by_name(comm_name), engine=engine,
+                   transport=transport, chunks=_chunks_of(chunks, chunk_rows))
 
 
 @_ag_gemm_op.register_fake
-def _(x_shard, w, comm_name, engine):
+def _(x_shard, w, comm_name, engine="auto", bias=None, transport="auto", chunks=0,
+      chunk_rows=None):
     W = communicator_by_name(comm_name).group.size
     return x_shard.new_empty((W * x_shard.shape[0], w.shape[1]))
 
 
 @torch.library.custom_op("fusedist::gemm_rs", mutates_args=())
-def _gemm_rs_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str
-                ) -> torch.Tensor:
-    return gemm_rs(x, w_shard, group=communicator_by_name(comm_name), engine=engine)
+def _gemm_rs_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str = "auto",
+                bias: Optional[torch.Tensor] = None, transport: str = "auto", chunks: int = 0,
+                chunk_rows: Optional[list[int]] = None) -> torch.Tensor:
+    return gemm_rs(x, w_shard, bias, group=communicator_by_name(comm_name), engine=engine,
+                   transport=transport, chunks=_chunks_of(chunks, chunk_rows))
 
 
 @_gemm_rs_op.register_fake
-def _(x, w_shard, comm_name, engine):
+def _(x, w_shard, comm_name, engine="auto", bias=None, transport="auto", chunks=0,
+      chunk_rows=None):
     W = communicator_by_name(comm_name).group.size
     return x.new_empty((x.shape[0] // W, w_shard.shape[1]))
 
 
 @torch.library.custom_op("fusedist::gemm_ar", mutates_args=())
-def _gemm_ar_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str
-                ) -> torch.Tensor:
-    return gemm_ar(x, w_shard, group=communicator_by_name(comm_name), engine=engine)
+def _gemm_ar_op(x: torch.Tensor, w_shard: torch.Tensor, comm_name: str, engine: str = "auto",
+                bias: Optional[torch.Tensor] = None, transport: str = "auto", chunks: int = 0,
+                chunk_rows: Optional[list[int]] = None) -> torch.Tensor:
+    return gemm_ar(x, w_shard, bias, group=communicator_by_name(comm_name), engine=engine,
+                   transport=transport, chunks=_chunks_of(chunks, chunk_rows))
 
 
 @_gemm_ar_op.register_fake
-def _(x, w_shard, comm_name, engine):
+def _(x, w_shard, comm_name, engine="auto", bias=None, transport="auto", chunks=0,
+      chunk_rows=None):
     return x.new_empty((x.shape[0], w_shard.shape[1]))

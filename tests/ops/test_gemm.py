@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tolerances import GEMM_REL, count_bad_gemm, gemm_rel_err  # noqa: E402
+from tolerances import GEMM_REL, count_bad_gemm, gemm_err, gemm_rel_err  # noqa: E402
 
 import fusedist  # noqa: E402
 
@@ -53,13 +53,13 @@ def _check_against_float64(run, m, k, n, layout, dt, gen, bias: bool, what: str)
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
     y = run(x, w, b, out, False)
     torch.cuda.synchronize()
-    err = gemm_rel_err(y, ref)
+    err = gemm_err(y, ref)
     assert y is out and err < GEMM_REL[dt], \
         f"{what} {dt} M={m} K={k} N={n} w={layout} bias={bias}: {err:.3g}"
     c = _fresh((m, n), dt, gen)
     acc = c.clone()
     run(x, w, b, acc, True)
-    err = gemm_rel_err(acc, ref + c.double())
+    err = gemm_err(acc, ref + c.double())
     assert err < GEMM_REL[dt], \
         f"{what} accumulate {dt} M={m} K={k} N={n} w={layout} bias={bias}: {err:.3g}"
 
@@ -97,7 +97,7 @@ def test_gemm_cpu_reference_matches_float64(dt, m, k, n, layout):
         out = torch.full((m, n), float("nan"), dtype=dt)
         y = fusedist.gemm(x, w, bias, out=out)
         assert y is out
-        assert count_bad_gemm(y, want) == 0 and gemm_rel_err(y, want) < GEMM_REL[dt]
+        assert count_bad_gemm(y, want) == 0 and gemm_err(y, want) < GEMM_REL[dt]
         # Rounded once: exactly the fp32 result rounded to dt.
         exact = (x.float() @ w.float() + (b.float() if bias is not None else 0)).to(dt)
         assert torch.equal(y, exact)
@@ -129,6 +129,24 @@ def test_gemm_empty_batch(dev, kernel):
     if kernel != "decode":
         out = torch.empty(0, 48, dtype=dt, device=dev)
         assert fusedist.gemm(x, w, out=out, accumulate=True, kernel=kernel) is out
+
+
+def test_gemm_check_catches_one_stale_vector():
+    """One 16-byte vector left from another row in a 258 x 776 output: the Frobenius error
+    alone stays under GEMM_REL (bf16), the element-wise bound (gemm_err) fails it; so does one
+    NaN."""
+    dt = torch.bfloat16
+    x, w = _cpu((258, 520), dt), _cpu((520, 776), dt)
+    ref = x.double() @ w.double()
+    out = (x.float() @ w.float()).to(dt)
+    assert gemm_err(out, ref) < GEMM_REL[dt] and count_bad_gemm(out, ref) == 0
+    stale = out.clone()
+    stale[100, 8:16] = out[7, 8:16]
+    assert gemm_rel_err(stale, ref) < GEMM_REL[dt]  # what the old check saw
+    assert count_bad_gemm(stale, ref) > 0 and gemm_err(stale, ref) == float("inf")
+    nan = out.clone()
+    nan[5, 3] = float("nan")
+    assert count_bad_gemm(nan, ref) == 1 and gemm_err(nan, ref) == float("inf")
 
 
 def test_gemm_k_zero_is_the_bias():
@@ -309,11 +327,11 @@ def test_gemm_sm90_views_and_errors():
     w = _fresh((k, n), dt, gen)
     out = torch.full((m * n + 1,), float("nan"), dtype=dt, device="cuda")[1:].view(m, n)
     fusedist.gemm(x, w, out=out, kernel="sm90")
-    assert gemm_rel_err(out, x.double() @ w.double()) < GEMM_REL[dt]
+    assert gemm_err(out, x.double() @ w.double()) < GEMM_REL[dt]
     # A weight with a padded row stride (a slice of a wider matrix).
     wide = _fresh((k, n + 64), dt, gen)
     y = fusedist.gemm(x.contiguous(), wide[:, :n], kernel="sm90")
-    assert gemm_rel_err(y, x.double() @ wide[:, :n].double()) < GEMM_REL[dt]
+    assert gemm_err(y, x.double() @ wide[:, :n].double()) < GEMM_REL[dt]
     with pytest.raises(ValueError, match="multiples of 8"):
         fusedist.gemm(x.contiguous(), _fresh((k, 40), dt, gen)[:, :36], kernel="sm90")
     with pytest.raises(ValueError, match="pass out="):
