@@ -3,6 +3,7 @@ against a float64 reference; argument errors on any machine."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -339,3 +340,39 @@ def test_gemm_sm90_views_and_errors():
     with pytest.raises(ValueError, match="does not accumulate"):
         fusedist.gemm(x.contiguous(), w, out=torch.empty(m, n, dtype=dt, device="cuda"),
                       kernel="decode", accumulate=True)
+
+
+def _bench_gemm():
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_llama_sweep_plan_and_rules_round_trip(tmp_path):
+    """benchmarks/gemm.py --shapes llama: every Llama-3-8B/70B projection at TP 1/2/4/8, TMA-
+    legal, within the sweep's time budget; --write-rules output loads as the gemm rules."""
+    from fusedist import tuning
+    b = _bench_gemm()
+    shapes = b.llama_shapes()
+    assert len(shapes) == 2 * 4 * 5
+    assert ("llama3-8b", 1, "down", 14336, 4096) in shapes
+    assert ("llama3-70b", 8, "lm_head", 8192, 16032) in shapes
+    assert all(k % 8 == 0 and n % 8 == 0 for *_, k, n in shapes)
+    pts = b.sweep_points()
+    assert {m for _, m in pts} == set(b.LLAMA_MS)
+    assert b.sweep_seconds(pts) < 200
+    rows = [{"layout": "nk", "dtype": "bfloat16", "M": m, "K": 14336, "N": 4096,
+             "ratio_rounds": {"decode": [1.02, 1.01], "sm90": [0.9, 0.95], "auto": [1.0, 1.0]}}
+            for m in (1, 2, 4)] + \
+           [{"layout": "nk", "dtype": "bfloat16", "M": 8, "K": 14336, "N": 4096,
+             "ratio_rounds": {"decode": [1.02, 0.9]}}]
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"allreduce": {}}))
+    b.write_rules(tuning.derive_gemm_rules(b.points_from_results({"rows": rows})), path)
+    table = json.loads(path.read_text())
+    assert table["allreduce"] == {}
+    assert tuning.gemm_rules(table) == [{"kernel": "decode", "layout": "nk", "dtype": "bfloat16",
+                                         "k": 14336, "n": 4096, "m": [1, 4]}]
