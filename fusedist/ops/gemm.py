@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .. import _dtypes, _ext, tuning
+from .. import _align, _dtypes, _ext, tuning
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -71,15 +71,14 @@ def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
     return None
 
 
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+aligned = _align.aligned_input
 
 
 def aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
     """w itself when 16-byte aligned, else a fresh (aligned) copy in the same layout: row-major
     [K, N], or the .t() of a row-major [N, K]. (.contiguous() would return a contiguous view
     unchanged, still misaligned.)"""
-    if w.data_ptr() % 16 == 0:
+    if _align.is_aligned(w):
         return w
     if w_nk:
         return w.t().clone(memory_format=torch.contiguous_format).t()
@@ -88,7 +87,7 @@ def aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
 
 def _weight(w: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     w_nk, ldw = weight_layout(w)
-    if w.data_ptr() % 16:
+    if not _align.is_aligned(w):
         w = aligned_weight(w, w_nk)
         w_nk, ldw = weight_layout(w)
     return w, w_nk, ldw
@@ -108,7 +107,7 @@ def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
     C = _ext.load()
     xa = aligned(x)
     w, w_nk, ldw = _weight(w)
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    dst = _align.aligned_output(out)
     b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
     C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                     w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
@@ -141,7 +140,7 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
     C = _ext.load()
     xa = aligned(x)
     w, w_nk, ldw = _weight(w)
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    dst = _align.aligned_output(out)
     if (flags is not None and wait_on_c or signal_row0 is not None) and dst is not out:
         raise ValueError("fusedist: a fused GEMM's out must be 16-byte aligned")
     if accumulate and dst is not out:

@@ -54,7 +54,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .. import _dtypes, _ext, tuning
+from .. import _align, _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ..streams import comm_stream, nvtx_range
 from .gemm import FUSED_DTYPES, launch_decode, launch_sm90, sm90_available, weight_layout
@@ -85,6 +85,13 @@ def _engine(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
             return "fused"
         if forced in ("unfused", "overlap"):
             return forced
+        measured = comm.table.get("gemm_comm", {}).get("measured_worlds")
+        if measured and comm.group.size not in measured:
+            tuning.warn_once(comm, "gemm_comm_untuned_world",
+                             f"the GEMM + collective engine rules were measured at world size"
+                             f" {', '.join(map(str, measured))}, not {comm.group.size}; "
+                             "engine='auto' applies them as they are (the engines may cross over "
+                             "elsewhere at this size): measure with benchmarks/gemm_comm.py")
         return tuning.choose_gemm(comm.table, op, m, n, k, comm.group.size,
                                   fused_ok=fused_why_not is None, copy_engine_ok=copy_engine_ok)
     return engine
@@ -385,12 +392,14 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
             return _mm(gathered, w, out, bias)
         main = comm.launch_stream() if how == "copy_engine" else \
             torch.cuda.current_stream(x_shard.device)
-        stage_on_main = how == "copy_engine" and _AG_STAGE_ON_MAIN
-        if stage_on_main:
+        # The copy-engine overlap stages the shard on the caller's stream before forking: in a
+        # graph, a staging copy on the comm stream ran as an SM kernel (memcpy128) that held
+        # the first GEMM back by ~100 us, on the caller's stream it runs on the copy engine.
+        if how == "copy_engine":
             _ag_stage(comm, x_shard, main)
         cs = _fork(main)
         if how == "copy_engine":
-            ready = _ag_pull(comm, x_shard, gathered, cs, stage=not stage_on_main)
+            ready = _ag_pull(comm, x_shard, gathered, cs, stage=False)
         else:
             with torch.cuda.stream(cs):
                 comm.nccl_overlap.all_gather(x_shard, gathered)
@@ -510,18 +519,6 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     return out
 
 
-# ag_gemm's copy-engine overlap stages the shard on the caller's stream before forking the
-# comm stream (True), or first thing on the comm stream (False: sessions 2-6). Session 7's
-# traces: where a graph ran the comm stream's staging copy as an SM kernel (memcpy128), the
-# first GEMM started 105-122 us into the replay, against 17-23 us where it ran on the copy
-# engine. The benchmark times both (fd_overlap_ce_stagecs: False).
-_AG_STAGE_ON_MAIN = True
-
-# gemm_ar's copy-engine pipeline exchanges its last chunk with an SM kernel (True) or the copy
-# engine between two barriers (False: session 5's tail, kept for the benchmark's A/B).
-_AR_SM_GATHER = True
-
-
 def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                     main: torch.cuda.Stream, bounds: list) -> torch.Tensor:
     """gemm_ar with copy-engine transfers: a reduce-scatter then an all-gather per row chunk
@@ -534,7 +531,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
       main: [G others c0][G others c1][G own c0 + pulled][G others c2][G own c1 + pulled]..
       comm:        [bar][pull c0]  [bar][pull c1]  [bar][gather c0]   [bar][pull c2] ..
       side:                                        [own rows c0 -> out]
-    (Two variants measured slower at 4 chunks, benchmarks/NOTES.md session 6: one barrier
+    (Two variants measured slower at 4 chunks, benchmarks/NOTES.md: one barrier
     serving a pull and an older gather, and gathers on the side stream. The copy engine runs
     one peer copy at a time, so the order of the copies is what matters.)
     The last chunk is exchanged on main by SMs, idle by then (gemm_comm.cuh,
@@ -559,7 +556,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     pulled = []
 
     # From shapes only, so every rank takes the same path (gemm_ar passes an aligned out).
-    sm_tail = _AR_SM_GATHER and row % 16 == 0
+    sm_tail = _align.whole_vectors(row)
 
     def own(c):
         a, b = subs[c][r], subs[c][r + 1]
@@ -672,7 +669,7 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
     stage = symm.staging(x.dtype, (M, n))
     piece_rows = -(-m // pieces)  # the kernels' piece size: ceil, the last piece shorter
     bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    dst = _align.aligned_output(out)
     flags = torch.zeros(pieces, dtype=torch.int32, device=x.device) if W == 2 else None
     recv = None if W == 2 else torch.empty((W - 1, m, n), dtype=x.dtype, device=x.device)
     cs = _fork(main)
@@ -849,7 +846,7 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
             # The closing kernel stores 16-byte vectors into out, and every rank must take the
             # same path: an out that is not 16-byte aligned on this rank (alignment can differ
             # between ranks) goes through an aligned buffer instead of changing the path.
-            dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+            dst = _align.aligned_output(out)
             _ar_copy_engine(comm, x, w_shard, dst, comm.launch_stream(), bounds)
             if dst is not out:
                 out.copy_(dst)

@@ -75,6 +75,22 @@ def test_engine_env_fused_only_where_it_applies(monkeypatch):
         gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None)
 
 
+def test_engine_auto_warns_once_at_an_unmeasured_world_size(monkeypatch, recwarn):
+    monkeypatch.delenv("FUSEDIST_GEMM_ENGINE", raising=False)
+    comm = _comm(world=8)
+    comm.name = "tp/0"
+    comm.table = {"gemm_comm": {**TABLE["gemm_comm"], "measured_worlds": [2]}}
+    for m in (1, 2, 4096):
+        gc._engine("gemm_ar", "auto", m, 8192, 4096, comm, None)
+    got = [str(w.message) for w in recwarn if "measured at world size 2, not 8" in str(w.message)]
+    assert len(got) == 1 and got[0].startswith("fusedist (tp/0):")
+    ok = _comm(world=2)
+    ok.table = comm.table
+    gc._engine("gemm_ar", "auto", 1, 8192, 4096, ok, None)
+    gc._engine("gemm_ar", "unfused", 1, 8192, 4096, comm, None)  # no table consulted
+    assert len(recwarn) == 1
+
+
 def test_engine_fused_forced_names_the_reason():
     with pytest.raises(ValueError, match="M = 200 rows"):
         gc._engine("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
