@@ -123,7 +123,7 @@ def run_gpu_size(rt, comm, nbytes, dtype, ref_check=True) -> list[dict]:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, checked)
     runnable = {name: step for name, step in steps.items()
-                if not any(c[name].startswith("n/a") for c in every)}
+                if not any(c.get(name, "n/a").startswith("n/a") for c in every)}
     med, _, timed = time_graphs_interleaved(runnable, ops, ROUNDS, max(1, reps // ROUNDS))
     for name in steps:
         status = checked[name] if checked[name] != "ok" else timed.get(name, "n/a")
