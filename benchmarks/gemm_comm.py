@@ -66,7 +66,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["unfused"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="unfused", out=out)
         steps["fd_auto"] = lambda i: fusedist.ag_gemm(x, w, group=comm, out=out)  # auto
         steps["fd_overlap"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
-                                                         transport="nccl", out=out)
+                                                         transport="collective", out=out)
         steps["fd_overlap_ce"] = lambda i: fusedist.ag_gemm(x, w, group=comm, engine="overlap",
                                                             transport="copy_engine", out=out)
         steps["torch_async_tp"] = lambda i: torch.ops.symm_mem.fused_all_gather_matmul(
@@ -85,7 +85,7 @@ def bench_shape(rt, comm, op, M, N, K, dtype):
         steps["fd_auto"] = lambda i: fusedist.gemm_rs(x, w, group=comm, out=out)  # auto
         for c in (2, 4):
             steps[f"fd_overlap_c{c}"] = (lambda c: lambda i: fusedist.gemm_rs(
-                x, w, group=comm, engine="overlap", chunks=c, transport="nccl", out=out))(c)
+                x, w, group=comm, engine="overlap", chunks=c, transport="collective", out=out))(c)
         for c, name in ((2, "fd_overlap_ce"), (4, "fd_overlap_ce_c4")):
             steps[name] = (lambda c: lambda i: fusedist.gemm_rs(
                 x, w, group=comm, engine="overlap", transport="copy_engine", chunks=c,
