@@ -376,3 +376,31 @@ def test_llama_sweep_plan_and_rules_round_trip(tmp_path):
     assert table["allreduce"] == {}
     assert tuning.gemm_rules(table) == [{"kernel": "decode", "layout": "nk", "dtype": "bfloat16",
                                          "k": 14336, "n": 4096, "m": [1, 4]}]
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gemm_under_torch_compile(dev):
+    """fusedist.gemm inside torch.compile(fullgraph=True) reaches torch.ops.fusedist.gemm and
+    gives the eager result; out= is written and returned, accumulate=True adds into out."""
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    torch._dynamo.reset()
+    dt = torch.bfloat16
+    x = torch.randn(37, 72, device=dev).to(dt)
+    w = torch.randn(40, 72, device=dev).to(dt).t()
+    b = torch.randn(40, device=dev).to(dt)
+
+    def compiled(fn):
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+    want = fusedist.gemm(x, w, b)
+    assert torch.equal(compiled(lambda: fusedist.gemm(x, w, b))(), want)
+    out = torch.full((37, 40), float("nan"), dtype=dt, device=dev)
+    got = compiled(lambda o: fusedist.gemm(x, w, b, out=o))(out)
+    assert torch.equal(out, want) and torch.equal(got, want)
+    c = torch.randn(37, 40, device=dev).to(dt)
+    acc_want, acc = c.clone(), c.clone()
+    fusedist.gemm(x, w, b, out=acc_want, accumulate=True)
+    compiled(lambda o: fusedist.gemm(x, w, b, out=o, accumulate=True))(acc)
+    assert torch.equal(acc, acc_want)
+    torch._dynamo.reset()
