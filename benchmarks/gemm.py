@@ -130,13 +130,18 @@ def points_from_results(data: dict) -> list:
     return pts
 
 
-def write_rules(rules: list, path: Path) -> None:
-    """rules -> the "gemm" section of the table at path (other sections kept)."""
+def write_rules(rules: list, path: Path, measured: str = "") -> None:
+    """rules -> the "gemm" section of the table at path (other sections kept); `measured`
+    names the measurement they come from."""
     import json
     table = json.loads(path.read_text()) if path.is_file() else {}
-    section = table.get("gemm", {})
-    section["rules"] = rules
-    table["gemm"] = section
+    table["gemm"] = {
+        "comment": "fusedist.gemm(kernel='auto'): a fusedist kernel only in these measured "
+                   "regions (every same-run ratio torch.matmul / kernel >= 0.99, median >= 1.0: "
+                   "tuning.derive_gemm_rules), torch.matmul elsewhere. "
+                   + (f"From {measured}. " if measured else "")
+                   + "Regenerate: benchmarks/gemm.py --shapes llama --write-rules.",
+        "rules": rules}
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"{len(rules)} gemm rules -> {path}")
 
@@ -212,8 +217,10 @@ def sweep_llama(args) -> None:
     paths = write_results("gemm_llama" + args.tag, metadata(1), rows, text)
     print(text + "\n\nresults: " + ", ".join(map(str, paths)))
     if args.write_rules:
+        meta = metadata(1)
         write_rules(tuning.derive_gemm_rules(points_from_results({"rows": rows})),
-                    Path(args.rules_file))
+                    Path(args.rules_file), f"{paths[0].name} ({meta.get('gpu')}, commit "
+                    f"{meta.get('commit')})")
 
 
 def main():
@@ -243,7 +250,8 @@ def main():
         pts = []
         for f in args.rules_from:
             pts += points_from_results(json.loads(Path(f).read_text()))
-        write_rules(tuning.derive_gemm_rules(pts), Path(args.rules_file))
+        write_rules(tuning.derive_gemm_rules(pts), Path(args.rules_file),
+                    ", ".join(Path(f).name for f in args.rules_from))
         return
     if not torch.cuda.is_available():
         print("benchmarks/gemm.py needs a GPU")
