@@ -1,10 +1,9 @@
 """Does a GEMM's time depend on how long the GPU has been busy? One GPU, no communication.
 
 For three prefill shapes, torch.matmul (cuBLAS) and fusedist.gemm(kernel="sm90") timed in
-CUDA graphs of `ops` calls x `reps` replays: short bursts (2 x 10), the gemm_comm benchmark's
-blocks of sessions 6-7 (3 x 20), sustained (3 x 100), then short again; after each timing
-nvidia-smi's SM clock, power draw and temperature. Session 8 (benchmarks/results/
-gemm_sustain-s8.txt): the SM clock fell from 1980 MHz to ~1450-1530 MHz under sustained load
+CUDA graphs of `ops` calls x `reps` replays: short bursts (2 x 10), blocks of 3 x 20
+as the gemm_comm benchmark once timed, sustained (3 x 100), then short again; after each timing
+nvidia-smi's SM clock, power draw and temperature. Measured on H200: the SM clock fell from 1980 MHz to ~1450-1530 MHz under sustained load
 (700 W limit) and the GEMMs took 12-15% longer; hence the gemm_comm benchmark's interleaved
 rounds with a pacer (docs/benchmarks.md).
 

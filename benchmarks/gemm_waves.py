@@ -9,7 +9,7 @@ model (tuning.wave_row_bounds / wave_col_split):
   ag_gemm, W = 2, m rows per rank: whole blocks (2 x [m, N]) against a column cut: columns
   [0, c) per block and [2m, N - c] last, into column slices of one output, with c the cut
   that takes the fewest waves (measured faster here, but not end to end, so the engine does
-  not use it: benchmarks/NOTES.md, session 7);
+  not use it: benchmarks/NOTES.md);
   gemm_rs, W = 2, m rows per block: [peers c0][peers c1][own c0][own c1] with even chunks
   against the model's.
 

@@ -7,7 +7,10 @@ is >= the message size names the algorithm. Sources, first match wins:
   3. the cache written by `python benchmarks/allreduce.py --tune`
      (~/.cache/fusedist/allreduce-<gpu>-w<world>.json);
   4. the shipped default, fusedist/tuning_default.json (measured on 2x H200 NVLink).
-A Communicator takes rank 0's table at creation, so every rank makes the same choice.
+Files merge per section (merge_tables): a cache holding only the all-reduce rules leaves the
+shipped GEMM sections in force. A world size without measured rules takes those of the table's
+alpha-beta model (model_rules), with a warning. A Communicator takes rank 0's table at
+creation, so every rank makes the same choice.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import functools
 import json
 import os
 import re
+import warnings
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -35,23 +40,60 @@ def _valid(table: dict) -> dict:
         for rule in rules:
             if rule["algo"] not in ALGOS:
                 raise ValueError(f"fusedist: tuning table has unknown algo {rule['algo']!r}")
+    model = table.get("allreduce_model")
+    if model is not None:
+        for key in ("alpha_us", "GBps"):
+            if set(model.get(key, {})) != set(ALGOS) or \
+                    not all(float(v) > 0 for v in model[key].values()):
+                raise ValueError(f"fusedist: tuning table allreduce_model.{key} needs a positive "
+                                 f"value for each of {ALGOS}, got {model.get(key)!r}")
     return table
 
 
+# Sections whose entries (a world size, an op) are merged one by one; any other section is
+# taken whole from the highest-priority file that has it.
+_KEYED_SECTIONS = ("allreduce", "gemm", "gemm_comm")
+
+
+def merge_tables(tables: list) -> dict:
+    """Tables in ascending priority -> one table. A keyed section merges per entry (a cache
+    tuned at world 2 replaces the world-2 rules only, and a file holding only the all-reduce
+    section leaves the GEMM sections of the shipped default in force); other sections are
+    taken from the last table that has them. "sources" maps each section to its file."""
+    merged: dict = {"sources": {}}
+    for t in tables:
+        src = t.get("source", "?")
+        for section, value in t.items():
+            if section in ("source", "sources", "comment"):
+                continue
+            if section in _KEYED_SECTIONS and isinstance(value, dict):
+                merged.setdefault(section, {}).update(value)
+            else:
+                merged[section] = value
+            merged["sources"][section] = src
+    return merged
+
+
 def load_table(gpu_name: str, world: int) -> dict:
+    """The shipped default, overlaid per section by the --tune cache, overlaid by
+    FUSEDIST_TUNING_FILE (merge_tables). "source" names the highest-priority file found."""
     path = os.environ.get("FUSEDIST_TUNING_FILE")
     if path and not Path(path).is_file():
         raise ValueError(f"fusedist: FUSEDIST_TUNING_FILE={path!r} does not exist; point it at a "
                          "table written by benchmarks/allreduce.py --tune, or unset it")
-    candidates = [Path(path)] if path else []
-    candidates += [cache_path(gpu_name, world), _DEFAULT]
+    candidates = [_DEFAULT, cache_path(gpu_name, world)] + ([Path(path)] if path else [])
+    found = []
     for p in candidates:
         if p.is_file():
             with open(p) as f:
                 t = _valid(json.load(f))
             t["source"] = str(p)
-            return t
-    return {"allreduce": {}, "source": "none"}
+            found.append(t)
+    if not found:
+        return {"allreduce": {}, "source": "none", "sources": {}}
+    table = merge_tables(found)
+    table["source"] = found[-1]["source"]
+    return table
 
 
 def forced_algo() -> Optional[str]:
@@ -64,14 +106,103 @@ def forced_algo() -> Optional[str]:
     return a
 
 
-def choose(table: dict, nbytes: int, world: int) -> str:
-    """Table lookup; the world size falls back to the nearest one in the table."""
+# ---- warnings, once per communicator ------------------------------------------------------
+_warned: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_warned_by_id: dict = {}
+
+
+def warn_once(comm, key: str, msg: str) -> bool:
+    """Warn `msg` (RuntimeWarning) the first time `key` comes up for `comm`; True when it
+    warned. The text names the communicator, so Python's own once-per-line filter does not
+    swallow the warning of a second communicator."""
+    try:
+        seen = _warned.setdefault(comm, set())
+    except TypeError:  # not weak-referenceable
+        seen = _warned_by_id.setdefault(id(comm), set())
+    if key in seen:
+        return False
+    seen.add(key)
+    name = getattr(comm, "name", None)
+    warnings.warn(f"fusedist{f' ({name})' if name else ''}: {msg}", RuntimeWarning, stacklevel=3)
+    return True
+
+
+# ---- untuned world sizes: the alpha-beta model --------------------------------------------
+# Per algorithm a, the time for n bytes at world size W: alpha_us[a] + f_a(W) n / GBps[a], with
+# f_a(W) the bytes each rank moves per byte of the message: one_shot reads every peer's whole
+# input (W - 1); two_shot and NCCL's ring reduce-scatter then all-gather (2 (W - 1) / W).
+_VOLUME = {"one_shot": lambda w: w - 1, "two_shot": lambda w: 2 * (w - 1) / w,
+           "nccl": lambda w: 2 * (w - 1) / w}
+
+
+def model_time_us(model: dict, algo: str, nbytes: int, world: int) -> float:
+    return float(model["alpha_us"][algo]) + \
+        _VOLUME[algo](world) * nbytes / (float(model["GBps"][algo]) * 1e3)
+
+
+def model_rules(model: dict, world: int, max_bytes: int = 1 << 31) -> list:
+    """Ascending byte thresholds in the table's rule format, from the model: the fastest
+    algorithm per power-of-two size (and the sizes between, as the crossovers are found by
+    bisection), up to max_bytes, the last rule unbounded."""
+    def best(n):
+        return min(ALGOS, key=lambda a: (model_time_us(model, a, n, world), ALGOS.index(a)))
+
+    rules = []
+    algo = best(1)
+    n = 1
+    while n < max_bytes:
+        nxt = n * 2
+        if best(nxt) != algo:
+            a, b = n, nxt  # best(a) == algo != best(b): bisect the crossover
+            while b - a > 1:
+                mid = (a + b) // 2
+                a, b = (mid, b) if best(mid) == algo else (a, mid)
+            rules.append({"max_bytes": a, "algo": algo})
+            algo = best(b)
+        n = nxt
+    rules.append({"max_bytes": None, "algo": algo})
+    return rules
+
+
+@functools.lru_cache(maxsize=64)
+def _model_rules_cached(frozen: tuple, world: int) -> tuple:
+    model = {"alpha_us": dict(frozen[0]), "GBps": dict(frozen[1])}
+    return tuple((r["max_bytes"], r["algo"]) for r in model_rules(model, world))
+
+
+def _rules_for_world(table: dict, world: int) -> Optional[list]:
     rules_by_world = table.get("allreduce", {})
-    if not rules_by_world:
+    if str(world) in rules_by_world:
+        return rules_by_world[str(world)]
+    model = table.get("allreduce_model")
+    if model is None:
+        return None
+    frozen = (tuple(sorted(model["alpha_us"].items())), tuple(sorted(model["GBps"].items())))
+    rules = [{"max_bytes": b, "algo": a} for b, a in _model_rules_cached(frozen, world)]
+    if not table.get("_warned_untuned"):
+        # Once per table, i.e. once per communicator (each holds its own copy of rank 0's).
+        table["_warned_untuned"] = True
+        tuned = ", ".join(sorted(rules_by_world, key=int)) or "none"
+        said = ", ".join(f"{r['algo']} up to {r['max_bytes']} bytes" if r["max_bytes"] else
+                         r["algo"] for r in rules)
+        warnings.warn(
+            f"fusedist: no measured all-reduce table for world size {world} (measured: {tuned}); "
+            "the algorithm thresholds come from the alpha-beta model of "
+            f"{table.get('sources', {}).get('allreduce_model', 'the tuning table')} "
+            f"({said}); "
+            "run `torchrun --nproc-per-node <world> benchmarks/allreduce.py --tune` to measure",
+            RuntimeWarning, stacklevel=3)
+    return rules
+
+
+def choose(table: dict, nbytes: int, world: int) -> str:
+    """Table lookup. A world size the table has no rules for takes the rules of the table's
+    alpha-beta model ("allreduce_model"), with a warning once per table; without a model,
+    one-shot up to 256 KiB, else two-shot."""
+    rules = _rules_for_world(table, world)
+    if rules is None:
         return "one_shot" if nbytes <= 256 * 1024 else "two_shot"
-    key = str(world) if str(world) in rules_by_world else \
-        min(rules_by_world, key=lambda w: abs(int(w) - world))
-    for rule in rules_by_world[key]:
+    for rule in rules:
         if rule.get("max_bytes") is None or nbytes <= rule["max_bytes"]:
             return rule["algo"]
     return "nccl"
@@ -223,3 +354,68 @@ def _wave_row_bounds(rows: int, cols: int, parts: int, tm: int, tn: int, sms: in
         if got is not None and got[0] < best[0]:
             best = got
     return best[2]
+
+
+# ---- fusedist.gemm(kernel="auto") ---------------------------------------------------------
+# The table's "gemm" section lists the regions where one of fusedist's GEMM kernels beat
+# torch.matmul in a same-run measurement (benchmarks/gemm.py --write-rules derives them):
+#   {"rules": [{"kernel": "decode" | "sm90", "layout": "kn" | "nk", "dtype": "bfloat16",
+#               "k": K, "n": N, "m": [lo, hi]}, ...]}
+# Every other call takes torch.matmul.
+GEMM_KERNELS = ("decode", "sm90")
+GEMM_LAYOUTS = ("kn", "nk")
+
+
+def gemm_rules(table: dict) -> list:
+    """The table's GEMM rules, checked."""
+    rules = table.get("gemm", {}).get("rules", [])
+    for r in rules:
+        if r.get("kernel") not in GEMM_KERNELS or r.get("layout") not in GEMM_LAYOUTS or \
+                not isinstance(r.get("m"), list) or len(r["m"]) != 2 or r["m"][0] > r["m"][1] \
+                or not all(isinstance(r.get(key), int) for key in ("k", "n")) or \
+                not isinstance(r.get("dtype"), str):
+            raise ValueError(f"fusedist: tuning table gemm rule {r!r} needs kernel in "
+                             f"{GEMM_KERNELS}, layout in {GEMM_LAYOUTS}, dtype, int k and n, "
+                             "and m = [lo, hi]")
+    return rules
+
+
+def choose_gemm_kernel(table: dict, m: int, k: int, n: int, layout: str, dtype: str) -> str:
+    """The kernel of the first rule covering (m, k, n, layout, dtype), else "torch"."""
+    for r in gemm_rules(table):
+        if r["k"] == k and r["n"] == n and r["layout"] == layout and r["dtype"] == dtype and \
+                r["m"][0] <= m <= r["m"][1]:
+            return r["kernel"]
+    return "torch"
+
+
+def derive_gemm_rules(points: list, min_ratio: float = 0.99, min_median: float = 1.0) -> list:
+    """GEMM rules from measurements. points: dicts with kernel, layout, dtype, k, n, m and
+    ratio (torch.matmul time / the kernel's time, same run). A measured m qualifies for a
+    kernel when every ratio there is >= min_ratio and their median >= min_median; runs of
+    consecutive qualifying m (in the measured m of that shape) become one rule [first, last].
+    Where two kernels qualify at one m, the one with the larger median wins."""
+    from statistics import median
+    by: dict = {}
+    for p in points:
+        shape = (p["layout"], p["dtype"], int(p["k"]), int(p["n"]))
+        by.setdefault(shape, {}).setdefault(int(p["m"]), {}).setdefault(
+            p["kernel"], []).append(float(p["ratio"]))
+    rules = []
+    for (layout, dtype, k, n), per_m in sorted(by.items()):
+        best = {}
+        for m, kernels in per_m.items():
+            ok = {kn: median(rs) for kn, rs in kernels.items()
+                  if min(rs) >= min_ratio and median(rs) >= min_median}
+            best[m] = max(ok, key=ok.get) if ok else "torch"
+        run = None
+        for m in sorted(best) + [None]:
+            kern = best.get(m) if m is not None else None
+            if run is not None and kern == run["kernel"]:
+                run["m"][1] = m
+                continue
+            if run is not None and run["kernel"] != "torch":
+                rules.append(run)
+            run = None if m is None else {"kernel": kern, "layout": layout, "dtype": dtype,
+                                          "k": k, "n": n, "m": [m, m]}
+    return rules

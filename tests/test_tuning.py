@@ -46,11 +46,78 @@ def test_choose_thresholds_world8(nbytes, algo):
     assert tuning.choose(TABLE, nbytes, 8) == algo
 
 
-@pytest.mark.parametrize("world,like", [(1, 2), (3, 2), (4, 2), (6, 8), (7, 8), (16, 8)])
-def test_choose_falls_back_to_nearest_world_size(world, like):
-    for nbytes in (1, 64 * KB + 1, 4 * MB + 1, 8 * MB + 1):
-        assert tuning.choose(TABLE, nbytes, world) == tuning.choose(TABLE, nbytes, like), \
-            (world, nbytes)
+MODEL = {"alpha_us": {"one_shot": 3.4, "two_shot": 8.0, "nccl": 10.0},
+         "GBps": {"one_shot": 282.0, "two_shot": 342.0, "nccl": 287.0}}
+
+
+@pytest.mark.parametrize("world", [3, 4, 6, 16])
+def test_untuned_world_sizes_take_the_model_not_the_nearest_table(world):
+    table = {**TABLE, "allreduce_model": MODEL}
+    rules = tuning.model_rules(MODEL, world)
+    with pytest.warns(RuntimeWarning, match=f"no measured all-reduce table for world size {world}"):
+        got = [tuning.choose(table, n, world) for n in (1, 64 * KB + 1, 4 * MB + 1, 8 * MB + 1)]
+    want = []
+    for n in (1, 64 * KB + 1, 4 * MB + 1, 8 * MB + 1):
+        want.append(next(r["algo"] for r in rules if r["max_bytes"] is None or n <= r["max_bytes"]))
+    assert got == want
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8, 16])
+def test_model_rules_pick_the_fastest_algorithm_of_the_model(world):
+    rules = tuning.model_rules(MODEL, world)
+    assert rules[-1]["max_bytes"] is None
+    bounds = [r["max_bytes"] for r in rules[:-1]]
+    assert bounds == sorted(bounds)
+    for n in [1, 1000, 64 * KB, 200 * KB, 1 * MB, 7 * MB, 64 * MB, 1 << 30]:
+        algo = next(r["algo"] for r in rules if r["max_bytes"] is None or n <= r["max_bytes"])
+        t = {a: tuning.model_time_us(MODEL, a, n, world) for a in tuning.ALGOS}
+        assert t[algo] == min(t.values()), (world, n, algo, t)
+
+
+def test_shipped_model_reproduces_the_measured_two_rank_crossover(clean_env):
+    t = tuning.load_table("NVIDIA H200", 2)
+    rules = tuning.model_rules(t["allreduce_model"], 2)
+    measured = t["allreduce"]["2"][0]["max_bytes"]  # one-shot up to 8 MiB on 2x H200
+    assert rules[0]["algo"] == "one_shot" and measured / 2 <= rules[0]["max_bytes"] <= 2 * measured
+    # More ranks: one-shot reads more peers, so it hands over to two-shot earlier.
+    assert tuning.model_rules(t["allreduce_model"], 8)[0]["max_bytes"] < rules[0]["max_bytes"]
+
+
+def test_untuned_world_size_warns_once_per_table(recwarn):
+    table = {**TABLE, "allreduce_model": MODEL}
+    for n in (1, 2, 1 << 30):
+        tuning.choose(table, n, 4)
+    assert len([w for w in recwarn if "world size 4" in str(w.message)]) == 1
+    tuning.choose({**TABLE, "allreduce_model": MODEL}, 1, 4)  # another communicator's copy
+    assert len([w for w in recwarn if "world size 4" in str(w.message)]) == 2
+    tuning.choose(table, 1, 2)  # measured: no warning
+    tuning.choose(table, 1, 8)
+    assert len(recwarn) == 2
+
+
+def test_warn_once_per_communicator_and_key(recwarn):
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+    a, b = Comm("tp/0"), Comm("tp/1")
+    assert tuning.warn_once(a, "rmsnorm_unfused", "slow path")
+    assert not tuning.warn_once(a, "rmsnorm_unfused", "slow path")
+    assert tuning.warn_once(a, "other", "another slow path")
+    assert tuning.warn_once(b, "rmsnorm_unfused", "slow path")
+    msgs = [str(w.message) for w in recwarn]
+    assert msgs == ["fusedist (tp/0): slow path", "fusedist (tp/0): another slow path",
+                    "fusedist (tp/1): slow path"]
+    assert all(w.category is RuntimeWarning for w in recwarn)
+
+
+def test_model_is_validated():
+    with pytest.raises(ValueError, match="allreduce_model.GBps"):
+        tuning._valid({"allreduce_model": {"alpha_us": MODEL["alpha_us"],
+                                           "GBps": {"one_shot": 1.0}}})
+    with pytest.raises(ValueError, match="allreduce_model.alpha_us"):
+        tuning._valid({"allreduce_model": {"alpha_us": {**MODEL["alpha_us"], "nccl": 0},
+                                           "GBps": MODEL["GBps"]}})
 
 
 @pytest.mark.parametrize("table", [{}, {"allreduce": {}}])
@@ -109,6 +176,52 @@ def test_load_table_tuning_file_wins_over_cache(clean_env, monkeypatch):
     path.write_text(json.dumps(TABLE))
     monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(path))
     assert tuning.load_table("NVIDIA H200", 2)["source"] == str(path)
+
+
+def _tune_table_of_the_benchmark():
+    """benchmarks/allreduce.py's --tune writer, on rows of a made-up two-rank run."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "allreduce.py"
+    spec = importlib.util.spec_from_file_location("bench_allreduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"op": "all_reduce", "status": "ok", "backend": b, "bytes": n, "time_us": t}
+            for n, ts in ((4096, (3, 5, 9)), (1 << 24, (60, 50, 80)))
+            for b, t in zip(("fd_one_shot", "fd_two_shot", "nccl4py"), ts)]
+    return mod.tune_table(rows, 2)
+
+
+def test_tune_cache_keeps_the_shipped_gemm_dispatch(clean_env):
+    shipped = tuning.load_table("NVIDIA H200", 2)
+    cache = tuning.cache_path("NVIDIA H200", 2)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(_tune_table_of_the_benchmark()))
+    t = tuning.load_table("NVIDIA H200", 2)
+    assert t["source"] == str(cache)
+    # The tuned all-reduce rules are in force ...
+    assert t["allreduce"]["2"] == [{"max_bytes": 4096, "algo": "one_shot"},
+                                   {"max_bytes": None, "algo": "two_shot"}]
+    # ... and so are the shipped GEMM + collective rules and wave model.
+    assert tuning.choose_gemm(t, "gemm_ar", 1, 8192, 4096, 2, fused_ok=True) == "fused"
+    assert tuning.gemm_waves(t) is not None
+    assert t["gemm_comm"] == shipped["gemm_comm"]
+    assert t["sources"]["allreduce"] == str(cache)
+    assert t["sources"]["gemm_comm"] == str(tuning._DEFAULT)
+    assert t["allreduce_model"] == shipped["allreduce_model"]
+
+
+def test_tuning_files_merge_per_world_size(clean_env, monkeypatch):
+    cache = tuning.cache_path("NVIDIA H200", 8)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"allreduce": {"8": [{"max_bytes": None, "algo": "nccl"}]}}))
+    path = clean_env / "table.json"
+    path.write_text(json.dumps({"allreduce": {"4": [{"max_bytes": None, "algo": "two_shot"}]}}))
+    monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(path))
+    t = tuning.load_table("NVIDIA H200", 8)
+    assert sorted(t["allreduce"], key=int) == ["2", "4", "8"]  # shipped, file, cache
+    assert tuning.choose(t, 1, 8) == "nccl" and tuning.choose(t, 1, 4) == "two_shot"
+    assert tuning.choose(t, 1, 2) == "one_shot"
 
 
 def test_cache_path_slug(clean_env):

@@ -45,3 +45,35 @@ def gemm_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     r = ref.double()
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+# GEMM outputs, element by element: |out - ref| <= rtol |ref| + atol rms(ref). The rtol term
+# is a few roundings of the output dtype (half an ulp: fp16 2^-11, bf16 2^-8). The atol term,
+# relative to the output's RMS, covers elements near zero (sums that cancel), whose error comes
+# from roundings of intermediates: a partial per rank (up to ~4x the output's RMS at 4.5
+# sigma), a bias add, a first GEMM's rounded output; two worst-case such roundings at 4x RMS:
+# fp16 2 x 4 x 2^-11 ~ 4e-3, bf16 2 x 4 x 2^-8 ~ 3.2e-2. A stale 16-byte
+# vector (unwritten, or values of another row or call: of the output's scale) or a NaN left
+# from the poison fails.
+GEMM_ELEM = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 4e-3),
+             torch.bfloat16: (1.6e-2, 3.2e-2)}
+
+
+def count_bad_gemm(out: torch.Tensor, ref: torch.Tensor, table=GEMM_ELEM) -> int:
+    """Elements of a GEMM output outside GEMM_ELEM's bound for out's dtype (NaN/inf count
+    as bad)."""
+    rtol, atol = table[out.dtype]
+    o = out.double()
+    r = ref.double()
+    rms = float(r.pow(2).mean().sqrt()) if r.numel() else 0.0
+    ok = (o - r).abs() <= rtol * r.abs() + atol * rms
+    ok &= torch.isfinite(o)
+    return int((~ok).sum())
+
+
+def gemm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The GEMM tests' check, compared against GEMM_REL: the relative Frobenius error, or inf
+    when any element is outside count_bad_gemm's element-wise bound (or not finite)."""
+    if count_bad_gemm(out, ref):
+        return float("inf")
+    return gemm_rel_err(out, ref)

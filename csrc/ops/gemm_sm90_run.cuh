@@ -111,7 +111,7 @@ void gemm_sm90_run(const GemmSm90Call& a) {
   FUSEDIST_CHECK_ARG(Gemm::get_workspace_size(args) == 0, "gemm: unexpected workspace need");
   // The mainloop's TMA reads a whole tile of x's rows when x has them (m_load): a box whose
   // rows lie past the tensor's end is zero-filled by the TMA unit, and that measured slow
-  // (benchmarks/NOTES.md, session 9). The stores keep the true M (their own tensor map, which
+  // (benchmarks/NOTES.md). The stores keep the true M (their own tensor map, which
   // clips the rows past it); the scheduler sees the same tiles either way.
   typename Gemm::Arguments load_args = args;
   cute::get<G::kSwapAB ? 1 : 0>(load_args.problem_shape) = a.m_load;

@@ -11,6 +11,8 @@ RowParallelLinear     Y = X A^T + b, A [out, in] split by columns (input feature
     of X first. With sequence_parallel=True the output is reduce-scattered by rows (gemm_rs):
     [M / W, out]. The bias is added once, after the reduction.
 Weights load from the full matrix with from_full()/load_full(), which take this rank's shard.
+Any number of tokens, 0 included (then every rank of the group has 0: the collectives need the
+same M everywhere, and an empty call skips them on every rank alike).
 These are inference modules: parameters do not require grad (the ops write into preallocated
 outputs, which autograd does not support).
 """
@@ -137,6 +139,8 @@ class RowParallelLinear(_TPLinear):
 def _gather_columns(comm, y: torch.Tensor) -> torch.Tensor:
     """[M, n] per rank -> [M, W n] with rank r's columns at block r."""
     W = comm.group.size
+    if y.shape[0] == 0:  # no tokens on any rank (M is the same everywhere): nothing to gather
+        return y.new_empty((0, W * y.shape[1]))
     if comm.device.type == "cpu":
         parts = [torch.empty_like(y) for _ in range(W)]
         torch.distributed.all_gather(parts, y.contiguous(), group=comm.group.pg)

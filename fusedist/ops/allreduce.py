@@ -23,12 +23,21 @@ def _compiling() -> bool:
     return hasattr(torch, "compiler") and torch.compiler.is_compiling()
 
 
+def _no_async_under_compile(op: str, async_op: bool) -> None:
+    if async_op:
+        raise ValueError(f"fusedist.{op}: async_op=True is not supported under torch.compile (a "
+                         "compiled graph cannot return the handle); pass async_op=False there, "
+                         "or call it outside the compiled function")
+
+
 def all_reduce(x: torch.Tensor, group: GroupLike = None, *, algo: str = "auto",
                out: Optional[torch.Tensor] = None, async_op: bool = False):
     """Out-of-place all-reduce (sum). Returns the result, or an AsyncHandle if async_op."""
     comm = get_communicator(group)
     if _compiling():
-        return torch.ops.fusedist.all_reduce(x, comm.name, algo)
+        _no_async_under_compile("all_reduce", async_op)
+        y = torch.ops.fusedist.all_reduce(x, comm.name, algo)
+        return y if out is None else out.copy_(y)
     return comm.all_reduce(x, algo=algo, out=out, async_op=async_op)
 
 
@@ -37,6 +46,7 @@ def all_reduce_(x: torch.Tensor, group: GroupLike = None, *, algo: str = "auto",
     """In-place all-reduce (sum) of `x`."""
     comm = get_communicator(group)
     if _compiling():
+        _no_async_under_compile("all_reduce_", async_op)
         torch.ops.fusedist.all_reduce_(x, comm.name, algo)
         return x
     return comm.all_reduce(x, algo=algo, out=x, async_op=async_op)

@@ -76,6 +76,12 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """Returns (normed, new_residual), or (normed_fp8, new_residual, scale) for FP8 output.
     fused=None picks the fused kernel when it applies; True requires it; False never uses it."""
     comm = get_communicator(group)
+    if hasattr(torch, "compiler") and torch.compiler.is_compiling():
+        if out_dtype is not None and out_dtype == FP8:
+            return torch.ops.fusedist.all_reduce_add_rmsnorm_fp8(x, residual, weight, eps,
+                                                                comm.name, fused)
+        return torch.ops.fusedist.all_reduce_add_rmsnorm(x, residual, weight, eps, comm.name,
+                                                         fused)
     _validate(comm, x, residual, weight, eps, out_dtype)
     fp8 = out_dtype is not None and out_dtype == FP8
     with nvtx_range("fusedist.all_reduce_add_rmsnorm"):
@@ -115,10 +121,25 @@ def _fused(comm, x, residual, weight, eps, fp8):
 
 @torch.library.custom_op("fusedist::all_reduce_add_rmsnorm", mutates_args=())
 def _op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-        comm_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return all_reduce_add_rmsnorm(x, residual, weight, eps, group=communicator_by_name(comm_name))
+        comm_name: str, fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return all_reduce_add_rmsnorm(x, residual, weight, eps, group=communicator_by_name(comm_name),
+                                  fused=fused)
 
 
 @_op.register_fake
-def _(x, residual, weight, eps, comm_name):
+def _(x, residual, weight, eps, comm_name, fused=None):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("fusedist::all_reduce_add_rmsnorm_fp8", mutates_args=())
+def _op_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+            comm_name: str, fused: Optional[bool] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return all_reduce_add_rmsnorm(x, residual, weight, eps, out_dtype=FP8,
+                                  group=communicator_by_name(comm_name), fused=fused)
+
+
+@_op_fp8.register_fake
+def _(x, residual, weight, eps, comm_name, fused=None):
+    return (torch.empty(x.shape, dtype=FP8, device=x.device), torch.empty_like(x),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))

@@ -15,34 +15,50 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
     buffer), the GEMM reads whole tiles of its rows: tile loads that run past a tensor's end
     are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
-  * "auto": auto_kernel() below: "decode" for few rows, else "sm90" on an sm_90 GPU, else
-    torch.matmul.
-These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm.py, and
+  * "auto": auto_kernel() below: "decode" or "sm90" only in the regions of the tuning
+    table's "gemm" rules (fusedist/tuning_default.json: shapes where that kernel beat
+    torch.matmul in a same-run measurement, benchmarks/gemm.py --write-rules), torch.matmul
+    everywhere else.
+CPU tensors take reference() (plain torch, fp32 accumulation, rounded once); M = 0 returns the
+empty output. These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm.py, and
 benchmarks/gemm_comm.py at the GEMM + collective shapes).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from .. import _dtypes, _ext
+from .. import _align, _dtypes, _ext, tuning
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-# "auto" takes the decode kernel up to DECODE_MAX_M rows. Session 9 (benchmarks/results/
-# gemm_s9f-*, K = 4096 / 14336, w [K, N]): at M = 64 decode 21.6 / 65.2 us against the sm90
-# GEMM's 22.9 / 66.4 (narrow tile) and 24.7 / 75.2 (swap tile); at M = 96 decode 26.1 / 87.0
-# against the swap tile's 21.7 / 60.2 (23.7 / 68.3 on x of exactly M rows).
-DECODE_MAX_M = 64
 
 
-def auto_kernel(m: int, accumulate: bool, hopper: bool) -> str:
-    """kernel="auto"'s choice for m rows: "decode", "sm90" or "torch"."""
-    if not accumulate and m <= DECODE_MAX_M:
-        return "decode"
-    return "sm90" if hopper else "torch"
+@functools.lru_cache(maxsize=None)
+def _table(gpu_name: str) -> dict:
+    """The tuning table's "gemm" rules for this GPU (shipped default, the --tune cache,
+    FUSEDIST_TUNING_FILE: tuning.load_table), read once per process."""
+    return tuning.load_table(gpu_name, 1)
+
+
+def layout_name(w: torch.Tensor) -> str:
+    """"kn" for a row-major [K, N] weight, "nk" for the .t() of a row-major [N, K] one."""
+    return "nk" if weight_layout(w)[0] else "kn"
+
+
+def auto_kernel(m: int, k: int, n: int, layout: str, dtype: torch.dtype, accumulate: bool,
+                hopper: bool, table: Optional[dict] = None) -> str:
+    """kernel="auto"'s choice: "decode" or "sm90" where the tuning table's "gemm" rules say
+    that kernel beat torch.matmul at this shape (tuning.choose_gemm_kernel), else "torch".
+    The decode kernel does not accumulate, and both need a Hopper GPU (sm_90)."""
+    if not hopper or m == 0:
+        return "torch"
+    kern = tuning.choose_gemm_kernel(table if table is not None else {}, m, k, n, layout,
+                                     str(dtype).replace("torch.", ""))
+    return "torch" if kern == "decode" and accumulate else kern
 
 
 def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
@@ -55,15 +71,14 @@ def weight_layout(w: torch.Tensor) -> Optional[tuple[bool, int]]:
     return None
 
 
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+aligned = _align.aligned_input
 
 
 def aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
     """w itself when 16-byte aligned, else a fresh (aligned) copy in the same layout: row-major
     [K, N], or the .t() of a row-major [N, K]. (.contiguous() would return a contiguous view
     unchanged, still misaligned.)"""
-    if w.data_ptr() % 16 == 0:
+    if _align.is_aligned(w):
         return w
     if w_nk:
         return w.t().clone(memory_format=torch.contiguous_format).t()
@@ -72,7 +87,7 @@ def aligned_weight(w: torch.Tensor, w_nk: bool) -> torch.Tensor:
 
 def _weight(w: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     w_nk, ldw = weight_layout(w)
-    if w.data_ptr() % 16:
+    if not _align.is_aligned(w):
         w = aligned_weight(w, w_nk)
         w_nk, ldw = weight_layout(w)
     return w, w_nk, ldw
@@ -92,7 +107,7 @@ def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
     C = _ext.load()
     xa = aligned(x)
     w, w_nk, ldw = _weight(w)
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    dst = _align.aligned_output(out)
     b = 0 if bias is None else aligned(bias.contiguous()).data_ptr()
     C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                     w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
@@ -125,7 +140,7 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
     C = _ext.load()
     xa = aligned(x)
     w, w_nk, ldw = _weight(w)
-    dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    dst = _align.aligned_output(out)
     if (flags is not None and wait_on_c or signal_row0 is not None) and dst is not out:
         raise ValueError("fusedist: a fused GEMM's out must be 16-byte aligned")
     if accumulate and dst is not out:
@@ -151,20 +166,57 @@ def sm90_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+              out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """What every kernel computes, in plain torch: out = x @ w (+ bias) (+ out when
+    accumulate) with fp32 accumulation, rounded once into out's dtype. The CPU path and
+    kernel="auto"'s fallback where no fusedist kernel wins (there with torch.matmul's own
+    fp32 accumulation in the output dtype, as cuBLAS rounds once too)."""
+    if x.device.type == "cpu":
+        res = x.float() @ w.float()
+        if bias is not None:
+            res += bias.float()
+        if accumulate:
+            res += out.float()
+        return out.copy_(res)
+    if x.shape[0] == 0:
+        return out
+    if accumulate:
+        if bias is None:
+            return out.addmm_(x, w)  # beta = 1: cuBLAS's epilogue reads out, one rounding
+        acc = out.float() + bias.float()
+        return out.copy_(torch.addmm(acc, x.float(), w.float()))
+    if bias is not None:
+        return torch.addmm(bias, x, w, out=out)
+    return torch.matmul(x, w, out=out)
+
+
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          out: Optional[torch.Tensor] = None, kernel: str = "auto",
          accumulate: bool = False) -> torch.Tensor:
-    """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring)."""
+    """x [M, K] @ w (+ bias) with one of fusedist's GEMM kernels (module docstring). CPU
+    tensors take the plain-torch reference (fp32 accumulation, rounded once); M = 0 returns
+    the empty [0, N] output (out unchanged)."""
+    if hasattr(torch, "compiler") and torch.compiler.is_compiling():
+        if accumulate:
+            if out is None:
+                raise ValueError("fusedist.gemm: accumulate=True adds into out; pass out=")
+            torch.ops.fusedist.gemm_accumulate_(x, w, bias, out, kernel)
+            return out
+        y = torch.ops.fusedist.gemm(x, w, bias, kernel)
+        return y if out is None else out.copy_(y)
     if kernel not in KERNELS:
         raise ValueError(f"fusedist.gemm: kernel must be one of {KERNELS}, got {kernel!r}")
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or not x.is_cuda:
-        raise TypeError("fusedist.gemm: x and w must be CUDA tensors")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError("fusedist.gemm: x and w must be torch.Tensors")
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fusedist.gemm: expected x [M, K] and w [K, N], got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
     if x.dtype not in FUSED_DTYPES or w.dtype != x.dtype or w.device != x.device:
         raise TypeError(f"fusedist.gemm: x and w must share a dtype in {FUSED_DTYPES} and a "
                         f"device, got {x.dtype} on {x.device} and {w.dtype} on {w.device}")
+    if x.device.type not in ("cuda", "cpu"):
+        raise TypeError(f"fusedist.gemm: x is on {x.device}; pass CUDA or CPU tensors")
     if not x.is_contiguous():
         raise ValueError(f"fusedist.gemm: x is non-contiguous (stride {tuple(x.stride())}); "
                          "call .contiguous() first")
@@ -183,15 +235,32 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         raise ValueError("fusedist.gemm: accumulate=True adds into out; pass out=")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.device != x.device \
-            or not out.is_contiguous():
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or \
+            out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"fusedist.gemm: out must be a contiguous ({m}, {n}) tensor of "
                          f"{x.dtype} on {x.device}")
+    if x.device.type == "cpu":
+        if kernel != "auto":
+            raise ValueError(f"fusedist.gemm: kernel={kernel!r} needs CUDA tensors; CPU tensors "
+                             "take kernel='auto' (the plain-torch reference)")
+        return reference(x, w, bias, out, accumulate)
+    if kernel != "auto" and not sm90_available(x.device):
+        raise ValueError(f"fusedist.gemm: kernel={kernel!r} needs a Hopper (sm_90) GPU, "
+                         f"{x.device} is sm_"
+                         f"{''.join(map(str, torch.cuda.get_device_capability(x.device)))}; "
+                         "use kernel='auto'")
+    if m == 0:
+        return out  # nothing to compute: no kernel takes an empty grid
+    if k == 0:
+        return reference(x, w, bias, out, accumulate)  # x @ w is all zeros
     if kernel == "auto":
-        kernel = auto_kernel(m, accumulate, sm90_available(x.device))
+        kernel = auto_kernel(m, k, n, layout_name(w), x.dtype, accumulate,
+                             sm90_available(x.device),
+                             _table(torch.cuda.get_device_name(x.device)))
+        if kernel == "decode" and m > _ext.load().GEMM_AR_FUSED_MAX_M:
+            kernel = "torch"  # a rule wider than this build's decode kernel
         if kernel == "torch":
-            res = torch.addmm(bias, x, w) if bias is not None else x @ w
-            return out.add_(res) if accumulate else out.copy_(res)
+            return reference(x, w, bias, out, accumulate)
     stream = torch.cuda.current_stream(x.device)
     if kernel == "decode":
         if accumulate:
@@ -201,8 +270,27 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
             raise ValueError(f"fusedist.gemm: kernel='decode' takes M <= "
                              f"{_ext.load().GEMM_AR_FUSED_MAX_M} rows, got {m}; use kernel='auto'")
         return launch_decode(None, x, w, bias, out, stream)
-    if not sm90_available(x.device):
-        raise ValueError(f"fusedist.gemm: kernel='sm90' needs a Hopper (sm_90) GPU, {x.device} "
-                         f"is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}; "
-                         "use kernel='auto'")
     return launch_sm90(x, w, bias, out, stream, accumulate=accumulate)
+
+
+# ---- torch.compile: torch.library registrations ------------------------------------------
+@torch.library.custom_op("fusedist::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             kernel: str = "auto") -> torch.Tensor:
+    return gemm(x, w, bias, kernel=kernel)
+
+
+@_gemm_op.register_fake
+def _(x, w, bias=None, kernel="auto"):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("fusedist::gemm_accumulate_", mutates_args=("out",))
+def _gemm_accumulate_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                        out: torch.Tensor, kernel: str = "auto") -> None:
+    gemm(x, w, bias, out=out, kernel=kernel, accumulate=True)
+
+
+@_gemm_accumulate_op.register_fake
+def _(x, w, bias, out, kernel="auto"):
+    return None

@@ -275,7 +275,7 @@ __global__ void counter_wait_kernel(uint32_t* counter, uint32_t expected, Contro
 // so they exchange that chunk themselves. Rank p's reduced rows [lo[p], lo[p + 1]) sit in p's
 // staging (the same rows as in out); afterwards out holds every rank's. One kernel on the
 // compute stream replaces barrier -> copy-engine pull -> barrier on the comm stream and the own
-// rows' copy on a side stream, and their stream hops (benchmarks/NOTES.md, session 6).
+// rows' copy on a side stream, and their stream hops (benchmarks/NOTES.md).
 //  1. Push: this rank's rows go to out and into every peer's staging at the same rows. Those
 //     peer rows held the peer's partial of this rank's rows, which this rank pulled before its
 //     last GEMM, so nobody reads them any more. Plain stores; each thread fences its own

@@ -158,7 +158,7 @@ struct CutlassElement<__half> {
 // tile (prefill and the fused engines): 128 x 256 x 64 tiles, 2 x 1 clusters (the B tile
 // multicast to both CTAs). The narrow tile (plain GEMMs of few rows): 128 x 64 x 64, no
 // cluster, so an N = 8192 weight is streamed by 128 CTAs instead of 32 (1 x 2 clusters
-// multicasting A, and 128-deep K tiles, measured no faster: benchmarks/NOTES.md, session 8).
+// multicasting A, and 128-deep K tiles, measured no faster: benchmarks/NOTES.md).
 // The mid tile (plain GEMMs of 129-256 rows): 128 x 128 x 64, no cluster: half the bytes per
 // output of the narrow tile's two tiles per SM at those rows (layout.h).
 // All but kOneWG: two consumer warpgroups (cooperative); all: as many smem stages as fit
