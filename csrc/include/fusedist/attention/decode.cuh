@@ -87,6 +87,12 @@ struct DecodeTraits {
   static constexpr int kRowBytes = D * int(sizeof(KVT));  // one cache row (token, head)
   static constexpr int kRow16 = D * 2;                     // one 16-bit row
   static constexpr int kSlabBytes = kDecodeSlab * kRowBytes;
+  // No L2 prefetch hint: measured 4-5% faster than L2::256B at batch 64 (benchmarks/NOTES.md).
+#ifdef FUSEDIST_DECODE_PREFETCH
+  static constexpr int kPrefetch = FUSEDIST_DECODE_PREFETCH;
+#else
+  static constexpr int kPrefetch = 0;
+#endif
   // Byte offset of 16-byte chunk c of row r: in a stage's raw rows (fp8 rows unswizzled: the
   // conversion reads them row-contiguously), and in a 16-bit slab (swizzled).
   __device__ static int stage_off(int r, int c) {
@@ -146,6 +152,25 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
   return y;
+}
+
+// 16-byte cp.async (.cg: L2 only) with an L2 prefetch size: 256 fetches the aligned 256 bytes
+// around the chunk, 128 the 128, 0 gives no hint (the default: every byte of a slab's rows is
+// requested anyway, and a cache row of 128 bytes sits next to another head's row).
+template <int kPrefetch>
+__device__ __forceinline__ void cp_async16_l2(uint32_t dst, const void* src, uint32_t src_bytes) {
+  if (kPrefetch == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+  else if (kPrefetch == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
 }
 
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
@@ -248,8 +273,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
           const bool ok = tok0 + r < len;
           const int64_t off = (row0 + r * tok_stride) * int64_t(sizeof(KVT)) + cc * 16;
           const uint32_t so = uint32_t(Tr::stage_off(r, cc));
-          cp_async16(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
-          cp_async16(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
+          cp_async16_l2<Tr::kPrefetch>(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
+          cp_async16_l2<Tr::kPrefetch>(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
         }
       }
       if (kFp8) {
