@@ -182,7 +182,7 @@ class TPAttention(torch.nn.Module):
             o = prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                         scale=self.scale, max_q_len=meta.max_q_len, k_scale=k_scale,
                         v_scale=v_scale, seq_lens_host=meta.seq_lens_host,
-                        cu_seqlens_q_host=meta.cu_seqlens_q_host)
+                        cu_seqlens_q_host=meta.cu_seqlens_q_host, k_new=k, v_new=v)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
             return o @ self.o_weight.t()   # T == 0 on every rank alike: nothing to reduce

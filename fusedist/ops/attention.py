@@ -571,7 +571,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
             v_scale: Optional[torch.Tensor] = None, backend: str = "auto",
             seq_lens_host: Optional[Sequence[int]] = None,
-            cu_seqlens_q_host: Optional[Sequence[int]] = None) -> torch.Tensor:
+            cu_seqlens_q_host: Optional[Sequence[int]] = None,
+            k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Chunked prefill: sequence b's n_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] are the last n_b of its seq_lens[b] cached tokens;
     new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
@@ -579,7 +581,11 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     backend: "sdpa" (torch SDPA on the gathered KV), "reference" (fp32 plain torch), "auto"
     (sdpa on CUDA, reference on CPU). The lengths are needed on the host: pass
     seq_lens_host / cu_seqlens_q_host (the runner has them) to skip reading the device
-    tensors, which synchronizes with the GPU (prefill is not graph-captured)."""
+    tensors, which synchronizes with the GPU (prefill is not graph-captured).
+    k_new, v_new [T, Hkv, D] (optional, q's dtype): the keys and values rope_append just wrote
+    for these tokens; a sequence whose cache holds only its new tokens (no prefix) then reads
+    them instead of gathering its pages (bf16/fp16 caches, which hold the same values; FP8
+    caches always read the cache)."""
     op = "prefill"
     if backend not in PREFILL_BACKENDS:
         _fail(op, f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
@@ -601,6 +607,13 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _fail(op, f"cu_seqlens_q must be int32/int64 [batch + 1 = {B + 1}], got "
                   f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
     _check_tables(op, block_table, seq_lens, B, k_cache.device)
+    if (k_new is None) != (v_new is None):
+        _fail(op, "pass k_new and v_new together (or neither)")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(t.shape) != (T, Hkv, D) or t.dtype != q.dtype or t.device != q.device:
+                _fail(op, f"{name} must be [{T}, {Hkv}, {D}] {q.dtype} on {q.device}, got "
+                          f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         _fail(op, f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -611,7 +624,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                              cu_seqlens_q, scale, mq, k_scale, v_scale, backend)
         return out
     return _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
-                         mq, k_scale, v_scale, backend, seq_lens_host, cu_seqlens_q_host)
+                         mq, k_scale, v_scale, backend, seq_lens_host, cu_seqlens_q_host,
+                         k_new, v_new)
 
 
 def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=None, cu=None):
@@ -632,7 +646,8 @@ def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=
 
 
 def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
-                  max_q_len, k_scale, v_scale, backend, lens=None, cu=None) -> torch.Tensor:
+                  max_q_len, k_scale, v_scale, backend, lens=None, cu=None, k_new=None,
+                  v_new=None) -> torch.Tensor:
     T = q.shape[0]
     if T == 0:
         return torch.empty_like(q) if out is None else out
@@ -651,9 +666,12 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         n, L = e - a, lens[b]
         if n == 0:
             continue
-        pages = block_table[b, :-(-L // ps)].long()
-        k = _gather_seq(k_cache, pages, L, k_scale, kv_dtype)     # [L, Hkv, D]
-        v = _gather_seq(v_cache, pages, L, v_scale, kv_dtype)
+        if k_new is not None and n == L and not fp8:   # no prefix: the fresh K/V
+            k, v = k_new[a:e].to(kv_dtype), v_new[a:e].to(kv_dtype)
+        else:
+            pages = block_table[b, :-(-L // ps)].long()
+            k = _gather_seq(k_cache, pages, L, k_scale, kv_dtype)     # [L, Hkv, D]
+            v = _gather_seq(v_cache, pages, L, v_scale, kv_dtype)
         o = _sdpa_chunk(q[a:e].to(kv_dtype), k, v, scale) if use_sdpa else \
             _reference_chunk(q[a:e], k, v, scale)
         if out is None and live == [b] and o.dtype == q.dtype:

@@ -390,6 +390,17 @@ def _prefill_case(device, chunks, Hq, Hkv, D, ps, dtype, cache_dtype, backend, g
                         seq_lens_host=sl.tolist() if host else None,
                         cu_seqlens_q_host=cu.tolist() if host else None)
         assert torch.equal(got, out), "out=None / host lengths changed the result"
+    if not (FP8 is not None and cache_dtype == FP8):
+        # k_new / v_new: sequences without a prefix read them instead of their pages; here the
+        # same values, so the same result
+        kn = torch.full((T, Hkv, D), float("nan"), device=device, dtype=dtype)
+        vn = torch.full_like(kn, float("nan"))
+        for b, (n, L) in enumerate(chunks):
+            if n == L and n:
+                kn[int(cu[b]):int(cu[b + 1])] = k_ref[b].to(dtype)
+                vn[int(cu[b]):int(cu[b + 1])] = v_ref[b].to(dtype)
+        got = A.prefill(q, kc, vc, bt, sl, cu, backend=backend, k_new=kn, v_new=vn)
+        assert torch.equal(got, out), "k_new / v_new changed the result"
     scale = 1 / math.sqrt(D)
     refs = [naive_attention(q[int(cu[b]):int(cu[b + 1])], k_ref[b], v_ref[b], scale, L - n)
             for b, (n, L) in enumerate(chunks)]
@@ -443,6 +454,12 @@ def test_prefill_bad_inputs():
     with pytest.raises(ValueError, match="cu_seqlens_q_host has"):
         A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32),
                   seq_lens_host=[3, 4], cu_seqlens_q_host=[0, 5])
+    with pytest.raises(ValueError, match="k_new and v_new together"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32),
+                  k_new=torch.zeros(5, 2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="k_new must be"):
+        A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32),
+                  k_new=torch.zeros(5, 2, 64), v_new=torch.zeros(5, 2, 64))
     with pytest.raises(ValueError, match="backend must be"):
         A.prefill(q, kc, kc, bt, sl, torch.tensor([0, 2, 5], dtype=torch.int32), backend="x")
 
@@ -505,6 +522,9 @@ def test_decode_cuda_graph_replay_new_lengths():
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
     plan = A.decode_plan(3, 8, 2, 64, 16, 64, "cuda", torch.bfloat16)
+    from fusedist.ops import _attention_decode
+    if _attention_decode.available():   # the kernel, not the capturable torch path
+        assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
     out = torch.empty_like(q)
     A.decode(q, kc, vc, bt, sl, plan, out=out)
     torch.cuda.synchronize()
