@@ -11,14 +11,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Iterable, Optional
 
 import torch
 
-_NVTX = os.environ.get("FUSEDIST_NVTX", "1") != "0"
+from . import envs
+
+_NVTX = envs.get("FUSEDIST_NVTX")
 _pools: dict[int, list[torch.cuda.Stream]] = {}
-POOL_SIZE = int(os.environ.get("FUSEDIST_COMM_STREAMS", "2"))
+POOL_SIZE = envs.get("FUSEDIST_COMM_STREAMS")
 
 
 def _device_index(device) -> int:
@@ -68,13 +69,22 @@ class AsyncHandle:
     CPU ops complete before the handle is returned.
     """
 
-    def __init__(self, result, event: Optional[torch.cuda.Event] = None):
+    def __init__(self, result, event: Optional[torch.cuda.Event] = None,
+                 on_wait: Optional[Callable[[], None]] = None):
         self._result = result
         self._event = event
+        # Called by wait(): the op's owner forgets the op as pending (the caller's stream
+        # follows it now).
+        self._on_wait = on_wait
+        # Whether the op was launched inside a CUDA-graph capture (its event belongs to it).
+        self.captured = bool(event is not None and torch.cuda.is_current_stream_capturing())
 
     def wait(self):
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
+        if self._on_wait is not None:
+            self._on_wait()
+            self._on_wait = None
         return self._result
 
     def is_completed(self) -> bool:
