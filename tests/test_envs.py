@@ -21,7 +21,8 @@ def _read_by_library() -> set[str]:
     for f in list((ROOT / "fusedist").rglob("*.py")) + list((ROOT / "csrc").rglob("*")):
         if f.suffix in (".py", ".cu", ".cuh", ".h", ".cpp"):
             names |= set(re.findall(r"[\"'](FUSEDIST_[A-Z0-9_]+)[\"']", f.read_text()))
-    names |= set(re.findall(r"\$ENV\{(FUSEDIST_[A-Z0-9_]+)\}", (ROOT / "CMakeLists.txt").read_text()))
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    names |= set(re.findall(r"\$ENV\{(FUSEDIST_[A-Z0-9_]+)\}", cmake))
     return names
 
 

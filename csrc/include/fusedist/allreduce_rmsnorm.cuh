@@ -83,8 +83,16 @@ __global__ void __launch_bounds__(1024)
         if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, xi);
     }
 
-  check_desc(v, epoch, FUSEDIST_RMSNORM_DESC);
-#undef FUSEDIST_RMSNORM_DESC
+
+  // Block 0 checks the peers' call descriptors (symmetric.cuh) before it waits for data, so
+  // that a thread waiting for data a differently called peer never sends is released by the
+  // recorded mismatch. Rows of two vectors per thread run at the 64-register limit of
+  // 1024-thread blocks: they make the check a call (inlined, its wait made ptxas spill), and
+  // the FP8 variant, which spilled even so, checks after its rows instead (a peer called with
+  // other rows can then leave one of this rank's rows waiting out the timeout, reported as a
+  // timeout, while the peer reports the mismatch).
+  constexpr bool kCheckFirst = kVpt == 1 || !kFp8Out;
+  if constexpr (kCheckFirst) check_desc<kVpt == 1>(v, epoch, FUSEDIST_RMSNORM_DESC);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     float h[kVpt][kPer];
@@ -163,6 +171,8 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
+  if constexpr (!kCheckFirst) check_desc<false>(v, epoch, FUSEDIST_RMSNORM_DESC);
+#undef FUSEDIST_RMSNORM_DESC
   finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpOneShotRmsNorm);
 }
 

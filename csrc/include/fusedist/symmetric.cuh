@@ -51,7 +51,8 @@ __device__ __forceinline__ Vec16 receive(const SymmView& v, Vec16* mine, int64_t
 //    descriptor, clears it (the reader clears, as for data) and compares. A difference marks
 //    the communicator failed (record_mismatch): every wait of this rank gives up at its next
 //    clock check (bounded_spin) and leaves NaN, and the host raises from check(). The peer
-//    sees the same difference from its side.
+//    sees the same difference from its side. (The fused RMSNorm's widest FP8 rows check
+//    after their rows instead: allreduce_rmsnorm.cuh says why.)
 // Cost per call: one 16-byte NVLink store per peer and one local 16-byte load, store and
 // compare per peer, all in block 0's first warp; its wait overlaps the wait for the data the
 // same warp receives next. The other warps and blocks are untouched.
@@ -73,11 +74,28 @@ __device__ __forceinline__ void send_desc(const SymmView& v, uint32_t epoch, uin
     st_volatile(desc_ptr(v, p, epoch, v.rank), call_desc(op, dtype, flags, numel, aux, epoch));
 }
 
+template <bool kInline = true>
+__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
+                                           DType dtype, uint32_t flags, uint64_t numel,
+                                           uint32_t aux);
+
+static __device__ __noinline__ void check_desc_call(const SymmView& v, uint32_t epoch,
+                                                    uint32_t op, DType dtype, uint32_t flags,
+                                                    uint64_t numel, uint32_t aux) {
+  check_desc<true>(v, epoch, op, dtype, flags, numel, aux);
+}
+
+// kInline = false: the check as a call, for kernels at their register limit.
+template <bool kInline>
 __device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
                                            DType dtype, uint32_t flags, uint64_t numel,
                                            uint32_t aux) {
   const int p = int(threadIdx.x);
   if (blockIdx.x != 0 || p >= v.world || p == v.rank) return;
+  if constexpr (!kInline) {
+    check_desc_call(v, epoch, op, dtype, flags, numel, aux);
+    return;
+  }
   Vec16* slot = desc_ptr(v, v.rank, epoch, p);
   Vec16 theirs;
   if (!wait_vec(slot, theirs, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, op)) return;
