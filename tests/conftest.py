@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from typing import Optional
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fusedist.runtime import SAFE_ENV  # noqa: E402
+# The fusedist under test (the installed one under `python -P`, which keeps the source tree
+# and its unbuilt package off sys.path) defines the multicast settings once.
+from fusedist.runtime import SAFE_ENV
 
 for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)
