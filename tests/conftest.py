@@ -42,8 +42,9 @@ def gpu_tier(listed: int, visible: Optional[str], cuda_build: bool, count: int,
     if error is None and count > 0:
         return count, None
     hidden = visible is not None and visible.strip() in ("", "-1")
-    if listed and cuda_build and not hidden:
-        why = error or "torch.cuda.is_available() is False"
+    if listed and not hidden:
+        why = error or ("torch.cuda.is_available() is False" if cuda_build else
+                        "this torch was built without CUDA")
         return 0, (f"nvidia-smi lists {listed} GPU(s) but CUDA does not initialize ({why}); "
                    "fix the driver / CUDA setup, or set CUDA_VISIBLE_DEVICES= to run the CPU "
                    "tier only")

@@ -22,7 +22,11 @@ def test_listed_gpus_with_a_cuda_init_failure_fail():
     assert "is_available() is False" in broken
 
 
-def test_gpus_hidden_on_purpose_or_a_cpu_torch_skip():
+def test_listed_gpus_with_a_cpu_only_torch_fail():
+    have, broken = conftest.gpu_tier(1, None, False, 0, None)
+    assert have == 0 and "built without CUDA" in broken
+
+
+def test_gpus_hidden_on_purpose_skip():
     assert conftest.gpu_tier(8, "", True, 0, None) == (0, None)
-    assert conftest.gpu_tier(8, "-1", True, 0, None) == (0, None)
-    assert conftest.gpu_tier(8, None, False, 0, None) == (0, None)
+    assert conftest.gpu_tier(8, "-1", False, 0, None) == (0, None)
