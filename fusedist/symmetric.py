@@ -27,7 +27,10 @@ from .groups import Group
 # OpCode (layout.h) -> the op's name and what a failed call leaves in its outputs.
 _NAN_WHERE_MISSING = "outputs of that call are NaN where a peer's data did not arrive"
 _OPS = {
-    1: ("one_shot all_reduce", _NAN_WHERE_MISSING),
+    # The copy-engine pipelines of the GEMM + collective ops order their steps with
+    # Communicator.device_barrier(), a one-shot all-reduce: its record reads as one.
+    1: ("one_shot all_reduce", _NAN_WHERE_MISSING + " (if it was the device barrier of a GEMM + "
+        "collective op's copy-engine pipeline, that op's outputs are undefined)"),
     2: ("two_shot all_reduce", _NAN_WHERE_MISSING),
     3: ("all_reduce_add_rmsnorm", "rows of that call's outputs that miss a peer's data are NaN"),
     4: ("gemm_ar (fused)", _NAN_WHERE_MISSING),
