@@ -128,6 +128,10 @@ def error_message(words: Sequence[int], group_name: str, ranks: Sequence[int],
             f"unusable now; {outputs}.")
 
 
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
 def default_timeout_s() -> float:
     return envs.get("FUSEDIST_TIMEOUT_S")
 

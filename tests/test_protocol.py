@@ -9,6 +9,7 @@ import ctypes
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,6 +172,108 @@ def test_same_config_passes_and_different_config_names_ranks_and_values():
     assert "max_bytes (rank 2: 1048576, rank 3: 2097152)" in msg, msg
     assert "timeout_s (rank 2: 30.0, rank 3: 5.0)" in msg, msg
     assert "staging_bytes" not in msg.split("memory:")[1].split(". Create")[0]
+
+
+class _FakeC:
+    """The slice of fusedist._C that SymmetricMemory's constructor uses, on the host."""
+    MAX_RANKS, GENERATIONS, EMPTY_WORD, MAX_SIGNAL_PIECES = 8, 3, EMPTY_WORD, 64
+    ERROR_RECORD_BYTES, CONTROL_BYTES, DESC_BYTES = 64, 16, 128
+
+    def __init__(self):
+        self.allocs, self.comm_args, self._keep = [], None, []
+
+    def device_info(self, dev):
+        return SimpleNamespace(pci_bus_id="0000:01:00.0", sm_count=132, major=9, minor=0)
+
+    def can_access_peer_by_bus_id(self, bus):
+        return 1
+
+    def device_alloc(self, nbytes):
+        self.allocs.append(nbytes)
+        return 1 << (20 + len(self.allocs))
+
+    def host_mapped_alloc(self, nbytes):
+        buf = (ctypes.c_uint8 * nbytes)()
+        self._keep.append(buf)
+        return ctypes.addressof(buf)
+
+    def host_mapped_device_ptr(self, p):
+        return p
+
+    def ipc_get_handle(self, p):
+        return b"handle"
+
+    def ipc_open_handle(self, h):
+        return 1 << 40
+
+    def SymmComm(self, *args):
+        self.comm_args = args
+        return SimpleNamespace(max_blocks=args[-1])
+
+    def fill_u32(self, *a):
+        pass
+
+    def stream_synchronize(self, *a):
+        pass
+
+    device_free = host_mapped_free = ipc_close_handle = fill_u32
+
+
+class _TwoRanks:
+    """Rank 0 of a 2-rank group whose peer answers the first gather (the ranks' devices and
+    sizes) with `peer_config` in place of this rank's sizes, and every later one alike."""
+    name, size, rank, ranks, topology = "tp0", 2, 0, (0, 1), None
+
+    def __init__(self, **peer_config):
+        self.peer_config, self.gathers = peer_config, 0
+
+    def all_gather_object(self, obj):
+        self.gathers += 1
+        if isinstance(obj, dict) and "config" in obj:
+            return [obj, dict(obj, config=dict(obj["config"], **self.peer_config))]
+        return [obj, obj]
+
+    def barrier(self):
+        pass
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    C = _FakeC()
+    monkeypatch.setattr(symmetric._ext, "load", lambda: C)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))
+    return C
+
+
+def test_symmetric_layout_on_matching_ranks(fake_device):
+    s = symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=3.0)
+    slot = max(1 << 16, (1 << 20) // 2)
+    assert s.gen_bytes == 2 * slot + (1 << 20) + 128  # slots, gather region, descriptors
+    assert s.staging_offset == 3 * s.gen_bytes and s.timeout_s == 3.0
+    rank, world, bases, gen, slot_bytes = fake_device.comm_args[:5]
+    assert (rank, world, gen, slot_bytes) == (0, 2, s.gen_bytes, slot) and len(bases) == 2
+
+
+@pytest.mark.parametrize("peer,key,values", [
+    (dict(max_bytes=2 << 20), "max_bytes", "rank 0: 1048576, rank 1: 2097152"),
+    (dict(one_shot_max_bytes=1 << 17), "one_shot_max_bytes", "rank 0: 65536, rank 1: 131072"),
+    (dict(staging_bytes=4096), "staging_bytes", "rank 0: 0, rank 1: 4096"),
+    (dict(timeout_s=5.0), "timeout_s", "rank 0: 3.0, rank 1: 5.0"),
+])
+def test_symmetric_sizes_differing_across_ranks_raise_before_allocating(fake_device, peer, key,
+                                                                         values):
+    group = _TwoRanks(**peer)
+    with pytest.raises(CollectiveMismatchError, match=re.escape(f"{key} ({values})")):
+        symmetric.SymmetricMemory(group, 1 << 20, 1 << 16, timeout_s=3.0)
+    assert fake_device.allocs == [] and group.gathers == 1  # every rank raises alike
+
+
+def test_symmetric_memory_rejects_a_timeout_without_meaning(fake_device):
+    for bad in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="timeout_s"):
+            symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=bad)
 
 
 def test_check_calls():
