@@ -268,15 +268,10 @@ class Communicator:
 
     def set_pending(self, handle: AsyncHandle) -> None:
         """Record `handle` (an async call of this communicator on the comm stream) as pending:
-        a later call on another stream must not overlap it (the symmetric kernels of one
-        communicator run one at a time), so launch_stream() orders the caller after it until
-        handle.wait() makes the caller's stream follow it."""
+        the next call must not overlap it (the symmetric kernels of one communicator run one
+        at a time), so launch_stream() orders that call's stream after it, unless
+        handle.wait() already did."""
         self._pending_async = handle
-        handle._on_wait = lambda: self._forget(handle)
-
-    def _forget(self, handle: AsyncHandle) -> None:
-        if self._pending_async is handle:
-            self._pending_async = None
 
     def launch_stream(self) -> torch.cuda.Stream:
         """The caller's stream, ordered after this communicator's pending async call (its
@@ -288,18 +283,22 @@ class Communicator:
     def order_after_pending(self, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for this communicator's pending async call, if any.
 
-        Only within the world the call was made in: a stream being captured cannot wait on an
-        event recorded outside the capture (cudaErrorStreamCaptureIsolation), and an eager
-        stream cannot wait on one recorded inside a capture. Across the boundary no wait is
-        needed: torch.cuda.graph synchronizes the device before capture begins (so an eager
-        call has completed), and a captured async call is joined back into the capture's
-        origin stream by its wait() (CUDA ends a capture only when every fork is joined)."""
+        Not when handle.wait() already ordered this same stream after it, and only within the
+        world the call was made in: a stream being captured cannot wait on an event recorded
+        outside the capture (cudaErrorStreamCaptureIsolation), and an eager stream cannot
+        wait on one recorded inside a capture. Across that boundary no wait is needed:
+        torch.cuda.graph synchronizes the device before capture begins (so an eager call has
+        completed), and a captured async call must be joined back into its capture before
+        the capture ends (CUDA ends a capture only when every fork is joined)."""
         pending = self._pending_async
         if pending is None:
             return
         self._pending_async = None
-        if pending.captured == torch.cuda.is_current_stream_capturing():
-            stream.wait_event(pending._event)
+        if pending.captured != torch.cuda.is_current_stream_capturing():
+            return
+        if pending.joined_on is not None and pending.joined_on == stream:
+            return
+        stream.wait_event(pending._event)
 
     def clear_pending(self) -> None:
         """Forget the pending async call: the caller's stream already follows it."""

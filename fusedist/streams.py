@@ -69,22 +69,19 @@ class AsyncHandle:
     CPU ops complete before the handle is returned.
     """
 
-    def __init__(self, result, event: Optional[torch.cuda.Event] = None,
-                 on_wait: Optional[Callable[[], None]] = None):
+    def __init__(self, result, event: Optional[torch.cuda.Event] = None):
         self._result = result
         self._event = event
-        # Called by wait(): the op's owner forgets the op as pending (the caller's stream
-        # follows it now).
-        self._on_wait = on_wait
         # Whether the op was launched inside a CUDA-graph capture (its event belongs to it).
         self.captured = bool(event is not None and torch.cuda.is_current_stream_capturing())
+        # The stream wait() ordered after the op (None: not waited yet).
+        self.joined_on = None
 
     def wait(self):
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-        if self._on_wait is not None:
-            self._on_wait()
-            self._on_wait = None
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self._event)
+            self.joined_on = stream
         return self._result
 
     def is_completed(self) -> bool:

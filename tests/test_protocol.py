@@ -346,14 +346,24 @@ def fake_cuda(monkeypatch):
     return state
 
 
-def test_wait_clears_the_pending_call(fake_cuda):
+def test_wait_orders_the_callers_stream_once(fake_cuda):
     comm, ev = _comm(), object()
     h = AsyncHandle("r", ev)
     comm.set_pending(h)
     assert h.wait() == "r" and fake_cuda["stream"].waited == [ev]
-    s = _Stream()
-    comm.order_after_pending(s)
-    assert s.waited == [], "a waited call was waited on again"
+    comm.order_after_pending(fake_cuda["stream"])
+    assert fake_cuda["stream"].waited == [ev], "the stream that waited was made to wait again"
+    assert comm._pending_async is None
+
+
+def test_wait_on_one_stream_still_orders_a_call_on_another(fake_cuda):
+    comm, ev = _comm(), object()
+    h = AsyncHandle("r", ev)
+    comm.set_pending(h)
+    h.wait()
+    other = _Stream()
+    comm.order_after_pending(other)
+    assert other.waited == [ev]
 
 
 def test_unwaited_eager_call_orders_the_next_eager_call(fake_cuda):
