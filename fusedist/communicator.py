@@ -5,17 +5,16 @@ communicator (get_communicator)."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _dtypes, _ext, tuning
-from .errors import CommunicatorClosedError, PeerAccessError
+from . import _dtypes, _ext, envs, tuning
+from .errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
 from .groups import Group
-from .runtime import get_runtime
+from .runtime import check_timeout_s, get_runtime
 from .streams import AsyncHandle, nvtx_range, run_on_comm_stream
 from .symmetric import SymmetricMemory
 
@@ -26,6 +25,29 @@ DEFAULT_ONE_SHOT_MAX_BYTES = 8 << 20
 _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
 _by_name: dict[str, "Communicator"] = {}   # Communicator.name -> open communicator
 _created_per_group: dict[str, int] = {}
+
+
+# Op codes of the CPU path's call descriptors (check_same_call).
+_CPU_CALLS = ("all_reduce", "all_gather", "reduce_scatter")
+_DTYPE_OF_CODE = {c: str(d).replace("torch.", "") for d, c in _dtypes._CODES.items()}
+
+
+def check_calls(group_name: str, ranks, calls) -> None:
+    """Raise CollectiveMismatchError unless every rank made the same call. `calls[i]` is global
+    rank `ranks[i]`'s (op code, element count, dtype code); the message names every rank's
+    call, so each rank can tell what its peers did."""
+    calls = [tuple(int(v) for v in c) for c in calls]
+    if all(c == calls[0] for c in calls):
+        return
+
+    def say(c):
+        op = _CPU_CALLS[c[0]] if 0 <= c[0] < len(_CPU_CALLS) else f"op {c[0]}"
+        return f"{op} of {c[1]} {_DTYPE_OF_CODE.get(c[2], f'dtype {c[2]}')} elements"
+
+    what = "; ".join(f"rank {r} called {say(c)}" for r, c in zip(ranks, calls))
+    raise CollectiveMismatchError(
+        f"fusedist: ranks of group {group_name} called different collectives: {what}. Every "
+        "rank must make the same call (same op, dtype and size)")
 
 
 def resolve_group(group: GroupLike) -> Group:
@@ -75,6 +97,13 @@ class Communicator:
     symmetric memory (NCCL only). staging_bytes: symmetric staging space for the overlap
     engine's copy-engine transport (0: none). A call uses it when its data fits: ag_gemm needs
     x_shard's bytes, gemm_rs and gemm_ar need M * N * itemsize (the partial products).
+    Every rank must pass the same sizes and timeout (checked at creation:
+    CollectiveMismatchError names the ranks and their values).
+
+    Every rank must make the same calls, with the same op, size and dtype. A call that
+    differs raises CollectiveMismatchError naming each rank's call: on the CPU path at the
+    call, on the symmetric GPU kernels from check() (and every later call: the communicator
+    is failed for good, as after a timeout). Calls that go to NCCL are not checked.
     """
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -93,12 +122,14 @@ class Communicator:
                 staging_bytes < 0:
             raise ValueError(f"fusedist.Communicator: staging_bytes must be an int >= 0, got "
                              f"{staging_bytes!r}")
+        if timeout_s is not None:
+            timeout_s = check_timeout_s("fusedist.Communicator", timeout_s)
         self.device = self.group.device
         self.closed = False
         self.symm: Optional[SymmetricMemory] = None
         self.nccl = None
         self.nccl_overlap = None
-        self._pending_async: Optional[torch.cuda.Event] = None
+        self._pending_async: Optional[AsyncHandle] = None  # set_pending
         self._barrier_token: Optional[torch.Tensor] = None  # copy-engine pipelines' barriers
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
@@ -125,7 +156,7 @@ class Communicator:
             # communicator limited to FUSEDIST_OVERLAP_NCCL_CTAS CTAs leaves more SMs to the
             # GEMM; on 2x H200 8 CTAs measured slower than NCCL's default (benchmarks/NOTES.md),
             # so by default the overlap engine shares the main communicator.
-            ctas = int(os.environ.get("FUSEDIST_OVERLAP_NCCL_CTAS", "0"))
+            ctas = envs.get("FUSEDIST_OVERLAP_NCCL_CTAS")
             self.nccl_overlap = NcclComm(self.group, max_ctas=ctas) \
                 if ctas > 0 and self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
@@ -231,11 +262,16 @@ class Communicator:
         if async_op:
             handle = run_on_comm_stream(lambda s: self._launch(x, out, chosen), (x, out),
                                         self.device)
-            # A later synchronous op on another stream must not overlap this one: the
-            # symmetric kernels of one communicator run one at a time.
-            self._pending_async = handle._event
+            self.set_pending(handle)
             return handle
         return self._launch(x, out, chosen)
+
+    def set_pending(self, handle: AsyncHandle) -> None:
+        """Record `handle` (an async call of this communicator on the comm stream) as pending:
+        the next call must not overlap it (the symmetric kernels of one communicator run one
+        at a time), so launch_stream() orders that call's stream after it, unless
+        handle.wait() already did."""
+        self._pending_async = handle
 
     def launch_stream(self) -> torch.cuda.Stream:
         """The caller's stream, ordered after this communicator's pending async call (its
@@ -245,10 +281,24 @@ class Communicator:
         return stream
 
     def order_after_pending(self, stream: torch.cuda.Stream) -> None:
-        """Make `stream` wait for this communicator's pending async call, if any."""
-        if self._pending_async is not None:
-            stream.wait_event(self._pending_async)
-            self._pending_async = None
+        """Make `stream` wait for this communicator's pending async call, if any.
+
+        Not when handle.wait() already ordered this same stream after it, and only within the
+        world the call was made in: a stream being captured cannot wait on an event recorded
+        outside the capture (cudaErrorStreamCaptureIsolation), and an eager stream cannot
+        wait on one recorded inside a capture. Across that boundary no wait is needed:
+        torch.cuda.graph synchronizes the device before capture begins (so an eager call has
+        completed), and a captured async call must be joined back into its capture before
+        the capture ends (CUDA ends a capture only when every fork is joined)."""
+        pending = self._pending_async
+        if pending is None:
+            return
+        self._pending_async = None
+        if pending.captured != torch.cuda.is_current_stream_capturing():
+            return
+        if pending.joined_on is not None and pending.joined_on == stream:
+            return
+        stream.wait_event(pending._event)
 
     def clear_pending(self) -> None:
         """Forget the pending async call: the caller's stream already follows it."""
@@ -275,8 +325,22 @@ class Communicator:
                 out.copy_(dst)
             return out
 
+    def check_same_call(self, op: str, x: torch.Tensor) -> None:
+        """CPU path, before a gloo collective: gather every rank's (op, numel, dtype) and raise
+        CollectiveMismatchError on every rank if they differ. gloo itself aborts the process
+        on a size mismatch (gloo::EnforceNotMet) and sums misread bytes on a dtype mismatch.
+        One small all-gather per call: the CPU path is the reference path, not a fast one."""
+        if self.group.size == 1:
+            return
+        mine = torch.tensor([_CPU_CALLS.index(op), x.numel(), _dtypes.code(x.dtype)],
+                            dtype=torch.int64)
+        calls = [torch.empty_like(mine) for _ in range(self.group.size)]
+        dist.all_gather(calls, mine, group=self.group.pg)
+        check_calls(self.group.name, self.group.ranks, [c.tolist() for c in calls])
+
     def _all_reduce_cpu(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Reference path: fp32 accumulation over gloo, rounded once to x.dtype."""
+        self.check_same_call("all_reduce", x)
         acc = x.to(torch.float32, copy=True)
         if self.group.size > 1:
             dist.all_reduce(acc, group=self.group.pg)

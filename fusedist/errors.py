@@ -28,5 +28,11 @@ class CommunicatorTimeoutError(FusedistError):
     """A symmetric-memory kernel waited longer than the timeout for a peer."""
 
 
+class CollectiveMismatchError(FusedistError):
+    """Ranks of a group disagree: they called a collective with another op, dtype or size, or
+    created a communicator with different sizes or timeouts. The message names every rank's
+    call (or values)."""
+
+
 class CommunicatorClosedError(FusedistError):
     """The communicator was closed (or broke after a timeout) and cannot be used."""

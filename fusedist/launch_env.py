@@ -47,6 +47,8 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
+from . import envs
+
 __all__ = ["LaunchEnv", "LaunchEnvError", "detect_launch_env", "expand_slurm_nodelist"]
 
 DEFAULT_MASTER_PORT = 29500
@@ -426,8 +428,8 @@ def detect_launch_env(
     # node identity: kwarg > FUSEDIST_NODE_ID > launcher notion (SLURM_NODEID) > hostname
     if node_id is not None and str(node_id).strip():
         nid = str(node_id).strip()
-    elif _env_str(env, "FUSEDIST_NODE_ID") is not None:
-        nid = _env_str(env, "FUSEDIST_NODE_ID")
+    elif envs.get("FUSEDIST_NODE_ID", env) is not None:
+        nid = envs.get("FUSEDIST_NODE_ID", env)
     elif info.get("node_id"):
         nid = info["node_id"]
     else:

@@ -4,20 +4,17 @@ stream (never stream 0). FUSEDIST_NCCL=torch uses torch.distributed's NCCL inste
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 
+from . import envs
 from .errors import NcclUnavailableError
 from .groups import Group
 
 
 def backend_choice() -> str:
-    choice = os.environ.get("FUSEDIST_NCCL", "nccl4py")
-    if choice not in ("nccl4py", "torch"):
-        raise ValueError(f"fusedist: FUSEDIST_NCCL must be 'nccl4py' or 'torch', got {choice!r}")
-    return choice
+    return envs.get("FUSEDIST_NCCL")
 
 
 def _import_nccl():

@@ -10,6 +10,7 @@ initialized torch.distributed keeps its process group: init() adopts it.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -18,12 +19,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import envs
 from .errors import NotInitializedError
 from .groups import Group, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
 from .topology import Topology
 
-# Environment a GPU host of this project must keep (shared/TESTBED.md): multicast stays off.
+# NVLink multicast (NVLS) stays off for NCCL, torch symmetric memory and NVSHMEM: fusedist
+# never uses multicast objects, and on hosts whose fabric manager does not provide multicast a
+# library that tries it can hang or fault. init() sets these unless the user already did
+# (setdefault: an explicit value is never overwritten); the tests apply the same values.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -71,8 +76,17 @@ def get_runtime() -> Runtime:
 
 def _timeout_s(explicit: Optional[float]) -> float:
     if explicit is not None:
-        return float(explicit)
-    return float(os.environ.get("FUSEDIST_INIT_TIMEOUT_S", "300"))
+        return check_timeout_s("fusedist.init", explicit)
+    return envs.get("FUSEDIST_INIT_TIMEOUT_S")
+
+
+def check_timeout_s(where: str, value) -> float:
+    """`value` as a timeout in seconds: a finite number > 0, else a ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: timeout_s must be a finite number of seconds > 0, got "
+                         f"{value!r}; omit it for the default")
+    return float(value)
 
 
 def _mpi_bootstrap_address(env: LaunchEnv) -> tuple[str, int]:

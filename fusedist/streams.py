@@ -11,14 +11,15 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, Iterable, Optional
 
 import torch
 
-_NVTX = os.environ.get("FUSEDIST_NVTX", "1") != "0"
+from . import envs
+
+_NVTX = envs.get("FUSEDIST_NVTX")
 _pools: dict[int, list[torch.cuda.Stream]] = {}
-POOL_SIZE = int(os.environ.get("FUSEDIST_COMM_STREAMS", "2"))
+POOL_SIZE = envs.get("FUSEDIST_COMM_STREAMS")
 
 
 def _device_index(device) -> int:
@@ -71,10 +72,16 @@ class AsyncHandle:
     def __init__(self, result, event: Optional[torch.cuda.Event] = None):
         self._result = result
         self._event = event
+        # Whether the op was launched inside a CUDA-graph capture (its event belongs to it).
+        self.captured = bool(event is not None and torch.cuda.is_current_stream_capturing())
+        # The stream wait() ordered after the op (None: not waited yet).
+        self.joined_on = None
 
     def wait(self):
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self._event)
+            self.joined_on = stream
         return self._result
 
     def is_completed(self) -> bool:

@@ -2,28 +2,130 @@
 every peer through CUDA IPC, plus this rank's control block and host-mapped error record.
 
 Layout and protocol: csrc/include/fusedist/layout.h and docs/design/allreduce.md. In short,
-the buffer holds kGenerations generations of `world` receive slots and one gather region; every
-free 32-bit word holds EMPTY_WORD; writers push into their own slot of a peer's buffer and the
-owner clears what it reads. Created collectively, before any CUDA-graph capture; freed by
-close() after a group barrier so no peer still writes into freed memory.
+the buffer holds kGenerations generations of `world` receive slots, one gather region and one
+call descriptor per rank; every free 32-bit word holds EMPTY_WORD; writers push into their own
+slot of a peer's buffer and the owner clears what it reads. The kernels compare the peers'
+call descriptors with their own and record a mismatch like a timeout: the communicator fails
+for good and check() raises, naming both calls. Created collectively, before any CUDA-graph
+capture, after checking that every rank asked for the same sizes; freed by close() after a
+group barrier so no peer still writes into freed memory.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from . import _ext
-from .errors import CommunicatorClosedError, CommunicatorTimeoutError, PeerAccessError
+from . import _dtypes, _ext, envs
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
+                     PeerAccessError)
 from .groups import Group
 
-_OP_NAMES = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm",
-             4: "gemm_ar (fused)", 5: "ag_gemm (fused: waiting for a peer's rows)",
-             6: "gemm_rs (fused: waiting for a peer's partial rows)"}
+# OpCode (layout.h) -> the op's name and what a failed call leaves in its outputs.
+_NAN_WHERE_MISSING = "outputs of that call are NaN where a peer's data did not arrive"
+_OPS = {
+    # The copy-engine pipelines of the GEMM + collective ops order their steps with
+    # Communicator.device_barrier(), a one-shot all-reduce: its record reads as one.
+    1: ("one_shot all_reduce", _NAN_WHERE_MISSING + " (if it was the device barrier of a GEMM + "
+        "collective op's copy-engine pipeline, that op's outputs are undefined)"),
+    2: ("two_shot all_reduce", _NAN_WHERE_MISSING),
+    3: ("all_reduce_add_rmsnorm", "rows of that call's outputs that miss a peer's data are NaN"),
+    4: ("gemm_ar (fused)", _NAN_WHERE_MISSING),
+    5: ("ag_gemm (fused: waiting for a peer's rows)", "outputs of that call are undefined"),
+    6: ("gemm_rs (fused: waiting for a peer's partial rows)",
+        "outputs of that call are undefined"),
+}
+_DTYPE_NAMES = {_dtypes.FLOAT32: "float32", _dtypes.FLOAT16: "float16",
+                _dtypes.BFLOAT16: "bfloat16", _dtypes.FLOAT8_E4M3: "float8_e4m3fn"}
+ERR_TIMEOUT, ERR_MISMATCH = 1, 2
+DESC_FP8_OUT = 1
+
+# Mirrors of layout.h (tests/test_protocol.py checks them against _C where it is built).
+GENERATIONS = 3
+EPOCH_PERIOD = 0xFFFFFFFF // GENERATIONS * GENERATIONS
+
+
+def next_epoch(epoch: int) -> int:
+    """The epoch after `epoch` (layout.h next_epoch): it counts modulo EPOCH_PERIOD, a multiple
+    of GENERATIONS, so consecutive calls never share a generation, across the wrap too."""
+    return 0 if epoch + 1 >= EPOCH_PERIOD else epoch + 1
+
+
+def generation_of(epoch: int) -> int:
+    return epoch % GENERATIONS
+
+
+def decode_desc(words: Sequence[int]) -> Optional[dict]:
+    """A call descriptor (layout.h desc_word) as a dict, or None if the words are not one."""
+    w = [int(x) & 0xFFFFFFFF for x in words]
+    if len(w) != 4 or [x >> 24 for x in w] != [0xFD, 0xA5, 0xA6, 0xA7]:
+        return None
+    return {"op": (w[0] >> 8) & 0xFF, "dtype": w[0] & 0xFF, "flags": (w[0] >> 16) & 0xFF,
+            "numel": (w[1] & 0xFFFFFF) | (w[2] & 0xFFFFFF) << 24, "aux": (w[3] >> 8) & 0xFFFF,
+            "epoch8": w[3] & 0xFF}
+
+
+def describe_desc(d: Optional[dict]) -> str:
+    """A call descriptor in words: 'one_shot all_reduce of 4096 float32 elements'."""
+    if d is None:
+        return "an unreadable call"
+    name = _OPS.get(d["op"], (f"op {d['op']}", ""))[0]
+    dtype = _DTYPE_NAMES.get(d["dtype"], f"dtype {d['dtype']}")
+    text = f"{name} of {d['numel']} {dtype} elements"
+    if d["aux"]:
+        text += f" (rows of {d['aux']})"
+    if d["flags"] & DESC_FP8_OUT:
+        text += " with float8_e4m3fn output"
+    return text
+
+
+def check_same_config(group_name: str, ranks: Sequence[int], configs: Sequence[dict]) -> None:
+    """Raise CollectiveMismatchError if the ranks of a group asked for differently sized
+    symmetric memory: the kernels address peers' buffers with this rank's offsets, and the
+    transport chosen from these sizes must be the same everywhere. `configs[i]` is what global
+    rank `ranks[i]` asked for (a dict of the same keys on every rank)."""
+    bad = [k for k in configs[0] if any(c.get(k) != configs[0][k] for c in configs)]
+    if not bad:
+        return
+    parts = []
+    for k in bad:
+        vals = ", ".join(f"rank {r}: {c.get(k)!r}" for r, c in zip(ranks, configs))
+        parts.append(f"{k} ({vals})")
+    raise CollectiveMismatchError(
+        f"fusedist.Communicator: the ranks of group {group_name} asked for different symmetric "
+        f"memory: {'; '.join(parts)}. Create the communicator with the same max_bytes, "
+        "one_shot_max_bytes, staging_bytes and timeout_s (and the same FUSEDIST_TIMEOUT_S) on "
+        "every rank")
+
+
+def error_message(words: Sequence[int], group_name: str, ranks: Sequence[int],
+                  timeout_s: float) -> Optional[str]:
+    """The host's message for an error record (layout.h ErrorRecord, as 16 uint32 words);
+    None when it records nothing."""
+    code = int(words[0])
+    if code == 0:
+        return None
+    me, peer = ranks[int(words[1])], ranks[int(words[2])]
+    call = int(words[3]) & 0xFFFFFFFF
+    op, outputs = _OPS.get(int(words[4]), ("kernel", "outputs of that call are undefined"))
+    if code == ERR_MISMATCH:
+        mine, theirs = decode_desc(words[8:12]), decode_desc(words[12:16])
+        return (f"{op} on group {group_name} at call #{call}: ranks called different "
+                f"collectives: rank {me} called {describe_desc(mine)}, rank {peer} called "
+                f"{describe_desc(theirs)}. Every rank must make the same call (same op, dtype "
+                "and size). The communicator is unusable now; outputs of that call are "
+                "undefined (NaN where a wait gave up).")
+    if peer == me:  # finish_epoch: a block of this rank's own launch never started
+        what = (f"rank {me} waited more than {timeout_s:g} s for its own kernel's "
+                "blocks to start (the GPU is held by a kernel that never yields)")
+    else:
+        what = (f"rank {me} waited more than {timeout_s:g} s for rank {peer}; the peer "
+                "never arrived (it skipped the collective, called a different op, or died)")
+    return (f"{op} on group {group_name} at call #{call}: {what}. The communicator is "
+            f"unusable now; {outputs}.")
 
 
 def _align(n: int, a: int) -> int:
@@ -31,7 +133,7 @@ def _align(n: int, a: int) -> int:
 
 
 def default_timeout_s() -> float:
-    return float(os.environ.get("FUSEDIST_TIMEOUT_S", "30"))
+    return envs.get("FUSEDIST_TIMEOUT_S")
 
 
 class SymmetricMemory:
@@ -64,10 +166,24 @@ class SymmetricMemory:
         dev = torch.cuda.current_device()
         self._device = torch.device("cuda", dev)
         info = C.device_info(dev)
+        if timeout_s is None:
+            timeout_s = default_timeout_s()
+        elif isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+                not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"fusedist: SymmetricMemory timeout_s must be a finite number of "
+                             f"seconds > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.one_shot_max_bytes = _align(max(16, one_shot_max_bytes), 16)
+        self.max_bytes = _align(max(16, max_bytes), 16)
+        self.staging_bytes = _align(max(0, staging_bytes), 256)
+        config = {"max_bytes": self.max_bytes, "one_shot_max_bytes": self.one_shot_max_bytes,
+                  "staging_bytes": self.staging_bytes, "timeout_s": self.timeout_s}
         me = {"node": group.topology.node_ids[group.ranks[r]] if group.topology else
               socket.gethostname(), "host": socket.gethostname(), "bus": info.pci_bus_id,
-              "sms": info.sm_count, "cc": (info.major, info.minor)}
+              "sms": info.sm_count, "cc": (info.major, info.minor), "config": config}
         peers = group.all_gather_object(me)
+        # Before anything is allocated: every rank raises alike.
+        check_same_config(group.name, group.ranks, [p["config"] for p in peers])
         if len({(p["node"], p["host"]) for p in peers}) != 1:
             raise PeerAccessError(
                 "fusedist: symmetric memory needs every rank of the group on one node; group "
@@ -79,14 +195,11 @@ class SymmetricMemory:
                 f"fusedist: GPUs {[p['bus'] for p in peers]} of group {group.name} cannot "
                 "access each other (no P2P); ops fall back to NCCL")
 
-        self.timeout_s = default_timeout_s() if timeout_s is None else float(timeout_s)
-        self.one_shot_max_bytes = _align(max(16, one_shot_max_bytes), 16)
-        self.max_bytes = _align(max(16, max_bytes), 16)
         chunk_bytes = _align(-(-self.max_bytes // W), 16)
         self.slot_bytes = max(self.one_shot_max_bytes, chunk_bytes)
-        self.gen_bytes = W * self.slot_bytes + self.max_bytes
+        # world slots, the two-shot gather region, the call descriptors (layout.h)
+        self.gen_bytes = W * self.slot_bytes + self.max_bytes + C.DESC_BYTES
         self.staging_offset = C.GENERATIONS * self.gen_bytes
-        self.staging_bytes = _align(max(0, staging_bytes), 256)
         self.signal_offset = self.staging_offset + self.staging_bytes
         self.signal_bytes = _align(W * C.MAX_SIGNAL_PIECES * 4, 256)
         total = self.signal_offset + self.signal_bytes
@@ -156,19 +269,11 @@ class SymmetricMemory:
         """The recorded device-side failure, read from host-mapped memory (no CUDA call)."""
         if self._err_host is None:
             return None
-        words = (ctypes.c_int32 * 5).from_address(self._err_host)
+        words = list((ctypes.c_uint32 * 16).from_address(self._err_host))
         if words[0] == 0:
             return None
-        op = _OP_NAMES.get(words[4], "kernel")
-        me, peer = self.group.ranks[words[1]], self.group.ranks[words[2]]
-        if peer == me:  # finish_epoch: a block of this rank's own launch never started
-            what = (f"rank {me} waited more than {self.timeout_s:g} s for its own kernel's "
-                    "blocks to start (the GPU is held by a kernel that never yields)")
-        else:
-            what = (f"rank {me} waited more than {self.timeout_s:g} s for rank {peer}; the peer "
-                    "never arrived (it skipped the collective, called a different op, or died)")
-        return (f"{op} on group {self.group.name} at call #{words[3] & 0xffffffff}: {what}. The "
-                "communicator is unusable now; outputs of that call are NaN.")
+        words[1], words[2] = ctypes.c_int32(words[1]).value, ctypes.c_int32(words[2]).value
+        return error_message(words, self.group.name, self.group.ranks, self.timeout_s)
 
     def check(self) -> None:
         if self._closed:
@@ -176,7 +281,27 @@ class SymmetricMemory:
                                           "is closed")
         msg = self.error()
         if msg is not None:
-            raise CommunicatorTimeoutError("fusedist: " + msg)
+            code = (ctypes.c_uint32 * 1).from_address(self._err_host)[0]
+            cls = CollectiveMismatchError if code == ERR_MISMATCH else CommunicatorTimeoutError
+            raise cls("fusedist: " + msg)
+
+    # ---- tests -------------------------------------------------------------------------
+    def epoch(self) -> int:
+        """This rank's epoch (calls completed modulo EPOCH_PERIOD). Synchronizes the device."""
+        torch.cuda.synchronize(self._device)
+        return int.from_bytes(self._C.copy_to_host(self._control, 4), "little")
+
+    def set_epoch(self, epoch: int) -> None:
+        """Test hook: start counting calls at `epoch` (e.g. just below the wrap). Collective:
+        call it on every rank with the same value, between calls (slots are empty then)."""
+        if not 0 <= epoch < EPOCH_PERIOD:
+            raise ValueError(f"fusedist: epoch must be in [0, {EPOCH_PERIOD}), got {epoch}")
+        torch.cuda.synchronize(self._device)
+        self.group.barrier()  # no peer still runs a call that reads the old epoch
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        self._C.fill_u32(self._control, epoch, 1, stream)
+        self._C.stream_synchronize(stream)
+        self.group.barrier()
 
     # ---- teardown ----------------------------------------------------------------------
     def _free(self) -> None:

@@ -1,31 +1,90 @@
 """Test tiers: no marker = CPU (runs everywhere); gpu = one GPU; gpu2/gpu4/gpu8 = that many
-GPUs on one host, launched as one process per GPU. Missing GPUs skip, never fail."""
+GPUs on one host, launched as one process per GPU. Missing GPUs skip. A host whose driver
+lists GPUs (nvidia-smi) while CUDA cannot initialize fails the GPU tier instead: a broken GPU
+host must not pass as a CPU-only one."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from typing import Optional
 
 import pytest
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+# The fusedist under test (the installed one under `python -P`, which keeps the source tree
+# and its unbuilt package off sys.path) defines the multicast settings once.
+from fusedist.runtime import SAFE_ENV
+
+for _k, _v in SAFE_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 _NEEDED = {"gpu": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
 
 
-def _gpus() -> int:
+def listed_gpus() -> int:
+    """GPUs the driver lists (nvidia-smi -L), 0 without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def gpu_tier(listed: int, visible: Optional[str], cuda_build: bool, count: int,
+             error: Optional[str]) -> tuple[int, Optional[str]]:
+    """(GPUs the GPU tier may use, why the GPU tier must fail or None). `listed`: GPUs the
+    driver lists; `visible`: CUDA_VISIBLE_DEVICES (None: unset); `cuda_build`: torch was built
+    with CUDA; `count`, `error`: what torch.cuda reported (error: its exception, if any)."""
+    if error is None and count > 0:
+        return count, None
+    hidden = visible is not None and visible.strip() in ("", "-1")
+    if listed and not hidden:
+        why = error or ("torch.cuda.is_available() is False" if cuda_build else
+                        "this torch was built without CUDA")
+        return 0, (f"nvidia-smi lists {listed} GPU(s) but CUDA does not initialize ({why}); "
+                   "fix the driver / CUDA setup, or set CUDA_VISIBLE_DEVICES= to run the CPU "
+                   "tier only")
+    return 0, None
+
+
+def _probe() -> tuple[int, Optional[str]]:
     try:
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
+        cuda_build = torch.version.cuda is not None
+        count, error = (torch.cuda.device_count() if torch.cuda.is_available() else 0), None
+    except Exception as e:  # noqa: BLE001 - any init failure is reported, not swallowed
+        cuda_build, count, error = True, 0, f"{type(e).__name__}: {e}"
+    return gpu_tier(listed_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"), cuda_build, count,
+                    error)
+
+
+_STATE: Optional[tuple[int, Optional[str]]] = None
+
+
+def _state() -> tuple[int, Optional[str]]:
+    global _STATE
+    if _STATE is None:
+        _STATE = _probe()
+    return _STATE
 
 
 def pytest_collection_modifyitems(config, items):
-    have = _gpus()
+    if not any(m in item.keywords for item in items for m in _NEEDED):
+        return
+    have, broken = _state()
     for item in items:
         for mark, need in _NEEDED.items():
-            if mark in item.keywords and have < need:
+            if mark in item.keywords and have < need and broken is None:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), found {have}"))
+
+
+def pytest_runtest_setup(item):
+    if any(m in item.keywords for m in _NEEDED):
+        broken = _state()[1]
+        if broken is not None:
+            pytest.fail(broken, pytrace=False)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +88,14 @@ def assert_passed(p: subprocess.CompletedProcess, nproc: int) -> None:
     passed = p.stdout.count("all checks passed")
     assert p.returncode == 0 and passed == nproc, \
         f"exit {p.returncode}, {passed}/{nproc} ranks passed\n{p.stdout[-6000:]}"
+    # Checks that could not run on this tier (tests/dist/_harness.py prints "[skip] name
+    # (time): reason"): reported in pytest's warnings summary, never counted as passed.
+    skipped = [line[len("[skip] "):] for line in p.stdout.splitlines()
+               if line.startswith("[skip] ")]
+    if skipped:
+        warnings.warn(f"{len(skipped)} worker check(s) skipped: " + "; ".join(skipped),
+                      SkippedChecks, stacklevel=2)
+
+
+class SkippedChecks(UserWarning):
+    """Worker checks that were skipped (not passed) in a multi-process test."""

@@ -36,6 +36,22 @@ void register_symmetric(py::module_& m) {
         py::arg("device_ptr"), py::arg("bytes"));
   m.attr("MAX_RANKS") = kMaxRanks;
   m.attr("GENERATIONS") = kGenerations;
+  m.attr("EPOCH_PERIOD") = kEpochPeriod;
+  m.attr("DESC_BYTES") = kDescBytes;
+  m.attr("ERR_TIMEOUT") = kErrTimeout;
+  m.attr("ERR_MISMATCH") = kErrMismatch;
+  m.def("next_epoch", [](uint32_t e) { return next_epoch(e); }, py::arg("epoch"));
+  m.def("generation_of", [](uint32_t e) { return generation_of(e); }, py::arg("epoch"));
+  m.def(
+      "desc_words",
+      [](uint32_t op, uint32_t dtype, uint32_t flags, uint64_t numel, uint32_t aux,
+         uint32_t epoch) {
+        std::vector<uint32_t> w(4);
+        for (int k = 0; k < 4; ++k) w[k] = desc_word(k, op, dtype, flags, numel, aux, epoch);
+        return w;
+      },
+      py::arg("op"), py::arg("dtype"), py::arg("flags"), py::arg("numel"), py::arg("aux"),
+      py::arg("epoch"));
   m.attr("EMPTY_WORD") = kEmptyWord;
   m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
   m.attr("CONTROL_BYTES") = sizeof(Control);

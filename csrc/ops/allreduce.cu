@@ -47,7 +47,7 @@ int64_t allreduce_max_numel(const SymmComm& c, DType dtype, AllReduceAlgo algo) 
   const int64_t slot_vecs = int64_t(c.view.slot_bytes / 16);
   if (algo == AllReduceAlgo::kOneShot) return slot_vecs * per;
   const int64_t gather_vecs =
-      int64_t((c.view.gen_bytes - c.view.world * c.view.slot_bytes) / 16);
+      int64_t((c.view.gen_bytes - c.view.world * c.view.slot_bytes - kDescBytes) / 16);
   return std::min(gather_vecs, slot_vecs * c.view.world) * per;
 }
 

@@ -153,8 +153,9 @@ SymmComm::SymmComm(int rank, int world, const std::vector<uintptr_t>& bases,
   FUSEDIST_CHECK_ARG(int(bases.size()) == world, "SymmComm: need one base pointer per rank");
   FUSEDIST_CHECK_ARG(slot_bytes % 16 == 0 && gen_bytes % 16 == 0,
                      "SymmComm: slot and generation sizes must be multiples of 16 bytes");
-  FUSEDIST_CHECK_ARG(gen_bytes >= world * slot_bytes + 16,
-                     "SymmComm: generation too small for world slots + a gather region");
+  FUSEDIST_CHECK_ARG(gen_bytes >= world * slot_bytes + 16 + kDescBytes,
+                     "SymmComm: generation too small for world slots + a gather region + the "
+                     "call descriptors");
   FUSEDIST_CHECK_ARG(max_blocks_ >= 1, "SymmComm: max_blocks must be >= 1");
   FUSEDIST_CHECK_ARG(timeout_s > 0, "SymmComm: timeout must be > 0");
   for (int p = 0; p < world; ++p) {

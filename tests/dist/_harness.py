@@ -27,6 +27,15 @@ def check(fn):
     return fn
 
 
+class SkipCheck(Exception):
+    """Raised by skip(): the check did not run here (reported as [skip] with its reason)."""
+
+
+def skip(reason: str):
+    """End the current check as skipped (never as passed): it cannot run on this tier."""
+    raise SkipCheck(reason)
+
+
 def rank_seed(*parts) -> int:
     """Stable across processes (unlike hash() of a str)."""
     h = 1469598103934665603
@@ -106,17 +115,23 @@ def main(select: str | None = None) -> None:
         if only and only not in fn.__name__:
             continue
         t0 = time.time()
+        reason = ""
         try:
             fn(rt, run_id)
             status = "ok"
+        except SkipCheck as e:
+            status, reason = "skip", f": {e}"
         except Exception as e:  # noqa: BLE001 - every failure is reported, then gathered
             status = "FAIL"
             record_failure(failures, rt.rank, fn.__name__, e)
         statuses.append((fn.__name__, status))
         if rt.rank == 0:
-            print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s)", flush=True)
+            print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s){reason}", flush=True)
     if rt.rank == 0:
         print("summary: " + " ".join(f"{n}={s}" for n, s in statuses), flush=True)
+        counts = {k: sum(1 for _, s in statuses if s == k) for k in ("ok", "skip", "FAIL")}
+        print(f"checks: {counts['ok']} ok, {counts['skip']} skipped, {counts['FAIL']} failed",
+              flush=True)
     all_failures = rt.world.all_gather_object(failures)
     fusedist.shutdown()
     flat = [f for fs in all_failures for f in fs]

@@ -11,11 +11,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
-                      fresh, main, rank_seed)
+                      fresh, main, rank_seed, skip)
 
 import torch  # noqa: E402
 
 import fusedist  # noqa: E402
+from fusedist.errors import CollectiveMismatchError  # noqa: E402
 from tolerances import count_bad  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -146,7 +147,7 @@ def bad_input_errors(rt, seed):
 @check
 def cuda_graph_fresh_inputs(rt, seed):
     if rt.device.type != "cuda":
-        return
+        skip("CUDA graphs need a GPU")
     replays = int(os.environ.get("FUSEDIST_TEST_REPLAYS", "1000"))
     for algo in ("one_shot", "two_shot"):
         for dtype in DTYPES:
@@ -177,7 +178,7 @@ def cuda_graph_stress(rt, seed):
     """Many replays of a graph of 10 all-reduces on 10 different inputs, mismatches counted
     on the device inside the graph (no host sync per replay)."""
     if rt.device.type != "cuda":
-        return
+        skip("CUDA graphs need a GPU")
     calls = int(os.environ.get("FUSEDIST_TEST_STRESS_CALLS", "100000"))
     per = 10
     for algo in ("one_shot", "two_shot"):
@@ -215,7 +216,7 @@ def cuda_graph_replays_changing_inputs(rt, seed):
     replay. Inputs are small integers (exact in bf16 and in their sums); every rank holds all
     ranks' inputs, advances them with the same rule, and counts mismatches on the device."""
     if rt.device.type != "cuda":
-        return
+        skip("CUDA graphs need a GPU")
     replays = int(os.environ.get("FUSEDIST_TEST_GRAPH_REPLAYS", "100000"))
     W, me, dev, dt, n = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16, 2053
     for algo in ("one_shot", "two_shot"):
@@ -249,8 +250,10 @@ def cuda_graph_replays_changing_inputs(rt, seed):
 
 @check
 def torch_compile_fullgraph(rt, seed):
-    if rt.device.type != "cuda" or os.environ.get("FUSEDIST_TEST_COMPILE", "1") == "0":
-        return
+    if rt.device.type != "cuda":
+        skip("torch.compile of the GPU path needs a GPU")
+    if os.environ.get("FUSEDIST_TEST_COMPILE", "1") == "0":
+        skip("FUSEDIST_TEST_COMPILE=0")
     def f(x):
         return fusedist.all_reduce(x * 2) + 1
     cf = torch.compile(f, fullgraph=True)
@@ -259,11 +262,156 @@ def torch_compile_fullgraph(rt, seed):
     assert count_bad(y, ref * 2 + 1, torch.float32) == 0
 
 
+def symmetric_or_skip(rt):
+    if rt.device.type != "cuda":
+        skip("symmetric memory needs GPUs")
+    if rt.tp.size < 2:
+        skip("symmetric memory needs 2 or more ranks")
+
+
+def expect_raises(exc, fn, *matches):
+    try:
+        fn()
+    except exc as e:
+        for m in matches:
+            assert m in str(e), f"message {str(e)!r} lacks {m!r}"
+        return e
+    raise AssertionError(f"expected {exc.__name__}")
+
+
+@check
+def mismatched_calls_raise(rt, seed):
+    """Ranks calling all_reduce with different sizes or dtypes get CollectiveMismatchError on
+    every rank, naming every rank's call, before gloo sees the call (gloo aborts the process
+    on a size mismatch). The communicator stays usable."""
+    if rt.device.type != "cpu":
+        skip("the CPU path's check (the GPU kernels' check: symmetric_call_mismatch)")
+    me, ranks = rt.tp.rank, rt.tp.ranks
+    expect_raises(CollectiveMismatchError, lambda: fusedist.all_reduce(torch.ones(100 + me)),
+                  "called different collectives",
+                  *(f"rank {r} called all_reduce of {100 + p} float32 elements"
+                    for p, r in enumerate(ranks)))
+    dt = torch.float32 if me == 0 else torch.bfloat16
+    expect_raises(CollectiveMismatchError,
+                  lambda: fusedist.all_reduce(torch.ones(64, dtype=dt)),
+                  f"rank {ranks[0]} called all_reduce of 64 float32 elements",
+                  f"rank {ranks[-1]} called all_reduce of 64 bfloat16 elements")
+    x, ref = inputs_and_ref(rt, 100, torch.float32, (seed, "after-mismatch"))
+    assert count_bad(fusedist.all_reduce(x), ref, torch.float32) == 0, "after a mismatch"
+
+
+@check
+def symmetric_call_mismatch(rt, seed):
+    """The symmetric kernels exchange call descriptors: a rank that calls with another size,
+    dtype or op makes every rank's communicator fail with CollectiveMismatchError naming both
+    calls, before any wait times out, and later calls raise (sticky)."""
+    symmetric_or_skip(rt)
+    me, dev, timeout = rt.tp.rank, rt.device, 20.0
+    n = 4096
+
+    def size_case(comm):
+        x = torch.ones(n + 8 * me, device=dev)
+        y = comm.all_reduce(x, algo="one_shot")
+        return y, f"one_shot all_reduce of {n + 8 * me} float32 elements"
+
+    def dtype_case(comm):
+        dt = torch.float32 if me == 0 else torch.bfloat16
+        x = torch.ones(n if me == 0 else 2 * n, dtype=dt, device=dev)  # same bytes
+        return comm.all_reduce(x, algo="one_shot"), \
+            f"one_shot all_reduce of {x.numel()} {str(dt).split('.')[-1]} elements"
+
+    def op_case(comm):
+        algo = "one_shot" if me == 0 else "two_shot"
+        return comm.all_reduce(torch.ones(n, device=dev), algo=algo), \
+            f"{algo} all_reduce of {n} float32 elements"
+
+    def rmsnorm_case(comm):
+        x = torch.ones(4, 1024, device=dev)
+        if me == 0:
+            normed, _ = fusedist.all_reduce_add_rmsnorm(x, torch.zeros_like(x),
+                                                        torch.ones(1024, device=dev), 1e-6,
+                                                        group=comm, fused=True)
+            return normed, "all_reduce_add_rmsnorm of 4096 float32 elements (rows of 1024)"
+        return comm.all_reduce(x, algo="one_shot"), "one_shot all_reduce of 4096 float32 elements"
+
+    for case in (size_case, dtype_case, op_case, rmsnorm_case):
+        comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=timeout)
+        t0 = time.time()
+        y, mine = case(comm)
+        torch.cuda.synchronize()
+        waited = time.time() - t0
+        e = expect_raises(CollectiveMismatchError, comm.check, "called different collectives",
+                          f"rank {rt.tp.ranks[me]} called {mine}")
+        assert waited < timeout, f"{case.__name__}: {waited:.1f}s: the mismatch waited out the " \
+                                 f"timeout instead of being detected ({e})"
+        if case is size_case and me == rt.tp.size - 1:
+            # The largest call's last vectors never arrive from the smaller peers: poisoned.
+            assert torch.isnan(y[n + 8 * (me - 1):]).all(), "tail of the larger call"
+        expect_raises(CollectiveMismatchError, lambda: comm.all_reduce(
+            torch.ones(n, device=dev), algo="one_shot"), "called different collectives")
+        comm.close()
+    # A fresh communicator of the same group works.
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=timeout)
+    x, ref = inputs_and_ref(rt, n, torch.float32, (seed, "after-gpu-mismatch"))
+    assert count_bad(comm.all_reduce(x, algo="one_shot"), ref, torch.float32) == 0
+    comm.close()
+
+
+@check
+def symmetric_sizes_checked_at_creation(rt, seed):
+    """Ranks creating a communicator with different sizes or timeouts get
+    CollectiveMismatchError on every rank, naming each rank's value, before anything is
+    allocated (kernels would address peers' buffers at the wrong offsets)."""
+    symmetric_or_skip(rt)
+    me, ranks = rt.tp.rank, rt.tp.ranks
+    for kwargs, key in ((dict(max_bytes=(1 << 20) * (1 + me)), "max_bytes"),
+                        (dict(max_bytes=1 << 20, one_shot_max_bytes=(1 << 16) * (1 + me)),
+                         "one_shot_max_bytes"),
+                        (dict(max_bytes=1 << 20, staging_bytes=4096 * me), "staging_bytes"),
+                        (dict(max_bytes=1 << 20, timeout_s=5.0 + me), "timeout_s")):
+        expect_raises(CollectiveMismatchError, lambda: fusedist.Communicator(rt.tp, **kwargs),
+                      f"{key} (rank {ranks[0]}: ", f"rank {ranks[-1]}: ")
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+    x, ref = inputs_and_ref(rt, 1000, torch.float32, (seed, "after-size-mismatch"))
+    assert count_bad(comm.all_reduce(x, algo="one_shot"), ref, torch.float32) == 0
+    comm.close()
+
+
+@check
+def epoch_wraps_onto_the_next_generation(rt, seed):
+    """The epoch started just below its wrap: every call across the wrap is exact (fresh
+    inputs, NaN-poisoned outputs, back to back without a host sync, one-shot and two-shot
+    alternating), and the epoch wraps at EPOCH_PERIOD (a multiple of the generation count),
+    not at 2^32 where two consecutive calls would share a generation."""
+    symmetric_or_skip(rt)
+    from fusedist import symmetric
+
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+    period, start, calls = symmetric.EPOCH_PERIOD, symmetric.EPOCH_PERIOD - 3, 6
+    assert period % symmetric.GENERATIONS == 0
+    for rep in range(20):
+        comm.symm.set_epoch(start)
+        outs, refs = [], []
+        for k in range(calls):
+            n = 4093 + 11 * k
+            x, ref = inputs_and_ref(rt, n, torch.float32, (seed, "wrap", rep, k))
+            out = torch.full_like(x, float("nan"))
+            comm.all_reduce(x, algo=("one_shot", "two_shot")[k % 2], out=out)
+            outs.append(out)
+            refs.append(ref)
+        torch.cuda.synchronize()
+        comm.check()
+        for k, (out, ref) in enumerate(zip(outs, refs)):
+            assert count_bad(out, ref, torch.float32) == 0, f"rep {rep} call {k} across the wrap"
+        got = comm.symm.epoch()
+        assert got == (start + calls) % period, f"epoch {got}, expected {(start + calls) % period}"
+    comm.close()
+
+
 @check
 def zz_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips the collective; every other rank must get an error in bounded time."""
-    if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+    symmetric_or_skip(rt)
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=2.0)
     x = torch.ones(4096, device=rt.device)
     if rt.tp.rank != 0:

@@ -6,7 +6,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import assert_identical_across_ranks, check, fresh, main, rank_seed  # noqa: E402
+from _harness import (assert_identical_across_ranks, check, fresh, main, rank_seed,  # noqa: E402
+                      skip)
 
 import torch  # noqa: E402
 
@@ -32,13 +33,41 @@ def reference(rt, tokens, hidden, dtype, seed):
     return xs[me], res, w, h, y
 
 
+def kernel_applies(rt, tokens, hidden, dtype) -> bool:
+    """Where the fused kernel must run (stated here, not asked of the library): symmetric
+    memory, rows of whole 16-byte vectors, at most 2048 of them, within one-shot capacity."""
+    comm = fusedist.get_communicator()
+    per = 16 // dtype.itemsize
+    return (comm.symm is not None and hidden % per == 0 and hidden // per <= 2048 and
+            tokens * hidden * dtype.itemsize <= comm.capacity("one_shot", dtype))
+
+
+def fused_modes(rt):
+    """None (auto) everywhere; on GPU groups with symmetric memory also True (the kernel
+    forced) and False (the unfused path)."""
+    if rt.device.type != "cuda" or fusedist.get_communicator().symm is None:
+        return (None,)
+    return (None, True, False)
+
+
 @check
 def fused_matches_reference(rt, seed):
-    for fused in ((None, False) if rt.device.type == "cuda" else (None,)):
+    modes = fused_modes(rt)
+    if True in modes:
+        assert kernel_applies(rt, 1, 4096, torch.bfloat16), "the fused kernel never applies"
+    for fused in modes:
         for dtype in DTYPES:
             for tokens, hidden in SHAPES:
                 x, res, w, h_ref, y_ref = reference(rt, tokens, hidden, dtype,
                                                     (seed, fused, str(dtype), tokens, hidden))
+                if fused and not kernel_applies(rt, tokens, hidden, dtype):
+                    try:
+                        fusedist.all_reduce_add_rmsnorm(x, res, w, EPS, fused=True)
+                    except ValueError as e:
+                        assert "fused=True" in str(e), str(e)
+                    else:
+                        raise AssertionError(f"fused=True accepted {tokens}x{hidden} {dtype}")
+                    continue
                 normed, new_res = fusedist.all_reduce_add_rmsnorm(x, res, w, EPS, fused=fused)
                 what = f"fused={fused} {dtype} {tokens}x{hidden}"
                 assert new_res.shape == x.shape and normed.dtype == dtype, what
@@ -53,12 +82,14 @@ def fused_matches_reference(rt, seed):
 def fp8_output(rt, seed):
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is None:
-        return
-    for dtype in (torch.bfloat16, torch.float16):
+        skip("this torch has no float8_e4m3fn")
+    for fused, dtype in ((f, d) for f in fused_modes(rt) if f is not False
+                         for d in (torch.bfloat16, torch.float16)):
         for tokens, hidden in ((1, 4096), (33, 8192)):
             x, res, w, h_ref, y_ref = reference(rt, tokens, hidden, dtype,
                                                 (seed, "fp8", str(dtype), tokens))
-            q, new_res, scale = fusedist.all_reduce_add_rmsnorm(x, res, w, EPS, out_dtype=fp8)
+            q, new_res, scale = fusedist.all_reduce_add_rmsnorm(x, res, w, EPS, out_dtype=fp8,
+                                                                fused=fused)
             assert q.dtype == fp8 and scale.shape == (tokens,), (q.dtype, scale.shape)
             exp_scale = y_ref.abs().amax(-1) / 448.0
             assert torch.allclose(scale.double(), exp_scale, rtol=2e-2), "fp8 scales"

@@ -6,7 +6,8 @@
 // and clears what it read. Same inputs, same order, same rounding: every rank gets bitwise
 // the same output. No flags, no barrier, no memset; one launch per call.
 // Block b of every rank handles the same vectors, so block b only waits on the peers' block
-// b; the grid never exceeds the SM count, so every block is resident.
+// b; the grid never exceeds the SM count, so every block is resident. Block 0 also exchanges
+// the call descriptors (symmetric.cuh) that catch ranks calling with another size or dtype.
 #pragma once
 #include "fusedist/symmetric.cuh"
 
@@ -25,6 +26,7 @@ __global__ void __launch_bounds__(512)
   Vec16 x0 = {{0u, 0u, 0u, 0u}};
   if (first < nvec) x0 = sanitize(load_vec_tail(in, first, n));
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
+  send_desc(v, epoch, kOpOneShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
 
   for (int64_t i = first; i < nvec; i += stride) {
     const Vec16 x = i == first ? x0 : sanitize(load_vec_tail(in, i, n));
@@ -32,6 +34,7 @@ __global__ void __launch_bounds__(512)
     for (int p = 0; p < v.world; ++p)
       if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, x);
   }
+  check_desc(v, epoch, kOpOneShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
 
   for (int64_t i = first; i < nvec; i += stride) {
     float acc[kPer];

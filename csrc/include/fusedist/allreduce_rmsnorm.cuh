@@ -4,11 +4,11 @@
 //   normed   = round_T(h * rsqrt(mean(h^2) + eps) * weight)   (or e4m3 + per-token scale)
 //
 // Communication is the one-shot protocol of allreduce_oneshot.cuh (same slots, same
-// sentinel, same epoch rotation), laid out row by row: row t's vector c is vector
-// t * (hidden / kPer) + c of the slot. One block owns whole rows, so the row's sum of squares
-// is a block reduction and h never leaves registers. Rows are pushed for all of the block's
-// rows first, then reduced, so the NVLink transfers of later rows overlap the epilogue of
-// earlier ones.
+// sentinel, same epoch rotation, same call descriptors), laid out row by row: row t's vector
+// c is vector t * (hidden / kPer) + c of the slot. One block owns whole rows, so the row's sum
+// of squares is a block reduction and h never leaves registers. Rows are pushed for all of
+// the block's rows first, then reduced, so the NVLink transfers of later rows overlap the
+// epilogue of earlier ones.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -65,6 +65,11 @@ __global__ void __launch_bounds__(1024)
     if (c < hv) xr[u] = sanitize(xv[int64_t(blockIdx.x) * hv + c]);
   }
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
+  // The call descriptor (symmetric.cuh): op, dtype, FP8 output, tokens x hidden, hidden.
+#define FUSEDIST_RMSNORM_DESC                                                          \
+  kOpOneShotRmsNorm, ElemTraits<T>::kDType, kFp8Out ? kDescFp8Out : 0u,                \
+      uint64_t(tokens) * uint64_t(hidden), uint32_t(hidden)
+  send_desc(v, epoch, FUSEDIST_RMSNORM_DESC);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x)
 #pragma unroll
@@ -77,6 +82,17 @@ __global__ void __launch_bounds__(1024)
       for (int p = 0; p < v.world; ++p)
         if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, xi);
     }
+
+
+  // Block 0 checks the peers' call descriptors (symmetric.cuh) before it waits for data, so
+  // that a thread waiting for data a differently called peer never sends is released by the
+  // recorded mismatch. Rows of two vectors per thread run at the 64-register limit of
+  // 1024-thread blocks: they make the check a call (inlined, its wait made ptxas spill), and
+  // the FP8 variant, which spilled even so, checks after its rows instead (a peer called with
+  // other rows can then leave one of this rank's rows waiting out the timeout, reported as a
+  // timeout, while the peer reports the mismatch).
+  constexpr bool kCheckFirst = kVpt == 1 || !kFp8Out;
+  if constexpr (kCheckFirst) check_desc<kVpt == 1>(v, epoch, FUSEDIST_RMSNORM_DESC);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     float h[kVpt][kPer];
@@ -155,6 +171,8 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
+  if constexpr (!kCheckFirst) check_desc<false>(v, epoch, FUSEDIST_RMSNORM_DESC);
+#undef FUSEDIST_RMSNORM_DESC
   finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpOneShotRmsNorm);
 }
 

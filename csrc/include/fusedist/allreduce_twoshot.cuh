@@ -9,7 +9,8 @@
 //   3. gather:  for every other chunk, wait for its owner's result in my gather region.
 // Each vector is reduced exactly once, by its owner, so all ranks hold bitwise the same
 // output. Each rank sends and receives 2 (world-1)/world of the tensor, the bus-bandwidth
-// optimum. Readers clear what they read (signals.cuh); no barrier, one launch.
+// optimum. Readers clear what they read (signals.cuh); no barrier, one launch. Block 0 also
+// exchanges the call descriptors (symmetric.cuh).
 #pragma once
 #include "fusedist/symmetric.cuh"
 
@@ -32,6 +33,7 @@ __global__ void __launch_bounds__(512)
   const int64_t chunk = (nvec + v.world - 1) / v.world;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  send_desc(v, epoch, kOpTwoShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
 
   // 1. scatter
 #pragma unroll 1
@@ -53,6 +55,8 @@ __global__ void __launch_bounds__(512)
       }
     }
   }
+
+  check_desc(v, epoch, kOpTwoShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
 
   // 2. reduce my chunk, broadcast the result
   {

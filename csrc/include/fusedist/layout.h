@@ -8,11 +8,15 @@
 //     slot s, s = 0..world-1, at s * slot_bytes   one-shot: rank s's whole input;
 //                                                  two-shot: rank s's share of MY chunk
 //     gather, at world * slot_bytes               two-shot: reduced chunks from their owners
+//     call descriptors, the last kDescBytes       16 bytes per source rank s: what rank s
+//                                                  called (op, dtype, size; signals.cuh)
 //
-// Writers: rank s writes only slot s of a peer's generation (and owners write the gather
-// region at their own chunk's offsets). Readers: only the owning rank reads its buffer, and
-// it writes kEmptyWord back behind itself. A generation is written again kGenerations calls
-// later; by then every reader has consumed and cleared it (see docs/design/allreduce.md).
+// Writers: rank s writes only slot s (and descriptor s) of a peer's generation (and owners
+// write the gather region at their own chunk's offsets). Readers: only the owning rank reads
+// its buffer, and it writes kEmptyWord back behind itself. A generation is written again
+// kGenerations calls later; by then every reader has consumed and cleared it (see
+// docs/design/allreduce.md). The epoch wraps at kEpochPeriod, a multiple of kGenerations, so
+// consecutive calls always use different generations, across the wrap too.
 #pragma once
 #include <cstdint>
 
@@ -27,21 +31,26 @@ constexpr uint32_t kSanitizedWord = 0x00008000u;
 // Error record in host-mapped (zero-copy) memory: the host reads it without a CUDA call,
 // so a timed-out wait is reported even while the device is stuck elsewhere.
 struct ErrorRecord {
-  uint32_t code;      // 0 = ok, kErrTimeout = a peer never arrived
-  int32_t rank;       // the rank that gave up waiting
-  int32_t peer;       // the peer it was waiting for
-  uint32_t epoch;     // the communicator call index (low 32 bits)
-  uint32_t op;        // OpCode of the kernel
+  uint32_t code;        // 0 = ok, kErrTimeout = a peer never arrived, kErrMismatch = a peer
+                        // made a different call (another op, dtype or size)
+  int32_t rank;         // the rank that recorded it
+  int32_t peer;         // the peer it was waiting for / that called differently
+  uint32_t epoch;       // the communicator call index (modulo kEpochPeriod)
+  uint32_t op;          // OpCode of the kernel
   uint32_t pad[3];
+  uint32_t mine[4];     // kErrMismatch: this rank's call descriptor (signals.cuh)
+  uint32_t theirs[4];   // kErrMismatch: the peer's call descriptor
 };
 constexpr uint32_t kErrTimeout = 1;
+constexpr uint32_t kErrMismatch = 2;
 enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3, kOpGemmAr = 4,
                        kOpAgGemm = 5, kOpGemmRs = 6 };
 
 // Per-rank control block in local device memory (not shared with peers).
-//   epoch:  calls completed on this communicator; generation = epoch % kGenerations. Block 0
-//           of each kernel advances it once every block has arrived, so CUDA-graph replays
-//           rotate buffers too (signals.cuh: begin_epoch / finish_epoch).
+//   epoch:  calls completed on this communicator, modulo kEpochPeriod; generation =
+//           epoch % kGenerations. Block 0 of each kernel advances it once every block has
+//           arrived, so CUDA-graph replays rotate buffers too (signals.cuh: begin_epoch /
+//           finish_epoch).
 //   arrive: blocks of the running kernel that have read the epoch (block 0 resets it).
 //   failed: set once any wait timed out; later waits give up at their first clock check
 //           (256 spins) instead of waiting out the timeout again.
@@ -53,6 +62,39 @@ struct Control {
 };
 
 constexpr int kGenerations = 3;
+// The epoch counts modulo kEpochPeriod, the largest multiple of kGenerations that fits a
+// uint32_t (2^32 - 1 = 3 x 1431655765). Counting modulo 2^32 instead would map 0xFFFFFFFF and
+// the 0 after it to the same generation (2^32 is not a multiple of 3): a fast rank would push
+// the next call into a slot its peer has not read yet.
+constexpr uint32_t kEpochPeriod = 0xFFFFFFFFu / kGenerations * kGenerations;
+static_assert(kEpochPeriod % kGenerations == 0, "the epoch must wrap on a generation boundary");
+__host__ __device__ constexpr uint32_t next_epoch(uint32_t epoch) {
+  return epoch + 1 >= kEpochPeriod ? 0u : epoch + 1;
+}
+__host__ __device__ constexpr uint32_t generation_of(uint32_t epoch) {
+  return epoch % kGenerations;
+}
+static_assert(generation_of(kEpochPeriod - 1) != generation_of(next_epoch(kEpochPeriod - 1)),
+              "consecutive epochs across the wrap share a generation");
+
+// Call descriptor region at the end of every generation: one 16-byte vector per source rank.
+constexpr uint64_t kDescBytes = uint64_t(kMaxRanks) * 16;
+// A call descriptor: what one rank called, in four words, each tagged in its top byte so that
+// none is ever kEmptyWord (0x80 there):
+//   w0 = 0xFD << 24 | flags << 16 | op << 8 | dtype    flags: kDescFp8Out
+//   w1 = 0xA5 << 24 | numel bits 0..23
+//   w2 = 0xA6 << 24 | numel bits 24..47
+//   w3 = 0xA7 << 24 | aux << 8 | (epoch & 0xFF)         aux: the row width (fused RMSNorm)
+// fusedist/symmetric.py decodes it for the error message.
+constexpr uint32_t kDescFp8Out = 1;
+__host__ __device__ constexpr uint32_t desc_word(int k, uint32_t op, uint32_t dtype,
+                                                 uint32_t flags, uint64_t numel, uint32_t aux,
+                                                 uint32_t epoch) {
+  return k == 0   ? 0xFD000000u | (flags & 0xFFu) << 16 | (op & 0xFFu) << 8 | (dtype & 0xFFu)
+         : k == 1 ? 0xA5000000u | uint32_t(numel & 0xFFFFFFu)
+         : k == 2 ? 0xA6000000u | uint32_t((numel >> 24) & 0xFFFFFFu)
+                  : 0xA7000000u | (aux & 0xFFFFu) << 8 | (epoch & 0xFFu);
+}
 
 // The Hopper GEMM's tile (gemm_sm90.cuh): 128 x 256 per CTA, 2-CTA clusters along M.
 constexpr int kGemmSm90BlockM = 128;
@@ -71,12 +113,12 @@ constexpr int kGemmSm90BlockN = 256;
 // multicast to a 1 x 2 cluster (cuBLAS's shape at M = 128); tokens on the MMA's N side,
 // kGemmSm90SwapTokens per tile. Built for more than one token tile (the cluster's second CTA
 // has rows) up to one row block, 65-128 rows: 0.93-1.15x cuBLAS block-timed where the narrow
-// tile gave 0.88-0.94 (benchmarks/results/gemm_s9f-*); auto's tile there in session 9.
+// tile gave 0.88-0.94 (block-timed on one H200); auto's tile for those rows.
 // swap_1wg: the swap tile with one consumer warpgroup doing the whole 128 x 64 tile, not
 // persistent (CUTLASS's KernelTmaWarpSpecialized; the other tiles run two cooperative
 // warpgroups on fusedist's persistent scheduler). Plain GEMMs only. Auto's tile for 65-128
-// rows since session 10: 5-11% faster than the cooperative swap tile at 96-128 rows under
-// load (paced, benchmarks/results/gemm_s10d-*), 0.92-1.11x cuBLAS.
+// rows: 5-11% faster than the cooperative swap tile at 96-128 rows under load (paced
+// back-to-back calls on one H200), 0.92-1.11x cuBLAS.
 enum Sm90Tile : int {
   kSm90TileAuto = 0, kSm90TileWide = 1, kSm90TileNarrow = 2, kSm90TileMid = 3, kSm90TileSwap = 4,
   kSm90TileSwap1wg = 5
@@ -89,7 +131,7 @@ constexpr int kGemmSm90SwapTokens = 64;
 // swizzled groups of M tiles): a wave covers few row blocks and many weight columns. Along M
 // (plain GEMMs only): a wave covers every row block of fewer weight columns, so a weight that
 // does not fit in L2 streams from HBM once, not once per row block (the narrow tile: no faster
-// at 160-256 rows, faster at 320-384; benchmarks/NOTES.md, session 9). kSm90RasterAuto: along
+// at 160-256 rows, faster at 320-384; benchmarks/NOTES.md). kSm90RasterAuto: along
 // N for the wide tile, along M for the others (the swap tile's M is the weight's columns).
 enum Sm90Raster : int { kSm90RasterAuto = 0, kSm90RasterAlongN = 1, kSm90RasterAlongM = 2 };
 // gemm_rs engine='fused': a rank's counter region holds kMaxSignalPieces uint32 slots per

@@ -58,6 +58,27 @@ __device__ __forceinline__ void record_timeout(Control* ctl, ErrorRecord* err, i
   __threadfence_system();
 }
 
+// Mark the communicator failed and, if this is the first failure, record that `peer` made a
+// different call than this rank (both descriptors, for the host's message).
+__device__ __forceinline__ void record_mismatch(Control* ctl, ErrorRecord* err, int rank,
+                                                int peer, uint32_t epoch, uint32_t op,
+                                                const Vec16& mine, const Vec16& theirs) {
+  if (atomicCAS(&ctl->failed, 0u, 1u) != 0u) return;
+  volatile ErrorRecord* e = err;
+  e->rank = rank;
+  e->peer = peer;
+  e->epoch = epoch;
+  e->op = op;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    e->mine[k] = mine.w[k];
+    e->theirs[k] = theirs.w[k];
+  }
+  __threadfence_system();
+  e->code = kErrMismatch;
+  __threadfence_system();
+}
+
 // The bounded spin every cross-rank wait uses: poll ready() until it returns true. Every
 // kCheckMask + 1 polls, give up if the communicator already failed, or record a timeout
 // (naming rank, peer, epoch and op) once timeout_ns passed since the first check. The clock is
@@ -121,7 +142,9 @@ __device__ __forceinline__ void pdl_trigger() {
 //  * finish_epoch: thread 0 of block 0, after its own work, checks that every block arrived
 //    (by then they all have: they are resident and arrive first thing), clears the count and
 //    advances the epoch. No block waits on a returning atomic, and no fence is needed: the
-//    next kernel reads the new epoch after this one completed (pdl_wait or stream order). A
+//    next kernel reads the new epoch after this one completed (pdl_wait or stream order). The
+//    epoch counts modulo kEpochPeriod (layout.h), so it never wraps onto the generation it
+//    just used. A
 //    __threadfence() here would make thread 0 wait for its NVLink stores to be acknowledged
 //    (sm_90: MEMBAR.GPU drains outstanding remote writes), about 1 us a call.
 __device__ __forceinline__ uint32_t load_epoch(const Control* ctl) {
@@ -153,7 +176,8 @@ __device__ __forceinline__ void finish_epoch(Control* ctl, ErrorRecord* err,
     }
     ctl->arrive = 0;
   }
-  atomicAdd(&ctl->epoch, 1u);
+  // The only writer: every block read `epoch` before it arrived.
+  *reinterpret_cast<volatile uint32_t*>(&ctl->epoch) = next_epoch(epoch);
 }
 
 }  // namespace fusedist

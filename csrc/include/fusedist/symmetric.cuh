@@ -1,5 +1,6 @@
 // fusedist/symmetric.cuh -- addressing into a communicator's symmetric buffers (layout.h
-// has the layout) and the receive-and-clear step every symmetric kernel uses.
+// has the layout), the receive-and-clear step every symmetric kernel uses, and the call
+// descriptor exchange that detects ranks calling different collectives.
 #pragma once
 #include <cstdint>
 
@@ -10,12 +11,18 @@ namespace fusedist {
 
 __device__ __forceinline__ Vec16* slot_ptr(const SymmView& v, int owner, uint32_t epoch,
                                            int slot) {
-  return reinterpret_cast<Vec16*>(v.base[owner] + (epoch % kGenerations) * v.gen_bytes +
+  return reinterpret_cast<Vec16*>(v.base[owner] + generation_of(epoch) * v.gen_bytes +
                                   slot * v.slot_bytes);
 }
 __device__ __forceinline__ Vec16* gather_ptr(const SymmView& v, int owner, uint32_t epoch) {
-  return reinterpret_cast<Vec16*>(v.base[owner] + (epoch % kGenerations) * v.gen_bytes +
+  return reinterpret_cast<Vec16*>(v.base[owner] + generation_of(epoch) * v.gen_bytes +
                                   v.world * v.slot_bytes);
+}
+// Descriptor `src` (what rank src called) in owner's generation: the last kDescBytes of it.
+__device__ __forceinline__ Vec16* desc_ptr(const SymmView& v, int owner, uint32_t epoch,
+                                           int src) {
+  return reinterpret_cast<Vec16*>(v.base[owner] + generation_of(epoch) * v.gen_bytes +
+                                  v.gen_bytes - kDescBytes) + src;
 }
 
 __device__ __forceinline__ Vec16 nan_vec() {
@@ -31,6 +38,72 @@ __device__ __forceinline__ Vec16 receive(const SymmView& v, Vec16* mine, int64_t
     return nan_vec();
   mine[i] = empty_vec();
   return y;
+}
+
+// Call descriptors: every symmetric collective of the sentinel protocol tells each peer what
+// it called (op, dtype, element count, row width, epoch: layout.h desc_word), so that ranks
+// that call different collectives get a CollectiveMismatchError naming both calls instead of
+// a wrong sum, a write past a peer's data, or a hang.
+//  * send_desc: lane p of block 0 stores my descriptor into descriptor slot `rank` of peer p's
+//    current generation, first thing after the epoch is known (before the data, so it arrives
+//    no later than the data the peer waits for anyway).
+//  * check_desc: after this rank's own pushes, lane p of block 0 waits for peer p's
+//    descriptor, clears it (the reader clears, as for data) and compares. A difference marks
+//    the communicator failed (record_mismatch): every wait of this rank gives up at its next
+//    clock check (bounded_spin) and leaves NaN, and the host raises from check(). The peer
+//    sees the same difference from its side. (The fused RMSNorm's widest FP8 rows check
+//    after their rows instead: allreduce_rmsnorm.cuh says why.)
+// Cost per call: one 16-byte NVLink store per peer and one local 16-byte load, store and
+// compare per peer, all in block 0's first warp; its wait overlaps the wait for the data the
+// same warp receives next. The other warps and blocks are untouched.
+__device__ __forceinline__ Vec16 call_desc(uint32_t op, DType dtype, uint32_t flags,
+                                           uint64_t numel, uint32_t aux, uint32_t epoch) {
+  Vec16 d;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) d.w[k] = desc_word(k, op, uint32_t(dtype), flags, numel, aux, epoch);
+  return d;
+}
+
+// The descriptor is rebuilt from the call's arguments where it is used (in the lanes that
+// use it) rather than kept in registers across the data loops.
+__device__ __forceinline__ void send_desc(const SymmView& v, uint32_t epoch, uint32_t op,
+                                          DType dtype, uint32_t flags, uint64_t numel,
+                                          uint32_t aux) {
+  const int p = int(threadIdx.x);
+  if (blockIdx.x == 0 && p < v.world && p != v.rank)
+    st_volatile(desc_ptr(v, p, epoch, v.rank), call_desc(op, dtype, flags, numel, aux, epoch));
+}
+
+template <bool kInline = true>
+__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
+                                           DType dtype, uint32_t flags, uint64_t numel,
+                                           uint32_t aux);
+
+static __device__ __noinline__ void check_desc_call(const SymmView& v, uint32_t epoch,
+                                                    uint32_t op, DType dtype, uint32_t flags,
+                                                    uint64_t numel, uint32_t aux) {
+  check_desc<true>(v, epoch, op, dtype, flags, numel, aux);
+}
+
+// kInline = false: the check as a call, for kernels at their register limit.
+template <bool kInline>
+__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
+                                           DType dtype, uint32_t flags, uint64_t numel,
+                                           uint32_t aux) {
+  const int p = int(threadIdx.x);
+  if (blockIdx.x != 0 || p >= v.world || p == v.rank) return;
+  if constexpr (!kInline) {
+    check_desc_call(v, epoch, op, dtype, flags, numel, aux);
+    return;
+  }
+  Vec16* slot = desc_ptr(v, v.rank, epoch, p);
+  Vec16 theirs;
+  if (!wait_vec(slot, theirs, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, op)) return;
+  *slot = empty_vec();
+  const Vec16 d = call_desc(op, dtype, flags, numel, aux, epoch);
+  if ((theirs.w[0] != d.w[0]) | (theirs.w[1] != d.w[1]) | (theirs.w[2] != d.w[2]) |
+      (theirs.w[3] != d.w[3]))
+    record_mismatch(v.ctl, v.err, v.rank, p, epoch, op, d, theirs);
 }
 
 }  // namespace fusedist

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
+#include "fusedist/common.h"
 
 namespace fusedist {
 
@@ -17,18 +18,21 @@ template <typename T>
 struct ElemTraits;
 template <>
 struct ElemTraits<float> {
+  static constexpr DType kDType = DType::kFloat32;
   static constexpr int kPerVec = 4;
   __device__ static float to_float(float v) { return v; }
   __device__ static float from_float(float v) { return v; }
 };
 template <>
 struct ElemTraits<__half> {
+  static constexpr DType kDType = DType::kFloat16;
   static constexpr int kPerVec = 8;
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static __half from_float(float v) { return __float2half_rn(v); }
 };
 template <>
 struct ElemTraits<__nv_bfloat16> {
+  static constexpr DType kDType = DType::kBFloat16;
   static constexpr int kPerVec = 8;
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }

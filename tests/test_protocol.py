@@ -1,0 +1,441 @@
+"""The symmetric protocol's host-side pieces: the epoch's generation arithmetic, the call
+descriptors and error records the kernels write (layout.h), the messages built from them,
+the cross-rank checks of calls and sizes, timeout validation, and the pending-async
+bookkeeping across CUDA-graph capture. CPU tier, except the tests marked gpu."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fusedist
+from fusedist import symmetric
+from fusedist.communicator import Communicator, check_calls
+from fusedist.errors import CollectiveMismatchError, CommunicatorTimeoutError
+from fusedist.streams import AsyncHandle
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = (ROOT / "csrc" / "include" / "fusedist" / "layout.h").read_text()
+EMPTY_WORD = 0x80008000
+
+
+def _layout_int(name: str) -> int:
+    m = re.search(rf"constexpr (?:int|uint32_t|uint64_t) {name} = (0x[0-9a-fA-F]+|\d+)u?;",
+                  LAYOUT)
+    assert m, f"{name} not found in layout.h"
+    return int(m.group(1), 0)
+
+
+def _C_or_skip():
+    import fusedist._ext as ext
+
+    if not ext.available():
+        pytest.skip("fusedist._C not built here")
+    return ext.load()
+
+
+# ---- epoch and generations ------------------------------------------------------------------
+
+def test_generation_mirror_matches_layout_h():
+    assert symmetric.GENERATIONS == _layout_int("kGenerations")
+    assert re.search(r"kEpochPeriod = 0xFFFFFFFFu / kGenerations \* kGenerations;", LAYOUT)
+    assert symmetric.EPOCH_PERIOD == 0xFFFFFFFF // symmetric.GENERATIONS * symmetric.GENERATIONS
+
+
+def test_consecutive_epochs_never_share_a_generation_across_the_wrap():
+    period = symmetric.EPOCH_PERIOD
+    assert period % symmetric.GENERATIONS == 0 and period <= 2**32
+    e, seen = period - 7, []
+    for _ in range(20):
+        n = symmetric.next_epoch(e)
+        assert symmetric.generation_of(n) == (symmetric.generation_of(e) + 1) % \
+            symmetric.GENERATIONS, (e, n)
+        seen.append(n)
+        e = n
+    assert 0 in seen, "the epoch did not wrap"
+    assert symmetric.next_epoch(period - 1) == 0
+
+
+def test_generation_arithmetic_matches_the_extension():
+    C = _C_or_skip()
+    assert C.GENERATIONS == symmetric.GENERATIONS and C.EPOCH_PERIOD == symmetric.EPOCH_PERIOD
+    for e in list(range(symmetric.EPOCH_PERIOD - 5, symmetric.EPOCH_PERIOD)) + [0, 1, 2, 3]:
+        assert C.next_epoch(e) == symmetric.next_epoch(e)
+        assert C.generation_of(e) == symmetric.generation_of(e)
+    assert C.ERR_TIMEOUT == symmetric.ERR_TIMEOUT and C.ERR_MISMATCH == symmetric.ERR_MISMATCH
+    assert C.DESC_BYTES == 16 * C.MAX_RANKS
+
+
+# ---- call descriptors -----------------------------------------------------------------------
+
+def _desc_words(op, dtype, flags, numel, aux, epoch):
+    """layout.h desc_word, written out independently."""
+    return [0xFD000000 | (flags & 0xFF) << 16 | (op & 0xFF) << 8 | (dtype & 0xFF),
+            0xA5000000 | (numel & 0xFFFFFF), 0xA6000000 | ((numel >> 24) & 0xFFFFFF),
+            0xA7000000 | (aux & 0xFFFF) << 8 | (epoch & 0xFF)]
+
+
+@pytest.mark.parametrize("call", [(1, 0, 0, 1, 0, 0), (2, 2, 0, 4099, 0, 255),
+                                  (3, 1, 1, 2**48 - 1, 16384, 7), (3, 2, 0, 0x80008000, 0xFFFF, 0)])
+def test_descriptor_round_trip_and_never_empty(call):
+    words = _desc_words(*call)
+    assert EMPTY_WORD not in words, "a descriptor word equal to the empty sentinel"
+    d = symmetric.decode_desc(words)
+    assert (d["op"], d["dtype"], d["flags"], d["numel"], d["aux"], d["epoch8"]) == \
+        (call[0], call[1], call[2], call[3], call[4], call[5] & 0xFF)
+    assert symmetric.decode_desc([EMPTY_WORD] * 4) is None
+
+
+def test_descriptor_encoding_matches_the_extension():
+    C = _C_or_skip()
+    for call in [(1, 0, 0, 1, 0, 0), (3, 2, 1, 2**40 + 12345, 8192, 300)]:
+        assert list(C.desc_words(*call)) == _desc_words(*call)
+
+
+def test_descriptor_text():
+    d = symmetric.decode_desc(_desc_words(3, 2, 1, 33 * 8192, 8192, 0))
+    assert symmetric.describe_desc(d) == ("all_reduce_add_rmsnorm of 270336 bfloat16 elements "
+                                          "(rows of 8192) with float8_e4m3fn output")
+    d = symmetric.decode_desc(_desc_words(1, 0, 0, 4096, 0, 0))
+    assert symmetric.describe_desc(d) == "one_shot all_reduce of 4096 float32 elements"
+
+
+# ---- error records and their messages -------------------------------------------------------
+
+class _FakeGroup:
+    name = "tp0"
+    ranks = (4, 5)
+
+
+def _symm_with_record(words) -> symmetric.SymmetricMemory:
+    """A SymmetricMemory whose error record is `words` (16 uint32) in host memory."""
+    buf = (ctypes.c_uint32 * 16)(*([int(w) & 0xFFFFFFFF for w in words] + [0] * 16)[:16])
+    s = symmetric.SymmetricMemory.__new__(symmetric.SymmetricMemory)
+    s._buf = buf  # keeps the memory alive
+    s._err_host = ctypes.addressof(buf)
+    s._closed = False
+    s.group = _FakeGroup()
+    s.timeout_s = 2.0
+    return s
+
+
+@pytest.mark.parametrize("op,undefined", [(1, False), (2, False), (3, False), (4, False),
+                                          (5, True), (6, True)])
+def test_timeout_message_says_what_is_true_per_op(op, undefined):
+    s = _symm_with_record([1, 0, 1, 77, op])
+    with pytest.raises(CommunicatorTimeoutError) as e:
+        s.check()
+    msg = str(e.value)
+    assert "rank 4 waited more than 2 s for rank 5" in msg and "call #77" in msg
+    name = {1: "one_shot all_reduce", 2: "two_shot all_reduce", 3: "all_reduce_add_rmsnorm",
+            4: "gemm_ar", 5: "ag_gemm", 6: "gemm_rs"}[op]
+    assert msg.startswith(f"fusedist: {name}"), msg
+    if undefined:  # the fused GEMM engines leave whatever the GEMM computed
+        assert "undefined" in msg and "NaN" not in msg, msg
+    else:
+        assert "NaN where a peer's data did not arrive" in msg or \
+            "miss a peer's data are NaN" in msg, msg
+
+
+def test_mismatch_record_names_both_calls():
+    mine = _desc_words(1, 0, 0, 4096, 0, 3)
+    theirs = _desc_words(1, 0, 0, 4104, 0, 3)
+    s = _symm_with_record([2, 1, 0, 3, 1, 0, 0, 0] + mine + theirs)
+    with pytest.raises(CollectiveMismatchError) as e:
+        s.check()
+    msg = str(e.value)
+    assert "rank 5 called one_shot all_reduce of 4096 float32 elements" in msg, msg
+    assert "rank 4 called one_shot all_reduce of 4104 float32 elements" in msg, msg
+    assert "unusable" in msg
+
+
+def test_no_record_no_error():
+    assert _symm_with_record([0] * 16).error() is None
+
+
+# ---- cross-rank checks ----------------------------------------------------------------------
+
+def test_same_config_passes_and_different_config_names_ranks_and_values():
+    a = {"max_bytes": 1 << 20, "one_shot_max_bytes": 1 << 16, "staging_bytes": 0,
+         "timeout_s": 30.0}
+    symmetric.check_same_config("tp0", (0, 1), [a, dict(a)])
+    b = dict(a, max_bytes=2 << 20, timeout_s=5.0)
+    with pytest.raises(CollectiveMismatchError) as e:
+        symmetric.check_same_config("tp0", (2, 3), [a, b])
+    msg = str(e.value)
+    assert "max_bytes (rank 2: 1048576, rank 3: 2097152)" in msg, msg
+    assert "timeout_s (rank 2: 30.0, rank 3: 5.0)" in msg, msg
+    assert "staging_bytes" not in msg.split("memory:")[1].split(". Create")[0]
+
+
+class _FakeC:
+    """The slice of fusedist._C that SymmetricMemory's constructor uses, on the host."""
+    MAX_RANKS, GENERATIONS, EMPTY_WORD, MAX_SIGNAL_PIECES = 8, 3, EMPTY_WORD, 64
+    ERROR_RECORD_BYTES, CONTROL_BYTES, DESC_BYTES = 64, 16, 128
+
+    def __init__(self):
+        self.allocs, self.comm_args, self._keep = [], None, []
+
+    def device_info(self, dev):
+        return SimpleNamespace(pci_bus_id="0000:01:00.0", sm_count=132, major=9, minor=0)
+
+    def can_access_peer_by_bus_id(self, bus):
+        return 1
+
+    def device_alloc(self, nbytes):
+        self.allocs.append(nbytes)
+        return 1 << (20 + len(self.allocs))
+
+    def host_mapped_alloc(self, nbytes):
+        buf = (ctypes.c_uint8 * nbytes)()
+        self._keep.append(buf)
+        return ctypes.addressof(buf)
+
+    def host_mapped_device_ptr(self, p):
+        return p
+
+    def ipc_get_handle(self, p):
+        return b"handle"
+
+    def ipc_open_handle(self, h):
+        return 1 << 40
+
+    def SymmComm(self, *args):
+        self.comm_args = args
+        return SimpleNamespace(max_blocks=args[-1])
+
+    def fill_u32(self, *a):
+        pass
+
+    def stream_synchronize(self, *a):
+        pass
+
+    device_free = host_mapped_free = ipc_close_handle = fill_u32
+
+
+class _TwoRanks:
+    """Rank 0 of a 2-rank group whose peer answers the first gather (the ranks' devices and
+    sizes) with `peer_config` in place of this rank's sizes, and every later one alike."""
+    name, size, rank, ranks, topology = "tp0", 2, 0, (0, 1), None
+
+    def __init__(self, **peer_config):
+        self.peer_config, self.gathers = peer_config, 0
+
+    def all_gather_object(self, obj):
+        self.gathers += 1
+        if isinstance(obj, dict) and "config" in obj:
+            return [obj, dict(obj, config=dict(obj["config"], **self.peer_config))]
+        return [obj, obj]
+
+    def barrier(self):
+        pass
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    C = _FakeC()
+    monkeypatch.setattr(symmetric._ext, "load", lambda: C)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))
+    return C
+
+
+def test_symmetric_layout_on_matching_ranks(fake_device):
+    s = symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=3.0)
+    slot = max(1 << 16, (1 << 20) // 2)
+    assert s.gen_bytes == 2 * slot + (1 << 20) + 128  # slots, gather region, descriptors
+    assert s.staging_offset == 3 * s.gen_bytes and s.timeout_s == 3.0
+    rank, world, bases, gen, slot_bytes = fake_device.comm_args[:5]
+    assert (rank, world, gen, slot_bytes) == (0, 2, s.gen_bytes, slot) and len(bases) == 2
+
+
+@pytest.mark.parametrize("peer,key,values", [
+    (dict(max_bytes=2 << 20), "max_bytes", "rank 0: 1048576, rank 1: 2097152"),
+    (dict(one_shot_max_bytes=1 << 17), "one_shot_max_bytes", "rank 0: 65536, rank 1: 131072"),
+    (dict(staging_bytes=4096), "staging_bytes", "rank 0: 0, rank 1: 4096"),
+    (dict(timeout_s=5.0), "timeout_s", "rank 0: 3.0, rank 1: 5.0"),
+])
+def test_symmetric_sizes_differing_across_ranks_raise_before_allocating(fake_device, peer, key,
+                                                                         values):
+    group = _TwoRanks(**peer)
+    with pytest.raises(CollectiveMismatchError, match=re.escape(f"{key} ({values})")):
+        symmetric.SymmetricMemory(group, 1 << 20, 1 << 16, timeout_s=3.0)
+    assert fake_device.allocs == [] and group.gathers == 1  # every rank raises alike
+
+
+def test_symmetric_memory_rejects_a_timeout_without_meaning(fake_device):
+    for bad in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="timeout_s"):
+            symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=bad)
+
+
+def test_check_calls():
+    check_calls("tp0", (0, 1, 2), [(0, 100, 0)] * 3)
+    with pytest.raises(CollectiveMismatchError) as e:
+        check_calls("tp0", (0, 1, 2), [(0, 100, 0), (0, 101, 0), (0, 100, 2)])
+    msg = str(e.value)
+    for part in ("rank 0 called all_reduce of 100 float32 elements",
+                 "rank 1 called all_reduce of 101 float32 elements",
+                 "rank 2 called all_reduce of 100 bfloat16 elements"):
+        assert part in msg, msg
+
+
+# ---- timeouts -------------------------------------------------------------------------------
+
+@pytest.fixture
+def world1():
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    rt = fusedist.init(rank=0, world_size=1, backend="gloo")
+    yield rt
+    fusedist.shutdown()
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1, -0.5, math.inf, math.nan, "5", True])
+def test_communicator_rejects_a_timeout_without_meaning(world1, bad):
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+        Communicator(timeout_s=bad)
+    Communicator(timeout_s=0.25).close()  # a positive one is fine
+
+
+def test_timeout_from_the_environment_is_validated(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="FUSEDIST_TIMEOUT_S"):
+        symmetric.default_timeout_s()
+    monkeypatch.setenv("FUSEDIST_TIMEOUT_S", "7")
+    assert symmetric.default_timeout_s() == 7.0
+
+
+@pytest.mark.parametrize("bad", [0, -3, math.nan])
+def test_init_rejects_a_timeout_without_meaning(bad):
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+        fusedist.init(rank=0, world_size=1, backend="gloo", timeout_s=bad)
+    assert not fusedist.is_initialized()
+
+
+# ---- pending async call across eager and capture --------------------------------------------
+
+class _Stream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, e):
+        self.waited.append(e)
+
+
+def _comm() -> Communicator:
+    c = Communicator.__new__(Communicator)
+    c._pending_async = None
+    return c
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"capturing": False, "stream": _Stream()}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: state["stream"])
+    return state
+
+
+def test_wait_orders_the_callers_stream_once(fake_cuda):
+    comm, ev = _comm(), object()
+    h = AsyncHandle("r", ev)
+    comm.set_pending(h)
+    assert h.wait() == "r" and fake_cuda["stream"].waited == [ev]
+    comm.order_after_pending(fake_cuda["stream"])
+    assert fake_cuda["stream"].waited == [ev], "the stream that waited was made to wait again"
+    assert comm._pending_async is None
+
+
+def test_wait_on_one_stream_still_orders_a_call_on_another(fake_cuda):
+    comm, ev = _comm(), object()
+    h = AsyncHandle("r", ev)
+    comm.set_pending(h)
+    h.wait()
+    other = _Stream()
+    comm.order_after_pending(other)
+    assert other.waited == [ev]
+
+
+def test_unwaited_eager_call_orders_the_next_eager_call(fake_cuda):
+    comm, ev = _comm(), object()
+    comm.set_pending(AsyncHandle("r", ev))
+    s = _Stream()
+    comm.order_after_pending(s)
+    assert s.waited == [ev]
+    comm.order_after_pending(s)
+    assert s.waited == [ev], "ordered twice after one call"
+
+
+def test_capture_never_waits_on_an_eager_event(fake_cuda):
+    comm = _comm()
+    comm.set_pending(AsyncHandle("r", object()))  # eager, never waited
+    fake_cuda["capturing"] = True
+    s = _Stream()
+    comm.order_after_pending(s)
+    assert s.waited == [], "a capture waited on an event recorded outside it"
+
+
+def test_eager_call_never_waits_on_a_captured_event(fake_cuda):
+    comm = _comm()
+    fake_cuda["capturing"] = True
+    h = AsyncHandle("r", object())
+    assert h.captured
+    comm.set_pending(h)
+    fake_cuda["capturing"] = False
+    s = _Stream()
+    comm.order_after_pending(s)
+    assert s.waited == [], "an eager stream waited on an event recorded in a capture"
+
+
+@pytest.mark.gpu
+def test_async_calls_mixed_with_capture_on_one_gpu():
+    """Eager async + wait, then a captured sync call; a captured async call, then eager
+    calls; an unwaited eager async call, then a capture. One rank: the same bookkeeping as
+    every world size (the collective itself is a copy)."""
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    fusedist.init(rank=0, world_size=1)
+    try:
+        comm = fusedist.get_communicator()
+        x = torch.randn(4099, device="cuda")
+        y = comm.all_reduce(x, async_op=True).wait()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x)
+        g = torch.cuda.CUDAGraph()
+        out = torch.full_like(x, float("nan"))
+        with torch.cuda.graph(g):
+            comm.all_reduce(x, out=out)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x)
+
+        g2 = torch.cuda.CUDAGraph()
+        out2 = torch.full_like(x, float("nan"))
+        with torch.cuda.graph(g2):
+            comm.all_reduce(x, out=out2, async_op=True).wait()
+        y = comm.all_reduce(x)  # eager, after a captured async call
+        g2.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x) and torch.equal(out2, x)
+
+        h = comm.all_reduce(x, async_op=True)  # not waited before the capture
+        g3 = torch.cuda.CUDAGraph()
+        out3 = torch.full_like(x, float("nan"))
+        with torch.cuda.graph(g3):
+            comm.all_reduce(x, out=out3)
+        assert torch.equal(h.wait(), x)
+        g3.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out3, x)
+    finally:
+        fusedist.shutdown()
