@@ -12,8 +12,9 @@ tensors take the plain-torch reference path over gloo.
 
 from ._version import __version__
 from .communicator import Communicator, get_communicator
-from .errors import (CommunicatorClosedError, CommunicatorTimeoutError, ExtensionMissingError,
-                     FusedistError, NcclUnavailableError, NotInitializedError, PeerAccessError)
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
+                     ExtensionMissingError, FusedistError, NcclUnavailableError,
+                     NotInitializedError, PeerAccessError)
 from .groups import Group
 from .launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
 from .ops import ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar, gemm_rs
@@ -24,8 +25,9 @@ from .topology import Topology
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
     "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
-    "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "AsyncHandle", "comm_stream", "LaunchEnv", "LaunchEnvError",
+    "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "AsyncHandle",
+    "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
-    "CommunicatorClosedError",
+    "CommunicatorClosedError", "CollectiveMismatchError",
 ]

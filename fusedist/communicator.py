@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dtypes, _ext, envs, tuning
+from . import _align, _dtypes, _ext, envs, tuning
 from .errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
 from .groups import Group
 from .runtime import check_timeout_s, get_runtime
@@ -316,9 +316,7 @@ class Communicator:
             if algo == "nccl" or self.group.size == 1:
                 return self.nccl.all_reduce(x, out)
             C = _ext.load()
-            # Kernels move 16-byte vectors: misaligned views go through aligned copies.
-            src = x if x.data_ptr() % 16 == 0 else x.clone()
-            dst = out if out.data_ptr() % 16 == 0 else torch.empty_like(out)
+            src, dst = _align.aligned_input(x), _align.aligned_output(out)
             C.allreduce(self.symm.handle, src.data_ptr(), dst.data_ptr(), x.numel(),
                         _dtypes.code(x.dtype), _ALGO_CODE[algo], stream.cuda_stream)
             if dst is not out:

@@ -24,6 +24,8 @@ import weakref
 from pathlib import Path
 from typing import Optional
 
+from . import envs
+
 ALGOS = ("one_shot", "two_shot", "nccl")
 _DEFAULT = Path(__file__).with_name("tuning_default.json")
 
@@ -77,7 +79,7 @@ def merge_tables(tables: list) -> dict:
 def load_table(gpu_name: str, world: int) -> dict:
     """The shipped default, overlaid per section by the --tune cache, overlaid by
     FUSEDIST_TUNING_FILE (merge_tables). "source" names the highest-priority file found."""
-    path = os.environ.get("FUSEDIST_TUNING_FILE")
+    path = envs.get("FUSEDIST_TUNING_FILE")
     if path and not Path(path).is_file():
         raise ValueError(f"fusedist: FUSEDIST_TUNING_FILE={path!r} does not exist; point it at a "
                          "table written by benchmarks/allreduce.py --tune, or unset it")
@@ -97,13 +99,8 @@ def load_table(gpu_name: str, world: int) -> dict:
 
 
 def forced_algo() -> Optional[str]:
-    a = os.environ.get("FUSEDIST_ALLREDUCE_ALGO", "auto")
-    if a == "auto":
-        return None
-    if a not in ALGOS:
-        raise ValueError(f"fusedist: FUSEDIST_ALLREDUCE_ALGO must be auto or one of {ALGOS}, "
-                         f"got {a!r}")
-    return a
+    a = envs.get("FUSEDIST_ALLREDUCE_ALGO")  # validated against its choices there
+    return None if a == "auto" else a
 
 
 # ---- warnings, once per communicator ------------------------------------------------------

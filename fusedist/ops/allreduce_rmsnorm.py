@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import _dtypes, _ext
+from .. import _align, _dtypes, _ext, tuning
 from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ..streams import nvtx_range
 
@@ -95,6 +95,12 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                 "pass fused=None")
         if can_fuse and fused is not False:
             return _fused(comm, x, residual, weight, eps, fp8)
+        if fused is None and comm.device.type == "cuda" and comm.group.size > 1:
+            tuning.warn_once(
+                comm, "rmsnorm_unfused",
+                f"all_reduce_add_rmsnorm runs unfused (all_reduce + torch epilogue) for x "
+                f"{tuple(x.shape)} {x.dtype}: the fused kernel needs NVLink symmetric memory, "
+                "hidden a multiple of the 16-byte vector and x within the one-shot capacity")
         ar = comm.all_reduce(x)
         h = (ar.float() + residual.float()).to(x.dtype)
         normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
@@ -106,7 +112,7 @@ def _fused(comm, x, residual, weight, eps, fp8):
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     stream = comm.launch_stream()
-    tensors = [t if t.data_ptr() % 16 == 0 else t.clone() for t in (x, residual, weight)]
+    tensors = [_align.aligned_input(t) for t in (x, residual, weight)]
     xs, rs, ws = tensors
     normed = torch.empty(x.shape, dtype=FP8 if fp8 else x.dtype, device=x.device)
     res_out = torch.empty_like(x)

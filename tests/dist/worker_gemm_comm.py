@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
-                      fresh, main, rank_seed)
+                      fresh, main, rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -149,7 +149,7 @@ def copy_engine_transport_matches_reference(rt, seed):
     """Overlap engine with copy-engine transfers (symmetric staging, device barriers): ag_gemm's
     all-gather, gemm_rs's reduce-scatter and gemm_ar's reduce-scatter + all-gather."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+        skip("needs CUDA tensors on 2 or more ranks")
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20)
     for dt in (torch.bfloat16, torch.float16):
@@ -243,7 +243,7 @@ def wave_cut_pieces_match_reference(rt, seed):
     outputs poisoned, bitwise identity for gemm_ar, eager and in a CUDA graph with fresh
     inputs."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+        skip("needs CUDA tensors on 2 or more ranks")
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     m, k, n = 129, 1000, 776
     model = {"tile_m": 16, "tile_n": 64, "sms": 7}
@@ -329,7 +329,7 @@ def gemm_ar_matches_reference(rt, seed):
 @check
 def overlap_in_cuda_graph_fresh_inputs(rt, seed):
     if rt.device.type != "cuda":
-        return
+        skip("needs CUDA tensors")
     W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
     m, k, n = 129, 1000, 776
     sx = torch.zeros((m, k), dtype=dt, device=dev)
@@ -435,7 +435,7 @@ def ag_gemm_fused_matches_reference(rt, seed):
     flags of its rows: every chunking, both weight layouts, bias, eager, back to back and in a
     CUDA graph replayed with fresh inputs. Output bitwise the same on every rank."""
     if not hopper_peers(rt):
-        return
+        skip("needs Hopper GPUs with peer access")
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=16 << 20)
     for dt in (torch.bfloat16, torch.float16):
@@ -491,7 +491,7 @@ def gemm_rs_fused_matches_reference(rt, seed):
     back to back with changing pieces (the counters are cleared after each call), in a CUDA
     graph with fresh inputs, and the staging error."""
     if not hopper_peers(rt):
-        return
+        skip("needs Hopper GPUs with peer access")
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     ce = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=40 << 20)
     for dt in (torch.bfloat16, torch.float16):
@@ -554,7 +554,7 @@ def _weights(shape_kn, layout, dt, dev, seed):
 @check
 def gemm_ar_fused_matches_reference(rt, seed):
     if rt.device.type != "cuda":
-        return
+        skip("needs CUDA tensors")
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     for dt in (torch.bfloat16, torch.float16):
         for M in FUSED_MS:
@@ -581,7 +581,7 @@ def gemm_ar_fused_matches_reference(rt, seed):
 def gemm_no_comm_matches_reference(rt, seed):
     """fusedist.gemm(kernel="decode"): the fused kernel without the exchange."""
     if rt.device.type != "cuda":
-        return
+        skip("needs CUDA tensors")
     dev = rt.device
     for dt in (torch.bfloat16, torch.float16):
         for M in FUSED_MS:
@@ -602,7 +602,7 @@ def gemm_no_comm_matches_reference(rt, seed):
 def gemm_ar_fused_misaligned_views(rt, seed):
     """Views that start off a 16-byte boundary run through aligned copies, same result."""
     if rt.device.type != "cuda":
-        return
+        skip("needs CUDA tensors")
     W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
     M, k, n = 5, 200, 136
     s = (seed, "fused-misaligned")
@@ -621,7 +621,7 @@ def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
     """Graph: fused gemm_ar -> one-shot all-reduce -> fused gemm_ar (nn.Linear layout, bias) on
     one communicator, so the kernels share and rotate its buffers; 30 replays, fresh inputs."""
     if rt.device.type != "cuda":
-        return
+        skip("needs CUDA tensors")
     W, me, dev, dt = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
     M, k, n = 9, 808, 296
     comm = fusedist.get_communicator()
@@ -663,7 +663,7 @@ def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
 @check
 def gemm_ar_fused_bad_inputs(rt, seed):
     if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+        skip("needs CUDA tensors on 2 or more ranks")
     dev = rt.device
     bf = torch.bfloat16
     x = torch.ones(4, 64, device=dev, dtype=bf)
@@ -706,7 +706,7 @@ def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips the fused call: the others get CommunicatorTimeoutError in bounded time and
     NaN outputs, never a hang."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+        skip("needs CUDA tensors on 2 or more ranks")
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=2.0)
     x = torch.ones(4, 256, device=rt.device, dtype=torch.bfloat16)
     w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
@@ -723,7 +723,7 @@ def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
     finishes (its peer rows are pulled from stale staging, so the output is undefined), and
     the communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
     if not hopper_peers(rt):
-        return
+        skip("needs Hopper GPUs with peer access")
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
                                  timeout_s=2.0)
     x = torch.ones(64, 256, device=rt.device, dtype=torch.bfloat16)
@@ -739,7 +739,7 @@ def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
     arrive), their GEMMs finish on whatever the rows hold (undefined output), and the
     communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
     if not hopper_peers(rt):
-        return
+        skip("needs Hopper GPUs with peer access")
     W = rt.tp.size
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
                                  timeout_s=2.0)
@@ -757,7 +757,7 @@ def zz_gemm_ar_copy_engine_peer_skips_call_times_out(rt, seed):
     closing gather's handshake (at once: the communicator already failed), which sets rank 0's
     rows to NaN. CommunicatorTimeoutError in bounded time, never a hang."""
     if rt.device.type != "cuda" or rt.tp.size < 2:
-        return
+        skip("needs CUDA tensors on 2 or more ranks")
     W = rt.tp.size
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20,
                                  timeout_s=2.0)

@@ -11,10 +11,9 @@ every input of the choice is identical on every rank, so is the choice."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
-from ... import tuning
+from ... import envs, tuning
 from ...communicator import Communicator
 from . import copy_engine, decode, fused, overlap, unfused
 from .base import Call, Engine
@@ -58,10 +57,7 @@ def pick(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
         raise ValueError(f"fusedist.{op}: engine='fused' does not take this call: "
                          f"{fused_why_not}; use engine='auto', 'overlap' or 'unfused'")
     if engine == "auto":
-        forced = os.environ.get("FUSEDIST_GEMM_ENGINE", "auto")
-        if forced not in ("auto",) + ENGINES:
-            raise ValueError(f"fusedist: FUSEDIST_GEMM_ENGINE must be auto or one of "
-                             f"{ENGINES}, got {forced!r}")
+        forced = envs.get("FUSEDIST_GEMM_ENGINE")  # validated against its choices there
         if forced == "fused" and fused_why_not is None:
             return "fused"
         if forced in ("unfused", "overlap"):
