@@ -31,7 +31,8 @@
 //
 // FP8 KV: each warp converts its slab to fp16 in shared memory (e4m3 -> fp16 is exact), the
 // MMAs run in fp16 (q converted to fp16: |q| must stay below 65504), k_scale multiplies the
-// scores and v_scale the probabilities of each token.
+// scores and v_scale the probabilities of each token (p * v_scale is rounded to fp16: scales
+// below ~1e-4 lose precision to fp16 subnormals).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
