@@ -58,7 +58,28 @@ def load_hf(path: str, dtype=torch.float32, device="cpu"):
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """HF generate(do_sample=False) for exactly `steps` tokens with EOS an ordinary token (as
+    the runner without eos_ids: neither stops nor suppresses it)."""
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
-                         min_new_tokens=steps, do_sample=False, pad_token_id=0)
+                         do_sample=False, pad_token_id=0, eos_token_id=[])
+    assert out.shape[1] == len(prompt) + steps, out.shape
     return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches(model, prompt: list[int], ours: list[int], tol: float, what: str):
+    """ours == HF's greedy ids, except that a divergence is allowed where HF's logits of the
+    two tokens tie within tol x max |logit| (a near-tie that fp32 rounding of a different
+    summation order can flip); the ids after it are then not compared."""
+    ref = hf_greedy(model, prompt, len(ours))
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:i]], device=model.device)).logits[0, -1]
+    gap = float(logits[ref[i]] - logits[ours[i]])
+    bound = tol * float(logits.abs().max())
+    assert gap <= bound, (f"{what}: greedy ids differ from HF at step {i} (ours {ours[i]}, HF "
+                          f"{ref[i]}); HF's logit gap {gap:.3e} exceeds {bound:.3e}")
+    print(f"{what}: near-tie at step {i} (HF logit gap {gap:.2e} <= {bound:.2e}); ids agree "
+          "before it", flush=True)
