@@ -78,6 +78,8 @@ class StepMeta:
     cu_seqlens_q: Optional[torch.Tensor] = None
     max_q_len: Optional[int] = None
     plan: object = None
+    seq_lens_host: Optional[list] = None
+    cu_seqlens_q_host: Optional[list] = None
 
 
 def _metadata(**kw):
@@ -261,7 +263,8 @@ class Runner:
                              seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
                              slot_mapping=(page * P + pos_t % P).to(dev),
                              cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-                             max_q_len=max(n for _, _, n in chunk))
+                             max_q_len=max(n for _, _, n in chunk),
+                             seq_lens_host=lens, cu_seqlens_q_host=cu)
             logits = self.model(torch.tensor(toks, dtype=torch.int64, device=dev), pos_t.to(dev),
                                 self.cache, meta, seq_rows=rows_t.to(dev),
                                 logits_rows=torch.tensor(out_rows, dtype=torch.int64, device=dev)

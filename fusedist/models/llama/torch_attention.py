@@ -105,8 +105,8 @@ class TorchAttention(torch.nn.Module):
             o = o.reshape(T, H * D)
         else:
             o = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-            cu = meta.cu_seqlens_q.tolist()
-            lens = meta.seq_lens.tolist()
+            cu = getattr(meta, "cu_seqlens_q_host", None) or meta.cu_seqlens_q.tolist()
+            lens = getattr(meta, "seq_lens_host", None) or meta.seq_lens.tolist()
             rows = list(range(len(lens))) if seq_rows is None else seq_rows.tolist()
             for j, row in enumerate(rows):
                 s, e, L = cu[j], cu[j + 1], lens[j]
