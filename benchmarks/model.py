@@ -83,6 +83,9 @@ def main():
                       f"{r['tokens_per_s']} | {row['speedup_vs_torch']} | "
                       f"{row['target_step_ms'] or ''} | {br} |")
         print(f"row {spec}: ids equal across backends: {out.get('torch_ids_match')}", flush=True)
+        print("\n".join(md[-len(t):]), flush=True)
+        print(json.dumps({k: v.get("profile_us", {}).get("top") for k, v in t.items()}),
+              flush=True)
     meta = metadata(args.tp)
     meta["config"] = args.config
     text = "\n".join(md) + (f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= "
