@@ -41,4 +41,4 @@ if (( torch )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" torch==2.13.0
 fi
 ls -la "$dest"
-echo "copy $dest/ into the offline checkout as .whl/ (or set FUSEDIST_WHEELS=/path/to/$dest there)"
+echo "copy $dest/ into the offline checkout as .whl/ (or point FUSEDIST_WHEELS at the copy)"
