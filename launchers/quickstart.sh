@@ -44,7 +44,10 @@ gpu_kernels() {  # what this host's GPUs can show, each beside its baselines in 
   "${RUN[@]}" benchmarks/gemm.py "${quick[@]}"
   if [[ -f benchmarks/attention.py ]]; then
     echo "== decode attention vs torch SDPA (one GPU)"
-    "${RUN[@]}" benchmarks/attention.py --quick
+    local out=()
+    "${RUN[@]}" benchmarks/attention.py --help 2>/dev/null | grep -q -- "--out" \
+      && out=(--out "$FUSEDIST_RESULTS_DIR/attention")
+    "${RUN[@]}" benchmarks/attention.py --quick "${out[@]}"
   fi
   if (( NGPU >= 2 )); then
     echo "== all-reduce and fused all-reduce + RMSNorm vs NCCL and torch symmetric memory ($NGPU GPUs)"
@@ -59,8 +62,9 @@ cpu_reference() {  # correctness of every op on the CPU path, 2 gloo processes
 }
 
 # MAIN_JOB: the one line to change when the main job changes, e.g. to the model:
-#   MAIN_JOB=(ranks -m fusedist.generate --config llama-3-8b --random-weights --baseline torch)
-# (ranks = torchrun over $NPROC processes: the GPUs present, or 2 gloo processes on CPU).
+#   MAIN_JOB=(ranks -m fusedist.generate)
+# (ranks = torchrun over $NPROC processes: the GPUs present, or 2 gloo processes on CPU;
+# quickstart's own arguments follow the job's).
 if (( NGPU > 0 )); then MAIN_JOB=(gpu_kernels); else MAIN_JOB=(cpu_reference); fi
 "${MAIN_JOB[@]}" "$@"
 echo "== quickstart done in $((SECONDS - t_start)) s (benchmark results, if any: $FUSEDIST_RESULTS_DIR)"
