@@ -211,8 +211,9 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
     ~1450-1530 MHz within a fraction of a second (the 700 W power limit), and a GEMM takes
-    12-15% longer (benchmarks/NOTES.md, session 8). Steps timed one after another in single
-    blocks each saw the clock of their place in the run; in rounds they all see the same mix."""
+    12-15% longer (benchmarks/NOTES.md, "Measuring on a GPU under load"). Steps timed one
+    after another in single blocks each saw the clock of their place in the run; in rounds
+    they all see the same mix."""
     graphs, status = {}, {}
     for name, step in steps.items():
         try:
