@@ -37,9 +37,12 @@ fd_pip() {  # fd_pip [pip options] SPEC...: the local wheel directory first, the
   if "$PY" -m pip install -q ${WHEELS:+--find-links "$WHEELS"} "$@" >"$log" 2>&1; then
     rm -f "$log"; return 0
   fi
-  tail -4 "$log" >&2; rm -f "$log"
-  local specs; specs=$(printf '%s ' "$@" | sed -E 's/--?[a-z-]+ //g')
-  fd_die "could not install ${specs% } (no package index reachable, and no such wheel in ${WHEELS:-./.whl}). On a machine with package access run 'bash launchers/download-wheels.sh .whl --all', copy .whl/ into this checkout (or point FUSEDIST_WHEELS at it) and run again"
+  tail -3 "$log" >&2
+  local specs=() a missing
+  for a in "$@"; do [[ $a == -* ]] || specs+=("$a"); done
+  missing=$(sed -nE 's/.*No matching distribution found for ([^ ]+).*/\1/p' "$log" | head -1)
+  rm -f "$log"
+  fd_die "could not install ${specs[*]}${missing:+ (missing: $missing)}: no package index reachable, and no such wheel in ${WHEELS:-./.whl}. On a machine with package access run 'bash launchers/download-wheels.sh .whl --all', copy .whl/ into this checkout (or point FUSEDIST_WHEELS at it) and run again"
 }
 
 fd_has() {  # fd_has MODULE...: every module is importable (found, not imported)
@@ -130,10 +133,11 @@ fd_nccl4py() {  # nccl4py on GPU hosts; torch.distributed's NCCL when it cannot 
   return 0
 }
 
-fd_nvcc() {  # the nvcc the build uses (CUDACXX, PATH, /usr/local/cuda), >= 12.4
+fd_nvcc() {  # the nvcc the build uses (CUDACXX, PATH, $CUDA_HOME/bin), >= 12.4
+  local home=${CUDA_HOME:-/usr/local/cuda}
   local nvcc=${CUDACXX:-$(command -v nvcc || true)}
-  [[ -z $nvcc && -x /usr/local/cuda/bin/nvcc ]] && nvcc=/usr/local/cuda/bin/nvcc
-  [[ -n $nvcc ]] || fd_die "building fusedist._C needs nvcc (CUDA >= 12.4) and none is on PATH or in /usr/local/cuda/bin: install the CUDA toolkit (nvcc, headers, cudart) or set CUDACXX=/path/to/nvcc"
+  [[ -z $nvcc && -x $home/bin/nvcc ]] && nvcc=$home/bin/nvcc
+  [[ -n $nvcc ]] || fd_die "building fusedist._C needs nvcc (CUDA >= 12.4) and none is on PATH or in $home/bin: install the CUDA toolkit (nvcc, headers, cudart), or set CUDACXX=/path/to/nvcc or CUDA_HOME"
   local v; v=$("$nvcc" --version | sed -nE 's/.*release ([0-9]+)\.([0-9]+).*/\1 \2/p')
   read -r maj min <<<"$v"
   (( maj > 12 || (maj == 12 && min >= 4) )) \
