@@ -4,6 +4,7 @@
 #
 #   bash launchers/quickstart.sh           # install + build (GPU hosts) + main job
 #   FUSEDIST_DEVICE=cpu bash launchers/quickstart.sh   # the CPU reference path on a GPU host
+#   FUSEDIST_BUILD=0 bash launchers/quickstart.sh      # GPU host: use the fusedist installed
 #
 # GPU host (NVIDIA driver, nvcc >= 12.4): installs nccl4py and the CUTLASS headers, builds
 # fusedist._C with every core (~130 s on 16 cores), then shows fusedist's kernels beside their
@@ -21,15 +22,22 @@ fd_python
 fd_gpus
 fd_torch
 fd_install numpy
+if (( NGPU > 0 )) && [[ -z ${FUSEDIST_CUDA_ARCHS:-} ]]; then
+  cc=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability(0))")
+  if [[ $cc != 90 ]]; then              # _C is built for sm_90a unless told otherwise
+    echo "== this GPU is sm_$cc; fusedist's kernels are built for Hopper (sm_90a, FUSEDIST_CUDA_ARCHS adds others): running the CPU reference path"
+    NGPU=0
+  fi
+fi
 if (( NGPU > 0 )); then
   fd_install matplotlib
   fd_nccl4py
-  fd_build
+  [[ ${FUSEDIST_BUILD:-1} == 0 ]] || fd_build
   RUN=("$PY" -P)                        # the installed fusedist, with its _C
 else
-  echo "== no GPU: not building fusedist._C (the CPU reference path needs no build)"
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  RUN=("$PY" -P)                        # fusedist from this checkout
+  echo "== CPU reference path: not building fusedist._C (it imports without it)"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=""
+  RUN=("$PY" -P)                        # fusedist from this checkout, on the CPU
 fi
 export FUSEDIST_RESULTS_DIR=${FUSEDIST_RESULTS_DIR:-$PWD/_out/quickstart}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -17,6 +17,7 @@ t_start=$SECONDS
 
 fd_python
 fd_gpus
+[[ ${FUSEDIST_DEVICE:-} == cpu ]] && export CUDA_VISIBLE_DEVICES=""   # the GPU tiers skip
 fd_torch
 fd_install numpy pytest timeout mpi hf
 build=${FUSEDIST_BUILD:-}
