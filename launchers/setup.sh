@@ -69,13 +69,15 @@ fd_gpus() {  # NGPU: the GPUs this run may use; stops when a driver is present b
 }
 
 fd_torch() {  # torch importable (installed when absent) and matching the host
-  if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  local probe="import torch; print(torch.__version__, int(torch.cuda.is_available()))" st
+  if ! st=$("$PY" -c "$probe" 2>/dev/null); then
     local spec=${FUSEDIST_TORCH:-torch==2.13.0}
     echo "== install $spec (no torch was importable)"
     fd_pip "$spec"
+    st=$("$PY" -c "$probe") || fd_die "torch was installed but does not import ($PY -c 'import torch' says why)"
   fi
-  if (( NGPU > 0 )) && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    fd_die "this host has $NGPU GPU(s) but torch $("$PY" -c 'import torch; print(torch.__version__)') cannot use them (a CPU build, or a CUDA build newer than the driver). Install a CUDA build of torch that the driver supports (e.g. pip install torch==2.13.0 from PyPI), or run with FUSEDIST_DEVICE=cpu"
+  if (( NGPU > 0 )) && [[ ${st##* } != 1 ]]; then
+    fd_die "this host has $NGPU GPU(s) but torch ${st% *} cannot use them (a CPU build, or a CUDA build newer than the driver). Install a CUDA build of torch that the driver supports (e.g. pip install torch==2.13.0 from PyPI), or run with FUSEDIST_DEVICE=cpu"
   fi
   return 0
 }
