@@ -74,7 +74,7 @@ fd_torch() {  # torch importable (installed when absent) and matching the host
     local spec=${FUSEDIST_TORCH:-torch==2.13.0}
     echo "== install $spec (no torch was importable)"
     fd_pip "$spec"
-    st=$("$PY" -c "$probe") || fd_die "torch was installed but does not import ($PY -c 'import torch' says why)"
+    st=$("$PY" -c "$probe" 2>/dev/null) || fd_die "torch was installed but does not import ($PY -c 'import torch' says why)"
   fi
   if (( NGPU > 0 )) && [[ ${st##* } != 1 ]]; then
     fd_die "this host has $NGPU GPU(s) but torch ${st% *} cannot use them (a CPU build, or a CUDA build newer than the driver). Install a CUDA build of torch that the driver supports (e.g. pip install torch==2.13.0 from PyPI), or run with FUSEDIST_DEVICE=cpu"
