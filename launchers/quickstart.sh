@@ -30,7 +30,7 @@ if (( NGPU > 0 )) && [[ -z ${FUSEDIST_CUDA_ARCHS:-} ]]; then
   fi
 fi
 if (( NGPU > 0 )); then
-  fd_install matplotlib
+  fd_install_soft matplotlib
   fd_nccl4py
   [[ ${FUSEDIST_BUILD:-1} == 0 ]] || fd_build
   RUN=("$PY" -P)                        # the installed fusedist, with its _C

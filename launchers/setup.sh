@@ -113,6 +113,11 @@ PYEOF
   return 0
 }
 
+fd_install_soft() {  # fd_install, but a failure is one line and the run goes on
+  ( fd_install "$@" ) || fd_say "going on without $* (could not install; the steps that need it skip or say so)"
+  return 0
+}
+
 fd_cutlass() {  # the CUTLASS / CuTe headers (header-only use of the nvidia-cutlass wheel)
   [[ -n ${FUSEDIST_CUTLASS_INCLUDE:-} ]] && return 0
   "$PY" - <<'PYEOF' 2>/dev/null && return 0

@@ -26,7 +26,7 @@ if [[ -z $build ]]; then
   (( NGPU > 0 )) && build=1
   [[ ${CI:-} == true || ${CI:-} == 1 ]] && build=1
 fi
-(( NGPU > 0 )) && fd_install matplotlib
+(( NGPU > 0 )) && fd_install_soft matplotlib
 # nccl4py: on GPU hosts, and with every build (CI checks that it imports without libnccl).
 if (( NGPU > 0 )) || [[ $build == 1 ]]; then fd_nccl4py; fi
 if [[ $build == 1 ]]; then

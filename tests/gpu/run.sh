@@ -24,7 +24,10 @@ fd_python
 fd_gpus
 (( NGPU > 0 )) || fd_die "tests/gpu/run.sh needs a GPU host (nvidia-smi lists no GPU); on a CPU machine run bash tests/run.sh"
 fd_torch
-fd_install numpy pytest timeout mpi hf matplotlib
+fd_install numpy pytest timeout
+fd_install_soft mpi
+fd_install_soft hf
+fd_install_soft matplotlib
 fd_nccl4py
 fd_cutlass
 if (( NGPU >= 2 )); then
