@@ -211,8 +211,9 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
 
     Why interleaved: under sustained GEMM load an H200 lowers its SM clock from 1980 MHz to
     ~1450-1530 MHz within a fraction of a second (the 700 W power limit), and a GEMM takes
-    12-15% longer (benchmarks/NOTES.md, session 8). Steps timed one after another in single
-    blocks each saw the clock of their place in the run; in rounds they all see the same mix."""
+    12-15% longer (benchmarks/NOTES.md, "Measuring on a GPU under load"). Steps timed one
+    after another in single blocks each saw the clock of their place in the run; in rounds
+    they all see the same mix."""
     graphs, status = {}, {}
     for name, step in steps.items():
         try:
@@ -283,21 +284,47 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def machine_dir(meta: dict) -> str:
+    """The results folder of a run's machine: <gpu>-w<world>, e.g. h200-w2 (cpu-w2 on CPU)."""
+    gpu = str(meta.get("gpu") or "cpu")
+    gpu = gpu[len("NVIDIA "):] if gpu.startswith("NVIDIA ") else gpu
+    slug = "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") or "cpu"
+    return f"{slug}-w{meta['world_size']}"
+
+
+def reproduce_command(meta: dict) -> str:
+    """The command that reruns this benchmark: the launcher included for multi-rank runs."""
+    args = " ".join(sys.argv)
+    world = int(meta.get("world_size") or 1)
+    if world > 1 and os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        return f"python3 -m torch.distributed.run --nproc-per-node {world} {args}"
+    if world > 1:
+        return f"launchers/mpirun.sh -np {world} {args}"
+    return f"python3 {args}"
+
+
 def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=None) -> list[Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = f"{stem}-{meta.get('gpu', 'cpu').replace(' ', '_')}-w{meta['world_size']}"
+    """benchmarks/results/<gpu>-w<N>/<stem>.{json,md,png}: one current set per benchmark and
+    machine (git keeps the older ones). FUSEDIST_RESULTS_DIR replaces benchmarks/results (the
+    <gpu>-w<N>/ folder stays, so benchmarks/compare.py pairs a new file with the committed
+    one by its relative path)."""
+    meta = dict(meta)
+    meta.setdefault("reproduce", reproduce_command(meta))
     out = os.environ.get("FUSEDIST_RESULTS_DIR")
-    base = Path(out) if out else RESULTS
+    base = (Path(out) if out else RESULTS) / machine_dir(meta)
     base.mkdir(parents=True, exist_ok=True)
-    paths = [base / f"{tag}.json", base / f"{tag}.md"]
+    paths = [base / f"{stem}.json", base / f"{stem}.md"]
     paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     head = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths[1].write_text(f"# {stem}\n\n{head}\n\n{markdown}\n")
     if plot is not None:
+        p = base / f"{stem}.png"
         try:
-            p = base / f"{tag}.png"
-            plot(p)
-            paths.append(p)
-        except Exception as e:  # matplotlib missing: JSON + Markdown still stand
-            print(f"(plot skipped: {e})")
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"plot {p.name} skipped: matplotlib is not installed (pip install matplotlib); "
+                  "the JSON and Markdown are written")
+            return paths
+        plot(p)
+        paths.append(p)
     return paths

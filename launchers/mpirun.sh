@@ -29,10 +29,8 @@ if [[ -z "$np" ]]; then
   [[ "$np" -gt 0 ]] || np=2
 fi
 
-# Never unset these; default them to "multicast/NVLS off" (see docs/launchers.md).
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# NVLink multicast off unless set (launchers/env.sh, docs/launchers.md).
+source "${FUSEDIST_LAUNCHERS:-$(dirname "${BASH_SOURCE[0]}")}/env.sh"
 mapfile -t vars < <(compgen -e | grep -E '^(NCCL_|NVSHMEM_|TORCH_|FUSEDIST_|CUDA_|MASTER_)|^(PATH|LD_LIBRARY_PATH|PYTHONPATH)$')
 
 version=$(mpirun --version 2>&1 || true)

@@ -1,30 +1,78 @@
 #!/usr/bin/env bash
-# Set up fusedist from this checkout and run the main job: the all-reduce benchmark over
-# whatever is present -- one process per GPU on a GPU host, two gloo processes on a CPU-only
-# machine -- printing an nccl-tests style table with the baselines beside fusedist.
+# fusedist from nothing: install what is missing, build fusedist._C where it serves, run the
+# main job on whatever this machine has.
 #
-#   bash launchers/quickstart.sh            # install (if needed) + benchmark
-#   bash launchers/quickstart.sh --fused    # extra args go to benchmarks/allreduce.py
+#   bash launchers/quickstart.sh           # install + build (GPU hosts) + main job
+#   FUSEDIST_DEVICE=cpu bash launchers/quickstart.sh   # the CPU reference path on a GPU host
+#   FUSEDIST_BUILD=0 bash launchers/quickstart.sh      # GPU host: use the fusedist installed
+#
+# GPU host (NVIDIA driver, nvcc >= 12.4): installs nccl4py and the CUTLASS headers, builds
+# fusedist._C with every core (~130 s on 16 cores), then shows fusedist's kernels beside their
+# torch / NCCL baselines, measured in the same run. CPU-only machine: nothing is compiled (the
+# CPU path imports without _C); two gloo processes check every op against float64 in seconds.
+# Offline hosts install from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh makes it).
+# Results of the benchmarks go to $FUSEDIST_RESULTS_DIR (default _out/quickstart), never over
+# the committed benchmarks/results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
-if ! python3 -c "import torch" 2>/dev/null; then
-  python3 -m pip install -q torch==2.13.0   # CPU build; GPU hosts bring their own torch
-fi
-if ! (cd /tmp && python3 -c "import fusedist._C" 2>/dev/null); then
-  python3 -m pip install -q pybind11 "scikit-build-core>=0.10" ninja 2>/dev/null || true
-  python3 -m pip install -q --no-build-isolation --no-deps . 
-fi
-ngpu=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
-if [[ $ngpu -gt 0 ]] && ! python3 -c "import nccl.core" 2>/dev/null; then
-  python3 -m pip install -q nccl4py 2>/dev/null || true
-  if ! python3 -c "import nccl.core" 2>/dev/null; then
-    echo "quickstart: nccl4py unavailable; using torch.distributed's NCCL (FUSEDIST_NCCL=torch)" >&2
-    export FUSEDIST_NCCL=torch
+source launchers/setup.sh
+t_start=$SECONDS
+
+fd_python
+fd_gpus
+fd_torch
+fd_install numpy
+if (( NGPU > 0 )) && [[ -z ${FUSEDIST_CUDA_ARCHS:-} ]]; then
+  cc=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability(0))")
+  if [[ $cc != 90 ]]; then              # _C is built for sm_90a unless told otherwise
+    echo "== this GPU is sm_$cc; fusedist's kernels are built for Hopper (sm_90a, FUSEDIST_CUDA_ARCHS adds others): running the CPU reference path"
+    NGPU=0
   fi
 fi
-nproc=$(( ngpu > 0 ? ngpu : 2 ))
-exec python3 -P -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-  benchmarks/allreduce.py --quick "$@"
+if (( NGPU > 0 )); then
+  fd_install_soft matplotlib
+  fd_nccl4py
+  [[ ${FUSEDIST_BUILD:-1} == 0 ]] || fd_build
+  RUN=("$PY" -P)                        # the installed fusedist, with its _C
+else
+  echo "== CPU reference path: not building fusedist._C (it imports without it)"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=""
+  RUN=("$PY" -P)                        # fusedist from this checkout, on the CPU
+fi
+export FUSEDIST_RESULTS_DIR=${FUSEDIST_RESULTS_DIR:-$PWD/_out/quickstart}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+NPROC=$(( NGPU > 0 ? NGPU : 2 ))
+ranks() { "${RUN[@]}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$@"; }
+echo "   setup took $((SECONDS - t_start)) s"
+
+gpu_kernels() {  # what this host's GPUs can show, each beside its baselines in the same run
+  local quick=(--ms 1,32,128,512)
+  "${RUN[@]}" benchmarks/gemm.py --help 2>/dev/null | grep -q -- "--quick" && quick=(--quick)
+  echo "== fusedist.gemm vs torch.matmul (one GPU; weights streamed from HBM)"
+  "${RUN[@]}" benchmarks/gemm.py "${quick[@]}"
+  if [[ -f benchmarks/attention.py ]]; then
+    echo "== decode attention vs torch SDPA (one GPU)"
+    local out=()
+    "${RUN[@]}" benchmarks/attention.py --help 2>/dev/null | grep -q -- "--out" \
+      && out=(--out "$FUSEDIST_RESULTS_DIR/attention")
+    "${RUN[@]}" benchmarks/attention.py --quick "${out[@]}"
+  fi
+  if (( NGPU >= 2 )); then
+    echo "== all-reduce and fused all-reduce + RMSNorm vs NCCL and torch symmetric memory ($NGPU GPUs)"
+    ranks benchmarks/allreduce.py --quick --fused "$@"
+  else
+    echo "== collectives (all_reduce, gemm_ar, ag_gemm, gemm_rs) need two or more GPUs on one host; this host has 1"
+  fi
+}
+
+cpu_reference() {  # correctness of every op on the CPU path, 2 gloo processes
+  ranks launchers/reference_check.py "$@"
+}
+
+# MAIN_JOB: the one line to change when the main job changes, e.g. to the model:
+#   MAIN_JOB=(ranks -m fusedist.generate)
+# (ranks = torchrun over $NPROC processes: the GPUs present, or 2 gloo processes on CPU;
+# quickstart's own arguments follow the job's).
+if (( NGPU > 0 )); then MAIN_JOB=(gpu_kernels); else MAIN_JOB=(cpu_reference); fi
+"${MAIN_JOB[@]}" "$@"
+echo "== quickstart done in $((SECONDS - t_start)) s (benchmark results, if any: $FUSEDIST_RESULTS_DIR)"

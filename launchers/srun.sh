@@ -15,9 +15,7 @@ for a in "$@"; do
 done
 [[ $# -ge 1 ]] || { sed -n '2,7p' "$0" >&2; exit 2; }
 
-# Never unset these; default them to "multicast/NVLS off" (see docs/launchers.md).
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# NVLink multicast off unless set (launchers/env.sh, docs/launchers.md).
+source "${FUSEDIST_LAUNCHERS:-$(dirname "${BASH_SOURCE[0]}")}/env.sh"
 
 exec srun --kill-on-bad-exit=1 --cpu-bind=none "${srun_args[@]+"${srun_args[@]}"}" "${PYTHON:-python3}" "$@"

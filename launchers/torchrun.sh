@@ -34,10 +34,8 @@ if [[ -z "$nproc" ]]; then
   [[ "$nproc" -gt 0 ]] || nproc=2
 fi
 
-# Never unset these; default them to "multicast/NVLS off" (see docs/launchers.md).
-export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
-export TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}"
-export NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
+# NVLink multicast off unless set (launchers/env.sh, docs/launchers.md).
+source "${FUSEDIST_LAUNCHERS:-$(dirname "${BASH_SOURCE[0]}")}/env.sh"
 
 args=(--nproc_per_node "$nproc" --nnodes "$nnodes" --node_rank "$node_rank")
 if [[ -n "$master" ]]; then

@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# Build fusedist on a GPU host, run the GPU test tier, compute-sanitizer and the quick
-# benchmarks, and print a short summary table last. One call does everything:
+# The GPU host's full check: build fusedist, run the GPU test tiers, compute-sanitizer, the
+# quick benchmarks, and benchmarks/compare.py of their results against the committed ones;
+# a short summary table comes last. (bash tests/run.sh runs the whole suite, CPU and GPU
+# tiers, without the sanitizer and the benchmarks.)
 #
 #   bash tests/gpu/run.sh                 # logs and results land in $OUT (default ./_out)
 #   FUSEDIST_GPU_STAGES="build tests bench" bash tests/gpu/run.sh   # a subset
 #
-# Offline hosts: wheels it lacks (nccl4py, CUTLASS headers) are installed from ./.whl
-# (bash shared/prepare-wheels.sh .whl on a machine with package access).
+# Stages (FUSEDIST_GPU_STAGES; default: build tests sanitizer bench gemm compare with two or
+# more GPUs, build tests sanitizer gemm_only compare with one): build, tests, sanitizer,
+# bench (all-reduce), gemm (GEMM + collective), gemm_only (fusedist.gemm, one GPU), compare,
+# waves, trace, ncu. Offline hosts install the wheels they lack (nccl4py, the CUTLASS headers)
+# from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh makes it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source launchers/setup.sh
 OUT=${OUT:-$PWD/_out}
 LOGS=${FUSEDIST_LOG_DIR:-/tmp/fusedist-gpu-logs}
 mkdir -p "$OUT" "$LOGS"
 : > "$OUT/summary.txt"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm"}  # also: gemm_only, waves, trace, ncu
-NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-
-# nccl4py, and the CUTLASS headers the build finds through the nvidia-cutlass package.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fd_python
+fd_gpus
+(( NGPU > 0 )) || fd_die "tests/gpu/run.sh needs a GPU host (nvidia-smi lists no GPU); on a CPU machine run bash tests/run.sh"
+fd_torch
+fd_install numpy pytest timeout
+fd_install_soft mpi
+fd_install_soft hf
+fd_install_soft matplotlib
+fd_nccl4py
+fd_cutlass
+if (( NGPU >= 2 )); then
+  STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm compare"}
+else
+  STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer gemm_only compare"}
 fi
+export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+RESULTS="$OUT/results"   # <gpu>-w<N>/<bench>.{json,md,png}, as benchmarks/results
 
 stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
@@ -40,15 +53,15 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce gemm"}  # which sanitizer runs the sanitizer stage does
 want_san() { [[ " $SAN " == *" $1 "* ]]; }
 
-# At most 8 files come back from a lent GPU: summary.txt (nvidia-smi, ptxas spills, sanitizer
-# summaries, stage results), tests.log, bench.log and the benchmarks' json/md/png.
+# $OUT gets summary.txt (nvidia-smi, ptxas spills, sanitizer summaries, stage results),
+# tests.log, bench.log, compare.txt and results/ (the benchmarks' json/md/png).
 { nvidia-smi; nvidia-smi topo -m; } > "$OUT/summary.txt.head" 2>&1
 if want build; then
-  CMAKE_BUILD_PARALLEL_LEVEL=16 stage build 900 python3 -m pip install --no-build-isolation \
-    --no-deps -v . || { tail -40 "$LOGS/build.log"; cat "$OUT/summary.txt"
+  FUSEDIST_BUILD_LOG="$LOGS/build.pip.log" stage build 900 bash -c 'source launchers/setup.sh && fd_build' \
+    || { cat "$LOGS/build.pip.log" >> "$LOGS/build.log" 2>/dev/null; tail -40 "$LOGS/build.log"; cat "$OUT/summary.txt"
 cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
 rm -f "$OUT/summary.txt.head"; exit 1; }
-  grep -E "spill|stack frame" "$LOGS/build.log" | sort -u | sed 's/^ */ptxas: /' >> "$OUT/summary.txt.head" || true
+  grep -E "spill|stack frame" "$LOGS/build.pip.log" | sort -u | sed 's/^ */ptxas: /' >> "$OUT/summary.txt.head" || true
 fi
 if want tests; then
   # -P: keep the source tree off sys.path so the installed fusedist (with _C) is imported.
@@ -102,15 +115,15 @@ if want sanitizer && want_san gemm; then  # every Hopper GEMM tile, one GPU
     >> "$OUT/summary.txt.head"
 fi
 if want bench && [[ $NGPU -ge 2 ]]; then
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_ar "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/allreduce.py ${FUSEDIST_BENCH_ARGS:---quick --fused}
 fi
 if want gemm && [[ $NGPU -ge 2 ]]; then
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/gemm_comm.py ${FUSEDIST_GEMM_ARGS:---quick}
 fi
 if want gemm_only; then  # one GPU: fusedist's GEMMs (every Hopper tile) against torch.matmul
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
     python3 benchmarks/gemm.py ${FUSEDIST_GEMM_ONLY_ARGS:-}
 fi
 if want ncu; then  # one GPU: Nsight Compute counters of cuBLAS and every sm90 tile (FUSEDIST_NCU_MS)
@@ -120,13 +133,17 @@ if want ncu; then  # one GPU: Nsight Compute counters of cuBLAS and every sm90 t
   cp "$LOGS/ncu.log" "$OUT/" 2>/dev/null
 fi
 if want waves; then  # one GPU: cuBLAS's waves against the tuning table's model
-  FUSEDIST_RESULTS_DIR="$OUT" stage bench_waves "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_waves "${FUSEDIST_BENCH_TIMEOUT:-900}" \
     python3 benchmarks/gemm_waves.py
 fi
 if want trace && [[ $NGPU -ge 2 ]]; then  # FUSEDIST_TRACE_ARGS: --cfg op:M:N:K:transport:chunks ...
-  FUSEDIST_RESULTS_DIR="$OUT" stage trace "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage trace "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/trace_gemm_comm.py ${FUSEDIST_TRACE_ARGS:---cfg gemm_ar:2048:8192:4096:copy_engine:2}
   cp "$LOGS/trace.log" "$OUT/" 2>/dev/null
+fi
+if want compare && [[ -d $RESULTS ]]; then  # same-run ratios against the committed results
+  stage compare 120 python3 benchmarks/compare.py benchmarks/results "$RESULTS"
+  cp "$LOGS/compare.log" "$OUT/compare.txt" 2>/dev/null
 fi
 cp "$LOGS/tests.log" "$OUT/" 2>/dev/null
 cat "$LOGS"/bench_*.log > "$OUT/bench.log" 2>/dev/null

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# fusedist's test suite from nothing: install the test dependencies, build fusedist._C where
+# it serves, run every test. On a GPU host the gpu / gpu2 / gpu4 / gpu8 tiers run too (each
+# skips itself when its GPUs are missing); on a CPU machine they skip.
+#
+#   bash tests/run.sh                        # the whole suite
+#   bash tests/run.sh tests/ops -k rmsnorm   # arguments go to pytest (default: tests)
+#
+# FUSEDIST_BUILD: 1 compiles every CUDA source first (CI does; ~11 min on 2 cores), 0 never;
+# unset: build on a GPU host, or when CI=true. Without a build the tests import fusedist from
+# this checkout and whatever needs _C skips (FUSEDIST_REQUIRE_EXT=1 makes that a failure).
+# Offline hosts install from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launchers/setup.sh
+t_start=$SECONDS
+
+fd_python
+fd_gpus
+[[ ${FUSEDIST_DEVICE:-} == cpu ]] && export CUDA_VISIBLE_DEVICES=""   # the GPU tiers skip
+fd_torch
+fd_install numpy pytest timeout mpi hf
+build=${FUSEDIST_BUILD:-}
+if [[ -z $build ]]; then
+  build=0
+  (( NGPU > 0 )) && build=1
+  [[ ${CI:-} == true || ${CI:-} == 1 ]] && build=1
+fi
+(( NGPU > 0 )) && fd_install_soft matplotlib
+# nccl4py: on GPU hosts, and with every build (CI checks that it imports without libnccl).
+if (( NGPU > 0 )) || [[ $build == 1 ]]; then fd_nccl4py; fi
+if [[ $build == 1 ]]; then
+  fd_build
+  :                                      # the installed fusedist, with its _C
+else
+  echo "== not building fusedist._C ($( (( NGPU > 0 )) && echo "FUSEDIST_BUILD=0" || echo "no GPU")): tests import fusedist from this checkout; FUSEDIST_BUILD=1 compiles every CUDA source"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [[ $(id -u) == 0 ]]; then             # Open MPI refuses root without these
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export PYTHONUNBUFFERED=1
+echo "   setup took $((SECONDS - t_start)) s"
+
+echo "== tests: $PY -P -m pytest -q ${*:-tests}"
+set +e
+"$PY" -P -m pytest -q -p no:cacheprovider "${@:-tests}"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then fd_die "pytest collected no tests"; fi
+echo "== tests/run.sh done in $((SECONDS - t_start)) s (pytest exit $rc)"
+exit $rc
