@@ -276,8 +276,8 @@ def main():
                     + ", ".join(SECTIONS))
     ap.add_argument("--sweep-splits", action="store_true",
                     help="also time fixed split counts at small batches (planner tuning)")
-    ap.add_argument("--out", default=None, help="results folder (default "
-                    "benchmarks/results/<gpu>-w1)")
+    ap.add_argument("--out", default=None, help="results root (default FUSEDIST_RESULTS_DIR or "
+                    "benchmarks/results); files go to <root>/<gpu>-w1/")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/attention.py needs a GPU")
@@ -286,8 +286,8 @@ def main():
     meta = H.metadata(1)
     ceiling = hbm_ceiling_tbs()
     print(f"HBM ceiling (copy): {ceiling:.2f} TB/s")
-    gpu = "h200" if "H200" in meta.get("gpu", "") else meta.get("gpu", "gpu").replace(" ", "_")
-    out = Path(args.out) if args.out else H.RESULTS / f"{gpu.lower()}-w1"
+    res = Path(args.out) if args.out else Path(os.environ.get("FUSEDIST_RESULTS_DIR") or H.RESULTS)
+    out = res / H.machine_dir(meta)
     out.mkdir(parents=True, exist_ok=True)
     meta["hbm_ceiling_tbs"] = ceiling
 

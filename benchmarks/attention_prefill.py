@@ -14,7 +14,7 @@ keys and values just appended instead of its pages, as TPAttention passes them) 
 contiguous [1, heads, S, 128] tensors (cuDNN and flash backends, is_causal); eager calls
 (prefill reads its lengths on the host), median of 7 x 5 calls. TFLOP/s counts the causal
 half: 4 * q_heads * head_dim * sum over queries of the keys each sees.
-Results: benchmarks/results/attention_prefill-<gpu>-w1.{json,md}.
+Results: benchmarks/results/<gpu>-w1/attention_prefill.{json,md}.
 """
 
 from __future__ import annotations

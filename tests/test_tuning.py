@@ -424,7 +424,7 @@ def test_min_gain_keeps_small_wave_gains_even(clean_env):
 
 def test_choose_gemm_fused_only_up_to_fused_max_n(clean_env):
     """The shipped H200 x2 rule: ag_gemm's fused engine from M*N*K = 2^40 (16384 x 8192 x 8192)
-    at N <= 8192: it won there in 4 of 7 session-8 runs, lost to the copy-engine overlap at
+    at N <= 8192: it won there in 4 of 7 paced runs, lost to the copy-engine overlap at
     8192^3 in 6 of 7, and lost at N = 14336."""
     table = tuning.load_table("NVIDIA H200", 2)
     kw = {"fused_ok": True, "copy_engine_ok": True}
