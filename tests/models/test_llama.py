@@ -158,6 +158,13 @@ def test_unsupported_architecture(tmp_path):
         LlamaConfig.from_hf_config(cfg)
 
 
+def test_sliding_window_bounds_the_length(rt):
+    cfg = LlamaConfig.named("tiny").replace(sliding_window=64, architecture="MistralForCausalLM")
+    assert build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu").max_position == 64
+    with pytest.raises(ValueError, match="exceeds the sliding window"):
+        build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu", max_position=65)
+
+
 def test_missing_tensor(rt, ckpts, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -39,7 +39,7 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
-    sliding_window: Optional[int] = None  # Mistral: attention window (checked, not applied)
+    sliding_window: Optional[int] = None  # Mistral: sequences stay within it (not applied)
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 

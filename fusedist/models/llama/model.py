@@ -134,7 +134,12 @@ class Transformer(torch.nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.max_position = max_position or cfg.max_position
+        window = cfg.sliding_window or cfg.max_position
+        self.max_position = max_position or min(cfg.max_position, window)
+        if self.max_position > window:
+            raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds the "
+                             f"sliding window ({window} tokens), which the model does not "
+                             f"apply; keep prompt + new tokens <= {window}")
         self.ex = _Exchange(self.comm, backend)
         self.kv_first, self.local_kv_heads = kv_head_range(cfg.num_kv_heads, self.tp, self.rank)
         self.local_heads = cfg.num_heads // self.tp
