@@ -51,7 +51,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=300)
     args = ap.parse_args()
     rows, md = [], ["| batch | context | backend | prefill ms | prefill TFLOP/s/GPU | step ms | "
-                    "ms/token | tokens/s | speedup | target step ms | GEMM / attn / comm / other us |",
+                    "ms/token | tokens/s | speedup | target step ms | "
+                    "GEMM / attn / comm / other us |",
                     "|---|---|---|---|---|---|---|---|---|---|---|"]
     for spec in args.rows:
         b, L, fill, new = map(int, spec.split(":"))

@@ -33,7 +33,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m fusedist.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model")
-    src.add_argument("--model", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    src.add_argument("--model",
+                     help="Hugging Face checkpoint directory (config.json + safetensors)")
     src.add_argument("--config", help="named config: llama-3-8b, llama-3.1-8b, llama-3-70b, tiny")
     src.add_argument("--random-weights", action="store_true", help="seeded random weights")
     src.add_argument("--weights-seed", type=int, default=0)
@@ -68,7 +69,8 @@ def parse_args(argv=None):
                      help="also run the plain-torch model and print both (default: torch for "
                      "the embedded default model, else none)")
     out.add_argument("--profile", action="store_true",
-                     help="break one decode step down into GEMM / attention / communication / other")
+                     help="break one decode step down into GEMM / attention / communication / "
+                     "other")
     out.add_argument("--json", action="store_true", help="one JSON object on stdout")
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p.parse_args(argv)
@@ -131,7 +133,7 @@ def _defaults(args, cuda: bool):
     return args
 
 
-def _prompts(args, cfg, tokenizer, rank0):
+def _prompts(args, cfg, tokenizer):
     if args.prompt is not None:
         if tokenizer is None:
             raise SystemExit("fusedist.generate: --prompt needs tokenizer.json in --model; pass "
@@ -144,10 +146,9 @@ def _prompts(args, cfg, tokenizer, rank0):
             raise SystemExit(f"fusedist.generate: --prompt-ids must be comma-separated ints, got "
                              f"{args.prompt_ids!r}")
     else:
+        # The same seeded ids on every rank.
         g = torch.Generator().manual_seed(args.seed)
-        ids = None
-        rows = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
-        return rows.tolist()
+        return torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if not ids or bad:
         raise SystemExit(f"fusedist.generate: prompt ids must be in [0, {cfg.vocab_size}); got "
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
         src = open_weights(args.model if not args.random_weights else None, cfg,
                            args.weights_seed if args.random_weights else None)
         tok = _tokenizer(args.model)
-        prompts = _prompts(args, cfg, tok, rank0)
+        prompts = _prompts(args, cfg, tok)
         results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
                                            device, prog)}
         if args.baseline == "torch":

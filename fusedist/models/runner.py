@@ -141,7 +141,8 @@ class Runner:
             if num_pages < need:
                 raise ValueError(
                     f"Runner: the KV budget of {kv_budget_bytes / 2**30:.2f} GiB holds {num_pages} "
-                    f"pages of {page_size} tokens; {self.max_rows} rows x {self.max_seq_len} tokens "
+                    f"pages of {page_size} tokens; {self.max_rows} rows x {self.max_seq_len} "
+                    f"tokens "
                     f"need {need} ({need * page_bytes / 2**30:.2f} GiB); raise the budget "
                     "(--kv-budget-gb) or lower the batch / sequence length")
         else:

@@ -160,7 +160,8 @@ def test_unsupported_architecture(tmp_path):
 
 def test_sliding_window_bounds_the_length(rt):
     cfg = LlamaConfig.named("tiny").replace(sliding_window=64, architecture="MistralForCausalLM")
-    assert build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu").max_position == 64
+    m = build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu")
+    assert m.max_position == 64
     with pytest.raises(ValueError, match="exceeds the sliding window"):
         build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu", max_position=65)
 
@@ -175,7 +176,8 @@ def test_missing_tensor(rt, ckpts, tmp_path):
     tensors = load_file(os.path.join(src, "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"):
+    with pytest.raises(KeyError,
+                       match=r"model\.layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"):
         _model(str(bad))
     # Sharded: a name the index does not list.
     shard = tmp_path / "shard"
@@ -264,7 +266,8 @@ def test_gpu_bf16_matches_hf(gpu_setup):
     got = r.prefill([prompt], all_logits=True)[0]
     with torch.no_grad():
         ref = ref32(torch.tensor([prompt], device="cuda")).logits[0]
-        hf16 = load_hf(path, torch.bfloat16, "cuda")(torch.tensor([prompt], device="cuda")).logits[0]
+        hf16 = load_hf(path, torch.bfloat16, "cuda")(
+            torch.tensor([prompt], device="cuda")).logits[0]
     hf_err = gemm_rel_err(hf16, ref)
     err = gemm_rel_err(got, ref)
     # HF's own bf16 run is the yardstick of bf16 rounding on this model.

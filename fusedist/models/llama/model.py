@@ -201,9 +201,10 @@ class Transformer(torch.nn.Module):
             layer.input_norm.copy_(rd(p + "input_layernorm.weight"))
             layer.post_norm.copy_(rd(p + "post_attention_layernorm.weight"))
             m = p + "mlp."
-            layer.mlp.gate_up[:inter].copy_(rd(m + "gate_proj.weight", 0, r * inter, (r + 1) * inter))
-            layer.mlp.gate_up[inter:].copy_(rd(m + "up_proj.weight", 0, r * inter, (r + 1) * inter))
-            layer.mlp.down.copy_(rd(m + "down_proj.weight", 1, r * inter, (r + 1) * inter))
+            i0, i1 = r * inter, (r + 1) * inter
+            layer.mlp.gate_up[:inter].copy_(rd(m + "gate_proj.weight", 0, i0, i1))
+            layer.mlp.gate_up[inter:].copy_(rd(m + "up_proj.weight", 0, i0, i1))
+            layer.mlp.down.copy_(rd(m + "down_proj.weight", 1, i0, i1))
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         return self
