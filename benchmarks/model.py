@@ -8,7 +8,7 @@ Per row: prefill ms and model TFLOP/s per GPU, ms per decode step (step_ms: grap
 back to back; ms/token: the generate loop, sampling included), tokens/s, the speedup over
 torch, and the kernel-time breakdown of one step. Targets (one H200, TP 1): batch 1 <= 3.7 ms
 per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s. Writes
-results/model-<gpu>-w<tp>.{json,md} (FUSEDIST_RESULTS_DIR overrides the folder).
+results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results).
 """
 
 from __future__ import annotations
