@@ -127,6 +127,18 @@ def test_eos_stops_each_sequence(rt):
         assert row == ref[:cut]
 
 
+def test_kv_budget(rt):
+    cfg = LlamaConfig.named("tiny")
+    m = build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu")
+    per_page = m.kv_bytes_per_token() * 16
+    with pytest.raises(ValueError, match="KV budget.*raise the budget"):
+        Runner(m, max_batch=3, max_seq_len=64, kv_budget_bytes=15 * per_page)
+    r = Runner(m, max_batch=3, max_seq_len=64, kv_budget_bytes=20 * per_page)
+    assert r.num_pages == 20 and r.cache.num_pages == 20     # 4 rows x 4 pages needed
+    assert r.generate([[1, 2], [3], [4, 5, 6]], 5).ids == \
+        Runner(m, max_batch=3, max_seq_len=64).generate([[1, 2], [3], [4, 5, 6]], 5).ids
+
+
 def test_random_weights_consistent_per_shard():
     cfg = LlamaConfig.named("tiny")
     src = RandomWeights(cfg, seed=1)
