@@ -88,7 +88,7 @@ def assert_passed(p: subprocess.CompletedProcess, nproc: int) -> None:
     passed = p.stdout.count("all checks passed")
     assert p.returncode == 0 and passed == nproc, \
         f"exit {p.returncode}, {passed}/{nproc} ranks passed\n{p.stdout[-6000:]}"
-    # Checks that could not run on this tier (tests/dist/_harness.py prints "[skip] name
+    # Checks that could not run on this tier (tests/dist/_checks.py prints "[skip] name
     # (time): reason"): reported in pytest's warnings summary, never counted as passed.
     skipped = [line[len("[skip] "):] for line in p.stdout.splitlines()
                if line.startswith("[skip] ")]

@@ -1,6 +1,6 @@
 """Helpers shared by worker_runtime.py and worker_adopt.py: emulated nodes, an all-reduce
 check against a float64 reference, and failure gathering for workers that init() and
-shutdown() more than once (so they cannot use _harness.main)."""
+shutdown() more than once (so they cannot use _checks.main)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import fresh, rank_seed, record_failure  # noqa: E402
+from _checks import fresh, rank_seed, record_failure  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -62,7 +62,7 @@ def check_all_reduce(rt, group, ranks, seed, what) -> None:
 
 def step(failures: list, rank: int, name: str, fn) -> None:
     """Run one check; record its failure instead of raising (gathered later, and printed at
-    once: _harness.record_failure)."""
+    once: _checks.record_failure)."""
     t0 = time.time()
     try:
         fn()

@@ -10,7 +10,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
+from _checks import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
                       fresh, main, rank_seed, skip)
 
 import torch  # noqa: E402

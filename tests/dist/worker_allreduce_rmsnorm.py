@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (assert_identical_across_ranks, check, fresh, main, rank_seed,  # noqa: E402
+from _checks import (assert_identical_across_ranks, check, fresh, main, rank_seed,  # noqa: E402
                       skip)
 
 import torch  # noqa: E402

@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import check, fresh, main, rank_seed  # noqa: E402
+from _checks import check, fresh, main, rank_seed  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -11,7 +11,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "models"))
-from _harness import check, main  # noqa: E402
+from _checks import check, main  # noqa: E402
 
 import torch  # noqa: E402
 

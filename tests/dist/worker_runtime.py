@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import check, fresh, main, rank_seed  # noqa: E402
+from _checks import check, fresh, main, rank_seed  # noqa: E402
 from _runtime_util import (DTYPES, check_all_reduce, emulate_nodes, expected_groups,  # noqa: E402
                            gather_and_exit, seed, step)
 
