@@ -69,10 +69,27 @@ cpu_reference() {  # correctness of every op on the CPU path, 2 gloo processes
   ranks launchers/reference_check.py "$@"
 }
 
-# MAIN_JOB: the one line to change when the main job changes, e.g. to the model:
-#   MAIN_JOB=(ranks -m fusedist.generate)
-# (ranks = torchrun over $NPROC processes: the GPUs present, or 2 gloo processes on CPU;
-# quickstart's own arguments follow the job's).
-if (( NGPU > 0 )); then MAIN_JOB=(gpu_kernels); else MAIN_JOB=(cpu_reference); fi
+model_decode() {  # the main job: tensor-parallel decode of a Llama-family model beside plain torch
+  # GPU host: the Llama-3-8B shape with random weights, TP = the GPUs present. CPU machine: the
+  # tiny configuration at TP 2 over gloo (the reference path: correctness, not speed).
+  if (( NGPU > 0 )); then
+    echo "== Llama-3-8B shape (random weights), TP $NPROC, decode beside plain torch + NCCL"
+    ranks -m fusedist.generate --config llama-3-8b --random-weights --baseline torch \
+      --context-fill 4000 --profile "$@"
+  else
+    echo "== tiny Llama (random weights), TP 2 over gloo: fusedist's CPU reference path beside torch"
+    ranks -m fusedist.generate --device cpu "$@"
+  fi
+}
+
+# MAIN_JOB: the one line to change when the main job changes. ranks = torchrun over $NPROC
+# processes (the GPUs present, or 2 gloo processes on CPU); quickstart's arguments follow it.
+# `FUSEDIST_QUICKSTART=kernels` runs the single-GPU kernels beside their baselines instead
+# (CPU: `reference` checks every op against float64).
+case ${FUSEDIST_QUICKSTART:-model} in
+  kernels) MAIN_JOB=(gpu_kernels) ;;
+  reference) MAIN_JOB=(cpu_reference) ;;
+  *) MAIN_JOB=(model_decode) ;;
+esac
 "${MAIN_JOB[@]}" "$@"
 echo "== quickstart done in $((SECONDS - t_start)) s (benchmark results, if any: $FUSEDIST_RESULTS_DIR)"
