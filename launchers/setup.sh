@@ -172,5 +172,11 @@ fd_build() {  # compile every CUDA source and install fusedist with its _C (incr
     fd_die "the build of fusedist._C failed (above; the whole log is $log)"
   fi
   grep -E "warning|spill" "$log" | grep -v "Wunknown-pragmas" | sort -u | head -20 || true
+  # The extension also goes beside the sources: a process whose sys.path starts at this
+  # checkout (torchrun's workers, benchmarks that import from the tree) imports ./fusedist.
+  local so
+  so=$(cd / && "$PY" -c "import fusedist._C as c; print(c.__file__)") || \
+    fd_die "the build finished but fusedist._C does not import (log: $log)"
+  cp -f "$so" fusedist/
   echo "   built in $((SECONDS - t0)) s"
 }

@@ -8,12 +8,16 @@ determinism. The planner rule and the argument checks run on the CPU."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from fusedist.ops import _attention_decode as ad
-from tests.tolerances import GEMM_REL
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tolerances import GEMM_REL  # noqa: E402
+
+from fusedist.ops import _attention_decode as ad  # noqa: E402
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
