@@ -927,5 +927,29 @@ def bad_inputs(rt, seed):
             raise AssertionError(f"no {exc.__name__} for {match!r}")
 
 
+@check
+def cpu_mismatched_shards_raise(rt, seed):
+    """CPU path: ranks calling ag_gemm / gemm_rs with shards of different sizes get
+    CollectiveMismatchError on every rank, naming every rank's call, before gloo sees the call
+    (gloo aborts the process on a size mismatch); the communicator stays usable."""
+    if rt.device.type != "cpu" or rt.tp.size < 2:
+        skip("the CPU path's check, on 2 or more ranks")
+    me, W = rt.tp.rank, rt.tp.size
+    w = torch.randn(8, 4)
+    for op, fn, what in (
+            ("ag_gemm", lambda: fusedist.ag_gemm(torch.randn(2 + me, 8), w), "all_gather"),
+            ("gemm_rs", lambda: fusedist.gemm_rs(torch.randn(W * (1 + me), 8), w),
+             "reduce_scatter")):
+        try:
+            fn()
+        except fusedist.CollectiveMismatchError as e:
+            assert f"called {what} of" in str(e), (op, str(e))
+        else:
+            raise AssertionError(f"{op}: no CollectiveMismatchError for shards of different sizes")
+    x = torch.randn(W * 2, 8, generator=torch.Generator().manual_seed(seed))
+    out = fusedist.gemm_rs(x, w)
+    assert out.shape == (2, 4), f"after a mismatch: gemm_rs gave {tuple(out.shape)}"
+
+
 if __name__ == "__main__":
     main()

@@ -47,6 +47,7 @@ def _ar(call: Call) -> torch.Tensor:
 
 def _ag_cpu(call: Call) -> torch.Tensor:
     comm, x_shard = call.comm, call.x
+    comm.check_same_call("all_gather", x_shard)
     parts = [torch.empty_like(x_shard, dtype=torch.float32) for _ in range(call.world)]
     torch.distributed.all_gather(parts, x_shard.float(), group=comm.group.pg)
     ref = torch.cat(parts) @ call.w.float()
@@ -59,6 +60,7 @@ def _rs_cpu(call: Call) -> torch.Tensor:
     comm = call.comm
     m, n = call.out.shape
     part = call.x.float() @ call.w.float()
+    comm.check_same_call("reduce_scatter", part)
     # gloo lacks reduce_scatter: all_reduce, then this rank's block.
     torch.distributed.all_reduce(part, group=comm.group.pg)
     r = comm.group.rank
