@@ -36,7 +36,7 @@ REPS = 15     # timed replays (median)
 D = 128
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
-# (q_heads, kv_heads, batch, context): the table
+# (q_heads, kv_heads, batch, context): the headline shapes (Llama-3-8B at TP 1 and TP 2)
 HEADLINE = [(16, 4, 1, 4096), (16, 4, 1, 32768), (16, 4, 16, 4096), (16, 4, 64, 4096),
             (32, 8, 1, 4096), (32, 8, 1, 32768), (32, 8, 64, 8192)]
 # Targets: (q, kv, B, ctx) -> ("us" upper bound | "TB/s" lower bound, value)

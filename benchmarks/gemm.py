@@ -18,7 +18,7 @@ max(--ms) rows, so below that the sm90 GEMMs read whole tiles of rows
 tile on a copy of x[:M] (its last tile's loads run past the end); sm90_narrow_pad, x copied
 into zero rows to a whole tile, both copies included.
 
-    python3 benchmarks/gemm.py            # results: benchmarks/results/gemm-<gpu>.*
+    python3 benchmarks/gemm.py            # results: benchmarks/results/<gpu>-w1/gemm.*
     python3 benchmarks/gemm.py --shapes llama --write-rules   # the Llama sweep -> rule data
 
 --shapes llama sweeps the projections of Llama-3-8B and -70B at tensor-parallel sizes 1, 2, 4

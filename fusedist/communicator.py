@@ -203,8 +203,9 @@ class Communicator:
             self.symm.check()
 
     def check(self) -> None:
-        """Raise if a symmetric kernel recorded a timeout (cheap host read; call after a sync
-        or between graph replays to surface a dead peer)."""
+        """Raise if a symmetric kernel recorded a timeout or a mismatched call (cheap host read;
+        call after a sync or between graph replays to surface a dead peer or a desynchronised
+        rank)."""
         self.check_open()
 
     # ---- all-reduce ------------------------------------------------------------------

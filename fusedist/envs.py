@@ -3,7 +3,7 @@
 Every FUSEDIST_* variable the library reads is declared here once: its type, default, when it
 is read and what it does. Library code reads them through :func:`get`, which parses the value
 and raises a ValueError naming the variable and the accepted values when it is malformed.
-The README's environment table is generated from this registry:
+The environment table of docs/configuration.md is generated from this registry:
 
     python -m fusedist.envs --markdown
 
@@ -68,8 +68,8 @@ _register(
         "(one-shot -> two-shot -> NCCL) still apply. Rank 0's value is used on every rank.",
         choices=("auto", "one_shot", "two_shot", "nccl")),
     Var("FUSEDIST_TUNING_FILE", "path", None, "when a Communicator is created",
-        "JSON dispatch table, used before the cache and the shipped default. A path that is not "
-        "a file raises ValueError.", default_doc="unset"),
+        "JSON dispatch table, merged per section over the --tune cache and the shipped default. "
+        "A path that is not a file raises ValueError.", default_doc="unset"),
     Var("FUSEDIST_NCCL", "choice", "nccl4py", "when a Communicator is created",
         "`nccl4py`, or `torch` for torch.distributed's NCCL.", choices=("nccl4py", "torch")),
     Var("FUSEDIST_PDL", "bool", True, "once per process, by the extension's first launch",
@@ -142,7 +142,7 @@ def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def markdown() -> str:
-    """The README's environment table."""
+    """The environment table of docs/configuration.md."""
     rows = ["| variable | effect | read | default |", "|---|---|---|---|"]
     for v in VARS.values():
         if v.default_doc:

@@ -1,7 +1,7 @@
 """All-reduce algorithm choice per (bytes, world size, dtype, peer access).
 
 The table maps a world size to ascending byte thresholds: the first rule whose `max_bytes`
-is >= the message size names the algorithm. Sources, first match wins:
+is >= the message size names the algorithm. Sources, highest priority first:
   1. FUSEDIST_ALLREDUCE_ALGO=one_shot|two_shot|nccl forces one algorithm (auto = the table);
   2. FUSEDIST_TUNING_FILE=path.json;
   3. the cache written by `python benchmarks/allreduce.py --tune`

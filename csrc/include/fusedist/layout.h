@@ -9,7 +9,8 @@
 //                                                  two-shot: rank s's share of MY chunk
 //     gather, at world * slot_bytes               two-shot: reduced chunks from their owners
 //     call descriptors, the last kDescBytes       16 bytes per source rank s: what rank s
-//                                                  called (op, dtype, size; signals.cuh)
+//                                                  called (op, dtype, size: desc_word below;
+//                                                  exchanged in symmetric.cuh)
 //
 // Writers: rank s writes only slot s (and descriptor s) of a peer's generation (and owners
 // write the gather region at their own chunk's offsets). Readers: only the owning rank reads
@@ -38,7 +39,7 @@ struct ErrorRecord {
   uint32_t epoch;       // the communicator call index (modulo kEpochPeriod)
   uint32_t op;          // OpCode of the kernel
   uint32_t pad[3];
-  uint32_t mine[4];     // kErrMismatch: this rank's call descriptor (signals.cuh)
+  uint32_t mine[4];     // kErrMismatch: this rank's call descriptor (desc_word)
   uint32_t theirs[4];   // kErrMismatch: the peer's call descriptor
 };
 constexpr uint32_t kErrTimeout = 1;
