@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import _harness as H  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
+import _harness as H  # noqa: E402
 from fusedist.ops import _attention_decode as ad  # noqa: E402
 
 OPS = 20      # calls per captured graph

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import _harness as H  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
+import _harness as H  # noqa: E402
 from fusedist.ops import attention as A  # noqa: E402
 
 OPS, REPS = 20, 15

@@ -13,7 +13,7 @@ model (tuning.wave_row_bounds / wave_col_split):
   gemm_rs, W = 2, m rows per block: [peers c0][peers c1][own c0][own c1] with even chunks
   against the model's.
 
-    python3 benchmarks/gemm_waves.py            # results: benchmarks/results/gemm_waves-*
+    python3 benchmarks/gemm_waves.py            # results: benchmarks/results/<gpu>-w1/gemm_waves.*
 """
 
 from __future__ import annotations

@@ -377,12 +377,29 @@ def gemm_rules(table: dict) -> list:
     return rules
 
 
+_gemm_index: dict = {}   # id(rules list) -> (rules list, {(k, n, layout, dtype): [(lo, hi, kernel)]})
+
+
+def _gemm_rule_index(table: dict) -> dict:
+    """The table's GEMM rules checked once and indexed by shape (a per-call lookup: eager
+    decode asks for every GEMM of every layer)."""
+    rules = table.get("gemm", {}).get("rules", [])
+    hit = _gemm_index.get(id(rules))
+    if hit is not None and hit[0] is rules:
+        return hit[1]
+    index: dict = {}
+    for r in gemm_rules(table):
+        index.setdefault((r["k"], r["n"], r["layout"], r["dtype"]), []).append(
+            (r["m"][0], r["m"][1], r["kernel"]))
+    _gemm_index[id(rules)] = (rules, index)
+    return index
+
+
 def choose_gemm_kernel(table: dict, m: int, k: int, n: int, layout: str, dtype: str) -> str:
     """The kernel of the first rule covering (m, k, n, layout, dtype), else "torch"."""
-    for r in gemm_rules(table):
-        if r["k"] == k and r["n"] == n and r["layout"] == layout and r["dtype"] == dtype and \
-                r["m"][0] <= m <= r["m"][1]:
-            return r["kernel"]
+    for lo, hi, kernel in _gemm_rule_index(table).get((k, n, layout, dtype), ()):
+        if lo <= m <= hi:
+            return kernel
     return "torch"
 
 

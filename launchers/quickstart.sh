@@ -34,6 +34,7 @@ if (( NGPU > 0 )); then
   fd_nccl4py
   [[ ${FUSEDIST_BUILD:-1} == 0 ]] || fd_build
   RUN=("$PY" -P)                        # the installed fusedist, with its _C
+  export PYTHONSAFEPATH=1               # torchrun's `-m` workers too (not ./fusedist)
 else
   echo "== CPU reference path: not building fusedist._C (it imports without it)"
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUDA_VISIBLE_DEVICES=""

@@ -172,8 +172,9 @@ fd_build() {  # compile every CUDA source and install fusedist with its _C (incr
     fd_die "the build of fusedist._C failed (above; the whole log is $log)"
   fi
   grep -E "warning|spill" "$log" | grep -v "Wunknown-pragmas" | sort -u | head -20 || true
-  # The extension also goes beside the sources: a process whose sys.path starts at this
-  # checkout (torchrun's workers, benchmarks that import from the tree) imports ./fusedist.
+  # The extension also goes beside the sources, for processes whose sys.path starts at this
+  # checkout (e.g. `torchrun -m fusedist.generate` run from here without PYTHONSAFEPATH=1);
+  # every fd_build refreshes it, a build by other means leaves it stale.
   local so
   so=$(cd / && "$PY" -c "import fusedist._C as c; print(c.__file__)") || \
     fd_die "the build finished but fusedist._C does not import (log: $log)"

@@ -32,13 +32,14 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .. import _ext
+from .. import _align, _ext
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
@@ -221,6 +222,19 @@ def _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
                       f"{k_cache.device}")
 
 
+_warned: set = set()
+
+
+def _warn_reference(op: str, why: str) -> None:
+    """Once per process and reason: CUDA tensors are taking the plain-torch reference path
+    (correct, but far slower than the kernel)."""
+    if (op, why) in _warned:
+        return
+    _warned.add((op, why))
+    warnings.warn(f"fusedist.{op}: CUDA tensors run the plain-torch reference path ({why})",
+                  RuntimeWarning, stacklevel=4)
+
+
 def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
     """The shapes csrc/ops/attention/rope_append.cu serves; others take the plain-torch path."""
     if q.device.type != "cuda" or not _ext.available() or not hasattr(_ext.load(),
@@ -228,8 +242,8 @@ def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
         return False
     D = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
-            and cos_sin.shape[1] % 16 == 0 and cos_sin.data_ptr() % 16 == 0
-            and k_cache.data_ptr() % 16 == 0 and all(_rows_ok(t) for t in (q, k, v))
+            and cos_sin.shape[1] % 16 == 0 and _align.is_aligned(cos_sin)
+            and _align.is_aligned(k_cache) and all(_rows_ok(t) for t in (q, k, v))
             and positions.is_contiguous() and slot_mapping.is_contiguous())
 
 
@@ -237,7 +251,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
     """[T, H, D] with contiguous heads at a 16-byte aligned token stride (a contiguous tensor
     or a slice of a fused QKV output)."""
     return (t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
-            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
+            and _align.whole_vectors(t.stride(0) * t.element_size()) and _align.is_aligned(t))
 
 
 def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
@@ -263,6 +277,10 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         a.dtype, a.cache_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
         C.rope_append(a, torch.cuda.current_stream(q.device).cuda_stream)
         return
+    if q.device.type == "cuda":
+        _warn_reference("rope_append", "fusedist._C without the rope_append kernel"
+                        if not _ext.available() or not hasattr(_ext.load(), "rope_append") else
+                        "a dtype, head_dim, layout or alignment the kernel does not serve")
     rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                           style=style, k_scale=k_scale, v_scale=v_scale)
 
@@ -509,6 +527,9 @@ def _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale
             _decode_module().run_decode(plan.impl, q, k_cache, v_cache, block_table, seq_lens,
                                         out=out, scale=scale, k_scale=k_scale, v_scale=v_scale)
             return
+        _warn_reference("decode", "fusedist._C without the decode kernel"
+                        if _decode_module() is None else
+                        "a head_dim, page size or dtype the decode kernel does not serve")
     decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out,
                      k_scale=k_scale, v_scale=v_scale)
 

@@ -16,9 +16,9 @@ x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stre
     are zero-filled by the TMA unit, and that costs up to 1.7x at M = 1 (docs/design/gemm.md).
     accumulate=True adds into out (out += x @ w: the epilogue reads out, one rounding).
   * "auto": auto_kernel() below: "decode" or "sm90" only in the regions of the tuning
-    table's "gemm" rules (fusedist/tuning_default.json: shapes where that kernel beat
-    torch.matmul in a same-run measurement, benchmarks/gemm.py --write-rules), torch.matmul
-    everywhere else.
+    table's "gemm" rules (fusedist/tuning_default.json: M ranges spanning consecutive
+    measured M where that kernel beat torch.matmul in every round of a same-run measurement,
+    benchmarks/gemm.py --write-rules), torch.matmul everywhere else.
 CPU tensors take reference() (plain torch, fp32 accumulation, rounded once); M = 0 returns the
 empty output. These show what fusedist's GEMMs cost next to torch.matmul (benchmarks/gemm.py, and
 benchmarks/gemm_comm.py at the GEMM + collective shapes).
