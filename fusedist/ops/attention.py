@@ -400,6 +400,16 @@ class DecodePlan:
     impl: Any = None            # the kernel's plan (fusedist.ops._attention_decode), or None
     plan_id: int = field(default=-1)
 
+    def close(self) -> None:
+        """Release the workspace: the plan leaves the registry torch.ops.fusedist calls find it
+        in (plans are kept until closed). Never close a plan a captured graph still replays."""
+        _plans.pop(self.plan_id, None)
+        self.impl = None
+
+    @property
+    def closed(self) -> bool:
+        return self.plan_id < 0 or self.plan_id not in _plans
+
     @property
     def max_pages(self) -> int:
         return -(-self.max_seq_len // self.page_size)
@@ -502,6 +512,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       f"{plan.kv_dtype}) does not fit this call (batch {B}, heads {Hq}/{Hkv}, "
                       f"head_dim {D}, page_size {ps}, {q.dtype}/{k_cache.dtype}); make a plan "
                       "for this shape")
+    if plan is not None and plan.closed:
+        _fail(op, "plan was closed (DecodePlan.close()); make a new one with decode_plan()")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pid = -1 if plan is None else plan.plan_id
     if torch.compiler.is_compiling():
@@ -574,6 +586,9 @@ def _decode_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cach
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                plan_id: int) -> None:
     plan = _plans.get(plan_id) if plan_id >= 0 else None
+    if plan_id >= 0 and plan is None:
+        _fail("decode", f"plan {plan_id} was closed (DecodePlan.close()); make a new one with "
+              "decode_plan()")
     _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, plan)
 
 
