@@ -53,3 +53,13 @@ def test_worker_output_is_logged_as_it_runs(tmp_path, monkeypatch):
     assert p.stdout == "plain\n" and len(list(tmp_path.iterdir())) == 2
     with pytest.raises(AssertionError, match=r"timed out after 2s\n\[ok\] first"):
         launch._run(slow, launch._env(None), 2)
+
+
+def test_a_check_skipped_on_some_ranks_only_fails_the_worker():
+    """tests/dist/worker_checks_selftest.py: rank 1 skips a check rank 0 runs; the harness must
+    report it as a failure on every rank (a skip is never a pass, and the ranks disagree)."""
+    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert p.returncode != 0, p.stdout[-3000:]
+    assert "skipped_on_rank_1_only: skipped on some ranks only (rank 0 ok, rank 1 skip)" \
+        in p.stdout, p.stdout[-3000:]
+    assert "all checks passed" not in p.stdout

@@ -132,9 +132,17 @@ def main(select: str | None = None) -> None:
         counts = {k: sum(1 for _, s in statuses if s == k) for k in ("ok", "skip", "FAIL")}
         print(f"checks: {counts['ok']} ok, {counts['skip']} skipped, {counts['FAIL']} failed",
               flush=True)
-    all_failures = rt.world.all_gather_object(failures)
+    gathered = rt.world.all_gather_object((failures, statuses))
     fusedist.shutdown()
-    flat = [f for fs in all_failures for f in fs]
+    flat = [f for fs, _ in gathered for f in fs]
+    # A check skipped on some ranks and run on others is a failure: the ranks disagree on
+    # what this tier can run (and a collective inside it had no peer on the skipping ranks).
+    for i, (name, _) in enumerate(statuses):
+        seen = {st[i][1] for _, st in gathered}
+        if "skip" in seen and len(seen) > 1:
+            flat.append(f"{name}: skipped on some ranks only ("
+                        + ", ".join(f"rank {r} {st[i][1]}" for r, (_, st) in enumerate(gathered))
+                        + ")")
     if flat:
         if rt.rank == 0:
             # Short first (the launcher keeps only the tail), tracebacks after.

@@ -1,0 +1,28 @@
+"""The worker harness itself (tests/dist/_checks.py), on 2 CPU ranks: a check that one rank
+skips and another runs must fail the worker, not pass as half-skipped.
+
+    CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 tests/dist/worker_checks_selftest.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checks import check, main, skip  # noqa: E402
+
+
+@check
+def runs_everywhere(rt, seed):
+    pass
+
+
+@check
+def skipped_on_rank_1_only(rt, seed):
+    if rt.rank == 1:
+        skip("this rank thinks it cannot run it")
+
+
+if __name__ == "__main__":
+    main()
