@@ -4,6 +4,7 @@
     rt = fusedist.init()                      # torchrun / mpirun / srun / explicit
     y = fusedist.all_reduce(x)                # over the tensor-parallel group
     normed, res = fusedist.all_reduce_add_rmsnorm(x, res, w, 1e-6)
+    normed, res = fusedist.add_rmsnorm(x, res, w, 1e-6)   # one GPU: res += x in place, then norm
     fusedist.shutdown()
 
 Importing fusedist needs neither a GPU, nor libnccl, nor the compiled extension: CPU
@@ -17,7 +18,8 @@ from .errors import (CollectiveMismatchError, CommunicatorClosedError, Communica
                      NotInitializedError, PeerAccessError)
 from .groups import Group
 from .launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
-from .ops import ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar, gemm_rs
+from .ops import (add_rmsnorm, ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar,
+                  gemm_rs, rmsnorm, silu_mul)
 from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .streams import AsyncHandle, comm_stream
 from .topology import Topology
@@ -25,7 +27,8 @@ from .topology import Topology
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
     "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
-    "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "AsyncHandle",
+    "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "add_rmsnorm", "rmsnorm",
+    "silu_mul", "AsyncHandle",
     "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",

@@ -9,6 +9,7 @@ void register_gemm_comm(py::module_& m);
 void register_gemm(py::module_& m);
 void register_attention(py::module_& m);
 void register_rope(py::module_& m);
+void register_layers(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
@@ -18,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   register_gemm(m);
   register_attention(m);
   register_rope(m);
+  register_layers(m);
 }

@@ -1,0 +1,41 @@
+// fusedist/layers/api.h -- host entry points of the single-GPU layer kernels: residual add +
+// RMSNorm (add_rmsnorm.cuh) and SiLU-and-multiply (silu_mul.cuh). No torch: pointers are
+// device addresses as integers, strides are in elements; the launchers validate and throw
+// std::invalid_argument naming the argument.
+#pragma once
+#include <cstdint>
+
+#include "fusedist/common.h"
+
+namespace fusedist {
+
+// Widest row add_rmsnorm holds in registers, in 16-byte vectors: hidden <= 32768 for
+// bf16/fp16, <= 16384 for fp32 (fusedist/ops/add_rmsnorm.py keeps the same number).
+constexpr int kAddRmsNormMaxVectors = 4096;
+
+// h = x + residual (rounded to dtype) written back into residual; out = rmsnorm(h) * weight.
+// residual = 0: plain RMSNorm of x (nothing written but out). out may be x itself.
+struct AddRmsNormArgs {
+  uintptr_t x = 0, residual = 0, weight = 0, out = 0;
+  int64_t tokens = 0;
+  int hidden = 0;
+  int64_t x_stride = 0, residual_stride = 0, out_stride = 0;  // elements between rows
+  float eps = 1e-6f;
+  DType dtype = DType::kBFloat16;
+  int vectors_per_thread = 0;  // 0: the launcher's choice; 1, 2, 4 or 8 (benchmarks sweep it)
+};
+
+void add_rmsnorm(const AddRmsNormArgs& args, uintptr_t stream);
+
+// out[t, :] = silu(gate_up[t, :inter]) * gate_up[t, inter:], fp32 math, one rounding.
+struct SiluMulArgs {
+  uintptr_t gate_up = 0, out = 0;
+  int64_t tokens = 0;
+  int inter = 0;
+  int64_t in_stride = 0, out_stride = 0;  // elements between rows
+  DType dtype = DType::kBFloat16;
+};
+
+void silu_mul(const SiluMulArgs& args, uintptr_t stream);
+
+}  // namespace fusedist

@@ -1,0 +1,56 @@
+// Launcher of the SiLU-and-multiply kernel (csrc/include/fusedist/layers/silu_mul.cuh):
+// validates, picks the dtype and launches (programmatic dependent launch, launch.h).
+#include <algorithm>
+#include <string>
+
+#include "fusedist/launch.h"
+#include "fusedist/layers/api.h"
+#include "fusedist/layers/silu_mul.cuh"
+
+namespace fusedist {
+namespace {
+
+template <typename T>
+void launch(const layers::SiluMulParams& p, cudaStream_t s) {
+  const int col_blocks = (p.inter_vectors + layers::kSiluMulThreads - 1) / layers::kSiluMulThreads;
+  const dim3 grid(unsigned(col_blocks),
+                  unsigned(std::min<int64_t>(p.tokens, layers::kSiluMulMaxRowBlocks)));
+  launch_kernel("silu_mul_kernel", layers::silu_mul_kernel<T>, grid,
+                dim3(layers::kSiluMulThreads), s, p);
+}
+
+}  // namespace
+
+void silu_mul(const SiluMulArgs& a, uintptr_t stream) {
+  const std::string w = "silu_mul: ";
+  FUSEDIST_CHECK_ARG(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 ||
+                         a.dtype == DType::kBFloat16,
+                     w + "dtype must be float32, float16 or bfloat16, got " + dtype_name(a.dtype));
+  const int per = 16 / dtype_size(a.dtype);
+  FUSEDIST_CHECK_ARG(a.inter > 0 && a.inter % 8 == 0,
+                     w + "the intermediate size (half of gate_up's last dimension) must be a "
+                         "positive multiple of 8, got " + std::to_string(a.inter));
+  FUSEDIST_CHECK_ARG(a.tokens >= 0, w + "tokens must be >= 0");
+  FUSEDIST_CHECK_ARG(a.gate_up && a.out, w + "gate_up and out must be non-null");
+  FUSEDIST_CHECK_ARG(a.gate_up % 16 == 0 && a.out % 16 == 0,
+                     w + "gate_up and out must be 16-byte aligned");
+  FUSEDIST_CHECK_ARG(a.in_stride % per == 0 && a.out_stride % per == 0 &&
+                         a.in_stride >= 2 * int64_t(a.inter) && a.out_stride >= a.inter,
+                     w + "row strides must be whole 16-byte vectors of at least a row");
+  if (a.tokens == 0) return;
+  layers::SiluMulParams p{};
+  p.gate_up = reinterpret_cast<const Vec16*>(a.gate_up);
+  p.out = reinterpret_cast<Vec16*>(a.out);
+  p.tokens = a.tokens;
+  p.inter_vectors = a.inter / per;
+  p.in_stride = a.in_stride / per;
+  p.out_stride = a.out_stride / per;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  switch (a.dtype) {
+    case DType::kFloat32: launch<float>(p, s); break;
+    case DType::kFloat16: launch<__half>(p, s); break;
+    default: launch<__nv_bfloat16>(p, s); break;
+  }
+}
+
+}  // namespace fusedist

@@ -1,0 +1,191 @@
+"""add_rmsnorm: a transformer block's residual add and RMSNorm in one single-GPU kernel.
+
+    normed, residual = fusedist.add_rmsnorm(x, residual, weight, eps)   # residual <- x + residual
+    normed, x = fusedist.add_rmsnorm(x, None, weight, eps)              # plain RMSNorm (h = x)
+    normed = fusedist.rmsnorm(x, weight, eps)                           # the same, normed only
+
+h = x + residual is computed in x's dtype (an fp32 add rounded once: what `x + residual` gives
+in torch) and written into `residual` IN PLACE; the second result is that same tensor (as
+vLLM's fused_add_rms_norm, this saves an allocation and a write). normed = h * rsqrt(mean(h^2)
++ eps) * weight in fp32, rounded once (F.rms_norm's result on h), into `out` (a new tensor when
+None; out may be x itself, never residual). Without a residual, h = x: nothing but normed is
+written, and the second result is x, the residual stream the block starts from.
+
+x, residual: [..., hidden] of float32 / float16 / bfloat16, hidden a multiple of 8 (16-byte
+vectors) up to MAX_HIDDEN[dtype]; weight: [hidden] of x's dtype. CPU tensors take the
+plain-torch reference (fp32 math, the same roundings); CUDA tensors the kernel of
+csrc/ops/layers/add_rmsnorm.cu (one block per row, the row in registers, no host sync: CUDA
+graphs capture it). Also torch.ops.fusedist.add_rmsnorm (torch.compile(fullgraph=True)).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _align, _dtypes, _ext
+from .allreduce_rmsnorm import rmsnorm_reference
+from .attention import _warn_reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The widest row the kernel holds in registers: 4096 16-byte vectors (csrc/include/fusedist/
+# layers/api.h kAddRmsNormMaxVectors, exported as fusedist._C.ADD_RMSNORM_MAX_VECTORS).
+MAX_VECTORS = 4096
+MAX_HIDDEN = {dt: MAX_VECTORS * 16 // dt.itemsize for dt in DTYPES}
+
+
+def _fail(msg: str):
+    raise ValueError(f"fusedist.add_rmsnorm: {msg}")
+
+
+def add_rmsnorm_reference(x: torch.Tensor, residual: Optional[torch.Tensor],
+                          weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch, new tensors: (normed, h) with h = x + residual in x's dtype (x itself
+    without a residual) and normed = rmsnorm(h) in fp32, rounded once."""
+    h = x if residual is None else x + residual
+    return rmsnorm_reference(h, weight, eps)[0], h
+
+
+def _validate(x, residual, weight, eps, out) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        _fail(f"x must be a tensor [..., hidden], got {type(x).__name__}"
+              f"{'' if not isinstance(x, torch.Tensor) else ' ' + str(tuple(x.shape))}")
+    if x.dtype not in DTYPES:
+        _fail(f"x has dtype {x.dtype}; use float32, float16 or bfloat16")
+    hidden = x.shape[-1]
+    if hidden <= 0 or hidden % 8:
+        _fail(f"hidden (x's last dimension) must be a positive multiple of 8 (16-byte vectors), "
+              f"got {hidden}; pad the feature dimension")
+    if hidden > MAX_HIDDEN[x.dtype]:
+        _fail(f"hidden {hidden} exceeds {MAX_HIDDEN[x.dtype]}, the widest {x.dtype} row the "
+              "kernel holds in registers; use torch (F.rms_norm) for wider rows")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
+                                 residual.device != x.device):
+        _fail(f"residual is {tuple(residual.shape)} {residual.dtype} on {residual.device}; it "
+              f"must match x ({tuple(x.shape)} {x.dtype} on {x.device})")
+    if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.device != x.device:
+        _fail(f"weight must be [{hidden}] {x.dtype} on {x.device}, got {tuple(weight.shape)} "
+              f"{weight.dtype} on {weight.device}")
+    if not isinstance(eps, float) or not eps > 0 or eps == float("inf"):
+        _fail(f"eps must be a positive finite float, got {eps!r}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or
+                            out.device != x.device):
+        _fail(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} "
+              f"{out.dtype} on {out.device}")
+
+
+def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                eps: float = 1e-6, *, out: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new residual): residual updated in place to x + residual (and returned), or
+    (normed, x) when residual is None. See the module docstring."""
+    _validate(x, residual, weight, eps, out)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if torch.compiler.is_compiling():
+        torch.ops.fusedist.add_rmsnorm(out, x, residual, weight, eps)
+    else:
+        _add_rmsnorm_impl(out, x, residual, weight, eps)
+    return out, (x if residual is None else residual)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """rmsnorm(x) * weight (fp32 math, one rounding): add_rmsnorm without a residual."""
+    return add_rmsnorm(x, None, weight, eps, out=out)[0]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses t's elements can occupy."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_aliases(out, x, residual) -> None:
+    same_as_x = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+    if residual is not None and _overlap(out, residual):
+        _fail("out overlaps residual (both are written); pass another out")
+    if _overlap(out, x) and (residual is None or not same_as_x):
+        _fail("out overlaps x: out may be x itself only when a residual is given (without one, "
+              "x is the returned residual stream); pass another out")
+    if residual is not None and _overlap(residual, x) and not (
+            residual.data_ptr() == x.data_ptr() and residual.stride() == x.stride()):
+        _fail("residual partially overlaps x; pass separate tensors")
+
+
+def _kernel_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "add_rmsnorm")
+
+
+def _rows(t: torch.Tensor, hidden: int) -> Optional[torch.Tensor]:
+    """t as a [T, hidden] view the kernel can address (unit feature stride, a 16-byte aligned
+    start and row stride), or None."""
+    v = t if t.dim() == 2 else (t.view(-1, hidden) if t.is_contiguous() else None)
+    if v is None or v.stride(1) != 1 or not _align.is_aligned(v) or \
+            not _align.whole_vectors(v.stride(0) * v.element_size()):
+        return None
+    return v
+
+
+def _packed(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """A fresh contiguous [T, hidden] copy of t (fresh allocations are 16-byte aligned)."""
+    return t.reshape(-1, hidden).clone(memory_format=torch.contiguous_format)
+
+
+def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0) -> None:
+    if x.numel() == 0:
+        return
+    _check_aliases(out, x, residual)
+    if not _kernel_ok(x):
+        if x.device.type == "cuda":
+            _warn_reference("add_rmsnorm", "fusedist._C without the add_rmsnorm kernel")
+        normed, h = add_rmsnorm_reference(x, residual, weight, eps)
+        if residual is not None:
+            residual.copy_(h)
+        out.copy_(normed)
+        return
+    hidden = x.shape[-1]
+    xs = _rows(x, hidden)
+    if xs is None:   # an input: an aligned contiguous copy
+        xs = _packed(x, hidden)
+    rs = None if residual is None else _rows(residual, hidden)
+    r_copy = residual is not None and rs is None
+    if r_copy:       # written in place: work on a copy, then copy back
+        rs = _packed(residual, hidden)
+    o2 = _rows(out, hidden)
+    o_copy = o2 is None
+    if o_copy:
+        o2 = torch.empty((xs.shape[0], hidden), dtype=x.dtype, device=x.device)
+    w = weight if weight.is_contiguous() and _align.is_aligned(weight) else \
+        _packed(weight, hidden)[0]
+    C = _ext.load()
+    a = C.AddRmsNormArgs()
+    a.x, a.weight, a.out = xs.data_ptr(), w.data_ptr(), o2.data_ptr()
+    a.x_stride, a.out_stride = xs.stride(0), o2.stride(0)
+    if rs is not None:
+        a.residual, a.residual_stride = rs.data_ptr(), rs.stride(0)
+    a.tokens, a.hidden, a.eps = xs.shape[0], hidden, eps
+    a.dtype = _dtypes.code(x.dtype)
+    a.vectors_per_thread = vectors_per_thread
+    C.add_rmsnorm(a, torch.cuda.current_stream(x.device).cuda_stream)
+    if r_copy:
+        residual.copy_(rs.view(residual.shape))
+    if o_copy:
+        out.copy_(o2.view(out.shape))
+
+
+@torch.library.custom_op("fusedist::add_rmsnorm", mutates_args=("out", "residual"))
+def _add_rmsnorm_op(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                    weight: torch.Tensor, eps: float) -> None:
+    _add_rmsnorm_impl(out, x, residual, weight, eps)
+
+
+@_add_rmsnorm_op.register_fake
+def _(out, x, residual, weight, eps):
+    return None

@@ -1,0 +1,120 @@
+"""silu_mul: the SwiGLU activation on a fused gate|up GEMM output, one single-GPU kernel.
+
+    y = fusedist.silu_mul(gate_up)             # gate_up [..., 2 I] -> y [..., I]
+    fusedist.silu_mul(gate_up, out=y)
+
+y = silu(gate_up[..., :I]) * gate_up[..., I:] with silu(g) = g / (1 + exp(-g)), in fp32,
+rounded once to gate_up's dtype (the torch composite F.silu(g) * u rounds silu(g) first; the
+two agree to about one ulp). float32 / float16 / bfloat16, I a multiple of 8 (16-byte
+vectors). CPU tensors take the plain-torch reference; CUDA tensors the kernel of
+csrc/ops/layers/silu_mul.cu (no host sync: CUDA graphs capture it). Also
+torch.ops.fusedist.silu_mul (torch.compile(fullgraph=True)).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import _align, _dtypes, _ext
+from .add_rmsnorm import _overlap
+from .attention import _warn_reference
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _fail(msg: str):
+    raise ValueError(f"fusedist.silu_mul: {msg}")
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """Plain torch: fp32 silu(g) * u, rounded once to gate_up's dtype."""
+    inter = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :inter].float(), gate_up[..., inter:].float()
+    return (F.silu(g) * u).to(gate_up.dtype)
+
+
+def _validate(gate_up, out) -> None:
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() < 1:
+        _fail(f"gate_up must be a tensor [..., 2 * intermediate], got "
+              f"{type(gate_up).__name__}")
+    if gate_up.dtype not in DTYPES:
+        _fail(f"gate_up has dtype {gate_up.dtype}; use float32, float16 or bfloat16")
+    n = gate_up.shape[-1]
+    if n <= 0 or n % 16:
+        _fail(f"gate_up's last dimension must be 2 * intermediate with intermediate a positive "
+              f"multiple of 8 (16-byte vectors), got {n}")
+    want = (*gate_up.shape[:-1], n // 2)
+    if out is not None and (tuple(out.shape) != want or out.dtype != gate_up.dtype or
+                            out.device != gate_up.device):
+        _fail(f"out must be {want} {gate_up.dtype} on {gate_up.device}, got "
+              f"{tuple(out.shape)} {out.dtype} on {out.device}")
+
+
+def silu_mul(gate_up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(gate_up[..., :I]) * gate_up[..., I:] (see the module docstring)."""
+    _validate(gate_up, out)
+    if out is None:
+        out = torch.empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=gate_up.dtype,
+                          device=gate_up.device)
+    if torch.compiler.is_compiling():
+        torch.ops.fusedist.silu_mul(out, gate_up)
+    else:
+        _silu_mul_impl(out, gate_up)
+    return out
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "silu_mul")
+
+
+def _rows(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t as a [T, n] view the kernel can address (unit feature stride, a 16-byte aligned start
+    and row stride), or None."""
+    n = t.shape[-1]
+    v = t if t.dim() == 2 else (t.view(-1, n) if t.is_contiguous() else None)
+    if v is None or v.stride(1) != 1 or not _align.is_aligned(v) or \
+            not _align.whole_vectors(v.stride(0) * v.element_size()):
+        return None
+    return v
+
+
+def _silu_mul_impl(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    if out.numel() == 0:
+        return
+    if _overlap(out, gate_up):
+        _fail("out overlaps gate_up; pass a separate out")
+    if not _kernel_ok(gate_up):
+        if gate_up.device.type == "cuda":
+            _warn_reference("silu_mul", "fusedist._C without the silu_mul kernel")
+        out.copy_(silu_mul_reference(gate_up))
+        return
+    n = gate_up.shape[-1]
+    g2 = _rows(gate_up)
+    if g2 is None:   # an input: a fresh contiguous (aligned) copy
+        g2 = gate_up.reshape(-1, n).clone(memory_format=torch.contiguous_format)
+    o2 = _rows(out)
+    o_copy = o2 is None
+    if o_copy:
+        o2 = torch.empty((g2.shape[0], n // 2), dtype=out.dtype, device=out.device)
+    C = _ext.load()
+    a = C.SiluMulArgs()
+    a.gate_up, a.out = g2.data_ptr(), o2.data_ptr()
+    a.tokens, a.inter = g2.shape[0], n // 2
+    a.in_stride, a.out_stride = g2.stride(0), o2.stride(0)
+    a.dtype = _dtypes.code(gate_up.dtype)
+    C.silu_mul(a, torch.cuda.current_stream(gate_up.device).cuda_stream)
+    if o_copy:
+        out.copy_(o2.view(out.shape))
+
+
+@torch.library.custom_op("fusedist::silu_mul", mutates_args=("out",))
+def _silu_mul_op(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    _silu_mul_impl(out, gate_up)
+
+
+@_silu_mul_op.register_fake
+def _(out, gate_up):
+    return None

@@ -1,0 +1,83 @@
+"""A host stand-in for fusedist._C's layer kernels (add_rmsnorm, silu_mul), so the CPU tier
+runs the CUDA launch path of fusedist/ops/add_rmsnorm.py and silu_mul.py: the argument
+structs, pointers, row strides in elements, the 16-byte rules and the copies around
+non-conforming views. It reads and writes the CPU tensors' memory at the pointers it is
+given (ctypes + torch.frombuffer) with the kernels' semantics and the reference numerics, and
+checks every rule the launchers check."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import torch
+
+from fusedist.ops.add_rmsnorm import add_rmsnorm_reference
+from fusedist.ops.silu_mul import silu_mul_reference
+
+_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+
+
+def _rows(ptr: int, stride: int, rows: int, width: int, dtype) -> torch.Tensor:
+    """The [rows, width] matrix at device address ptr (here: host memory), row stride in
+    elements; writes go to that memory."""
+    assert ptr % 16 == 0, "a pointer the kernel would get is not 16-byte aligned"
+    assert stride * dtype.itemsize % 16 == 0 and stride >= width, f"bad row stride {stride}"
+    n = (rows - 1) * stride + width
+    buf = (ctypes.c_char * (n * dtype.itemsize)).from_address(ptr)
+    return torch.frombuffer(buf, dtype=dtype).as_strided((rows, width), (stride, 1))
+
+
+class FakeLayersC:
+    """Records each call's arguments in .calls."""
+    ADD_RMSNORM_MAX_VECTORS = 4096
+
+    def __init__(self):
+        self.calls = []
+        self.AddRmsNormArgs = lambda: types.SimpleNamespace(
+            x=0, residual=0, weight=0, out=0, tokens=0, hidden=0, x_stride=0, residual_stride=0,
+            out_stride=0, eps=1e-6, dtype=2, vectors_per_thread=0)
+        self.SiluMulArgs = lambda: types.SimpleNamespace(
+            gate_up=0, out=0, tokens=0, inter=0, in_stride=0, out_stride=0, dtype=2)
+
+    def add_rmsnorm(self, a, stream):
+        self.calls.append(("add_rmsnorm", vars(a).copy()))
+        dt, T, n = _DTYPES[a.dtype], a.tokens, a.hidden
+        assert n % 8 == 0 and T > 0
+        hv, vpt = n * dt.itemsize // 16, a.vectors_per_thread
+        assert hv <= self.ADD_RMSNORM_MAX_VECTORS and vpt in (0, 1, 2, 4, 8)
+        if vpt and -(-hv // vpt) > 512:   # the launcher's rule (csrc/ops/layers/add_rmsnorm.cu)
+            raise ValueError(f"fusedist: add_rmsnorm: vectors_per_thread {vpt} is too few for "
+                             f"hidden {n}")
+        x = _rows(a.x, a.x_stride, T, n, dt)
+        w = _rows(a.weight, n, 1, n, dt)[0]
+        out = _rows(a.out, a.out_stride, T, n, dt)
+        res = _rows(a.residual, a.residual_stride, T, n, dt) if a.residual else None
+        normed, h = add_rmsnorm_reference(x.clone(), None if res is None else res.clone(),
+                                          w.clone(), float(a.eps))
+        if res is not None:
+            res.copy_(h)
+        out.copy_(normed)
+
+    def silu_mul(self, a, stream):
+        self.calls.append(("silu_mul", vars(a).copy()))
+        dt, T, i = _DTYPES[a.dtype], a.tokens, a.inter
+        assert i % 8 == 0 and T > 0
+        gu = _rows(a.gate_up, a.in_stride, T, 2 * i, dt)
+        out = _rows(a.out, a.out_stride, T, i, dt)
+        out.copy_(silu_mul_reference(gu.clone()))
+
+
+def install(monkeypatch, *modules) -> FakeLayersC:
+    """Route `modules` (fusedist.ops.add_rmsnorm, silu_mul) to one FakeLayersC for CPU
+    tensors."""
+    from fusedist import _ext
+
+    fake = FakeLayersC()
+    monkeypatch.setattr(_ext, "load", lambda: fake)
+    monkeypatch.setattr(_ext, "available", lambda: True)
+    for module in modules:
+        monkeypatch.setattr(module, "_kernel_ok", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    return fake
