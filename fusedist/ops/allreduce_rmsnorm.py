@@ -8,7 +8,8 @@ with h = round(round(all_reduce(x)) + residual) returned as the new residual and
 normed = round(h * rsqrt(mean(h^2) + eps) * weight); in FP8 mode normed is e4m3 with one fp32
 scale per token (scale = amax / 448, normed_fp32 ~= q * scale). x and residual are
 [..., hidden]; weight is [hidden]. On NVLink groups it runs fused on one-shot symmetric memory
-when the message fits; otherwise all_reduce + torch epilogue (same results up to rounding).
+when the message fits; otherwise all_reduce + an epilogue (same results up to rounding):
+fusedist.add_rmsnorm's kernel on CUDA, torch for FP8 output and on CPU.
 """
 
 from __future__ import annotations
@@ -98,13 +99,25 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
         if fused is None and comm.device.type == "cuda" and comm.group.size > 1:
             tuning.warn_once(
                 comm, "rmsnorm_unfused",
-                f"all_reduce_add_rmsnorm runs unfused (all_reduce + torch epilogue) for x "
+                f"all_reduce_add_rmsnorm runs unfused (all_reduce + add_rmsnorm) for x "
                 f"{tuple(x.shape)} {x.dtype}: the fused kernel needs NVLink symmetric memory, "
                 "hidden a multiple of the 16-byte vector and x within the one-shot capacity")
         ar = comm.all_reduce(x)
+        if not fp8 and x.is_cuda and _single_gpu_epilogue(x):
+            # One kernel for the epilogue: h = residual + ar lands in ar (a fresh tensor, the
+            # new residual); x and residual are left as they are.
+            from .add_rmsnorm import add_rmsnorm
+            return add_rmsnorm(residual, ar, weight, eps)
         h = (ar.float() + residual.float()).to(x.dtype)
         normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
         return (normed, h, scale) if fp8 else (normed, h)
+
+
+def _single_gpu_epilogue(x: torch.Tensor) -> bool:
+    """fusedist.add_rmsnorm takes x's rows (whole 16-byte vectors, within its widest row)."""
+    from .add_rmsnorm import MAX_HIDDEN
+    hidden = x.shape[-1]
+    return hidden % 8 == 0 and hidden <= MAX_HIDDEN[x.dtype]
 
 
 def _fused(comm, x, residual, weight, eps, fp8):

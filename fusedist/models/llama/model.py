@@ -3,9 +3,11 @@
 One model, two op sets (the `backend` argument):
   "fusedist": fusedist.nn.TPAttention over the paged KV cache, every GEMM through
       fusedist.gemm, the all-reduce after each row-parallel linear fused with the residual
-      add and the next RMSNorm (fusedist.all_reduce_add_rmsnorm);
+      add and the next RMSNorm (fusedist.all_reduce_add_rmsnorm; at TP 1, with nothing to
+      reduce, fusedist.add_rmsnorm), the SwiGLU activation as fusedist.silu_mul (on CUDA;
+      CPU tensors run the torch ops below);
   "torch": the same weights and math in plain torch (F.linear, SDPA over a static cache,
-      F.rms_norm, torch.distributed all_reduce): the baseline printed beside it.
+      F.rms_norm, F.silu, torch.distributed all_reduce): the baseline printed beside it.
 
 Per layer (x: the layer's normed input, residual: the residual stream, both [T, hidden]):
 
@@ -20,8 +22,8 @@ so a layer makes exactly two exchanges. The embedding is replicated (a lookup of
 no exchange and reads T rows; a vocab-parallel one would add an all-reduce per step for the
 1 GB it saves per rank on Llama-3); the LM head is column-parallel over the (padded)
 vocabulary, and its logits are all-gathered. At TP 1 there is no exchange at all: the
-residual add and RMSNorm run in torch (fusedist's fused op needs a peer to exchange with; at
-one rank it would run an empty all-reduce plus a 7-kernel fp32 epilogue).
+residual add and RMSNorm are one fusedist.add_rmsnorm kernel, which updates the residual
+stream in place.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...communicator import get_communicator
+from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
+from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
+from ...ops.silu_mul import silu_mul
 from .config import LlamaConfig
 from .weights import WeightSource, check_tp, kv_head_range, padded_vocab
 
@@ -52,6 +57,12 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def _kernel_rows(t: torch.Tensor, width: int) -> bool:
+    """fusedist's single-GPU kernels take rows of `width` elements of t: CUDA tensors, whole
+    16-byte vectors (fusedist.add_rmsnorm also holds at most MAX_HIDDEN[dtype])."""
+    return t.is_cuda and width % 8 == 0
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ w.T (+ b): fusedist.gemm for CUDA bf16/fp16 (its `auto` picks fusedist's kernel or
     cuBLAS), F.linear where fusedist.gemm takes no such shape (CPU, fp32, N or K not a
@@ -64,20 +75,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
 
 
 class _Exchange:
-    """The model's three tensor-parallel steps, per backend."""
+    """The model's three tensor-parallel steps, per backend, and the first RMSNorm."""
 
     def __init__(self, comm, backend: str):
         self.comm, self.backend, self.tp = comm, backend, comm.group.size
+        self.fused = backend == "fusedist"
 
     def add_rmsnorm(self, partial, residual, w, eps):
-        """(rmsnorm(all_reduce(partial) + residual), the new residual)."""
-        if self.tp > 1 and self.backend == "fusedist":
+        """(rmsnorm(all_reduce(partial) + residual), the new residual). fusedist at TP 1 on
+        CUDA: one kernel, residual updated in place."""
+        if self.fused and self.tp > 1:
             from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
             return all_reduce_add_rmsnorm(partial, residual, w, eps, group=self.comm)
+        if self._fused_norm(partial):
+            return add_rmsnorm(partial, residual, w, eps)
         if self.tp > 1:
             dist.all_reduce(partial, group=self.comm.group.pg)
         h = partial + residual
         return rmsnorm(h, w, eps), h
+
+    def rmsnorm(self, h, w, eps):
+        """The first layer's input norm of the embeddings h (no exchange)."""
+        if self._fused_norm(h):
+            return fused_rmsnorm(h, w, eps)
+        return rmsnorm(h, w, eps)
+
+    def _fused_norm(self, h) -> bool:
+        n = h.shape[-1]
+        return self.fused and _kernel_rows(h, n) and n <= MAX_HIDDEN[h.dtype]
 
     def gather_columns(self, y):
         """[n, v/tp] on each rank -> [n, v], rank r's columns at block r."""
@@ -92,9 +117,10 @@ class _Exchange:
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device):
+    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device, fused: bool = False):
         super().__init__()
         self.inter = cfg.intermediate_size // tp
+        self.fused = fused   # silu(gate) * up as one fusedist.silu_mul kernel on CUDA
         # [gate_r; up_r]: one column-parallel GEMM for both.
         self.gate_up = _param(torch.empty(2 * self.inter, cfg.hidden_size, dtype=dtype,
                                           device=device))
@@ -102,14 +128,17 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         gu = linear(x, self.gate_up)
+        if self.fused and _kernel_rows(gu, self.inter):
+            return linear(silu_mul(gu), self.down)
         return linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn: torch.nn.Module, tp: int, dtype, device):
+    def __init__(self, cfg: LlamaConfig, attn: torch.nn.Module, tp: int, dtype, device,
+                 fused: bool = False):
         super().__init__()
         self.attn = attn
-        self.mlp = MLP(cfg, tp, dtype, device)
+        self.mlp = MLP(cfg, tp, dtype, device, fused)
         self.input_norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
         self.post_norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
 
@@ -148,7 +177,8 @@ class Transformer(torch.nn.Module):
         self.embed = _param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                         device=device))
         self.layers = torch.nn.ModuleList(
-            Block(cfg, self._attention(), self.tp, dtype, device) for _ in range(cfg.num_layers))
+            Block(cfg, self._attention(), self.tp, dtype, device, self.ex.fused)
+            for _ in range(cfg.num_layers))
         self.norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
         self.lm_head = _param(torch.empty(self.vocab_shard, cfg.hidden_size, dtype=dtype,
                                           device=device))
@@ -215,7 +245,7 @@ class Transformer(torch.nn.Module):
                 logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         eps, ex = self.cfg.rms_norm_eps, self.ex
         residual = F.embedding(tokens, self.embed)
-        x = rmsnorm(residual, self.layers[0].input_norm, eps)
+        x = ex.rmsnorm(residual, self.layers[0].input_norm, eps)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a = self._attend(layer.attn, x, positions, cache, i, meta, seq_rows)
