@@ -250,6 +250,30 @@ def time_graphs_interleaved(steps: dict, ops: int, rounds: int, reps: int,
     return ({name: median(s) for name, s in samples.items()}, per_round, status)
 
 
+def rotation_sets(bytes_per_call: int, most: int = 2000) -> int:
+    """How many distinct input sets a graph's calls should rotate over so that one replay
+    streams at least twice the L2 (each call's inputs then come from HBM, as in a model's
+    step, not from the previous replay's L2), at most `most`."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(most, math.ceil(2 * l2 / max(bytes_per_call, 1))))
+
+
+def rate_columns(times: dict, nbytes: int, hbm_tbs: float, head: str = "fusedist",
+                 baselines: tuple = ("torch", "compile")) -> dict:
+    """A memory-bound op's row: {name}_us for every timed name, and for `head` its GB/s (bytes
+    read + written / time), % of the same run's HBM copy rate, and vs_{b} = b's time / head's
+    (above 1: head is faster) for each baseline b timed."""
+    row = {f"{n}_us": t for n, t in times.items()}
+    t = times.get(head)
+    if t:
+        row[f"{head}_gbs"] = nbytes / (t * 1e-6) / 1e9
+        row["pct_hbm"] = 100.0 * row[f"{head}_gbs"] / (hbm_tbs * 1e3)
+        for b in baselines:
+            if times.get(b):
+                row[f"vs_{b}"] = times[b] / t
+    return row
+
+
 def time_eager(step: Callable[[int], None], ops: int, reps: int) -> float:
     for i in range(ops):
         step(i)
