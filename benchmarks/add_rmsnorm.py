@@ -120,40 +120,57 @@ def markdown(rows, hbm_tbs) -> str:
     return "\n".join(out) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__,
+def parser(doc: str, width: str, default: str) -> argparse.ArgumentParser:
+    """The flags both single-GPU layer benchmarks take (--quick, --dtype, the row width)."""
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T = 1, 64, 4096 only")
-    ap.add_argument("--hidden", default="4096", help="comma-separated hidden sizes")
+    ap.add_argument(f"--{width}", default=default, help=f"comma-separated {width} sizes")
     ap.add_argument("--dtype", default="bfloat16", help="comma-separated: " + ", ".join(DTYPES))
-    ap.add_argument("--forms", default="add,plain", help="add (with a residual), plain")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/add_rmsnorm.py needs a GPU")
-        return
-    torch.manual_seed(0)
-    tokens = (1, 64, 4096) if args.quick else TOKENS
-    hbm = hbm_ceiling_tbs()
-    rows = []
+    return ap
+
+
+def sweep(args, width: str):
+    """(dtype, width, T) of the run, the dtypes checked."""
     for dname in args.dtype.split(","):
         if dname not in DTYPES:
             raise SystemExit(f"--dtype: {dname!r} is not one of {', '.join(DTYPES)}")
-        for hidden in (int(h) for h in args.hidden.split(",")):
-            for form in args.forms.split(","):
-                if form not in ("add", "plain"):
-                    raise SystemExit(f"--forms: {form!r} is not add or plain")
-                for T in tokens:
-                    rows.append(time_row(form, T, hidden, DTYPES[dname], hbm))
-                    r = rows[-1]
-                    print(f"{form} T={T} hidden={hidden} {dname}: fusedist "
-                          f"{fmt(r.get('fusedist_us'))} us, torch {fmt(r.get('torch_us'))}, "
-                          f"compile {fmt(r.get('compile_us'))}", flush=True)
+        for n in (int(v) for v in getattr(args, width).split(",")):
+            for T in (1, 64, 4096) if args.quick else TOKENS:
+                yield DTYPES[dname], n, T
+
+
+def run(stem: str, rows_for, markdown_for) -> None:
+    """Time rows_for(hbm_tbs) (an iterable of rows, each printed as it comes) on the GPU and
+    write benchmarks/results/<gpu>-w1/<stem>.{json,md}."""
+    if not torch.cuda.is_available():
+        print(f"benchmarks/{stem}.py needs a GPU")
+        return
+    torch.manual_seed(0)
+    hbm = hbm_ceiling_tbs()
+    rows = []
+    for row in rows_for(hbm):
+        rows.append(row)
+        print(", ".join(f"{k} {fmt(v)}" for k, v in row.items()
+                        if k in ("form", "tokens", "hidden", "inter", "fusedist_us", "torch_us",
+                                 "compile_us")), flush=True)
     meta = H.metadata(1)
-    meta["command"] = "python benchmarks/add_rmsnorm.py " + " ".join(sys.argv[1:])
+    meta["command"] = f"python benchmarks/{stem}.py " + " ".join(sys.argv[1:])
     meta["hbm_copy_tbs"] = hbm
-    md = markdown(rows, hbm)
-    paths = H.write_results("add_rmsnorm", meta, rows, md)
+    md = markdown_for(rows, hbm)
+    paths = H.write_results(stem, meta, rows, md)
     print(md + "\nresults: " + ", ".join(map(str, paths)))
+
+
+def main():
+    ap = parser(__doc__, "hidden", "4096")
+    ap.add_argument("--forms", default="add,plain", help="add (with a residual), plain")
+    args = ap.parse_args()
+    forms = args.forms.split(",")
+    if any(f not in ("add", "plain") for f in forms):
+        raise SystemExit(f"--forms: {args.forms!r}: each must be add or plain")
+    run("add_rmsnorm", lambda hbm: (time_row(f, T, n, dt, hbm) for f in forms
+                                    for dt, n, T in sweep(args, "hidden")), markdown)
 
 
 if __name__ == "__main__":

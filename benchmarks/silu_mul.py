@@ -18,7 +18,6 @@ same run. Results: benchmarks/results/<gpu>-w1/silu_mul.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -28,8 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
 import _harness as H  # noqa: E402
-from add_rmsnorm import DTYPES, OPS, REPS, ROUNDS, TOKENS, fmt  # noqa: E402
-from attention import hbm_ceiling_tbs  # noqa: E402
+from add_rmsnorm import OPS, REPS, ROUNDS, fmt, parser, run, sweep  # noqa: E402
 
 import fusedist  # noqa: E402
 
@@ -74,32 +72,9 @@ def markdown(rows, hbm_tbs) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="T = 1, 64, 4096 only")
-    ap.add_argument("--inter", default="14336", help="comma-separated intermediate sizes I")
-    ap.add_argument("--dtype", default="bfloat16", help="comma-separated: " + ", ".join(DTYPES))
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("benchmarks/silu_mul.py needs a GPU")
-        return
-    torch.manual_seed(0)
-    hbm = hbm_ceiling_tbs()
-    rows = []
-    for dname in args.dtype.split(","):
-        if dname not in DTYPES:
-            raise SystemExit(f"--dtype: {dname!r} is not one of {', '.join(DTYPES)}")
-        for inter in (int(i) for i in args.inter.split(",")):
-            for T in (1, 64, 4096) if args.quick else TOKENS:
-                rows.append(time_row(T, inter, DTYPES[dname], hbm))
-                print(f"T={T} I={inter} {dname}: fusedist {fmt(rows[-1].get('fusedist_us'))} "
-                      f"us, torch {fmt(rows[-1].get('torch_us'))}, compile "
-                      f"{fmt(rows[-1].get('compile_us'))}", flush=True)
-    meta = H.metadata(1)
-    meta["command"] = "python benchmarks/silu_mul.py " + " ".join(sys.argv[1:])
-    meta["hbm_copy_tbs"] = hbm
-    paths = H.write_results("silu_mul", meta, rows, markdown(rows, hbm))
-    print(markdown(rows, hbm) + "\nresults: " + ", ".join(map(str, paths)))
+    args = parser(__doc__, "inter", "14336").parse_args()
+    run("silu_mul", lambda hbm: (time_row(T, i, dt, hbm) for dt, i, T in sweep(args, "inter")),
+        markdown)
 
 
 if __name__ == "__main__":

@@ -47,12 +47,20 @@ def add_rmsnorm_reference(x: torch.Tensor, residual: Optional[torch.Tensor],
     return rmsnorm_reference(h, weight, eps)[0], h
 
 
+def check_rows_input(op: str, name: str, t, layout: str) -> None:
+    """t is a tensor `layout` ([..., n]) of float32 / float16 / bfloat16 (the layer kernels'
+    inputs), else a ValueError naming op and argument."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        shape = f" {tuple(t.shape)}" if isinstance(t, torch.Tensor) else ""
+        raise ValueError(f"fusedist.{op}: {name} must be a tensor {layout}, got "
+                         f"{type(t).__name__}{shape}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"fusedist.{op}: {name} has dtype {t.dtype}; use float32, float16 or "
+                         "bfloat16")
+
+
 def _validate(x, residual, weight, eps, out) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() < 1:
-        _fail(f"x must be a tensor [..., hidden], got {type(x).__name__}"
-              f"{'' if not isinstance(x, torch.Tensor) else ' ' + str(tuple(x.shape))}")
-    if x.dtype not in DTYPES:
-        _fail(f"x has dtype {x.dtype}; use float32, float16 or bfloat16")
+    check_rows_input("add_rmsnorm", "x", x, "[..., hidden]")
     hidden = x.shape[-1]
     if hidden <= 0 or hidden % 8:
         _fail(f"hidden (x's last dimension) must be a positive multiple of 8 (16-byte vectors), "
@@ -102,19 +110,20 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a's and b's elements may share bytes (their address spans intersect)."""
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
 
 
 def _check_aliases(out, x, residual) -> None:
     same_as_x = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
-    if residual is not None and _overlap(out, residual):
+    if residual is not None and overlaps(out, residual):
         _fail("out overlaps residual (both are written); pass another out")
-    if _overlap(out, x) and (residual is None or not same_as_x):
+    if overlaps(out, x) and (residual is None or not same_as_x):
         _fail("out overlaps x: out may be x itself only when a residual is given (without one, "
               "x is the returned residual stream); pass another out")
-    if residual is not None and _overlap(residual, x) and not (
+    if residual is not None and overlaps(residual, x) and not (
             residual.data_ptr() == x.data_ptr() and residual.stride() == x.stride()):
         _fail("residual partially overlaps x; pass separate tensors")
 
@@ -123,19 +132,22 @@ def _kernel_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "add_rmsnorm")
 
 
-def _rows(t: torch.Tensor, hidden: int) -> Optional[torch.Tensor]:
-    """t as a [T, hidden] view the kernel can address (unit feature stride, a 16-byte aligned
-    start and row stride), or None."""
-    v = t if t.dim() == 2 else (t.view(-1, hidden) if t.is_contiguous() else None)
-    if v is None or v.stride(1) != 1 or not _align.is_aligned(v) or \
+def rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t [..., n] as a [T, n] view the layer kernels can address (unit feature stride, rows
+    that do not overlap, a 16-byte aligned start and row stride), or None."""
+    n = t.shape[-1]
+    v = t if t.dim() == 2 else (t.view(-1, n) if t.is_contiguous() else None)
+    if v is not None and v.shape[0] == 1 and v.stride(0) != n:   # one row: its stride is moot
+        v = v.as_strided((1, n), (n, 1))
+    if v is None or v.stride(1) != 1 or v.stride(0) < n or not _align.is_aligned(v) or \
             not _align.whole_vectors(v.stride(0) * v.element_size()):
         return None
     return v
 
 
-def _packed(t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """A fresh contiguous [T, hidden] copy of t (fresh allocations are 16-byte aligned)."""
-    return t.reshape(-1, hidden).clone(memory_format=torch.contiguous_format)
+def packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous [T, n] copy of t [..., n] (fresh allocations are 16-byte aligned)."""
+    return t.reshape(-1, t.shape[-1]).clone(memory_format=torch.contiguous_format)
 
 
 def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0) -> None:
@@ -151,19 +163,19 @@ def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0
         out.copy_(normed)
         return
     hidden = x.shape[-1]
-    xs = _rows(x, hidden)
+    xs = rows_view(x)
     if xs is None:   # an input: an aligned contiguous copy
-        xs = _packed(x, hidden)
-    rs = None if residual is None else _rows(residual, hidden)
+        xs = packed_rows(x)
+    rs = None if residual is None else rows_view(residual)
     r_copy = residual is not None and rs is None
     if r_copy:       # written in place: work on a copy, then copy back
-        rs = _packed(residual, hidden)
-    o2 = _rows(out, hidden)
+        rs = packed_rows(residual)
+    o2 = rows_view(out)
     o_copy = o2 is None
     if o_copy:
         o2 = torch.empty((xs.shape[0], hidden), dtype=x.dtype, device=x.device)
     w = weight if weight.is_contiguous() and _align.is_aligned(weight) else \
-        _packed(weight, hidden)[0]
+        packed_rows(weight)[0]
     C = _ext.load()
     a = C.AddRmsNormArgs()
     a.x, a.weight, a.out = xs.data_ptr(), w.data_ptr(), o2.data_ptr()

@@ -18,11 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .. import _align, _dtypes, _ext
-from .add_rmsnorm import _overlap
+from .. import _dtypes, _ext
+from .add_rmsnorm import check_rows_input, overlaps, packed_rows, rows_view
 from .attention import _warn_reference
-
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _fail(msg: str):
@@ -37,11 +35,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(gate_up, out) -> None:
-    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() < 1:
-        _fail(f"gate_up must be a tensor [..., 2 * intermediate], got "
-              f"{type(gate_up).__name__}")
-    if gate_up.dtype not in DTYPES:
-        _fail(f"gate_up has dtype {gate_up.dtype}; use float32, float16 or bfloat16")
+    check_rows_input("silu_mul", "gate_up", gate_up, "[..., 2 * intermediate]")
     n = gate_up.shape[-1]
     if n <= 0 or n % 16:
         _fail(f"gate_up's last dimension must be 2 * intermediate with intermediate a positive "
@@ -70,21 +64,10 @@ def _kernel_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "silu_mul")
 
 
-def _rows(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """t as a [T, n] view the kernel can address (unit feature stride, a 16-byte aligned start
-    and row stride), or None."""
-    n = t.shape[-1]
-    v = t if t.dim() == 2 else (t.view(-1, n) if t.is_contiguous() else None)
-    if v is None or v.stride(1) != 1 or not _align.is_aligned(v) or \
-            not _align.whole_vectors(v.stride(0) * v.element_size()):
-        return None
-    return v
-
-
 def _silu_mul_impl(out: torch.Tensor, gate_up: torch.Tensor) -> None:
     if out.numel() == 0:
         return
-    if _overlap(out, gate_up):
+    if overlaps(out, gate_up):
         _fail("out overlaps gate_up; pass a separate out")
     if not _kernel_ok(gate_up):
         if gate_up.device.type == "cuda":
@@ -92,10 +75,10 @@ def _silu_mul_impl(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         out.copy_(silu_mul_reference(gate_up))
         return
     n = gate_up.shape[-1]
-    g2 = _rows(gate_up)
+    g2 = rows_view(gate_up)
     if g2 is None:   # an input: a fresh contiguous (aligned) copy
-        g2 = gate_up.reshape(-1, n).clone(memory_format=torch.contiguous_format)
-    o2 = _rows(out)
+        g2 = packed_rows(gate_up)
+    o2 = rows_view(out)
     o_copy = o2 is None
     if o_copy:
         o2 = torch.empty((g2.shape[0], n // 2), dtype=out.dtype, device=out.device)
