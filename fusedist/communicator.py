@@ -103,7 +103,10 @@ class Communicator:
     Every rank must make the same calls, with the same op, size and dtype. A call that
     differs raises CollectiveMismatchError naming each rank's call: on the CPU path at the
     call, on the symmetric GPU kernels from check() (and every later call: the communicator
-    is failed for good, as after a timeout). Calls that go to NCCL are not checked.
+    is failed for good, as after a timeout), detected by the symmetric kernels' call
+    descriptors and, for the GEMM + collective ops' copy-engine and fused engines (whose data
+    does not pass through them), by call checks: device barriers that carry the descriptor.
+    Calls that go to NCCL are not checked.
     """
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -130,7 +133,6 @@ class Communicator:
         self.nccl = None
         self.nccl_overlap = None
         self._pending_async: Optional[AsyncHandle] = None  # set_pending
-        self._barrier_token: Optional[torch.Tensor] = None  # copy-engine pipelines' barriers
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
             _ext.load()
@@ -142,8 +144,6 @@ class Communicator:
                                                 max_bytes), timeout_s, staging_bytes)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
-            if self.symm is not None and self.symm.staging_bytes > 0:
-                self._barrier_token = torch.zeros(8, dtype=torch.float32, device=self.device)
             try:
                 self.nccl = NcclComm(self.group)
             except BaseException:
@@ -305,11 +305,16 @@ class Communicator:
         """Forget the pending async call: the caller's stream already follows it."""
         self._pending_async = None
 
-    def device_barrier(self) -> None:
-        """Barrier on the current stream, on the device: a one-shot all-reduce of 32 bytes,
-        which completes on a rank only after every peer's kernel ran, i.e. after everything
-        queued before it on the peers' streams. Bounded by the communicator's timeout."""
-        self.all_reduce(self._barrier_token, algo="one_shot", out=self._barrier_token)
+    def device_barrier(self, desc: tuple) -> None:
+        """Barrier on the current stream, on the device, that checks the call: the call check
+        (csrc/include/fusedist/call_check.cuh) exchanges `desc`, this rank's call descriptor
+        (symmetric.gemm_desc / nccl_desc), with every peer, and completes on a rank only after
+        every peer's check ran, i.e. after everything queued before it on the peers' streams.
+        A peer with another descriptor fails the communicator (CollectiveMismatchError from
+        check()), one that never comes too (CommunicatorTimeoutError), in bounded time."""
+        self.check_open()
+        stream = self.launch_stream()
+        _ext.load().call_check(self.symm.handle, tuple(desc), stream.cuda_stream)
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         stream = self.launch_stream()
