@@ -467,6 +467,125 @@ def test_check_calls():
         assert part in msg, msg
 
 
+# ---- the call check before NCCL calls, and NCCL's abort after a mismatch -------------------
+
+class _RecNccl:
+    """A NcclComm stand-in that records what is called on it, in order, into `log`."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def all_reduce(self, x, out):
+        self.log.append(("nccl all_reduce", x.numel()))
+        return out.copy_(x)
+
+    def abort(self):
+        self.log.append("abort")
+
+
+def _nccl_comm(monkeypatch, log, *, check=True, size=2, symm=True):
+    c = Communicator.__new__(Communicator)
+    c._pending_async = None
+    c.closed = False
+    c._nccl_aborted = False
+    c.nccl_call_check = check and symm
+    c.group = SimpleNamespace(size=size, rank=0, name="tp0", ranks=tuple(range(size)),
+                              _communicator=None)
+    c.device = torch.device("cpu")
+    c.symm = SimpleNamespace(check=lambda: None, handle="h") if symm else None
+    c.nccl = c.nccl_overlap = _RecNccl(log)
+    c.device_barrier = lambda desc: log.append(("call check", tuple(desc)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))
+    return c
+
+
+@pytest.mark.parametrize("check,size,symm,checked", [(True, 2, True, True), (False, 2, True, False),
+                                                     (True, 1, True, False),
+                                                     (True, 2, False, False)])
+def test_nccl_all_reduce_is_checked_before_nccl(monkeypatch, check, size, symm, checked):
+    """An all_reduce routed to NCCL: the call check (what NCCL is about to be asked) goes on the
+    same stream right before it, unless the check is off, the group has one rank, or there is
+    no symmetric memory (no descriptor slots)."""
+    log = []
+    comm = _nccl_comm(monkeypatch, log, check=check, size=size, symm=symm)
+    x = torch.ones(1000, dtype=torch.bfloat16)
+    comm._launch(x, torch.empty_like(x), "nccl")
+    want = [("nccl all_reduce", 1000)]
+    if checked:
+        want.insert(0, ("call check", symmetric.nccl_desc("all_reduce", 2, 1000)))
+    assert log == want
+
+
+class _FailingSymm:
+    def __init__(self, exc):
+        self.exc, self.closed = exc, False
+
+    def check(self):
+        raise self.exc("fusedist: recorded")
+
+    def error_code(self):
+        return symmetric.ERR_MISMATCH if self.exc is CollectiveMismatchError else \
+            symmetric.ERR_TIMEOUT
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_mismatch_aborts_nccl_once_and_stays_sticky(monkeypatch):
+    log = []
+    comm = _nccl_comm(monkeypatch, log)
+    comm.symm = _FailingSymm(CollectiveMismatchError)
+    for _ in range(3):
+        with pytest.raises(CollectiveMismatchError):
+            comm.check()
+    assert log == ["abort"], "NCCL must be aborted exactly once after a mismatch"
+
+
+def test_a_timeout_leaves_nccl_alone(monkeypatch):
+    # Only a mismatch is seen by every rank of the exchange (so all of them abort; an NCCL
+    # destroy on one rank against an abort on another could hang).
+    log = []
+    comm = _nccl_comm(monkeypatch, log)
+    comm.symm = _FailingSymm(CommunicatorTimeoutError)
+    with pytest.raises(CommunicatorTimeoutError):
+        comm.check()
+    assert log == []
+
+
+def test_close_aborts_nccl_before_it_synchronizes_after_a_mismatch(monkeypatch):
+    log = []
+    comm = _nccl_comm(monkeypatch, log)
+    symm = _FailingSymm(CollectiveMismatchError)
+    symm.close = lambda: log.append("symm close")
+    comm.symm = symm
+    comm.name = "tp0/0"
+    comm.nccl.close = lambda: log.append("nccl close")
+    monkeypatch.setattr("fusedist.communicator.get_runtime",
+                        lambda: SimpleNamespace(communicators=[]))
+    comm.close()
+    assert log[:2] == ["abort", "symm close"], log
+
+
+def test_aborted_nccl_refuses_calls_and_close_does_not_destroy():
+    from fusedist.errors import CommunicatorClosedError
+    from fusedist.nccl import NcclComm
+
+    calls = []
+    nc = NcclComm.__new__(NcclComm)
+    nc.group = SimpleNamespace(size=2, name="tp0")
+    nc.aborted = False
+    nc._comm = SimpleNamespace(abort=lambda: calls.append("abort"),
+                               destroy=lambda: calls.append("destroy"))
+    nc.abort()
+    nc.abort()
+    nc.close()
+    assert calls == ["abort"]
+    x = torch.ones(4)
+    for fn in (nc.all_reduce, nc.all_gather, nc.reduce_scatter):
+        with pytest.raises(CommunicatorClosedError, match="aborted"):
+            fn(x, x)
+
+
 # ---- timeouts -------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -615,6 +615,65 @@ def test_copy_engine_pipelines_check_the_call_before_any_pull(emulated, W, case)
     assert "called" in str(outs[0])
 
 
+class _NcclLog:
+    """A NcclComm stand-in for one rank of W: records each call in `log` (after whatever the
+    call check recorded there) and fills the output as rank 0 of identical ranks would."""
+
+    def __init__(self, log, W):
+        self.log, self.W = log, W
+
+    def all_gather(self, x, out):
+        self.log.append(("nccl all_gather", x.numel()))
+        return out.copy_(x.reshape(1, -1).expand(self.W, -1).reshape(out.shape))
+
+    def reduce_scatter(self, x, out):
+        self.log.append(("nccl reduce_scatter", x.numel()))
+        return out.copy_(x.reshape(self.W, -1)[0].reshape(out.shape) * self.W)
+
+
+@pytest.mark.parametrize("engine", ["unfused", "overlap"])
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_nccl_collectives_of_the_gemm_ops_are_checked_first(emulated, monkeypatch, engine, op):
+    """ag_gemm / gemm_rs through NCCL (unfused, overlap): a call check carrying what NCCL is
+    about to be asked (collective, input elements, the overlap engine's NCCL calls) comes
+    before the first NCCL call, once per op call."""
+    from fusedist.comm.engines import overlap as ov
+    from fusedist.comm.engines import unfused as uf
+
+    W, m, k, n, chunks = 2, 6, 8, 5, 3
+    log = []
+    comm = Communicator.__new__(Communicator)
+    comm.group = SimpleNamespace(size=W, rank=0, name="tp")
+    comm.device = torch.device("cuda")  # the GPU paths, run on CPU tensors with fake streams
+    comm.nccl = comm.nccl_overlap = _NcclLog(log, W)
+    comm.check_nccl_call = lambda coll, dtype, numel, calls=1: log.append(
+        ("call check", symmetric.nccl_desc(coll, _dtypes_code(dtype), numel, calls)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(ov, "split", eb.split)
+    x = torch.randn(m if op == "ag_gemm" else W * m, k, dtype=torch.bfloat16)
+    w = torch.randn(k, n, dtype=torch.bfloat16)
+    out = torch.empty((W * m if op == "ag_gemm" else m), n, dtype=torch.bfloat16)
+    call = eb.Call(op, comm, x, w, None, out, chunks if op == "gemm_rs" else None, "collective")
+    (uf.ENGINE if engine == "unfused" else ov.ENGINE).run(call)
+    if op == "ag_gemm":
+        want = [("call check", symmetric.nccl_desc("all_gather", 2, m * k)),
+                ("nccl all_gather", m * k)]
+    elif engine == "unfused":
+        want = [("call check", symmetric.nccl_desc("reduce_scatter", 2, W * m * n)),
+                ("nccl reduce_scatter", W * m * n)]
+    else:  # one check for the three chunks' reduce-scatters
+        want = [("call check", symmetric.nccl_desc("reduce_scatter", 2, W * m * n, calls=3))] + \
+            [("nccl reduce_scatter", W * 2 * n)] * 3
+    assert log == want
+
+
+def _dtypes_code(dtype):
+    from fusedist import _dtypes
+
+    return _dtypes.code(dtype)
+
+
 class _Signals:
     """The fused gemm_rs's per-rank counters [owner][src][piece], signalled the way the
     sm90 GEMM's tiles do (one add per N tile of every BLOCK_M row tile, per piece it touches)
