@@ -8,9 +8,10 @@ slot of a peer's buffer and the owner clears what it reads. The kernels (and the
 device barriers that carry a descriptor: before NCCL calls and between the steps of the GEMM +
 collective pipelines) compare the peers' call descriptors with their own and record a
 mismatch like a timeout: the communicator fails for good and check() raises, naming both
-calls. This module builds the descriptors the host passes and decodes them for the message. Created collectively, before any CUDA-graph
-capture, after checking that every rank asked for the same sizes; freed by close() after a
-group barrier so no peer still writes into freed memory.
+calls. This module builds the descriptors the host passes and decodes them for the message.
+Created collectively, before any CUDA-graph capture, after checking that every rank asked for
+the same sizes; freed by close() after a group barrier so no peer still writes into freed
+memory.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ _OPS = {
     OP_RMSNORM: ("all_reduce_add_rmsnorm", "rows of that call's outputs that miss a peer's data "
                  "are NaN"),
     OP_GEMM_AR: ("gemm_ar (fused)", _NAN_WHERE_MISSING),
-    OP_AG_GEMM: ("ag_gemm (fused: waiting for a peer's rows)", "outputs of that call are undefined"),
+    OP_AG_GEMM: ("ag_gemm (fused: waiting for a peer's rows)",
+                 "outputs of that call are undefined"),
     OP_GEMM_RS: ("gemm_rs (fused: waiting for a peer's partial rows)",
                  "outputs of that call are undefined"),
     # Communicator.device_barrier(): before an NCCL call, and between the steps of the GEMM +

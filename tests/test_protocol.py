@@ -88,7 +88,8 @@ def _layout_enum(name: str) -> int:
 
 def test_op_codes_and_flags_mirror_layout_h():
     for py, cpp in ((symmetric.OP_ONE_SHOT, "kOpOneShot"), (symmetric.OP_TWO_SHOT, "kOpTwoShot"),
-                    (symmetric.OP_RMSNORM, "kOpOneShotRmsNorm"), (symmetric.OP_GEMM_AR, "kOpGemmAr"),
+                    (symmetric.OP_RMSNORM, "kOpOneShotRmsNorm"),
+                    (symmetric.OP_GEMM_AR, "kOpGemmAr"),
                     (symmetric.OP_AG_GEMM, "kOpAgGemm"), (symmetric.OP_GEMM_RS, "kOpGemmRs"),
                     (symmetric.OP_CALL_CHECK, "kOpCallCheck"),
                     (symmetric.OP_NCCL_ALL_REDUCE, "kOpNcclAllReduce"),
@@ -101,7 +102,8 @@ def test_op_codes_and_flags_mirror_layout_h():
 
 
 @pytest.mark.parametrize("desc,epoch", [
-    ((1, 0, 0, 1, 0, 0), 0), ((2, 2, 0, 4099, 0, 0), 255), ((3, 1, 1, 0x7FFFFFFF, 0x7FFFFFFF, 16384), 7),
+    ((1, 0, 0, 1, 0, 0), 0), ((2, 2, 0, 4099, 0, 0), 255),
+    ((3, 1, 1, 0x7FFFFFFF, 0x7FFFFFFF, 16384), 7),
     ((4, 2, 8, EMPTY_WORD, EMPTY_WORD, EMPTY_WORD), EMPTY_WORD),  # the sentinel as every field
     ((6, 1, 255, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), 0xFFFFFFFF)])
 def test_descriptor_round_trip_and_never_empty(desc, epoch):
@@ -189,7 +191,8 @@ static void show(const CallDesc& d, uint32_t epoch) {
 }
 int main() {
   show(collective_desc(kOpOneShot, DType::kFloat32, 0, 4096, 0), 3);
-  show(collective_desc(kOpOneShotRmsNorm, DType::kBFloat16, kDescFp8Out, (1ull << 40) + 77, 8192), 300);
+  show(collective_desc(kOpOneShotRmsNorm, DType::kBFloat16, kDescFp8Out, (1ull << 40) + 77,
+                       8192), 300);
   show(collective_desc(kOpNcclReduceScatter, DType::kFloat16, 0, 3ull << 33, 4), 0xFFFFFFFFu);
   show(gemm_desc(kOpGemmAr, DType::kBFloat16, kDescEngineFused, 0, 128, 8192, 0), 7);
   show(gemm_desc(kOpAgGemm, DType::kFloat16, kDescEngineCopyEngine, 67, 74, 0, 200), 255);
@@ -219,8 +222,8 @@ def test_descriptor_encoding_matches_layout_h_compiled(tmp_path):
            if line]
     sd = symmetric
     want = [sd.desc_words(sd.collective_desc(sd.OP_ONE_SHOT, 0, 4096), 3),
-            sd.desc_words(sd.collective_desc(sd.OP_RMSNORM, 2, (1 << 40) + 77, flags=sd.DESC_FP8_OUT,
-                                             c=8192), 300),
+            sd.desc_words(sd.collective_desc(sd.OP_RMSNORM, 2, (1 << 40) + 77,
+                                             flags=sd.DESC_FP8_OUT, c=8192), 300),
             sd.desc_words(sd.nccl_desc("reduce_scatter", 1, 3 << 33, calls=4), 0xFFFFFFFF),
             sd.desc_words(sd.gemm_desc("gemm_ar", 2, sd.DESC_ENGINE_FUSED, 0, 128, 8192, 0), 7),
             sd.desc_words(sd.gemm_desc("ag_gemm", 1, sd.DESC_ENGINE_COPY_ENGINE, 67, 74, 0, 200),
@@ -308,7 +311,8 @@ def test_mismatch_record_names_both_calls():
     (symmetric.OP_GEMM_AR,  # the fused decode kernel, another N on the peer
      symmetric.gemm_desc("gemm_ar", 2, symmetric.DESC_ENGINE_FUSED, 0, 4, 512, 256),
      symmetric.gemm_desc("gemm_ar", 2, symmetric.DESC_ENGINE_FUSED, 0, 4, 520, 256),
-     ("gemm_ar (fused) on group tp0", "rank 4 called gemm_ar (the fused kernel) with M = 4, N = 512",
+     ("gemm_ar (fused) on group tp0",
+      "rank 4 called gemm_ar (the fused kernel) with M = 4, N = 512",
       "rank 5 called gemm_ar (the fused kernel) with M = 4, N = 520")),
     (symmetric.OP_CALL_CHECK,  # a copy-engine pipeline's barrier: ag_gemm against gemm_rs
      symmetric.gemm_desc("ag_gemm", 2, symmetric.DESC_ENGINE_COPY_ENGINE, 0, 64, 0, 256),

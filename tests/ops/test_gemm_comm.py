@@ -28,6 +28,15 @@ def test_gemm_comm_gpu2():
     assert_passed(torchrun("worker_gemm_comm.py", 2, timeout=850), 2)
 
 
+@pytest.mark.gpu2
+@pytest.mark.timeout(900)
+def test_gemm_comm_call_mismatch_gpu2():
+    """Only the checks of ranks calling differently (fused decode gemm_ar, copy-engine and
+    fused Hopper engines) and of uneven K shards, which must not count as a mismatch."""
+    assert_passed(torchrun("worker_gemm_comm.py", 2, {"FUSEDIST_TEST_ONLY": "mismatch"},
+                           timeout=850), 2)
+
+
 # ---- dispatch helpers (no processes) ---------------------------------------------------------
 import importlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -611,7 +620,7 @@ def test_copy_engine_pipelines_check_the_call_before_any_pull(emulated, W, case)
     for r, y in enumerate(outs):
         assert isinstance(y, CollectiveMismatchError), (r, y)
         assert len(world.checks[r]) == 1, f"rank {r} passed {len(world.checks[r])} checks"
-        assert world.pulls[r] == [], f"rank {r} pulled from a peer before the check: {world.pulls[r]}"
+        assert world.pulls[r] == [], f"rank {r} pulled before the check: {world.pulls[r]}"
     assert "called" in str(outs[0])
 
 
