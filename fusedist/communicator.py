@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _align, _dtypes, _ext, envs, tuning
+from . import _align, _dtypes, _ext, envs, symmetric, tuning
 from .errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
 from .groups import Group
 from .runtime import check_timeout_s, get_runtime
@@ -102,8 +102,16 @@ class Communicator:
 
     Every rank must make the same calls, with the same op, size and dtype. A call that
     differs raises CollectiveMismatchError naming each rank's call: on the CPU path at the
-    call, on the symmetric GPU kernels from check() (and every later call: the communicator
-    is failed for good, as after a timeout). Calls that go to NCCL are not checked.
+    call; on GPUs from check() (and every later call: the communicator is failed for good, as
+    after a timeout), detected by the symmetric kernels' call descriptors and, for the paths
+    whose data does not pass through them (NCCL calls, the GEMM + collective ops' copy-engine
+    and fused engines), by a call check: a device barrier that carries the descriptor. The
+    check before NCCL calls needs symmetric memory (NCCL calls of a communicator without it
+    are not checked) and can be turned off (FUSEDIST_NCCL_CALL_CHECK=0). A check cannot stop
+    the NCCL call queued behind it, which may then wait for a peer that called it differently:
+    the first check() that finds the mismatch aborts the communicator's NCCL communicator, so
+    that kernel exits (check() reads host memory only, so it works while the GPU is stuck; a
+    thread blocked in a synchronize cannot call it).
     """
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
@@ -130,7 +138,10 @@ class Communicator:
         self.nccl = None
         self.nccl_overlap = None
         self._pending_async: Optional[AsyncHandle] = None  # set_pending
-        self._barrier_token: Optional[torch.Tensor] = None  # copy-engine pipelines' barriers
+        self._nccl_aborted = False
+        # A call check before every NCCL call (check_nccl_call); rank 0's setting everywhere,
+        # so every rank issues the same device barriers.
+        self.nccl_call_check = False
         self.table = {"allreduce": {}, "source": "cpu"}
         if self.device.type == "cuda":
             _ext.load()
@@ -142,8 +153,6 @@ class Communicator:
                                                 max_bytes), timeout_s, staging_bytes)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
-            if self.symm is not None and self.symm.staging_bytes > 0:
-                self._barrier_token = torch.zeros(8, dtype=torch.float32, device=self.device)
             try:
                 self.nccl = NcclComm(self.group)
             except BaseException:
@@ -160,10 +169,13 @@ class Communicator:
             self.nccl_overlap = NcclComm(self.group, max_ctas=ctas) \
                 if ctas > 0 and self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
-            # Rank 0's table and forced algorithm for everyone: one choice on all ranks.
+            # Rank 0's table, forced algorithm and call-check setting for everyone: one choice
+            # on all ranks.
             table = tuning.load_table(name, self.group.size)
             table["forced"] = tuning.forced_algo()
-            self.table = self.group.all_gather_object(table)[0]
+            self.table, check = self.group.all_gather_object(
+                (table, envs.get("FUSEDIST_NCCL_CALL_CHECK")))[0]
+            self.nccl_call_check = bool(check) and self.symm is not None
         rt.communicators.append(self)
         # Communicators of a group are created collectively, in the same order on every rank,
         # so "<group>/<n>" names the same communicator everywhere (torch.ops take the name).
@@ -200,7 +212,30 @@ class Communicator:
                 f"fusedist: the communicator of group {self.group.name} is closed (after "
                 "fusedist.shutdown() or close()); create a new one after fusedist.init()")
         if self.symm is not None:
-            self.symm.check()
+            try:
+                self.symm.check()
+            except CollectiveMismatchError:
+                self.abort_nccl()
+                raise
+
+    def abort_nccl(self) -> None:
+        """Abort this communicator's NCCL communicators (once), after a recorded mismatch: the
+        NCCL call queued behind a failed call check may wait forever for a peer that called it
+        differently, and an aborted NCCL communicator makes its kernels exit. The communicator
+        is unusable by then anyway. Only on a mismatch, which every rank of the exchange
+        records, so every rank aborts rather than destroys (destroying is an intra-node
+        collective); a timeout (a peer that never came) leaves NCCL as it is.
+        torch.distributed's NCCL (FUSEDIST_NCCL=torch) belongs to the process group and is left
+        to torch's watchdog."""
+        if self._nccl_aborted:
+            return
+        self._nccl_aborted = True
+        for nc in {id(c): c for c in (self.nccl, self.nccl_overlap) if c is not None}.values():
+            try:
+                nc.abort()
+            except Exception as e:  # noqa: BLE001 - the mismatch is the error to report
+                warnings.warn(f"fusedist: aborting the NCCL communicator of group "
+                              f"{self.group.name} failed: {e}", RuntimeWarning, stacklevel=2)
 
     def check(self) -> None:
         """Raise if a symmetric kernel recorded a timeout or a mismatched call (cheap host read;
@@ -305,16 +340,32 @@ class Communicator:
         """Forget the pending async call: the caller's stream already follows it."""
         self._pending_async = None
 
-    def device_barrier(self) -> None:
-        """Barrier on the current stream, on the device: a one-shot all-reduce of 32 bytes,
-        which completes on a rank only after every peer's kernel ran, i.e. after everything
-        queued before it on the peers' streams. Bounded by the communicator's timeout."""
-        self.all_reduce(self._barrier_token, algo="one_shot", out=self._barrier_token)
+    def device_barrier(self, desc: tuple) -> None:
+        """Barrier on the current stream, on the device, that checks the call: the call check
+        (csrc/include/fusedist/call_check.cuh) exchanges `desc`, this rank's call descriptor
+        (symmetric.gemm_desc / nccl_desc), with every peer, and completes on a rank only after
+        every peer's check ran, i.e. after everything queued before it on the peers' streams.
+        A peer with another descriptor fails the communicator (CollectiveMismatchError from
+        check()), one that never comes too (CommunicatorTimeoutError), in bounded time."""
+        self.check_open()
+        stream = self.launch_stream()
+        _ext.load().call_check(self.symm.handle, tuple(desc), stream.cuda_stream)
+
+    def check_nccl_call(self, collective: str, dtype: torch.dtype, numel: int,
+                        calls: int = 1) -> None:
+        """Before an NCCL call (on that call's stream): a call check carrying what NCCL is
+        about to be asked (`collective` of `numel` input elements of `dtype`, in `calls` NCCL
+        calls), when the communicator has symmetric memory and FUSEDIST_NCCL_CALL_CHECK is on
+        (rank 0's setting). NCCL itself does not compare sizes: ranks that call it differently
+        hang or sum misread bytes."""
+        if self.nccl_call_check and self.group.size > 1:
+            self.device_barrier(symmetric.nccl_desc(collective, _dtypes.code(dtype), numel, calls))
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, algo: str) -> torch.Tensor:
         stream = self.launch_stream()
         with nvtx_range(f"fusedist.all_reduce.{algo}"):
             if algo == "nccl" or self.group.size == 1:
+                self.check_nccl_call("all_reduce", x.dtype, x.numel())
                 return self.nccl.all_reduce(x, out)
             C = _ext.load()
             src, dst = _align.aligned_input(x), _align.aligned_output(out)
@@ -354,6 +405,8 @@ class Communicator:
         self.closed = True
         try:
             if self.symm is not None:
+                if self.symm.error_code() == symmetric.ERR_MISMATCH:
+                    self.abort_nccl()  # an NCCL kernel may wait forever: close() synchronizes
                 self.symm.close()
             if self.nccl_overlap is not None and self.nccl_overlap is not self.nccl:
                 self.nccl_overlap.close()

@@ -72,6 +72,11 @@ _register(
         "A path that is not a file raises ValueError.", default_doc="unset"),
     Var("FUSEDIST_NCCL", "choice", "nccl4py", "when a Communicator is created",
         "`nccl4py`, or `torch` for torch.distributed's NCCL.", choices=("nccl4py", "torch")),
+    Var("FUSEDIST_NCCL_CALL_CHECK", "bool", True, "when a Communicator is created",
+        "Before each NCCL call of a communicator with symmetric memory, a call check (a "
+        "one-warp device barrier, a few us) compares what every rank is calling, so ranks "
+        "that call NCCL with different sizes raise CollectiveMismatchError instead of hanging "
+        "or summing misread bytes. `0` skips it. Rank 0's value is used on every rank."),
     Var("FUSEDIST_PDL", "bool", True, "once per process, by the extension's first launch",
         "`0` launches kernels without programmatic dependent launch."),
     Var("FUSEDIST_NVTX", "bool", True, "at import",

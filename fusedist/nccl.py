@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from .errors import NcclUnavailableError
+from .errors import CommunicatorClosedError, NcclUnavailableError
 from .groups import Group
 
 
@@ -35,6 +35,7 @@ class NcclComm:
         self.group = group
         self.kind = backend_choice()
         self._comm = None
+        self.aborted = False
         if self.kind == "torch" or group.size == 1:
             return
         nc = _import_nccl()
@@ -56,6 +57,7 @@ class NcclComm:
                                           config)
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self._check_usable()
         if self.group.size == 1:
             if out.data_ptr() != x.data_ptr():
                 out.copy_(x)
@@ -71,6 +73,7 @@ class NcclComm:
 
     def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out = concat over ranks of x (rank order), on torch's current stream."""
+        self._check_usable()
         if self.group.size == 1:
             out.copy_(x.reshape(out.shape))
             return out
@@ -82,6 +85,7 @@ class NcclComm:
 
     def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out = block `rank` of the sum over ranks of x, on torch's current stream."""
+        self._check_usable()
         if self.group.size == 1:
             out.copy_(x.reshape(out.shape))
             return out
@@ -91,6 +95,21 @@ class NcclComm:
         self._comm.reduce_scatter(x, out, self._nc.SUM,
                                   stream=torch.cuda.current_stream(x.device).cuda_stream)
         return out
+
+    def _check_usable(self) -> None:
+        if self.aborted:
+            raise CommunicatorClosedError(
+                f"fusedist: the NCCL communicator of group {self.group.name} was aborted after "
+                "its Communicator failed (a call check or a symmetric kernel recorded a "
+                "mismatch or a timeout); create a new Communicator")
+
+    def abort(self) -> None:
+        """ncclCommAbort (nccl4py): NCCL kernels still waiting for a peer exit, and the
+        communicator is gone. torch.distributed's NCCL is the process group's: not aborted."""
+        if self._comm is not None:
+            self.aborted = True
+            self._comm.abort()
+            self._comm = None
 
     def close(self) -> None:
         if self._comm is not None:

@@ -4,11 +4,14 @@ every peer through CUDA IPC, plus this rank's control block and host-mapped erro
 Layout and protocol: csrc/include/fusedist/layout.h and docs/design/allreduce.md. In short,
 the buffer holds kGenerations generations of `world` receive slots, one gather region and one
 call descriptor per rank; every free 32-bit word holds EMPTY_WORD; writers push into their own
-slot of a peer's buffer and the owner clears what it reads. The kernels compare the peers'
-call descriptors with their own and record a mismatch like a timeout: the communicator fails
-for good and check() raises, naming both calls. Created collectively, before any CUDA-graph
-capture, after checking that every rank asked for the same sizes; freed by close() after a
-group barrier so no peer still writes into freed memory.
+slot of a peer's buffer and the owner clears what it reads. The kernels (and the call checks,
+device barriers that carry a descriptor: before NCCL calls and between the steps of the GEMM +
+collective pipelines) compare the peers' call descriptors with their own and record a
+mismatch like a timeout: the communicator fails for good and check() raises, naming both
+calls. This module builds the descriptors the host passes and decodes them for the message.
+Created collectively, before any CUDA-graph capture, after checking that every rank asked for
+the same sizes; freed by close() after a group barrier so no peer still writes into freed
+memory.
 """
 
 from __future__ import annotations
@@ -24,24 +27,45 @@ from .errors import (CollectiveMismatchError, CommunicatorClosedError, Communica
                      PeerAccessError)
 from .groups import Group
 
-# OpCode (layout.h) -> the op's name and what a failed call leaves in its outputs.
+# OpCode (layout.h) values: kernels (1-7, in error records) and what a rank called (call
+# descriptors: 1-6, and 8-10 for the NCCL call a call check guards).
+OP_ONE_SHOT, OP_TWO_SHOT, OP_RMSNORM, OP_GEMM_AR, OP_AG_GEMM, OP_GEMM_RS = 1, 2, 3, 4, 5, 6
+OP_CALL_CHECK, OP_NCCL_ALL_REDUCE, OP_NCCL_ALL_GATHER, OP_NCCL_REDUCE_SCATTER = 7, 8, 9, 10
+GEMM_OPS = {"gemm_ar": OP_GEMM_AR, "ag_gemm": OP_AG_GEMM, "gemm_rs": OP_GEMM_RS}
+NCCL_OPS = {"all_reduce": OP_NCCL_ALL_REDUCE, "all_gather": OP_NCCL_ALL_GATHER,
+            "reduce_scatter": OP_NCCL_REDUCE_SCATTER}
+
+# Kernel OpCode (error record) -> the kernel's name and what a failed call leaves in its outputs.
 _NAN_WHERE_MISSING = "outputs of that call are NaN where a peer's data did not arrive"
 _OPS = {
-    # The copy-engine pipelines of the GEMM + collective ops order their steps with
-    # Communicator.device_barrier(), a one-shot all-reduce: its record reads as one.
-    1: ("one_shot all_reduce", _NAN_WHERE_MISSING + " (if it was the device barrier of a GEMM + "
-        "collective op's copy-engine pipeline, that op's outputs are undefined)"),
-    2: ("two_shot all_reduce", _NAN_WHERE_MISSING),
-    3: ("all_reduce_add_rmsnorm", "rows of that call's outputs that miss a peer's data are NaN"),
-    4: ("gemm_ar (fused)", _NAN_WHERE_MISSING),
-    5: ("ag_gemm (fused: waiting for a peer's rows)", "outputs of that call are undefined"),
-    6: ("gemm_rs (fused: waiting for a peer's partial rows)",
-        "outputs of that call are undefined"),
+    OP_ONE_SHOT: ("one_shot all_reduce", _NAN_WHERE_MISSING),
+    OP_TWO_SHOT: ("two_shot all_reduce", _NAN_WHERE_MISSING),
+    OP_RMSNORM: ("all_reduce_add_rmsnorm", "rows of that call's outputs that miss a peer's data "
+                 "are NaN"),
+    OP_GEMM_AR: ("gemm_ar (fused)", _NAN_WHERE_MISSING),
+    OP_AG_GEMM: ("ag_gemm (fused: waiting for a peer's rows)",
+                 "outputs of that call are undefined"),
+    OP_GEMM_RS: ("gemm_rs (fused: waiting for a peer's partial rows)",
+                 "outputs of that call are undefined"),
+    # Communicator.device_barrier(): before an NCCL call, and between the steps of the GEMM +
+    # collective ops' copy-engine pipelines and fused Hopper engines (call_check.cuh).
+    OP_CALL_CHECK: ("call check (the device barrier before an NCCL call or between the steps of "
+                    "a GEMM + collective op)", "outputs of that call are undefined"),
 }
+# Call descriptor OpCode -> what the rank called, in the user's words.
+_CALLS = {OP_ONE_SHOT: "one_shot all_reduce", OP_TWO_SHOT: "two_shot all_reduce",
+          OP_RMSNORM: "all_reduce_add_rmsnorm", OP_GEMM_AR: "gemm_ar", OP_AG_GEMM: "ag_gemm",
+          OP_GEMM_RS: "gemm_rs", OP_NCCL_ALL_REDUCE: "all_reduce through NCCL",
+          OP_NCCL_ALL_GATHER: "all_gather through NCCL",
+          OP_NCCL_REDUCE_SCATTER: "reduce_scatter through NCCL"}
 _DTYPE_NAMES = {_dtypes.FLOAT32: "float32", _dtypes.FLOAT16: "float16",
                 _dtypes.BFLOAT16: "bfloat16", _dtypes.FLOAT8_E4M3: "float8_e4m3fn"}
 ERR_TIMEOUT, ERR_MISMATCH = 1, 2
 DESC_FP8_OUT = 1
+# flags of a GEMM + collective op's descriptor: engine | chunks << 2 (layout.h kDescEngine*).
+DESC_ENGINE_COPY_ENGINE, DESC_ENGINE_FUSED = 1, 2
+_ENGINES = {DESC_ENGINE_COPY_ENGINE: "the copy-engine overlap",
+            DESC_ENGINE_FUSED: "the fused kernel"}
 
 # Mirrors of layout.h (tests/test_protocol.py checks them against _C where it is built).
 GENERATIONS = 3
@@ -58,25 +82,78 @@ def generation_of(epoch: int) -> int:
     return epoch % GENERATIONS
 
 
+# ---- call descriptors (layout.h CallDesc, desc_word) --------------------------------------
+# A descriptor is (op, dtype, flags, a, b, c); the kernels send it as four words with the low
+# byte of the epoch. These build the fields the host passes to a call check (and to the copy-
+# engine gemm_ar's closing kernel); the kernels that build their own mirror the same rules.
+
+def collective_desc(op: int, dtype: int, numel: int, flags: int = 0, c: int = 0) -> tuple:
+    """An all-reduce's or an NCCL call's descriptor: op, dtype, element count (a, b = its bits
+    0..30 and 31..61), c = the fused RMSNorm's row width or the NCCL calls it covers."""
+    return (op, dtype, flags, numel & 0x7FFFFFFF, (numel >> 31) & 0x7FFFFFFF, c)
+
+
+def nccl_desc(collective: str, dtype: int, numel: int, calls: int = 1) -> tuple:
+    """The descriptor a call check carries before NCCL `collective` ("all_reduce",
+    "all_gather", "reduce_scatter") of `numel` input elements in `calls` NCCL calls (the
+    overlap engine's chunks): what NCCL needs every rank to agree on."""
+    return collective_desc(NCCL_OPS[collective], dtype, numel, c=calls if calls > 1 else 0)
+
+
+def gemm_desc(op: str, dtype: int, engine: int, chunks: int, m: int, n: int, k: int) -> tuple:
+    """A GEMM + collective op's descriptor on a symmetric path: what every rank must agree on.
+    m: the GEMM's rows (ag_gemm: world x the shard's). gemm_ar and gemm_rs sum [M, N] partials,
+    so M and N; their K is each rank's own shard (uneven shards compute correctly), so it is not
+    compared. ag_gemm gathers [m, K] shards, so M and K; its N is each rank's column shard.
+    engine: DESC_ENGINE_*; chunks: the pipeline's chunks or pieces (compared modulo 64)."""
+    if op == "ag_gemm":
+        n = 0
+    else:
+        k = 0
+    return (GEMM_OPS[op], dtype, (engine & 3) | (chunks & 63) << 2, m & 0x7FFFFFFF,
+            n & 0x7FFFFFFF, k & 0x7FFFFF)
+
+
+def desc_words(desc: Sequence[int], epoch: int) -> list:
+    """The four words the kernels send for `desc` at `epoch` (layout.h desc_word)."""
+    op, dtype, flags, a, b, c = (int(x) for x in desc)
+    return [0xFD000000 | (flags & 0xFF) << 16 | (op & 0xFF) << 8 | (dtype & 0xFF),
+            a & 0x7FFFFFFF, b & 0x7FFFFFFF, (c & 0x7FFFFF) << 8 | (epoch & 0xFF)]
+
+
 def decode_desc(words: Sequence[int]) -> Optional[dict]:
-    """A call descriptor (layout.h desc_word) as a dict, or None if the words are not one."""
+    """A call descriptor's four words as a dict, or None if the words are not one."""
     w = [int(x) & 0xFFFFFFFF for x in words]
-    if len(w) != 4 or [x >> 24 for x in w] != [0xFD, 0xA5, 0xA6, 0xA7]:
+    if len(w) != 4 or w[0] >> 24 != 0xFD or any(x >> 31 for x in w[1:]):
         return None
-    return {"op": (w[0] >> 8) & 0xFF, "dtype": w[0] & 0xFF, "flags": (w[0] >> 16) & 0xFF,
-            "numel": (w[1] & 0xFFFFFF) | (w[2] & 0xFFFFFF) << 24, "aux": (w[3] >> 8) & 0xFFFF,
-            "epoch8": w[3] & 0xFF}
+    d = {"op": (w[0] >> 8) & 0xFF, "dtype": w[0] & 0xFF, "flags": (w[0] >> 16) & 0xFF,
+         "a": w[1], "b": w[2], "c": w[3] >> 8, "epoch8": w[3] & 0xFF}
+    d["numel"] = d["a"] | d["b"] << 31
+    return d
 
 
 def describe_desc(d: Optional[dict]) -> str:
-    """A call descriptor in words: 'one_shot all_reduce of 4096 float32 elements'."""
+    """A call descriptor in words: 'one_shot all_reduce of 4096 float32 elements', 'gemm_ar
+    (the fused kernel) with M = 4, N = 512, bfloat16'."""
     if d is None:
         return "an unreadable call"
-    name = _OPS.get(d["op"], (f"op {d['op']}", ""))[0]
+    op = d["op"]
+    name = _CALLS.get(op, f"op {op}")
     dtype = _DTYPE_NAMES.get(d["dtype"], f"dtype {d['dtype']}")
+    if op in GEMM_OPS.values():
+        dims = [f"M = {d['a']}"] + ([f"K = {d['c']}"] if op == OP_AG_GEMM else
+                                    [f"N = {d['b']}"])
+        engine, chunks = d["flags"] & 3, d["flags"] >> 2
+        how = _ENGINES.get(engine, f"engine {engine}")
+        if chunks:
+            how += f", {chunks} {'piece' if engine == DESC_ENGINE_FUSED else 'chunk'}" + \
+                ("s" if chunks > 1 else "")
+        return f"{name} ({how}) with {', '.join(dims)}, {dtype}"
     text = f"{name} of {d['numel']} {dtype} elements"
-    if d["aux"]:
-        text += f" (rows of {d['aux']})"
+    if op in NCCL_OPS.values():
+        return text + (f" in {d['c']} NCCL calls" if d["c"] > 1 else "")
+    if d["c"]:
+        text += f" (rows of {d['c']})"
     if d["flags"] & DESC_FP8_OUT:
         text += " with float8_e4m3fn output"
     return text
@@ -114,7 +191,7 @@ def error_message(words: Sequence[int], group_name: str, ranks: Sequence[int],
     if code == ERR_MISMATCH:
         mine, theirs = decode_desc(words[8:12]), decode_desc(words[12:16])
         return (f"{op} on group {group_name} at call #{call}: ranks called different "
-                f"collectives: rank {me} called {describe_desc(mine)}, rank {peer} called "
+                f"collectives: rank {me} called {describe_desc(mine)}; rank {peer} called "
                 f"{describe_desc(theirs)}. Every rank must make the same call (same op, dtype "
                 "and size). The communicator is unusable now; outputs of that call are "
                 "undefined (NaN where a wait gave up).")
@@ -275,14 +352,20 @@ class SymmetricMemory:
         words[1], words[2] = ctypes.c_int32(words[1]).value, ctypes.c_int32(words[2]).value
         return error_message(words, self.group.name, self.group.ranks, self.timeout_s)
 
+    def error_code(self) -> int:
+        """The error record's code: 0 (none), ERR_TIMEOUT or ERR_MISMATCH (no CUDA call)."""
+        if self._err_host is None:
+            return 0
+        return int((ctypes.c_uint32 * 1).from_address(self._err_host)[0])
+
     def check(self) -> None:
         if self._closed:
             raise CommunicatorClosedError(f"fusedist: communicator of group {self.group.name} "
                                           "is closed")
         msg = self.error()
         if msg is not None:
-            code = (ctypes.c_uint32 * 1).from_address(self._err_host)[0]
-            cls = CollectiveMismatchError if code == ERR_MISMATCH else CommunicatorTimeoutError
+            cls = CollectiveMismatchError if self.error_code() == ERR_MISMATCH else \
+                CommunicatorTimeoutError
             raise cls("fusedist: " + msg)
 
     # ---- tests -------------------------------------------------------------------------

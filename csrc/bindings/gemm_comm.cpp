@@ -1,6 +1,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
+
 #include "fusedist/api.h"
 
 namespace py = pybind11;
@@ -18,9 +20,16 @@ void register_gemm_comm(py::module_& m) {
       py::arg("k"), py::arg("dtype"), py::arg("stream"));
   m.def("gemm_rs_counter_wait", &gemm_rs_counter_wait, py::arg("comm"), py::arg("signal_offset"),
         py::arg("src"), py::arg("piece"), py::arg("expected"), py::arg("stream"));
-  m.def("gemm_ar_staging_gather", &gemm_ar_staging_gather, py::arg("comm"),
-        py::arg("staging_offset"), py::arg("row_bounds"), py::arg("row_bytes"), py::arg("out"),
-        py::arg("stream"));
+  m.def(
+      "gemm_ar_staging_gather",
+      [](const SymmComm& c, uint64_t staging_offset, const std::vector<int64_t>& row_bounds,
+         int64_t row_bytes, uintptr_t out, const std::array<uint32_t, 6>& desc,
+         uintptr_t stream) {
+        gemm_ar_staging_gather(c, staging_offset, row_bounds, row_bytes, out,
+                               to_call_desc(desc), stream);
+      },
+      py::arg("comm"), py::arg("staging_offset"), py::arg("row_bounds"), py::arg("row_bytes"),
+      py::arg("out"), py::arg("desc"), py::arg("stream"));
   m.attr("GEMM_AR_FUSED_MAX_M") = kGemmArFusedMaxM;
   m.attr("MAX_SIGNAL_PIECES") = kMaxSignalPieces;
 }

@@ -1,6 +1,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
+
 #include "fusedist/api.h"
 
 namespace py = pybind11;
@@ -42,16 +44,32 @@ void register_symmetric(py::module_& m) {
   m.attr("ERR_MISMATCH") = kErrMismatch;
   m.def("next_epoch", [](uint32_t e) { return next_epoch(e); }, py::arg("epoch"));
   m.def("generation_of", [](uint32_t e) { return generation_of(e); }, py::arg("epoch"));
+  // A call descriptor crosses as the tuple (op, dtype, flags, a, b, c) (fusedist/symmetric.py).
   m.def(
       "desc_words",
-      [](uint32_t op, uint32_t dtype, uint32_t flags, uint64_t numel, uint32_t aux,
-         uint32_t epoch) {
+      [](const std::array<uint32_t, 6>& d, uint32_t epoch) {
         std::vector<uint32_t> w(4);
-        for (int k = 0; k < 4; ++k) w[k] = desc_word(k, op, dtype, flags, numel, aux, epoch);
+        for (int k = 0; k < 4; ++k) w[k] = desc_word(k, to_call_desc(d), epoch);
         return w;
       },
-      py::arg("op"), py::arg("dtype"), py::arg("flags"), py::arg("numel"), py::arg("aux"),
-      py::arg("epoch"));
+      py::arg("desc"), py::arg("epoch"));
+  m.def(
+      "call_check",
+      [](const SymmComm& c, const std::array<uint32_t, 6>& d, uintptr_t stream) {
+        call_check(c, to_call_desc(d), stream);
+      },
+      py::arg("comm"), py::arg("desc"), py::arg("stream"));
+  m.attr("OP_CODES") = py::dict(
+      py::arg("one_shot") = uint32_t(kOpOneShot), py::arg("two_shot") = uint32_t(kOpTwoShot),
+      py::arg("all_reduce_add_rmsnorm") = uint32_t(kOpOneShotRmsNorm),
+      py::arg("gemm_ar") = uint32_t(kOpGemmAr), py::arg("ag_gemm") = uint32_t(kOpAgGemm),
+      py::arg("gemm_rs") = uint32_t(kOpGemmRs), py::arg("call_check") = uint32_t(kOpCallCheck),
+      py::arg("nccl_all_reduce") = uint32_t(kOpNcclAllReduce),
+      py::arg("nccl_all_gather") = uint32_t(kOpNcclAllGather),
+      py::arg("nccl_reduce_scatter") = uint32_t(kOpNcclReduceScatter));
+  m.attr("DESC_FP8_OUT") = kDescFp8Out;
+  m.attr("DESC_ENGINE_COPY_ENGINE") = kDescEngineCopyEngine;
+  m.attr("DESC_ENGINE_FUSED") = kDescEngineFused;
   m.attr("EMPTY_WORD") = kEmptyWord;
   m.attr("ERROR_RECORD_BYTES") = sizeof(ErrorRecord);
   m.attr("CONTROL_BYTES") = sizeof(Control);

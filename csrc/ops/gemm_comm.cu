@@ -151,7 +151,7 @@ void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src,
 
 void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
                             const std::vector<int64_t>& row_bounds, int64_t row_bytes,
-                            uintptr_t out, uintptr_t stream) {
+                            uintptr_t out, const CallDesc& desc, uintptr_t stream) {
   const SymmView& v = comm.view;
   const std::string op = "gemm_ar staging gather: ";
   FUSEDIST_CHECK_ARG(int(row_bounds.size()) == v.world + 1,
@@ -178,7 +178,7 @@ void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
   const int grid = int(std::max<int64_t>(1, std::min(want, cap)));
   launch_kernel("staging_gather_kernel", staging_gather_kernel, grid, kStagingGatherThreads,
                 reinterpret_cast<cudaStream_t>(stream), v, staging_offset, split, row_vecs,
-                reinterpret_cast<Vec16*>(out));
+                reinterpret_cast<Vec16*>(out), desc);
 }
 
 }  // namespace fusedist

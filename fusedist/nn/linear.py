@@ -146,5 +146,6 @@ def _gather_columns(comm, y: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_gather(parts, y.contiguous(), group=comm.group.pg)
         return torch.cat(parts, dim=-1)
     stacked = torch.empty((W * y.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+    comm.check_nccl_call("all_gather", y.dtype, y.numel())
     comm.nccl.all_gather(y.contiguous(), stacked)
     return stacked.view(W, y.shape[0], y.shape[1]).permute(1, 0, 2).reshape(y.shape[0], -1)

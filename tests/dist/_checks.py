@@ -82,6 +82,52 @@ def expect_timeout(comm, call, timeout_s: float, match: str = ""):
     return y
 
 
+def _wait_idle(device, deadline: float, what: str) -> None:
+    """Poll (no synchronize) until the current stream and the comm-stream pool of `device`
+    ran everything queued so far, or fail at `deadline` (time.time())."""
+    from fusedist import streams
+
+    events = []
+    for s in [torch.cuda.current_stream(device)] + [streams.comm_stream(device, i)
+                                                    for i in range(streams.POOL_SIZE)]:
+        ev = torch.cuda.Event()
+        ev.record(s)
+        events.append(ev)
+    while not all(ev.query() for ev in events):
+        if time.time() > deadline:
+            raise AssertionError(f"{what}: the GPU is still busy (a kernel was not released)")
+        time.sleep(0.005)
+
+
+def expect_mismatch(comm, call, timeout_s: float, *matches: str):
+    """call() on ranks that called differently: it returns (or raises CollectiveMismatchError
+    itself), comm.check() raises CollectiveMismatchError naming `matches` before the timeout
+    would have run out, and the GPU then drains. check() is polled before any CUDA call: a
+    synchronize could wait on an NCCL kernel that only check()'s abort releases. Returns
+    (call()'s result or None, the error)."""
+    t0 = time.time()
+    y, err = None, None
+    try:
+        y = call()
+    except fusedist.CollectiveMismatchError as e:  # a later step of the call saw the record
+        err = e
+    while err is None:
+        try:
+            comm.check()
+        except fusedist.CollectiveMismatchError as e:
+            err = e
+        else:
+            if time.time() - t0 > timeout_s:
+                raise AssertionError(f"no CollectiveMismatchError within {timeout_s:g} s")
+            time.sleep(0.005)
+    waited = time.time() - t0
+    for m in ("called different collectives",) + matches:
+        assert m in str(err), f"message {str(err)!r} lacks {m!r}"
+    assert waited < timeout_s, f"took {waited:.1f}s: the mismatch waited out the timeout"
+    _wait_idle(comm.device, t0 + 2 * timeout_s, "after the mismatch")
+    return y, err
+
+
 def assert_identical_across_ranks(rt, y, what):
     """Bitwise equality of `y` on every rank of the tp group (a positional digest)."""
     y = y.reshape(-1)

@@ -10,8 +10,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
-                      fresh, main, rank_seed, skip)
+from _checks import (assert_identical_across_ranks, captured, check, expect_mismatch,  # noqa: E402
+                      expect_timeout, fresh, main, rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -355,6 +355,79 @@ def symmetric_call_mismatch(rt, seed):
     x, ref = inputs_and_ref(rt, n, torch.float32, (seed, "after-gpu-mismatch"))
     assert count_bad(comm.all_reduce(x, algo="one_shot"), ref, torch.float32) == 0
     comm.close()
+
+
+@check
+def nccl_call_mismatch(rt, seed):
+    """All-reduces routed to NCCL carry a call check first: ranks calling NCCL with different
+    sizes, or NCCL against a one-shot kernel, get CollectiveMismatchError naming both calls in
+    bounded time instead of a hang; the check()'s abort of the NCCL communicator releases the
+    NCCL kernel left waiting (the GPU drains); later calls are refused; a fresh communicator
+    works."""
+    symmetric_or_skip(rt)
+    me, dev, timeout = rt.tp.rank, rt.device, 20.0
+    probe = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+    kind, checked, symm = probe.nccl.kind, probe.nccl_call_check, probe.symm is not None
+    probe.close()
+    if not symm:
+        skip("no symmetric memory here (peer access): the call check needs its descriptor slots")
+    if kind != "nccl4py":
+        skip("needs nccl4py: torch.distributed's NCCL (FUSEDIST_NCCL=torch) is not aborted by "
+             "fusedist, so a mismatched NCCL kernel would hang this worker")
+    assert checked, "the call check before NCCL is on by default"
+    big = (1 << 19) + 8  # 2 MB of float32: past the 1 MiB communicator's capacities
+
+    def sizes(comm):
+        x = torch.ones(big + 8 * me, device=dev)
+        assert comm.choose_algo(x.numel() * 4, x.dtype) == "nccl"
+        return (lambda: comm.all_reduce(x),
+                f"all_reduce through NCCL of {big + 8 * me} float32 elements")
+
+    def nccl_against_one_shot(comm):
+        x = torch.ones(4096, device=dev)
+        if me == 0:
+            return (lambda: comm.all_reduce(x, algo="nccl"),
+                    "all_reduce through NCCL of 4096 float32 elements")
+        return (lambda: comm.all_reduce(x, algo="one_shot"),
+                "one_shot all_reduce of 4096 float32 elements")
+
+    for case in (sizes, nccl_against_one_shot):
+        comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=timeout)
+        call, mine = case(comm)
+        expect_mismatch(comm, call, timeout, f"rank {rt.tp.ranks[me]} called {mine}")
+        expect_raises(CollectiveMismatchError, lambda: comm.all_reduce(
+            torch.ones(8, device=dev), algo="nccl"), "called different collectives")
+        comm.close()
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, timeout_s=timeout)
+    x, ref = inputs_and_ref(rt, big, torch.float32, (seed, "after-nccl-mismatch"))
+    assert count_bad(comm.all_reduce(x), ref, torch.float32) == 0, "a fresh communicator"
+    comm.close()
+
+
+@check
+def nccl_call_check_setting_is_rank_0s(rt, seed):
+    """FUSEDIST_NCCL_CALL_CHECK is read at creation and rank 0's value applies on every rank
+    (ranks that disagreed would issue different device barriers); NCCL calls are exact either
+    way."""
+    symmetric_or_skip(rt)
+    me = rt.tp.rank
+    old = os.environ.get("FUSEDIST_NCCL_CALL_CHECK")
+    try:
+        for rank0, others, want in (("0", "1", False), ("1", "0", True)):
+            os.environ["FUSEDIST_NCCL_CALL_CHECK"] = rank0 if me == 0 else others
+            comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+            if comm.symm is None:
+                comm.close()
+                skip("no symmetric memory here (peer access): no call check to configure")
+            assert comm.nccl_call_check is want, (rank0, others, comm.nccl_call_check)
+            x, ref = inputs_and_ref(rt, 4099, torch.float32, (seed, "nccl-check", rank0))
+            assert count_bad(comm.all_reduce(x, algo="nccl"), ref, torch.float32) == 0
+            comm.close()
+    finally:
+        if old is None:
+            os.environ.pop("FUSEDIST_NCCL_CALL_CHECK", None)
+        else:
+            os.environ["FUSEDIST_NCCL_CALL_CHECK"] = old
 
 
 @check

@@ -7,8 +7,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, captured, check, expect_timeout,  # noqa: E402
-                      fresh, main, rank_seed, skip)
+from _checks import (assert_identical_across_ranks, captured, check, expect_mismatch,  # noqa: E402
+                      expect_timeout, fresh, main, rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -701,6 +701,197 @@ def gemm_ar_fused_bad_inputs(rt, seed):
     small.close()
 
 
+MISMATCH_TIMEOUT_S = 20.0
+
+
+def _run_mismatches(rt, cases, **comm_kwargs):
+    """Each case(comm) -> (call, this rank's call in the message's words, a later call, a
+    check of call()'s output or None) runs on a fresh communicator: every rank must get
+    CollectiveMismatchError naming its own call before the timeout, the GPU must drain, and
+    the later call must be refused (the communicator failed for good)."""
+    me, ranks = rt.tp.rank, rt.tp.ranks
+    for name, case in cases:
+        comm = fusedist.Communicator(rt.tp, timeout_s=MISMATCH_TIMEOUT_S, **comm_kwargs)
+        call, mine, again, post = case(comm)
+        y, _ = expect_mismatch(comm, call, MISMATCH_TIMEOUT_S, f"rank {ranks[me]} called {mine}")
+        if post is not None and y is not None:
+            post(y)
+        try:
+            again()
+        except fusedist.CollectiveMismatchError:
+            pass
+        else:
+            raise AssertionError(f"{name}: a failed communicator accepted another call")
+        comm.close()
+
+
+@check
+def gemm_ar_fused_call_mismatch(rt, seed):
+    """Ranks calling the fused decode gemm_ar with another N, M or dtype, or a one-shot
+    all_reduce against it: the kernel's call descriptors make every rank raise
+    CollectiveMismatchError naming its call, in bounded time; vectors the smaller call never
+    sent are NaN; the communicator refuses later calls; a fresh one works."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        skip("needs CUDA tensors on 2 or more ranks")
+    W, me, dev, bf = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    K = 256
+
+    def gemm_ar(M, N, dt=bf):
+        def case(comm):
+            x = fresh((M, K), dt, dev, rank_seed(seed, "mm-x", me, M))
+            w = fresh((K, N), dt, dev, rank_seed(seed, "mm-w", me, N))
+            out = poison(torch.empty((M, N), dtype=dt, device=dev))
+            dname = str(dt).split(".")[-1]
+            return (lambda: fusedist.gemm_ar(x, w, group=comm, engine="fused", out=out),
+                    f"gemm_ar (the fused kernel) with M = {M}, N = {N}, {dname}",
+                    lambda: fusedist.gemm_ar(x, w, group=comm, engine="fused"), None)
+        return case
+
+    def another_n(comm):
+        call, mine, again, _ = gemm_ar(4, 512 + 64 * me)(comm)
+
+        def post(y):  # rank 0 pushed 4 x 512 elements: the rest never arrived here
+            assert torch.isnan(y.view(-1)[4 * 512:]).all(), "vectors rank 0 never sent"
+        return call, mine, again, post
+
+    def against_one_shot(comm):
+        if me == 0:
+            return gemm_ar(4, 512)(comm)
+        x = torch.ones(4 * 512, dtype=bf, device=dev)
+        return (lambda: comm.all_reduce(x, algo="one_shot"),
+                "one_shot all_reduce of 2048 bfloat16 elements",
+                lambda: comm.all_reduce(x, algo="one_shot"), None)
+
+    _run_mismatches(rt, [
+        ("another N", another_n),
+        ("another M (another tile configuration)", lambda c: gemm_ar(4 + 16 * me, 512)(c)),
+        ("another dtype", lambda c: gemm_ar(4, 512, bf if me == 0 else torch.float16)(c)),
+        ("gemm_ar against a one-shot all_reduce", against_one_shot),
+    ], max_bytes=1 << 20)
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
+    xs = [fresh((4, K), bf, dev, rank_seed(seed, "mm-after", p)) for p in range(W)]
+    ws = [fresh((K, 512), bf, dev, rank_seed(seed, "mm-after-w", p)) for p in range(W)]
+    y = fusedist.gemm_ar(xs[me], ws[me], group=comm, engine="fused")
+    ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+    assert gemm_err(y, ref) < GEMM_REL[bf], "a fresh communicator after a mismatch"
+    comm.close()
+
+
+@check
+def copy_engine_call_mismatch(rt, seed):
+    """Ranks in different copy-engine calls (ag_gemm against gemm_rs, another M, N or shard):
+    the pipelines' device barriers are call checks carrying the op's descriptor, so every rank
+    raises CollectiveMismatchError naming its call, in bounded time, and later calls are
+    refused."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        skip("needs CUDA tensors on 2 or more ranks")
+    W, me, dev, bf = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    K, N = 256, 512
+    ce = dict(engine="overlap", transport="copy_engine")
+
+    def ag(m):
+        def case(comm):
+            x = fresh((m, K), bf, dev, rank_seed(seed, "ce-ag", me, m))
+            w = fresh((K, N), bf, dev, rank_seed(seed, "ce-w", me))
+            return (lambda: fusedist.ag_gemm(x, w, group=comm, **ce),
+                    f"ag_gemm (the copy-engine overlap) with M = {W * m}, K = {K}, bfloat16",
+                    lambda: fusedist.ag_gemm(x, w, group=comm, **ce), None)
+        return case
+
+    def rs(m):
+        def case(comm):
+            x = fresh((W * m, K), bf, dev, rank_seed(seed, "ce-rs", me, m))
+            w = fresh((K, N), bf, dev, rank_seed(seed, "ce-w", me))
+            return (lambda: fusedist.gemm_rs(x, w, group=comm, chunks=1, **ce),
+                    f"gemm_rs (the copy-engine overlap, 1 chunk) with M = {W * m}, N = {N}, "
+                    "bfloat16", lambda: fusedist.gemm_rs(x, w, group=comm, chunks=1, **ce), None)
+        return case
+
+    def ar(n):
+        def case(comm):
+            M = 16 * W
+            x = fresh((M, K), bf, dev, rank_seed(seed, "ce-ar", me))
+            w = fresh((K, n), bf, dev, rank_seed(seed, "ce-ar-w", me, n))
+            return (lambda: fusedist.gemm_ar(x, w, group=comm, chunks=1, **ce),
+                    f"gemm_ar (the copy-engine overlap, 1 chunk) with M = {M}, N = {n}, "
+                    "bfloat16", lambda: fusedist.gemm_ar(x, w, group=comm, chunks=1, **ce), None)
+        return case
+
+    _run_mismatches(rt, [
+        ("ag_gemm against gemm_rs", lambda c: (ag(64) if me == 0 else rs(64))(c)),
+        ("gemm_rs, another M", lambda c: rs(32 + 8 * me)(c)),
+        ("gemm_ar, another N", lambda c: ar(N + 64 * me)(c)),
+        ("ag_gemm, another shard", lambda c: ag(64 + 8 * me)(c)),
+    ], max_bytes=1 << 20, staging_bytes=1 << 20)
+
+
+@check
+def fused_hopper_call_mismatch(rt, seed):
+    """The fused Hopper engines: ag_gemm against gemm_rs, and gemm_rs with another M; their
+    call checks (ag_gemm's first barrier, gemm_rs's opening one) make every rank raise
+    CollectiveMismatchError naming its call, in bounded time."""
+    if not hopper_peers(rt):
+        skip("needs Hopper GPUs with peer access")
+    W, me, dev, bf = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    K, N = 256, 512
+
+    def ag(m):
+        def case(comm):
+            x = fresh((m, K), bf, dev, rank_seed(seed, "fz-ag", me, m))
+            w = fresh((K, N), bf, dev, rank_seed(seed, "fz-w", me))
+            return (lambda: fusedist.ag_gemm(x, w, group=comm, engine="fused"),
+                    f"ag_gemm (the fused kernel, 1 piece) with M = {W * m}, K = {K}, bfloat16",
+                    lambda: fusedist.ag_gemm(x, w, group=comm, engine="fused"), None)
+        return case
+
+    def rs(m):
+        def case(comm):
+            x = fresh((W * m, K), bf, dev, rank_seed(seed, "fz-rs", me, m))
+            w = fresh((K, N), bf, dev, rank_seed(seed, "fz-w", me))
+            return (lambda: fusedist.gemm_rs(x, w, group=comm, engine="fused", chunks=1),
+                    f"gemm_rs (the fused kernel, 1 piece) with M = {W * m}, N = {N}, bfloat16",
+                    lambda: fusedist.gemm_rs(x, w, group=comm, engine="fused", chunks=1), None)
+        return case
+
+    _run_mismatches(rt, [
+        ("fused ag_gemm against fused gemm_rs", lambda c: (ag(64) if me == 0 else rs(64))(c)),
+        ("fused gemm_rs, another M", lambda c: rs(64 + 128 * me)(c)),
+    ], max_bytes=1 << 20, staging_bytes=4 << 20)
+
+
+@check
+def uneven_k_shards_are_not_a_mismatch(rt, seed):
+    """Row-parallel shards of different K on different ranks are legal (the sum over ranks of
+    x_r @ w_r is what gemm_ar / gemm_rs compute, and K sets no peer offset), so the call
+    descriptors leave K out: the fused decode gemm_ar and the copy-engine gemm_ar / gemm_rs
+    match the float64 reference with K = 256 + 64 x rank, gemm_ar bitwise the same on every
+    rank."""
+    if rt.device.type != "cuda" or rt.tp.size < 2:
+        skip("needs CUDA tensors on 2 or more ranks")
+    W, me, dev, bf = rt.tp.size, rt.tp.rank, rt.device, torch.bfloat16
+    comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20, staging_bytes=1 << 20)
+    ks = [256 + 64 * p for p in range(W)]
+    for what, M, run in (
+            ("gemm_ar fused", 4, lambda x, w: fusedist.gemm_ar(x, w, group=comm, engine="fused")),
+            ("gemm_ar copy_engine", 16 * W, lambda x, w: fusedist.gemm_ar(
+                x, w, group=comm, engine="overlap", transport="copy_engine", chunks=2)),
+            ("gemm_rs copy_engine", 16 * W, lambda x, w: fusedist.gemm_rs(
+                x, w, group=comm, engine="overlap", transport="copy_engine", chunks=2))):
+        xs = [fresh((M, ks[p]), bf, dev, rank_seed(seed, what, "x", p)) for p in range(W)]
+        ws = [fresh((ks[p], 520), bf, dev, rank_seed(seed, what, "w", p)) for p in range(W)]
+        ref = sum(x.double() @ w.double() for x, w in zip(xs, ws))
+        y = run(xs[me], ws[me])
+        if what.startswith("gemm_rs"):
+            m = M // W
+            ref = ref[me * m:(me + 1) * m]
+        err = gemm_err(y, ref)
+        assert err < GEMM_REL[bf], f"{what} with K = {ks}: rel err {err:.3g}"
+        if what.startswith("gemm_ar"):
+            assert_identical_across_ranks(rt, y, what)
+    comm.check()
+    comm.close()
+
+
 @check
 def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips the fused call: the others get CommunicatorTimeoutError in bounded time and
@@ -735,9 +926,10 @@ def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
 
 @check
 def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
-    """Rank 0 skips a fused gemm_rs: the others' counter waits time out (rank 0's tiles never
-    arrive), their GEMMs finish on whatever the rows hold (undefined output), and the
-    communicator reports CommunicatorTimeoutError in bounded time, never a hang."""
+    """Rank 0 skips a fused gemm_rs: the others' opening call check times out (rank 0 never
+    comes; the counter waits behind it give up at once), their GEMMs finish on whatever the
+    rows hold (undefined output), and the communicator reports CommunicatorTimeoutError in
+    bounded time, never a hang."""
     if not hopper_peers(rt):
         skip("needs Hopper GPUs with peer access")
     W = rt.tp.size
@@ -747,7 +939,7 @@ def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
     w = torch.ones(256, 512, device=rt.device, dtype=torch.bfloat16)
     if rt.tp.rank != 0:
         expect_timeout(comm, lambda: fusedist.gemm_rs(x, w, group=comm, engine="fused"), 2.0,
-                       "gemm_rs (fused")
+                       "call check")
     comm.close()
 
 

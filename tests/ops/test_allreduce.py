@@ -30,3 +30,12 @@ def test_allreduce_cpu_mpirun():
 @pytest.mark.timeout(1800)
 def test_allreduce_gpu2():
     assert_passed(torchrun("worker_allreduce.py", 2, timeout=1700), 2)
+
+
+@pytest.mark.gpu2
+@pytest.mark.timeout(900)
+def test_call_mismatch_gpu2():
+    """Only the checks of ranks calling differently (symmetric kernels, NCCL routes, the NCCL
+    call-check setting): a quick run after a change to the call descriptors or checks."""
+    assert_passed(torchrun("worker_allreduce.py", 2, {"FUSEDIST_TEST_ONLY": "mismatch"},
+                           timeout=850), 2)

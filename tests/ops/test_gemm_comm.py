@@ -28,6 +28,15 @@ def test_gemm_comm_gpu2():
     assert_passed(torchrun("worker_gemm_comm.py", 2, timeout=850), 2)
 
 
+@pytest.mark.gpu2
+@pytest.mark.timeout(900)
+def test_gemm_comm_call_mismatch_gpu2():
+    """Only the checks of ranks calling differently (fused decode gemm_ar, copy-engine and
+    fused Hopper engines) and of uneven K shards, which must not count as a mismatch."""
+    assert_passed(torchrun("worker_gemm_comm.py", 2, {"FUSEDIST_TEST_ONLY": "mismatch"},
+                           timeout=850), 2)
+
+
 # ---- dispatch helpers (no processes) ---------------------------------------------------------
 import importlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -311,6 +320,9 @@ import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import threading  # noqa: E402
 
+from fusedist import symmetric  # noqa: E402
+from fusedist.errors import CollectiveMismatchError  # noqa: E402
+
 from tolerances import GEMM_REL, gemm_err  # noqa: E402
 
 
@@ -331,7 +343,11 @@ class _Event:
 
 
 class _World:
-    """W ranks' staging buffers and the barrier their device barriers meet at."""
+    """W ranks' staging buffers and the barrier their device barriers meet at. A device
+    barrier is a call check: every rank posts its call descriptor and compares every peer's
+    with its own, as call_check.cuh does, raising CollectiveMismatchError on a difference.
+    `checks[r]` lists rank r's descriptors in order, `pulls[r]` its reads of a peer's buffer
+    (with the number of call checks passed before each)."""
 
     def __init__(self, W, staging_bytes, offset=64):
         self.W = W
@@ -339,6 +355,31 @@ class _World:
         self.bufs = [torch.zeros(offset + staging_bytes, dtype=torch.uint8) for _ in range(W)]
         self.bases = [b.data_ptr() for b in self.bufs]
         self.barrier = threading.Barrier(W, timeout=20)
+        self.checks = [[] for _ in range(W)]
+        self.pulls = [[] for _ in range(W)]
+        self._posted = [None] * W
+
+    def call_check(self, rank, desc):
+        self.checks[rank].append(tuple(desc))
+        self._posted[rank] = tuple(desc)
+        self.barrier.wait()
+        seen = list(self._posted)
+        self.barrier.wait()  # every rank read every descriptor before the next check posts
+        for p, theirs in enumerate(seen):
+            if theirs != tuple(desc):
+                raise CollectiveMismatchError(
+                    f"rank {rank} called {symmetric.describe_desc(_decoded(desc))}, rank {p} "
+                    f"called {symmetric.describe_desc(_decoded(theirs))}")
+
+    def owner(self, addr):
+        for r, b in enumerate(self.bufs):
+            if b.data_ptr() <= addr < b.data_ptr() + b.numel():
+                return r
+        return None
+
+
+def _decoded(desc):
+    return symmetric.decode_desc(symmetric.desc_words(desc, 0))
 
 
 class _Symm:
@@ -364,11 +405,16 @@ class _C:
         self.world = world
 
     def memcpy_async(self, dst, src, nbytes, stream):
+        w = self.world
+        me, frm = w.owner(dst), w.owner(src)
+        if frm is not None and me is not None and frm != me:
+            w.pulls[me].append((frm, len(w.checks[me])))
         ctypes.memmove(dst, src, nbytes)
 
-    def gemm_ar_staging_gather(self, rank, staging_offset, bounds, row_bytes, out, stream):
-        # staging_gather_kernel: push own rows to out and every peer's staging, meet, copy the
-        # peers' rows from local staging to out.
+    def gemm_ar_staging_gather(self, rank, staging_offset, bounds, row_bytes, out, desc,
+                               stream):
+        # staging_gather_kernel: push own rows to out and every peer's staging, meet (block 0
+        # also compares the call descriptors), copy the peers' rows from local staging to out.
         w = self.world
         lo, hi = bounds[rank], bounds[rank + 1]
         n = (hi - lo) * row_bytes
@@ -378,7 +424,7 @@ class _C:
             for p in range(w.W):
                 if p != rank:
                     ctypes.memmove(w.bases[p] + staging_offset + lo * row_bytes, src, n)
-        w.barrier.wait()  # the tokens
+        w.call_check(rank, desc)  # the tokens, and block 0's descriptor check
         for q in range(w.W):
             a, b = bounds[q], bounds[q + 1]
             if q != rank and b > a:
@@ -397,7 +443,9 @@ def emulated(monkeypatch):
     for mod in (eb, ce):
         monkeypatch.setattr(mod, "comm_stream", lambda device=None, index=0: _Stream())
 
-    def run(W, staging_bytes, fn, c_class=None):
+    def run(W, staging_bytes, fn, c_class=None, world_out=None):
+        """fn(comm, rank) on W threads; their results. With world_out (a list), the _World is
+        appended to it and exceptions are returned per rank instead of failing the test."""
         world = _World(W, staging_bytes)
         ext = (c_class or _C)(world)
         monkeypatch.setattr(_ext, "load", lambda: ext)
@@ -407,9 +455,13 @@ def emulated(monkeypatch):
             comm = Communicator.__new__(Communicator)
             comm.group = type("G", (), {"size": W, "rank": r})()
             comm.symm = _Symm(world, r)
-            comm.device_barrier = lambda: world.barrier.wait()
+            comm.device_barrier = lambda desc: world.call_check(r, desc)
             try:
                 results[r] = fn(comm, r)
+            except CollectiveMismatchError as e:
+                results[r] = e
+                if world_out is None:
+                    errors.append(e)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
                 world.barrier.abort()
@@ -420,6 +472,11 @@ def emulated(monkeypatch):
         for t in threads:
             t.join(60)
         assert not errors, errors
+        if world_out is not None:
+            world_out.append(world)
+        else:
+            # Matched calls: every rank passed the same call checks, in the same order.
+            assert all(c == world.checks[0] for c in world.checks), world.checks
         return results
 
     return run
@@ -514,6 +571,116 @@ def test_ag_copy_engine_pull_staged_by_the_caller(emulated, W):
 
     for r, got in enumerate(emulated(W, m * k * 4, fn)):
         assert torch.equal(got, torch.cat(shards)), f"rank {r}"
+
+
+def _mismatch_cases():
+    """(what, a function of rank -> the pipeline call) for calls that differ across ranks."""
+    k, n = 9, 12
+
+    def rs(m, chunks=1):
+        def go(comm, r, W):
+            x = torch.randn(W * m, k)
+            return ce._rs_copy_engine(comm, x, torch.randn(k, n), torch.empty(m, n), _Stream(),
+                                      eb.split(m, chunks))
+        return go
+
+    def ar(M, n_=n, chunks=1):
+        def go(comm, r, W):
+            return ce._ar_copy_engine(comm, torch.randn(M, k), torch.randn(k, n_),
+                                      torch.empty(M, n_), _Stream(), eb.split(M, chunks))
+        return go
+
+    def ag(m):
+        def go(comm, r, W):
+            x = torch.randn(m, k)
+            return ce._ag_pull(comm, x, torch.empty(W * m, k), _Stream())
+        return go
+
+    return {
+        "gemm_rs, another M": lambda r: rs(8 + r),
+        "gemm_rs, other chunks": lambda r: rs(8, 1 + r),
+        "gemm_ar, another N": lambda r: ar(16, n + 4 * r),
+        "gemm_ar, other chunks": lambda r: ar(16, chunks=2 + r),
+        "ag_gemm, another shard": lambda r: ag(5 + r),
+        "ag_gemm against gemm_rs": lambda r: ag(8) if r == 0 else rs(8),
+        "gemm_ar against ag_gemm": lambda r: ar(16) if r == 0 else ag(8),
+    }
+
+
+@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("case", list(_mismatch_cases()))
+def test_copy_engine_pipelines_check_the_call_before_any_pull(emulated, W, case):
+    """Ranks in different copy-engine calls (another shape, other chunks, another op): the
+    first call check carries each rank's descriptor, every rank raises CollectiveMismatchError
+    there, naming both calls, and no rank has read a peer's staging yet."""
+    make = _mismatch_cases()[case]
+    worlds = []
+    outs = emulated(W, 1 << 16, lambda comm, r: make(r)(comm, r, W), world_out=worlds)
+    world = worlds[0]
+    for r, y in enumerate(outs):
+        assert isinstance(y, CollectiveMismatchError), (r, y)
+        assert len(world.checks[r]) == 1, f"rank {r} passed {len(world.checks[r])} checks"
+        assert world.pulls[r] == [], f"rank {r} pulled before the check: {world.pulls[r]}"
+    assert "called" in str(outs[0])
+
+
+class _NcclLog:
+    """A NcclComm stand-in for one rank of W: records each call in `log` (after whatever the
+    call check recorded there) and fills the output as rank 0 of identical ranks would."""
+
+    def __init__(self, log, W):
+        self.log, self.W = log, W
+
+    def all_gather(self, x, out):
+        self.log.append(("nccl all_gather", x.numel()))
+        return out.copy_(x.reshape(1, -1).expand(self.W, -1).reshape(out.shape))
+
+    def reduce_scatter(self, x, out):
+        self.log.append(("nccl reduce_scatter", x.numel()))
+        return out.copy_(x.reshape(self.W, -1)[0].reshape(out.shape) * self.W)
+
+
+@pytest.mark.parametrize("engine", ["unfused", "overlap"])
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_nccl_collectives_of_the_gemm_ops_are_checked_first(emulated, monkeypatch, engine, op):
+    """ag_gemm / gemm_rs through NCCL (unfused, overlap): a call check carrying what NCCL is
+    about to be asked (collective, input elements, the overlap engine's NCCL calls) comes
+    before the first NCCL call, once per op call."""
+    from fusedist.comm.engines import overlap as ov
+    from fusedist.comm.engines import unfused as uf
+
+    W, m, k, n, chunks = 2, 6, 8, 5, 3
+    log = []
+    comm = Communicator.__new__(Communicator)
+    comm.group = SimpleNamespace(size=W, rank=0, name="tp")
+    comm.device = torch.device("cuda")  # the GPU paths, run on CPU tensors with fake streams
+    comm.nccl = comm.nccl_overlap = _NcclLog(log, W)
+    comm.check_nccl_call = lambda coll, dtype, numel, calls=1: log.append(
+        ("call check", symmetric.nccl_desc(coll, _dtypes_code(dtype), numel, calls)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(ov, "split", eb.split)
+    x = torch.randn(m if op == "ag_gemm" else W * m, k, dtype=torch.bfloat16)
+    w = torch.randn(k, n, dtype=torch.bfloat16)
+    out = torch.empty((W * m if op == "ag_gemm" else m), n, dtype=torch.bfloat16)
+    call = eb.Call(op, comm, x, w, None, out, chunks if op == "gemm_rs" else None, "collective")
+    (uf.ENGINE if engine == "unfused" else ov.ENGINE).run(call)
+    if op == "ag_gemm":
+        want = [("call check", symmetric.nccl_desc("all_gather", 2, m * k)),
+                ("nccl all_gather", m * k)]
+    elif engine == "unfused":
+        want = [("call check", symmetric.nccl_desc("reduce_scatter", 2, W * m * n)),
+                ("nccl reduce_scatter", W * m * n)]
+    else:  # one check for the three chunks' reduce-scatters
+        want = [("call check", symmetric.nccl_desc("reduce_scatter", 2, W * m * n, calls=3))] + \
+            [("nccl reduce_scatter", W * 2 * n)] * 3
+    assert log == want
+
+
+def _dtypes_code(dtype):
+    from fusedist import _dtypes
+
+    return _dtypes.code(dtype)
 
 
 class _Signals:

@@ -26,7 +26,11 @@ __global__ void __launch_bounds__(512)
   Vec16 x0 = {{0u, 0u, 0u, 0u}};
   if (first < nvec) x0 = sanitize(load_vec_tail(in, first, n));
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
-  send_desc(v, epoch, kOpOneShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  // The call descriptor (symmetric.cuh): op, dtype, element count.
+  const auto desc = [&] {
+    return collective_desc(kOpOneShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  };
+  send_desc(v, epoch, desc());
 
   for (int64_t i = first; i < nvec; i += stride) {
     const Vec16 x = i == first ? x0 : sanitize(load_vec_tail(in, i, n));
@@ -34,7 +38,7 @@ __global__ void __launch_bounds__(512)
     for (int p = 0; p < v.world; ++p)
       if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + i, x);
   }
-  check_desc(v, epoch, kOpOneShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  check_desc(v, epoch, desc(), kOpOneShot);
 
   for (int64_t i = first; i < nvec; i += stride) {
     float acc[kPer];

@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(1024)
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
   // The call descriptor (symmetric.cuh): op, dtype, FP8 output, tokens x hidden, hidden.
 #define FUSEDIST_RMSNORM_DESC                                                          \
-  kOpOneShotRmsNorm, ElemTraits<T>::kDType, kFp8Out ? kDescFp8Out : 0u,                \
-      uint64_t(tokens) * uint64_t(hidden), uint32_t(hidden)
+  collective_desc(kOpOneShotRmsNorm, ElemTraits<T>::kDType, kFp8Out ? kDescFp8Out : 0u,  \
+                  uint64_t(tokens) * uint64_t(hidden), uint32_t(hidden))
   send_desc(v, epoch, FUSEDIST_RMSNORM_DESC);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x)
@@ -92,7 +92,8 @@ __global__ void __launch_bounds__(1024)
   // other rows can then leave one of this rank's rows waiting out the timeout, reported as a
   // timeout, while the peer reports the mismatch).
   constexpr bool kCheckFirst = kVpt == 1 || !kFp8Out;
-  if constexpr (kCheckFirst) check_desc<kVpt == 1>(v, epoch, FUSEDIST_RMSNORM_DESC);
+  if constexpr (kCheckFirst)
+    check_desc<kVpt == 1>(v, epoch, FUSEDIST_RMSNORM_DESC, kOpOneShotRmsNorm);
 
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     float h[kVpt][kPer];
@@ -171,7 +172,8 @@ __global__ void __launch_bounds__(1024)
       }
     }
   }
-  if constexpr (!kCheckFirst) check_desc<false>(v, epoch, FUSEDIST_RMSNORM_DESC);
+  if constexpr (!kCheckFirst)
+    check_desc<false>(v, epoch, FUSEDIST_RMSNORM_DESC, kOpOneShotRmsNorm);
 #undef FUSEDIST_RMSNORM_DESC
   finish_epoch(v.ctl, v.err, v.timeout_ns, v.rank, epoch, kOpOneShotRmsNorm);
 }

@@ -33,7 +33,11 @@ __global__ void __launch_bounds__(512)
   const int64_t chunk = (nvec + v.world - 1) / v.world;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  send_desc(v, epoch, kOpTwoShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  // The call descriptor (symmetric.cuh): op, dtype, element count.
+  const auto desc = [&] {
+    return collective_desc(kOpTwoShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  };
+  send_desc(v, epoch, desc());
 
   // 1. scatter
 #pragma unroll 1
@@ -56,7 +60,7 @@ __global__ void __launch_bounds__(512)
     }
   }
 
-  check_desc(v, epoch, kOpTwoShot, ElemTraits<T>::kDType, 0u, uint64_t(n), 0u);
+  check_desc(v, epoch, desc(), kOpTwoShot);
 
   // 2. reduce my chunk, broadcast the result
   {

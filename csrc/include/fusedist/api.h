@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,6 +55,16 @@ struct SymmComm {
            double timeout_s, int max_blocks);
 };
 
+// ---- call_check.cu ------------------------------------------------------------------------
+// The call check (call_check.cuh): a device barrier on `stream` that exchanges `desc` with every
+// peer and records a mismatch (or a peer that never comes) like the symmetric kernels do.
+void call_check(const SymmComm& comm, const CallDesc& desc, uintptr_t stream);
+// The bindings' form of a descriptor: (op, dtype, flags, a, b, c), as fusedist/symmetric.py
+// builds it.
+inline CallDesc to_call_desc(const std::array<uint32_t, 6>& d) {
+  return CallDesc{d[0], d[1], d[2], d[3], d[4], d[5]};
+}
+
 // ---- allreduce.cu -------------------------------------------------------------------------
 enum class AllReduceAlgo : int { kOneShot = 0, kTwoShot = 1 };
 void allreduce(const SymmComm& comm, uintptr_t in, uintptr_t out, int64_t numel, DType dtype,
@@ -84,10 +95,11 @@ void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src,
 // gemm_ar engine='overlap', transport='copy_engine', last step: out rows [b[p], b[p + 1]) =
 // rank p's staging rows there. SMs push this rank's rows into every peer's staging (the rows
 // of the partials it pulled), one token per block; on timeout the peers' rows become NaN.
-// row_bytes: bytes per row in both; out: row 0 of out.
+// row_bytes: bytes per row in both; out: row 0 of out. desc: the call's descriptor (the one
+// its call checks carry), exchanged by block 0.
 void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
                             const std::vector<int64_t>& row_bounds, int64_t row_bytes,
-                            uintptr_t out, uintptr_t stream);
+                            uintptr_t out, const CallDesc& desc, uintptr_t stream);
 
 // ---- gemm.cu ------------------------------------------------------------------------------
 // Hopper GEMM (gemm_sm90.cuh): out[m, n] = x[m, k] @ w + beta * c + bias, fp32 accumulation.

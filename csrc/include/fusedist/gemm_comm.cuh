@@ -22,6 +22,15 @@
 //    the group-wide SM minimum) and the grid never exceeds what is resident, so a block only
 //    waits for peers' blocks that are running. Strips finish at different times, so most of
 //    the exchange runs while other blocks still stream weights.
+//  * Call check: lane p of block 0 sends this call's descriptor (gemm_ar, dtype, M, N: what
+//    sets the peers' offsets and the grid; K is each rank's own shard) to peer p once the epoch
+//    is known, and checks peer p's after pushing its first strip, before it waits for any data
+//    (symmetric.cuh send_desc / check_desc). A peer that called with another M, N or dtype, or
+//    another op, fails the communicator with a mismatch: every wait gives up within 256 polls
+//    and leaves NaN, instead of summing misplaced strips or waiting out the timeout. A strip
+//    pushed before the check stays within this rank's slot of the peer's generation (M x N
+//    fits the slot: checked by the launcher). The check is a call (check_desc<false>): inlined,
+//    it raised the kernel's registers by up to 24 (ptxas -v), as a call by 2-4.
 // world == 1 skips the exchange: a plain skinny GEMM (the no-communication baseline).
 //
 // Layouts: x [M, K] with row stride ldx; w, described by a 2-D tensor map (gemm_comm.cu), either
@@ -119,6 +128,12 @@ __global__ void __launch_bounds__(32 * kWarps + 32, 1)
     for (int kt = 0; kt < pre; ++kt) load_w(kt, kt, first_strip * kGemmArBN);
   pdl_wait();  // x, out and the epoch may belong to the previous kernel
   const uint32_t epoch = exchange ? begin_epoch(v.ctl, load_epoch(v.ctl)) : 0u;
+  // What every rank must agree on; K is each rank's own shard (layout.h CallDesc).
+  const auto desc = [&] {
+    return gemm_desc(kOpGemmAr, ElemTraits<T>::kDType, kDescEngineFused, 0u, uint32_t(M),
+                     uint32_t(N), 0u);
+  };
+  if (exchange) send_desc(v, epoch, desc());
 
   if (producer) {  // ---- producer warp: keep the ring full ------------------------------
     if (lane == 0) {
@@ -235,6 +250,7 @@ __global__ void __launch_bounds__(32 * kWarps + 32, 1)
         for (int p = 0; p < v.world; ++p)
           if (p != v.rank) st_volatile(slot_ptr(v, p, epoch, v.rank) + vi, part);
       }
+      if (strip == first_strip) check_desc<false>(v, epoch, desc(), kOpGemmAr);  // block 0
       for (int i = tid; i < nvec; i += Cfg::kConsumers) {
         if (n0 + (i & 7) * kPer >= N) continue;
         float f[kPer];
@@ -285,6 +301,9 @@ __global__ void counter_wait_kernel(uint32_t* counter, uint32_t expected, Contro
 //     for each peer's. Block b of every rank covers the same vector positions of each rank's
 //     rows, so the peer's token says that its block b's share of the peer's rows landed here.
 //  3. Copy: the peers' rows of this block's share, local staging -> out.
+// Block 0 also exchanges the call's descriptor (the one its pipeline's call checks carry:
+// gemm_ar, dtype, M, N, the copy-engine transport and its chunks) before the tokens, so a peer
+// in another call fails the communicator with a mismatch instead of a timeout.
 // No closing handshake: every peer write into this rank's staging landed before this kernel
 // ends (it waited for them), and the pipeline's reads of peers' staging all ran on the comm
 // stream, which both ranks joined before this kernel. On a timed-out token the peers' rows of
@@ -302,10 +321,12 @@ __device__ __forceinline__ Vec16 ld_cg(const Vec16* p) {  // L2, never a stale L
 
 __global__ void __launch_bounds__(kStagingGatherThreads)
     staging_gather_kernel(const __grid_constant__ SymmView v, uint64_t staging_offset,
-                          const __grid_constant__ RowSplit split, int64_t row_vecs, Vec16* out) {
+                          const __grid_constant__ RowSplit split, int64_t row_vecs, Vec16* out,
+                          const CallDesc desc) {
   constexpr int U = kStagingGatherUnroll;
   pdl_wait();
   const uint32_t epoch = begin_epoch(v.ctl, load_epoch(v.ctl));
+  send_desc(v, epoch, desc);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   auto stage = [&](int p) { return reinterpret_cast<Vec16*>(v.base[p] + staging_offset); };
@@ -334,6 +355,7 @@ __global__ void __launch_bounds__(kStagingGatherThreads)
     }
   }
   __threadfence_system();  // this thread's pushes are visible before its block's token
+  check_desc(v, epoch, desc, kOpGemmAr);  // block 0, lane p: peer p's descriptor
 
   // 2. tokens: thread p meets rank p
   bool ok = true;

@@ -9,8 +9,9 @@
 //                                                  two-shot: rank s's share of MY chunk
 //     gather, at world * slot_bytes               two-shot: reduced chunks from their owners
 //     call descriptors, the last kDescBytes       16 bytes per source rank s: what rank s
-//                                                  called (op, dtype, size: desc_word below;
-//                                                  exchanged in symmetric.cuh)
+//                                                  called (op, dtype, sizes: desc_word below;
+//                                                  exchanged in symmetric.cuh and by the call
+//                                                  check, call_check.cuh)
 //
 // Writers: rank s writes only slot s (and descriptor s) of a peer's generation (and owners
 // write the gather region at their own chunk's offsets). Readers: only the owning rank reads
@@ -44,8 +45,13 @@ struct ErrorRecord {
 };
 constexpr uint32_t kErrTimeout = 1;
 constexpr uint32_t kErrMismatch = 2;
+// What a kernel is (ErrorRecord::op) and what a rank called (a call descriptor's op). 1-7 are
+// kernels; 4-6 also name the GEMM + collective op in the descriptors of its symmetric paths
+// (the fused kernels, the copy-engine pipelines' call checks); 8-10 name only descriptors: the
+// NCCL call that a call check guards (call_check.cuh).
 enum OpCode : uint32_t { kOpOneShot = 1, kOpTwoShot = 2, kOpOneShotRmsNorm = 3, kOpGemmAr = 4,
-                       kOpAgGemm = 5, kOpGemmRs = 6 };
+                       kOpAgGemm = 5, kOpGemmRs = 6, kOpCallCheck = 7, kOpNcclAllReduce = 8,
+                       kOpNcclAllGather = 9, kOpNcclReduceScatter = 10 };
 
 // Per-rank control block in local device memory (not shared with peers).
 //   epoch:  calls completed on this communicator, modulo kEpochPeriod; generation =
@@ -80,22 +86,51 @@ static_assert(generation_of(kEpochPeriod - 1) != generation_of(next_epoch(kEpoch
 
 // Call descriptor region at the end of every generation: one 16-byte vector per source rank.
 constexpr uint64_t kDescBytes = uint64_t(kMaxRanks) * 16;
-// A call descriptor: what one rank called, in four words, each tagged in its top byte so that
-// none is ever kEmptyWord (0x80 there):
-//   w0 = 0xFD << 24 | flags << 16 | op << 8 | dtype    flags: kDescFp8Out
-//   w1 = 0xA5 << 24 | numel bits 0..23
-//   w2 = 0xA6 << 24 | numel bits 24..47
-//   w3 = 0xA7 << 24 | aux << 8 | (epoch & 0xFF)         aux: the row width (fused RMSNorm)
-// fusedist/symmetric.py decodes it for the error message.
+// A call descriptor: what one rank called, as (op, dtype, flags, a, b, c), sent as four words.
+// Word 0 carries the tag 0xFD in its top byte and words 1-3 keep bit 31 clear, so none is ever
+// kEmptyWord (0x80008000: 0x80 on top, bit 31 set):
+//   w0 = 0xFD << 24 | flags << 16 | op << 8 | dtype
+//   w1 = a (31 bits)
+//   w2 = b (31 bits)
+//   w3 = c (23 bits) << 8 | (epoch & 0xFF)
+// What the fields hold, by op:
+//  * all-reduce kernels (kOpOneShot, kOpTwoShot, kOpOneShotRmsNorm) and the NCCL calls a call
+//    check guards (kOpNccl*): a, b = the element count's bits 0..30 and 31..61 (an NCCL
+//    call's input elements); c = the fused RMSNorm's row width, or the number of NCCL calls
+//    the check covers (the overlap engine's chunks), else 0; flags: kDescFp8Out.
+//  * GEMM + collective ops (kOpGemmAr, kOpAgGemm, kOpGemmRs): what every rank must agree on.
+//    a = M, the GEMM's rows (ag_gemm: world x the shard's rows); b = N for gemm_ar and
+//    gemm_rs (they sum [M, N] partials), 0 for ag_gemm; c = K for ag_gemm (it gathers [m, K]
+//    shards), 0 for gemm_ar and gemm_rs. The other dimension is a per-rank shard that may
+//    differ (uneven tensor-parallel shards compute correctly and set no peer offset).
+//    flags = engine | chunks << 2: kDescEngine*, the pipeline's chunks or pieces modulo 64.
+// Fields wider than their bits are compared modulo 2^31 (a, b) or 2^23 (c).
+// fusedist/symmetric.py builds (the call checks') and decodes (error messages) them.
+struct CallDesc {
+  uint32_t op, dtype, flags, a, b, c;
+};
 constexpr uint32_t kDescFp8Out = 1;
-__host__ __device__ constexpr uint32_t desc_word(int k, uint32_t op, uint32_t dtype,
-                                                 uint32_t flags, uint64_t numel, uint32_t aux,
-                                                 uint32_t epoch) {
-  return k == 0   ? 0xFD000000u | (flags & 0xFFu) << 16 | (op & 0xFFu) << 8 | (dtype & 0xFFu)
-         : k == 1 ? 0xA5000000u | uint32_t(numel & 0xFFFFFFu)
-         : k == 2 ? 0xA6000000u | uint32_t((numel >> 24) & 0xFFFFFFu)
-                  : 0xA7000000u | (aux & 0xFFFFu) << 8 | (epoch & 0xFFu);
+constexpr uint32_t kDescEngineCopyEngine = 1;  // the overlap engine's copy-engine transport
+constexpr uint32_t kDescEngineFused = 2;       // the fused kernels (decode gemm_ar, Hopper GEMM)
+__host__ __device__ constexpr CallDesc collective_desc(uint32_t op, DType dtype, uint32_t flags,
+                                                       uint64_t numel, uint32_t c) {
+  return CallDesc{op, uint32_t(dtype), flags, uint32_t(numel & 0x7FFFFFFFu),
+                  uint32_t((numel >> 31) & 0x7FFFFFFFu), c};
 }
+__host__ __device__ constexpr CallDesc gemm_desc(uint32_t op, DType dtype, uint32_t engine,
+                                                 uint32_t chunks, uint32_t m, uint32_t n,
+                                                 uint32_t k) {
+  return CallDesc{op, uint32_t(dtype), (engine & 3u) | (chunks & 63u) << 2, m, n, k};
+}
+__host__ __device__ constexpr uint32_t desc_word(int k, const CallDesc& d, uint32_t epoch) {
+  return k == 0   ? 0xFD000000u | (d.flags & 0xFFu) << 16 | (d.op & 0xFFu) << 8 | (d.dtype & 0xFFu)
+         : k == 1 ? d.a & 0x7FFFFFFFu
+         : k == 2 ? d.b & 0x7FFFFFFFu
+                  : (d.c & 0x7FFFFFu) << 8 | (epoch & 0xFFu);
+}
+static_assert(desc_word(1, CallDesc{0, 0, 0, kEmptyWord, kEmptyWord, kEmptyWord}, 0) !=
+                  kEmptyWord && desc_word(3, CallDesc{0, 0, 0, 0, 0, ~0u}, ~0u) != kEmptyWord,
+              "a descriptor word equal to the empty sentinel");
 
 // The Hopper GEMM's tile (gemm_sm90.cuh): 128 x 256 per CTA, 2-CTA clusters along M.
 constexpr int kGemmSm90BlockM = 128;

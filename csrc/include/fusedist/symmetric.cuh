@@ -40,10 +40,10 @@ __device__ __forceinline__ Vec16 receive(const SymmView& v, Vec16* mine, int64_t
   return y;
 }
 
-// Call descriptors: every symmetric collective of the sentinel protocol tells each peer what
-// it called (op, dtype, element count, row width, epoch: layout.h desc_word), so that ranks
-// that call different collectives get a CollectiveMismatchError naming both calls instead of
-// a wrong sum, a write past a peer's data, or a hang.
+// Call descriptors: every symmetric kernel tells each peer what it called (layout.h CallDesc:
+// op, dtype and the sizes every rank must agree on, plus the low bits of the epoch), so that
+// ranks that call different collectives get a CollectiveMismatchError naming both calls instead
+// of a wrong sum, a write past a peer's data, or a hang.
 //  * send_desc: lane p of block 0 stores my descriptor into descriptor slot `rank` of peer p's
 //    current generation, first thing after the epoch is known (before the data, so it arrives
 //    no later than the data the peer waits for anyway).
@@ -53,57 +53,58 @@ __device__ __forceinline__ Vec16 receive(const SymmView& v, Vec16* mine, int64_t
 //    clock check (bounded_spin) and leaves NaN, and the host raises from check(). The peer
 //    sees the same difference from its side. (The fused RMSNorm's widest FP8 rows check
 //    after their rows instead: allreduce_rmsnorm.cuh says why.)
+// Whatever a rank pushed before its check stays inside its own slot of the peer's generation
+// (sized by the communicator, the same on every rank: checked at creation), so a mismatched
+// call never writes into another rank's slot, the descriptors or past the buffer; the failed
+// communicator is never used again, so what it left there does not matter.
 // Cost per call: one 16-byte NVLink store per peer and one local 16-byte load, store and
 // compare per peer, all in block 0's first warp; its wait overlaps the wait for the data the
 // same warp receives next. The other warps and blocks are untouched.
-__device__ __forceinline__ Vec16 call_desc(uint32_t op, DType dtype, uint32_t flags,
-                                           uint64_t numel, uint32_t aux, uint32_t epoch) {
-  Vec16 d;
+__device__ __forceinline__ Vec16 call_desc(const CallDesc& d, uint32_t epoch) {
+  Vec16 w;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) d.w[k] = desc_word(k, op, uint32_t(dtype), flags, numel, aux, epoch);
-  return d;
+  for (int k = 0; k < 4; ++k) w.w[k] = desc_word(k, d, epoch);
+  return w;
 }
 
-// The descriptor is rebuilt from the call's arguments where it is used (in the lanes that
-// use it) rather than kept in registers across the data loops.
-__device__ __forceinline__ void send_desc(const SymmView& v, uint32_t epoch, uint32_t op,
-                                          DType dtype, uint32_t flags, uint64_t numel,
-                                          uint32_t aux) {
+// Callers build the CallDesc where it is used (in the lanes that use it) from the call's
+// arguments, rather than keep it in registers across the data loops.
+__device__ __forceinline__ void send_desc(const SymmView& v, uint32_t epoch, const CallDesc& d) {
   const int p = int(threadIdx.x);
   if (blockIdx.x == 0 && p < v.world && p != v.rank)
-    st_volatile(desc_ptr(v, p, epoch, v.rank), call_desc(op, dtype, flags, numel, aux, epoch));
+    st_volatile(desc_ptr(v, p, epoch, v.rank), call_desc(d, epoch));
 }
 
 template <bool kInline = true>
-__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
-                                           DType dtype, uint32_t flags, uint64_t numel,
-                                           uint32_t aux);
+__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, const CallDesc& d,
+                                           uint32_t kernel_op);
 
 static __device__ __noinline__ void check_desc_call(const SymmView& v, uint32_t epoch,
-                                                    uint32_t op, DType dtype, uint32_t flags,
-                                                    uint64_t numel, uint32_t aux) {
-  check_desc<true>(v, epoch, op, dtype, flags, numel, aux);
+                                                    CallDesc d, uint32_t kernel_op) {
+  check_desc<true>(v, epoch, d, kernel_op);
 }
 
-// kInline = false: the check as a call, for kernels at their register limit.
+// Wait for peer p's descriptor (lane p of block 0), clear it, compare; a timeout or a mismatch
+// is recorded as `kernel_op`'s (the running kernel's OpCode, for the message). kInline = false:
+// the check as a call, for kernels at their register limit.
 template <bool kInline>
-__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, uint32_t op,
-                                           DType dtype, uint32_t flags, uint64_t numel,
-                                           uint32_t aux) {
+__device__ __forceinline__ void check_desc(const SymmView& v, uint32_t epoch, const CallDesc& d,
+                                           uint32_t kernel_op) {
   const int p = int(threadIdx.x);
   if (blockIdx.x != 0 || p >= v.world || p == v.rank) return;
   if constexpr (!kInline) {
-    check_desc_call(v, epoch, op, dtype, flags, numel, aux);
+    check_desc_call(v, epoch, d, kernel_op);
     return;
   }
   Vec16* slot = desc_ptr(v, v.rank, epoch, p);
   Vec16 theirs;
-  if (!wait_vec(slot, theirs, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, op)) return;
+  if (!wait_vec(slot, theirs, v.ctl, v.err, v.timeout_ns, v.rank, p, epoch, kernel_op))
+    return;
   *slot = empty_vec();
-  const Vec16 d = call_desc(op, dtype, flags, numel, aux, epoch);
-  if ((theirs.w[0] != d.w[0]) | (theirs.w[1] != d.w[1]) | (theirs.w[2] != d.w[2]) |
-      (theirs.w[3] != d.w[3]))
-    record_mismatch(v.ctl, v.err, v.rank, p, epoch, op, d, theirs);
+  const Vec16 mine = call_desc(d, epoch);
+  if ((theirs.w[0] != mine.w[0]) | (theirs.w[1] != mine.w[1]) | (theirs.w[2] != mine.w[2]) |
+      (theirs.w[3] != mine.w[3]))
+    record_mismatch(v.ctl, v.err, v.rank, p, epoch, kernel_op, mine, theirs);
 }
 
 }  // namespace fusedist

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ... import tuning
+from ... import _dtypes, symmetric, tuning
 from ...communicator import Communicator
 from ...ops.gemm import FUSED_DTYPES, weight_layout
 from ...streams import comm_stream
@@ -64,6 +64,18 @@ class Engine:
 
     def run(self, call: Call) -> torch.Tensor:
         raise NotImplementedError
+
+
+_DESC_ENGINES = {"copy_engine": symmetric.DESC_ENGINE_COPY_ENGINE,
+                 "fused": symmetric.DESC_ENGINE_FUSED}
+
+
+def call_desc(op: str, dtype: torch.dtype, engine: str, chunks: int, m: int, n: int,
+              k: int) -> tuple:
+    """The call descriptor the call checks of a GEMM + collective call carry
+    (symmetric.gemm_desc: what every rank must agree on). engine: "copy_engine" or "fused";
+    chunks: the pipeline's chunks or pieces; m: the GEMM's rows (ag_gemm: world x shard)."""
+    return symmetric.gemm_desc(op, _dtypes.code(dtype), _DESC_ENGINES[engine], chunks, m, n, k)
 
 
 def staging_need(op: str, x: torch.Tensor, n: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from ... import _align, _ext
 from ...communicator import Communicator
 from ...streams import comm_stream
-from .base import Call, Engine, fork, mm, row_bounds, split, staging_need
+from .base import Call, Engine, call_desc, fork, mm, row_bounds, split, staging_need
 
 
 class CopyEngine(Engine):
@@ -89,16 +89,20 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
     """Copy-engine all-gather on `cs`: stage this rank's shard in its symmetric staging (unless
     `stage` is False: the caller did, on a stream `cs` follows), barrier, pull every peer's
     shard into `gathered` (one event per peer), barrier again so no rank overwrites its
-    staging while a peer still reads it (also across CUDA-graph replays)."""
+    staging while a peer still reads it (also across CUDA-graph replays). The barriers are
+    call checks carrying ag_gemm's descriptor (rows and K of the gathered input): a peer in
+    another call fails the communicator at the first one, before any pull."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
+    m, k = x_shard.shape
+    desc = call_desc("ag_gemm", x_shard.dtype, "copy_engine", 0, W * m, 0, k)
     nbytes = x_shard.numel() * x_shard.element_size()
     events = []
     with torch.cuda.stream(cs):
         if stage:
             _ag_stage(comm, x_shard, cs)
-        comm.device_barrier()
+        comm.device_barrier(desc)
         for d in range(1, W):
             j = (r + d) % W
             C.memcpy_async(gathered.data_ptr() + j * nbytes, symm.bases[j] + symm.staging_offset,
@@ -106,38 +110,41 @@ def _ag_pull(comm: Communicator, x_shard: torch.Tensor, gathered: torch.Tensor,
             ev = torch.cuda.Event()
             ev.record(cs)
             events.append((j, ev))
-        comm.device_barrier()
+        comm.device_barrier(desc)
     return events
 
 
-def _barrier_then(comm: Communicator, stream: torch.cuda.Stream, cs: torch.cuda.Stream):
-    """A device barrier on `cs` after everything `stream` queued so far. All of a pipeline's
-    barriers run on `cs`, one at a time as the one-shot protocol requires. (Between the GEMMs
-    on the compute stream instead, they measured no faster: benchmarks/NOTES.md.)"""
+def _barrier_then(comm: Communicator, stream: torch.cuda.Stream, cs: torch.cuda.Stream,
+                  desc: tuple):
+    """A device barrier (a call check carrying `desc`) on `cs` after everything `stream` queued
+    so far. All of a pipeline's barriers run on `cs`, one at a time as the sentinel protocol
+    requires. (Between the GEMMs on the compute stream instead, they measured no faster:
+    benchmarks/NOTES.md.)"""
     ev = torch.cuda.Event()
     ev.record(stream)
     cs.wait_event(ev)
     with torch.cuda.stream(cs):
-        comm.device_barrier()
+        comm.device_barrier(desc)
 
 
 def _barrier_pull(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
-                  offset: int, dst: torch.Tensor) -> torch.cuda.Event:
+                  offset: int, dst: torch.Tensor, desc: tuple) -> torch.cuda.Event:
     """On `cs`, after what `main` queued so far (this rank's staging writes): a device barrier
     (every peer staged too), then dst = the sum of the peers' staging at `offset`. Returns the
     event main waits on before using dst."""
-    _barrier_then(comm, main, cs)
+    _barrier_then(comm, main, cs, desc)
     _pull_sum(comm, offset, dst, cs)
     pulled = torch.cuda.Event()
     pulled.record(cs)
     return pulled
 
 
-def _release_staging(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream):
+def _release_staging(comm: Communicator, main: torch.cuda.Stream, cs: torch.cuda.Stream,
+                     desc: tuple):
     """A closing barrier on `cs` (no rank rewrites its staging, in a later call or graph
     replay, while a peer still reads it), then `main` follows `cs`."""
     with torch.cuda.stream(cs):
-        comm.device_barrier()
+        comm.device_barrier(desc)
     main.wait_stream(cs)
 
 
@@ -175,10 +182,13 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     kernel: the peers' partials land in out (summed first when W > 2) and the own block is
     multiplied last with beta = 1 (torch.addmm into out), so it rounds once.
       main: [G peers c0][G peers c1][G own c0 + pulled][G peers c2][G own c1 + pulled]...
-      comm:        [barrier][pull c0]  [barrier][pull c1]   ...              [barrier]"""
+      comm:        [barrier][pull c0]  [barrier][pull c1]   ...              [barrier]
+    The barriers are call checks carrying gemm_rs's descriptor (M, N, the chunks): a peer in
+    another call fails the communicator at the first one, before any pull."""
     W, r = comm.group.size, comm.group.rank
     M, k = x.shape
     m, n = M // W, w.shape[1]
+    desc = call_desc("gemm_rs", x.dtype, "copy_engine", len(bounds) - 1, M, n, k)
     es = x.element_size()
     xv = x.view(W, m, k)
     chunks = len(bounds) - 1
@@ -198,11 +208,12 @@ def _rs_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         for j in range(W):
             if j != r and b > a:
                 torch.matmul(xv[j, a:b], w, out=stage[j])
-        pulled.append(_barrier_pull(comm, main, cs, off + r * (b - a) * n * es, out[a:b]))
+        pulled.append(_barrier_pull(comm, main, cs, off + r * (b - a) * n * es, out[a:b],
+                                    desc))
         if c:
             own(c - 1)
     own(chunks - 1)
-    _release_staging(comm, main, cs)
+    _release_staging(comm, main, cs, desc)
     return out
 
 
@@ -225,7 +236,10 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     staging_gather_kernel: each rank pushes its reduced rows into the peers' staging, one
     token per block) instead of barrier -> copy-engine pull -> barrier with their stream
     hops. Exposed after the last GEMM: that kernel. Rows that are not whole 16-byte vectors
-    keep the copy-engine gather and a closing barrier. `out` must be 16-byte aligned."""
+    keep the copy-engine gather and a closing barrier. `out` must be 16-byte aligned.
+    The barriers (and the closing kernel's block 0) are call checks carrying gemm_ar's
+    descriptor (M, N, the chunks): a peer in another call fails the communicator at the first
+    one, before any pull."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
@@ -235,6 +249,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
     row = n * es
     stage = symm.staging(x.dtype, (M, n))
     chunks = len(bounds) - 1
+    desc = call_desc("gemm_ar", x.dtype, "copy_engine", chunks, M, n, k)
     subs = [[bounds[c] + s for s in split(bounds[c + 1] - bounds[c], W)] for c in range(chunks)]
     cs = fork(main)
     # The own rows' staging -> out copy runs on a second stream: on the comm stream it would
@@ -259,7 +274,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
                            side.cuda_stream)
 
     def gather(c):  # right after own(c): the barrier follows it
-        _barrier_then(comm, main, cs)
+        _barrier_then(comm, main, cs, desc)
         for d in range(1, W):
             p = (r + d) % W
             a, b = subs[c][p], subs[c][p + 1]
@@ -273,7 +288,7 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
             torch.matmul(x[bounds[c]:lo], w, out=stage[bounds[c]:lo])
         if bounds[c + 1] > hi:
             torch.matmul(x[hi:bounds[c + 1]], w, out=stage[hi:bounds[c + 1]])
-        pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi]))
+        pulled.append(_barrier_pull(comm, main, cs, lo * row, stage[lo:hi], desc))
         if c:
             own(c - 1)
             gather(c - 1)
@@ -284,9 +299,9 @@ def _ar_copy_engine(comm: Communicator, x: torch.Tensor, w: torch.Tensor, out: t
         main.wait_stream(cs)
         main.wait_stream(side)
         C.gemm_ar_staging_gather(symm.handle, symm.staging_offset, subs[chunks - 1], row,
-                                 out.data_ptr(), main.cuda_stream)
+                                 out.data_ptr(), desc, main.cuda_stream)
         return out
     gather(chunks - 1)
-    _release_staging(comm, main, cs)
+    _release_staging(comm, main, cs, desc)
     main.wait_stream(side)
     return out

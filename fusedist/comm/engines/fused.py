@@ -18,7 +18,7 @@ import torch
 from ... import _align, _ext
 from ...communicator import Communicator
 from ...ops.gemm import launch_sm90, sm90_available
-from .base import Call, Engine, depth, fork, fused_common_why_not
+from .base import Call, Engine, call_desc, depth, fork, fused_common_why_not
 
 
 class Fused(Engine):
@@ -92,11 +92,14 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
     The GEMM is launched only after the first barrier, so once it holds the SMs its progress
     needs only the copy engine and stream memory operations: no SM kernel of this call (or of
     another stream) can be starved behind it. Flags are zeroed on main each call, so a graph
-    replay never sees the last one's."""
+    replay never sees the last one's. Both barriers are call checks carrying ag_gemm's
+    descriptor (rows, K, the pieces): a peer in another call fails the communicator at the
+    first, before any pull."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
     m, k = x_shard.shape
+    desc = call_desc("ag_gemm", x_shard.dtype, "fused", pieces, W * m, 0, k)
     row_bytes = k * x_shard.element_size()
     main = comm.launch_stream()
     gathered = symm.staging(x_shard.dtype, (W * m, k))
@@ -107,7 +110,7 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
     bounds = [min(i * piece_rows, m) for i in range(pieces + 1)]
     cs = fork(main)
     with torch.cuda.stream(cs):
-        comm.device_barrier()
+        comm.device_barrier(desc)
         staged = torch.cuda.Event()
         staged.record(cs)
         for d in range(1, W):
@@ -118,7 +121,7 @@ def _ag_fused(comm: Communicator, x_shard: torch.Tensor, w: torch.Tensor, bias,
                 C.memcpy_async(symm.bases[r] + offset, symm.bases[j] + offset,
                                (b - a) * row_bytes, cs.cuda_stream)
                 C.stream_write_u32(flags.data_ptr() + 4 * (j * pieces + p), 1, cs.cuda_stream)
-        comm.device_barrier()
+        comm.device_barrier(desc)
     flags.record_stream(cs)
     main.wait_event(staged)
     launch_sm90(gathered, w, bias, out, main, comm=comm, flags=flags, block_rows=m,
@@ -178,14 +181,19 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
             it; the copy engine pulls the piece from s's staging into out (or a scratch slot);
             cuStreamWriteValue32 sets its flag. A closing barrier: no rank restages while a
             peer still pulls, and no GEMM adds to a counter before its owner cleared it.
+            Before the waits, an opening call check (beside the GEMMs, on the SMs they leave
+            free): a peer in another call fails the communicator with a mismatch there, not
+            with a counter wait's timeout.
     The counters live in the communicator's signal region and are zero between calls; flags
-    are zeroed on main each call, so graph replays never see the last call's."""
+    are zeroed on main each call, so graph replays never see the last call's. Both barriers
+    carry gemm_rs's descriptor (M, N, the pieces)."""
     C = _ext.load()
     symm = comm.symm
     W, r = comm.group.size, comm.group.rank
     M, k = x.shape
     n = w.shape[1]
     m = M // W
+    desc = call_desc("gemm_rs", x.dtype, "fused", pieces, M, n, k)
     row = n * x.element_size()
     main = comm.launch_stream()
     stage = symm.staging(x.dtype, (M, n))
@@ -200,6 +208,7 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
             launch_sm90(x[a:b], w, None, stage[a:b], main, comm=comm, signal_row0=a,
                         signal_block_rows=m, signal_pieces=pieces)
     with torch.cuda.stream(cs):
+        comm.device_barrier(desc)
         for d in range(1, W):
             src = (r - d) % W
             into = dst if W == 2 else recv[d - 1]
@@ -217,7 +226,7 @@ def _rs_fused(comm: Communicator, x: torch.Tensor, w: torch.Tensor, bias, out: t
                     C.stream_write_u32(flags.data_ptr() + 4 * p, 1, cs.cuda_stream)
         pulled = torch.cuda.Event()
         pulled.record(cs)
-        comm.device_barrier()
+        comm.device_barrier(desc)
     own = x[r * m:(r + 1) * m]
     if W == 2:
         flags.record_stream(cs)

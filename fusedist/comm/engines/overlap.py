@@ -40,6 +40,8 @@ def _ag(call: Call) -> torch.Tensor:
     main = torch.cuda.current_stream(x_shard.device)
     cs = fork(main)
     with torch.cuda.stream(cs):
+        # beside the own rows' GEMM
+        comm.check_nccl_call("all_gather", x_shard.dtype, x_shard.numel())
         comm.nccl_overlap.all_gather(x_shard, gathered)
         gathered_ev = torch.cuda.Event()
         gathered_ev.record(cs)
@@ -66,6 +68,10 @@ def _rs(call: Call) -> torch.Tensor:
     xv = x.view(W, m, k)
     main = torch.cuda.current_stream(x.device)
     cs = fork(main)
+    with torch.cuda.stream(cs):
+        # One call check for the C reduce-scatters (the same sizes on every rank that agrees
+        # on M, N and C), beside the first chunk's GEMM.
+        comm.check_nccl_call("reduce_scatter", x.dtype, M * n, calls=C)
     for c in range(C):
         a, b = bounds[c], bounds[c + 1]
         # Rows a..b of every rank's block: one batched GEMM, [W, b-a, N] contiguous.

@@ -28,12 +28,14 @@ ENGINE = Unfused()
 def _ag(call: Call) -> torch.Tensor:
     comm, x = call.comm, call.x
     gathered = torch.empty((call.rows, call.k), dtype=x.dtype, device=x.device)
+    comm.check_nccl_call("all_gather", x.dtype, x.numel())
     comm.nccl.all_gather(x, gathered)
     return mm(gathered, call.w, call.out, call.bias)
 
 
 def _rs(call: Call) -> torch.Tensor:
     part = torch.matmul(call.x, call.w)
+    call.comm.check_nccl_call("reduce_scatter", part.dtype, part.numel())
     call.comm.nccl.reduce_scatter(part, call.out)
     return call.out.add_(call.bias) if call.bias is not None else call.out
 
