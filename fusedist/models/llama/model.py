@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...communicator import get_communicator
+from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
 from .config import LlamaConfig
 from .weights import WeightSource, check_tp, kv_head_range, padded_vocab
 
@@ -50,17 +51,6 @@ def _param(t: torch.Tensor) -> torch.nn.Parameter:
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w.T (+ b): fusedist.gemm for CUDA bf16/fp16 (its `auto` picks fusedist's kernel or
-    cuBLAS), F.linear where fusedist.gemm takes no such shape (CPU, fp32, N or K not a
-    multiple of 8)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 8 == 0 \
-            and w.shape[1] % 8 == 0:
-        from ...ops.gemm import gemm
-        return gemm(x if x.is_contiguous() else x.contiguous(), w.t(), b)
-    return F.linear(x, w, b)
 
 
 class _Exchange:
