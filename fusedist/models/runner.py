@@ -416,25 +416,26 @@ class Runner:
 
     # ---- profile -------------------------------------------------------------------------
     @torch.no_grad()
-    def profile_step(self, n: int) -> dict:
+    def profile_step(self, n: int, top: int = 12) -> dict:
         """One decode step of batch n under torch.profiler, run eagerly (the graph's kernels,
         each named; their durations are the replay's, the launch gaps are not counted):
-        kernel time per class (GEMM / attention / communication / other), us, and the top
+        kernel time per class (GEMM / attention / communication / other), us, and the `top`
         kernels. Call after generate(): the step writes the cache slot at each row's
         seq_lens - 1."""
         b = self.bucket(n)
         self._body(b)
-        return self._profile(lambda: self._body(b))
+        return self._profile(lambda: self._body(b), top)
 
     @torch.no_grad()
-    def profile_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0) -> dict:
+    def profile_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,
+                        top: int = 12) -> dict:
         """One prefill of `prompts` after `start` cached tokens under torch.profiler: the
         classes and top kernels of profile_step, plus "wall_us", the profiled call's host
         wall time (profiler overhead included), and "kernels", the kernel count. Call after
         a warm-up at the same shapes."""
-        return self._profile(lambda: self.prefill(prompts, start=start))
+        return self._profile(lambda: self.prefill(prompts, start=start), top)
 
-    def _profile(self, fn) -> dict:
+    def _profile(self, fn, top: int) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         cuda = self.device.type == "cuda"
@@ -447,7 +448,7 @@ class Runner:
             if cuda:
                 torch.cuda.synchronize(self.device)
             wall = (time.perf_counter() - t0) * 1e6
-        out = kernel_breakdown(prof.events(), cuda)
+        out = kernel_breakdown(prof.events(), cuda, top)
         out["wall_us"] = wall
         return out
 
