@@ -43,15 +43,6 @@ def hf(ckpts):
     return {k: load_hf(p) for k, p in ckpts.items()}
 
 
-@pytest.fixture(scope="module")
-def rt():
-    if fusedist.is_initialized():
-        fusedist.shutdown()
-    r = fusedist.init(backend="gloo", rank=0, world_size=1, local_rank=0, local_world_size=1)
-    yield r
-    fusedist.shutdown()
-
-
 def _model(path, backend="fusedist", dtype=torch.float32, device="cpu"):
     cfg = LlamaConfig.from_dir(path)
     return build_model(cfg, SafetensorsWeights(path), backend=backend, dtype=dtype,

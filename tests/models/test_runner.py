@@ -26,15 +26,6 @@ from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
 
 
-@pytest.fixture(scope="module")
-def rt():
-    if fusedist.is_initialized():
-        fusedist.shutdown()
-    r = fusedist.init(backend="gloo", rank=0, world_size=1, local_rank=0, local_world_size=1)
-    yield r
-    fusedist.shutdown()
-
-
 def _tiny(backend, seed=3, **kw):
     cfg = LlamaConfig.named("tiny").replace(**kw)
     return build_model(cfg, RandomWeights(cfg, seed=seed), backend=backend, dtype=torch.float32,
