@@ -15,6 +15,7 @@ breakdown of one decode step and of one prefill. Targets (one H200, TP 1): batch
 per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s. Writes
 results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results); each
 row's time_us is its step time, so benchmarks/compare.py --fusedist fusedist compares files.
+--merge adds this run's rows to the file's rows of other specs (one command per row).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import ROOT, metadata, write_results  # noqa: E402
+from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  # noqa: E402
+                      write_results)
 
 TARGETS = {1: 3.7, 64: 11.0}
 PREFILL_TARGET = 550.0
@@ -121,6 +124,30 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
         "on a GPU, prefill ms minus kernels ms is host time and launch gaps):\n\n" + "\n".join(pre)
 
 
+SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
+
+
+def merged(rows: list[dict], meta: dict) -> list[dict]:
+    """rows added to the current results file's rows of other specs (--merge): rows of one
+    commit, measured by several commands (one row per command keeps each within a time
+    limit). meta's command and reproduce name every command."""
+    path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
+        "model.json"
+    if not path.is_file():
+        return rows
+    doc = json.loads(path.read_text())
+    old = doc.get("meta", {})
+    if old.get("commit") != meta["commit"]:
+        raise SystemExit(f"benchmarks/model.py --merge: {path} holds rows of commit "
+                         f"{old.get('commit')}, this run is {meta['commit']}; merge rows of one "
+                         "commit (or run without --merge)")
+    new = {tuple(r[k] for k in SPEC) for r in rows}
+    keep = [r for r in doc.get("rows", []) if tuple(r.get(k) for k in SPEC) not in new]
+    meta["command"] = f"{old['command']} && {meta['command']}"
+    meta["reproduce"] = f"{old.get('reproduce', old['command'])} && {reproduce_command(meta)}"
+    return keep + rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="llama-3-8b")
@@ -132,6 +159,9 @@ def main():
                     help="torch.compile backend of the torch-compile baseline")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per row (compiling the "
                     "8B decode step for torch-compile takes minutes)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the results file's rows of other specs (same commit): one "
+                    "command per row, one file")
     args = ap.parse_args()
     bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     rows = []
@@ -151,6 +181,8 @@ def main():
                           out["timings"].items()}), flush=True)
     meta = metadata(args.tp)
     meta["config"] = args.config
+    if args.merge:
+        rows = merged(rows, meta)
     text = markdown(rows, bases) + (
         f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= {TARGETS[64]}; prefill "
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
