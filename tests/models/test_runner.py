@@ -15,12 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fusedist  # noqa: E402
 from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
 from fusedist.models.llama import RandomWeights  # noqa: E402
 from fusedist.models.runner import kernel_breakdown  # noqa: E402
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"

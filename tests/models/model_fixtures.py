@@ -1,4 +1,5 @@
-"""Fixtures of the model tests."""
+"""Fixtures the model tests share (imported by name into each test module; a second
+conftest.py would shadow tests/conftest.py, which tests import as `conftest`)."""
 
 from __future__ import annotations
 
