@@ -1,14 +1,21 @@
 """Decode and prefill of the Llama-3-8B shape (random weights, bf16) through
-`python -m fusedist.generate`, fusedist beside its plain-torch baseline in the same process.
+`python -m fusedist.generate`, fusedist beside its baselines in the same process.
 
     python benchmarks/model.py                      # batch 1 (4K prompt) and batch 64 (4K context)
     python benchmarks/model.py --rows 1:4096:0:64   # batch:prompt_len:context_fill:new_tokens
+    python benchmarks/model.py --baselines torch    # without the compiled anchor
 
-Per row: prefill ms and model TFLOP/s per GPU, ms per decode step (step_ms: graph replays
-back to back; ms/token: the generate loop, sampling included), tokens/s, the speedup over
-torch, and the kernel-time breakdown of one step. Targets (one H200, TP 1): batch 1 <= 3.7 ms
+Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
+ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
+torch.compile(fullgraph=True, dynamic=False) before capture (prefill eager). Per row and
+backend: prefill ms (the median of 3 warm, synchronized prefills) and model TFLOP/s per GPU,
+ms per decode step (step_ms: graph replays back to back; ms/token: the generate loop, sampling
+included), tokens/s, fusedist's speedup per step over each baseline, and the kernel-time
+breakdown of one decode step and of one prefill. Targets (one H200, TP 1): batch 1 <= 3.7 ms
 per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s. Writes
-results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results).
+results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results); each
+row's time_us is its step time, so benchmarks/compare.py --fusedist fusedist compares files.
+--merge adds this run's rows to the file's rows of other specs (one command per row).
 """
 
 from __future__ import annotations
@@ -18,18 +25,23 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import ROOT, metadata, write_results  # noqa: E402
+from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  # noqa: E402
+                      write_results)
 
 TARGETS = {1: 3.7, 64: 11.0}
 PREFILL_TARGET = 550.0
+CLASSES = ("gemm", "attention", "communication", "other")
 
 
-def run_row(cfg, batch, prompt_len, fill, new, tp, timeout):
+def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend):
     cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
-           "--max-new-tokens", str(new), "--baseline", "torch", "--profile", "--json", "--quiet"]
+           "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
+           "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
+                         else [])
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
@@ -38,9 +50,102 @@ def run_row(cfg, batch, prompt_len, fill, new, tp, timeout):
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     out = json.loads(p.stdout.splitlines()[-1])
     if any(k in r for r in out["timings"].values() for k in ("error", "graph_error",
-                                                            "profile_error")):
+                                                            "profile_error",
+                                                            "prefill_profile_error")):
         print(p.stderr[-4000:], flush=True)
     return " ".join(cmd[cmd.index("fusedist.generate") - 1:]), out
+
+
+def rows_of(spec: tuple, cmd: str, out: dict) -> list[dict]:
+    """One result row per backend of one generate run."""
+    b, L, fill, new = spec
+    t = out["timings"]
+    bases = [k for k in t if k != "fusedist"]
+    fd = t.get("fusedist", {})
+    rows = []
+    for backend, r in t.items():
+        row = {"batch": b, "prompt_len": L, "context_fill": fill, "new_tokens": new,
+               "context": fill + L + new, "backend": backend, "command": cmd}
+        if "error" in r:
+            rows.append({**row, "status": "failed", **r})
+            continue
+        prof, pre = r.get("profile_us", {}), r.get("prefill_profile_us", {})
+        row.update({
+            "time_us": round(r["step_ms"] * 1e3, 1),
+            "speedup_vs": {k: round(t[k]["step_ms"] / r["step_ms"], 3) for k in bases
+                           if "step_ms" in t[k]} if backend == "fusedist" else {},
+            "fusedist_speedup": round(r["step_ms"] / fd["step_ms"], 3)
+            if backend != "fusedist" and "step_ms" in fd else None,
+            "target_step_ms": TARGETS.get(b) if backend == "fusedist" else None,
+            **{k: v for k, v in r.items() if k not in ("profile_us", "prefill_profile_us")},
+            "profile_us": {k: v for k, v in prof.items() if k != "top"},
+            "top_kernels_us": prof.get("top"),
+            "prefill_profile_us": {k: v for k, v in pre.items() if k != "top"},
+            "prefill_top_kernels_us": pre.get("top")})
+        # The plain-torch speedup under its long-standing name.
+        row["speedup_vs_torch"] = round(t["torch"]["step_ms"] / r["step_ms"], 3) \
+            if "step_ms" in t.get("torch", {}) else None
+        rows.append(row)
+    return rows
+
+
+def _ms(us) -> str:
+    return "-" if us is None else f"{us / 1e3:.2f}"
+
+
+def markdown(rows: list[dict], bases: list[str]) -> str:
+    step = ["| batch | context | backend | prefill ms | prefill TFLOP/s/GPU | step ms | ms/token "
+            "| tokens/s | " + " | ".join(f"fusedist vs {b}" for b in bases) +
+            " | target step ms | decode GEMM / attn / comm / other us |",
+            "|---" * (10 + len(bases)) + "|"]
+    pre = ["| batch | context | backend | prefill ms | kernels ms | GEMM / attn / comm / other ms "
+           "| kernels | top kernels (ms) |", "|---" * 8 + "|"]
+    for r in rows:
+        ctx = f"{r['context_fill'] + r['prompt_len']}+{r['new_tokens']}"
+        if r.get("status") == "failed":
+            step.append(f"| {r['batch']} | {ctx} | {r['backend']} | failed: "
+                        f"{str(r.get('error'))[:80]} |")
+            continue
+        sv = r["speedup_vs"]
+        prof, p = r["profile_us"], r["prefill_profile_us"]
+        step.append(
+            f"| {r['batch']} | {ctx} | {r['backend']} | {r['prefill_ms']} | "
+            f"{r['prefill_tflops_per_gpu']} | {r['step_ms']} | {r['ms_per_token']} | "
+            f"{r['tokens_per_s']} | " + " | ".join(str(sv.get(b, "")) for b in bases) +
+            f" | {r['target_step_ms'] or ''} | "
+            + " / ".join(str(prof.get(k, "-")) for k in CLASSES) + " |")
+        top = "; ".join(f"{n[:60]} {v / 1e3:.2f}" for n, v in (r["prefill_top_kernels_us"]
+                                                              or [])[:3])
+        pre.append(f"| {r['batch']} | {ctx} | {r['backend']} | {r['prefill_ms']} | "
+                   f"{_ms(p.get('total'))} | "
+                   + " / ".join(_ms(p.get(k)) for k in CLASSES) +
+                   f" | {p.get('kernels', '-')} | {top} |")
+    return "\n".join(step) + "\n\nPrefill, one profiled prefill per backend (kernel time; " \
+        "on a GPU, prefill ms minus kernels ms is host time and launch gaps):\n\n" + "\n".join(pre)
+
+
+SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
+
+
+def merged(rows: list[dict], meta: dict) -> list[dict]:
+    """rows added to the current results file's rows of other specs (--merge): rows of one
+    commit, measured by several commands (one row per command keeps each within a time
+    limit). meta's command and reproduce name every command."""
+    path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
+        "model.json"
+    if not path.is_file():
+        return rows
+    doc = json.loads(path.read_text())
+    old = doc.get("meta", {})
+    if old.get("commit") != meta["commit"]:
+        raise SystemExit(f"benchmarks/model.py --merge: {path} holds rows of commit "
+                         f"{old.get('commit')}, this run is {meta['commit']}; merge rows of one "
+                         "commit (or run without --merge)")
+    new = {tuple(r[k] for k in SPEC) for r in rows}
+    keep = [r for r in doc.get("rows", []) if tuple(r.get(k) for k in SPEC) not in new]
+    meta["command"] = f"{old['command']} && {meta['command']}"
+    meta["reproduce"] = f"{old.get('reproduce', old['command'])} && {reproduce_command(meta)}"
+    return keep + rows
 
 
 def main():
@@ -48,49 +153,40 @@ def main():
     ap.add_argument("--config", default="llama-3-8b")
     ap.add_argument("--rows", nargs="*", default=["1:4096:0:64", "64:16:4000:32"])
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--baselines", default="torch,torch-compile",
+                    help="fusedist.generate --baseline: comma-separated torch, torch-compile")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the torch-compile baseline")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per row (compiling the "
+                    "8B decode step for torch-compile takes minutes)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the results file's rows of other specs (same commit): one "
+                    "command per row, one file")
     args = ap.parse_args()
-    rows, md = [], ["| batch | context | backend | prefill ms | prefill TFLOP/s/GPU | step ms | "
-                    "ms/token | tokens/s | speedup | target step ms | "
-                    "GEMM / attn / comm / other us |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+    bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
+    rows = []
     for spec in args.rows:
         b, L, fill, new = map(int, spec.split(":"))
         try:
-            cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.timeout)
+            cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.baselines,
+                               args.timeout, args.compile_backend)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             print(f"row {spec}: {e}", flush=True)
             continue
-        t = out["timings"]
-        for backend, r in t.items():
-            if "error" in r:
-                print(f"row {spec} {backend}: {r}", flush=True)
-                md.append(f"| {b} | {fill + L}+{new} | {backend} | failed: {r['error'][:80]} |")
-                continue
-            prof = r.get("profile_us", {})
-            row = {"batch": b, "prompt_len": L, "context_fill": fill, "new_tokens": new,
-                   "context": fill + L + new, "backend": backend, "command": cmd,
-                   "speedup_vs_torch": round(t["torch"]["step_ms"] / r["step_ms"], 3)
-                   if "step_ms" in t.get("torch", {}) else None,
-                   "target_step_ms": TARGETS.get(b) if backend == "fusedist" else None,
-                   **{k: v for k, v in r.items() if k != "profile_us"},
-                   "profile_us": {k: v for k, v in prof.items() if k != "top"},
-                   "top_kernels_us": prof.get("top")}
-            rows.append(row)
-            br = " / ".join(str(prof.get(k, "-")) for k in ("gemm", "attention",
-                                                             "communication", "other"))
-            md.append(f"| {b} | {fill + L}+{new} | {backend} | {r['prefill_ms']} | "
-                      f"{r['prefill_tflops_per_gpu']} | {r['step_ms']} | {r['ms_per_token']} | "
-                      f"{r['tokens_per_s']} | {row['speedup_vs_torch']} | "
-                      f"{row['target_step_ms'] or ''} | {br} |")
-        print(f"row {spec}: ids equal across backends: {out.get('torch_ids_match')}", flush=True)
-        print("\n".join(md[-len(t):]), flush=True)
-        print(json.dumps({k: v.get("profile_us", {}).get("top") for k, v in t.items()}),
-              flush=True)
+        got = rows_of((b, L, fill, new), cmd, out)
+        rows += got
+        print(f"row {spec}: ids equal across backends: {out.get('ids_match')}", flush=True)
+        print(markdown(got, bases), flush=True)
+        print(json.dumps({k: v.get("profile_us", {}).get("top") for k, v in
+                          out["timings"].items()}), flush=True)
     meta = metadata(args.tp)
     meta["config"] = args.config
-    text = "\n".join(md) + (f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= "
-                            f"{TARGETS[64]}; prefill of 4K tokens >= {PREFILL_TARGET} TFLOP/s.")
+    if args.merge:
+        rows = merged(rows, meta)
+    text = markdown(rows, bases) + (
+        f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= {TARGETS[64]}; prefill "
+        f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
+        "prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)
     for p in write_results("model", meta, rows, text):
         print(f"wrote {p}")

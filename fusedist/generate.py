@@ -7,11 +7,19 @@
     torchrun --nproc-per-node 8 -m fusedist.generate --model /ckpt/Meta-Llama-3-70B \\
         --prompt "The capital of France is" --max-new-tokens 64
     python -m fusedist.generate --config llama-3-8b --random-weights --batch 64 \\
-        --context-fill 4000 --baseline torch --json
+        --context-fill 4000 --baseline torch,torch-compile --json
 
 Launched like every fusedist job (torchrun, mpirun, srun: fusedist.init()); --tp defaults to
 the launcher's world size. Progress goes to stderr on rank 0; results to stdout on rank 0
 (one JSON object with --json).
+
+Baselines run in the same process after fusedist, on the same weights: "torch" is the same
+model in plain torch ops (F.linear, SDPA, F.rms_norm, torch.distributed), its decode step
+captured into the same CUDA graphs; "torch-compile" is that model with the decode step's body
+under torch.compile(fullgraph=True, dynamic=False) before capture (its prefill runs eagerly).
+Timings per backend: prefill_ms, the median of --prefill-reps warm prefills of the prompts
+(synchronized, apart from the generate loop); ms_per_token, the generate loop; step_ms, graph
+replays back to back.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 
 import torch
 
+BASELINES = ("torch", "torch-compile")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -64,16 +73,34 @@ def parse_args(argv=None):
     run.add_argument("--page-size", type=int, default=16)
     run.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk")
     run.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    run.add_argument("--prefill-reps", type=int, default=3,
+                     help="warm prefills timed for prefill_ms (their median)")
     out = p.add_argument_group("output")
-    out.add_argument("--baseline", choices=("torch", "none"),
-                     help="also run the plain-torch model and print both (default: torch for "
-                     "the embedded default model, else none)")
+    out.add_argument("--baseline",
+                     help="also run these baselines, comma-separated: torch (plain torch ops), "
+                     "torch-compile (the same, decode step under torch.compile), e.g. "
+                     "torch,torch-compile; or none (default: torch for the embedded default "
+                     "model, else none)")
+    out.add_argument("--compile-backend", default="inductor",
+                     help="torch.compile backend of the torch-compile baseline (default "
+                     "inductor)")
     out.add_argument("--profile", action="store_true",
-                     help="break one decode step down into GEMM / attention / communication / "
-                     "other")
+                     help="break one decode step and one prefill down into GEMM / attention / "
+                     "communication / other kernel time")
     out.add_argument("--json", action="store_true", help="one JSON object on stdout")
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p.parse_args(argv)
+
+
+def parse_baselines(value: str) -> list[str]:
+    """--baseline's value as a list of BASELINES ("none": no baseline)."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if names == ["none"]:
+        return []
+    if not names or any(n not in BASELINES for n in names) or len(set(names)) != len(names):
+        raise SystemExit(f"fusedist.generate: --baseline takes 'none' or a comma-separated "
+                         f"list of {', '.join(BASELINES)} (each once), got {value!r}")
+    return names
 
 
 class Progress:
@@ -126,6 +153,10 @@ def _defaults(args, cuda: bool):
                          "without weights); pass --model DIR for a checkpoint")
     if args.baseline is None:
         args.baseline = "torch" if embedded else "none"
+    args.baselines = parse_baselines(args.baseline)
+    if args.prefill_reps < 1:
+        raise SystemExit(f"fusedist.generate: --prefill-reps must be >= 1, got "
+                         f"{args.prefill_reps}")
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if cuda else 32
     if args.prompt_len is None and args.prompt_ids is None and args.prompt is None:
@@ -181,7 +212,7 @@ def prefill_flops(cfg, prompt_lens, context: int) -> float:
 
 def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
     """One backend's run; on one process a failure is reported in the result (and a failed
-    CUDA-graph run is retried eagerly) so the other backend still runs."""
+    CUDA-graph run is retried eagerly) so the other backends still run."""
     if rt.world_size > 1:
         return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, None)
     import traceback
@@ -204,21 +235,30 @@ def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
         return out
 
 
+def _round(d: dict) -> dict:
+    return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
+
+
 def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, graphs):
+    from statistics import median
+
     from .models import Runner, SamplingParams, build_model
 
+    compiled = backend == "torch-compile"
     longest = args.context_fill + max(len(p) for p in prompts) + args.max_new_tokens
     prog.note(f"[{backend}] building {cfg.name or 'model'} ({cfg.num_params() / 1e6:.1f} M params, "
               f"{dtype}, tp {rt.tp.size}) on {device}")
     t0 = time.perf_counter()
-    model = build_model(cfg, src, backend=backend, group=rt.tp, dtype=dtype, device=device,
+    model = build_model(cfg, src, backend="torch" if backend.startswith("torch") else backend,
+                        group=rt.tp, dtype=dtype, device=device,
                         max_position=max(longest, 16), progress=prog.stage(f"[{backend}] loading"))
     load_s = time.perf_counter() - t0
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
     runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
                     kv_budget_bytes=budget,
                     cuda_graphs=False if args.no_graphs else graphs,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, compile_decode=compiled,
+                    compile_backend=args.compile_backend)
     sampling_on = not args.greedy and any(v is not None for v in (args.temperature, args.top_k,
                                                                   args.top_p))
     sp = SamplingParams(greedy=not sampling_on,
@@ -226,32 +266,52 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
                         top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
                         seed=args.seed)
     eos = () if args.ignore_eos or args.random_weights else cfg.eos_token_ids
-    # Warm-up outside the timed run, at the timed run's shapes: graph capture, and the first
-    # calls of cuBLAS / cuDNN SDPA / the allocator at the prompt's length (a first 4K-token
-    # SDPA call plans for hundreds of ms).
-    prog.note(f"[{backend}] warm-up")
-    runner.generate(prompts, 2, sp, context_fill=args.context_fill)
-    res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
-                          context_fill=args.context_fill,
-                          progress=prog.stage(f"[{backend}] decoding"))
-    prog.close()
-    flops = prefill_flops(cfg, [len(p) for p in prompts], args.context_fill)
-    out = {"ids": res.ids, "load_s": round(load_s, 3), "prefill_ms": round(res.prefill_ms, 3),
-           "ms_per_token": round(res.ms_per_step, 4), "tokens_per_s": round(res.tokens_per_s, 2),
-           "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
-           "prefill_tflops_per_gpu": round(flops / rt.tp.size / (res.prefill_ms / 1e3) / 1e12, 2),
-           "kv_cache_gib": round(runner.kv_bytes / 2**30, 3)}
-    out["step_ms"] = round(runner.time_step(len(prompts)), 4)
-    if args.profile:
-        try:
-            out["profile_us"] = {k: (round(v, 1) if isinstance(v, float) else v)
-                                 for k, v in runner.profile_step(len(prompts)).items()}
-        except Exception as e:  # noqa: BLE001 - the timings stand without the breakdown
-            out["profile_error"] = f"{type(e).__name__}: {e}"
-    del runner, model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    try:
+        # Warm-up outside the timed run, at the timed run's shapes: graph capture (and the
+        # decode step's compilation), and the first calls of cuBLAS / cuDNN SDPA / the
+        # allocator at the prompt's length (a first 4K-token SDPA call plans for hundreds of
+        # ms).
+        prog.note(f"[{backend}] warm-up" + (" (compiling the decode step)" if compiled else ""))
+        t0 = time.perf_counter()
+        runner.generate(prompts, 2, sp, context_fill=args.context_fill)
+        warm_s = time.perf_counter() - t0
+        prefill = runner.time_prefill(prompts, start=args.context_fill, reps=args.prefill_reps)
+        res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
+                              context_fill=args.context_fill,
+                              progress=prog.stage(f"[{backend}] decoding"))
+        prog.close()
+        prefill_ms = median(prefill)
+        flops = prefill_flops(cfg, [len(p) for p in prompts], args.context_fill)
+        out = {"ids": res.ids, "load_s": round(load_s, 3), "warmup_s": round(warm_s, 3),
+               "prefill_ms": round(prefill_ms, 3),
+               "prefill_ms_reps": [round(t, 3) for t in prefill],
+               "generate_prefill_ms": round(res.prefill_ms, 3),
+               "ms_per_token": round(res.ms_per_step, 4),
+               "tokens_per_s": round(res.tokens_per_s, 2),
+               "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
+               "decode": "torch.compile" if compiled else "eager ops", "prefill": "eager",
+               "prefill_tflops_per_gpu": round(flops / rt.tp.size / (prefill_ms / 1e3) / 1e12,
+                                               2),
+               "kv_cache_gib": round(runner.kv_bytes / 2**30, 3)}
+        if compiled:
+            out["compile_s"] = round(runner.compile_s.get(res.timings["bucket"], 0.0), 1)
+            out["compile_backend"] = args.compile_backend
+        out["step_ms"] = round(runner.time_step(len(prompts)), 4)
+        if args.profile:
+            for key, what in (("profile_us", lambda: runner.profile_step(len(prompts))),
+                              ("prefill_profile_us",
+                               lambda: runner.profile_prefill(prompts, start=args.context_fill))):
+                try:
+                    out[key] = _round(what())
+                except Exception as e:  # noqa: BLE001 - the timings stand without it
+                    out[key.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
+    finally:
+        del runner, model
+        if compiled:
+            torch._dynamo.reset()   # its compiled code holds the model's weights
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -282,9 +342,8 @@ def main(argv=None) -> int:
         prompts = _prompts(args, cfg, tok)
         results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
                                            device, prog)}
-        if args.baseline == "torch":
-            results["torch"] = run_backend("torch", args, cfg, src, prompts, rt, dtype, device,
-                                           prog)
+        for name in args.baselines:
+            results[name] = run_backend(name, args, cfg, src, prompts, rt, dtype, device, prog)
     finally:
         prog.close()
     if rank0:
@@ -293,25 +352,43 @@ def main(argv=None) -> int:
     return 0
 
 
+def speedups(results: dict) -> dict:
+    """{baseline: {"per_token", "per_step", "prefill": baseline time / fusedist time}} for every
+    baseline that ran beside a fusedist run that did not fail."""
+    fd = results.get("fusedist", {})
+    out = {}
+    if "error" in fd:
+        return out
+    for name, r in results.items():
+        if name == "fusedist" or "error" in r:
+            continue
+        out[name] = {k: round(r[key] / fd[key], 3) for k, key in
+                     (("per_token", "ms_per_token"), ("per_step", "step_ms"),
+                      ("prefill", "prefill_ms"))}
+    return out
+
+
 def report(args, cfg, rt, dtype, prompts, results, tok):
     fd = results["fusedist"]
-    ok = {k: v for k, v in results.items() if "error" not in v}
     summary = {"model": args.model or args.config, "tp": rt.tp.size, "world": rt.world_size,
                "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
                "batch": len(prompts), "prompt_len": len(prompts[0]),
                "context_fill": args.context_fill, "max_new_tokens": args.max_new_tokens,
-               "ids": fd.get("ids"),
+               "baselines": list(args.baselines), "ids": fd.get("ids"),
                "timings": {k: {kk: vv for kk, vv in v.items() if kk != "ids"}
                            for k, v in results.items()}}
     if rt.device.type == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(rt.device)
     if tok is not None and "ids" in fd:
         summary["text"] = [tok.decode(ids) for ids in fd["ids"]]
-    if "torch" in ok and "fusedist" in ok:
-        tb = results["torch"]
-        summary["torch_ids_match"] = tb["ids"] == fd["ids"]
-        summary["speedup"] = round(tb["ms_per_token"] / fd["ms_per_token"], 3)
-        summary["step_speedup"] = round(tb["step_ms"] / fd["step_ms"], 3)
+    sp = speedups(results)
+    if sp:
+        summary["speedups"] = sp
+        summary["ids_match"] = {k: results[k]["ids"] == fd["ids"] for k in sp}
+    if "torch" in sp:   # the plain-torch baseline's figures under their long-standing names
+        summary["torch_ids_match"] = summary["ids_match"]["torch"]
+        summary["speedup"] = sp["torch"]["per_token"]
+        summary["step_speedup"] = sp["torch"]["per_step"]
     if args.json:
         print(json.dumps(summary), flush=True)
         return
@@ -325,25 +402,34 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
         print(f"ids[0]: {fd['ids'][0]}")
     cols = ("prefill ms", "ms/token", "step ms", "tokens/s", "prefill TFLOP/s/GPU")
     keys = ("prefill_ms", "ms_per_token", "step_ms", "tokens_per_s", "prefill_tflops_per_gpu")
-    print(f"{'backend':<10}" + "".join(f"{c:>21}" for c in cols))
+    w = max(len(n) for n in results) + 2
+    print(f"{'backend':<{w}}" + "".join(f"{c:>21}" for c in cols))
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<10} failed: {r['error']}")
+            print(f"{name:<{w}}failed: {r['error']}")
             continue
-        print(f"{name:<10}" + "".join(f"{r[k]:>21}" for k in keys))
-    if "speedup" in summary and rt.device.type == "cpu":
+        print(f"{name:<{w}}" + "".join(f"{r[k]:>21}" for k in keys))
+    print(f"prefill ms: the median of {args.prefill_reps} warm prefills of the prompts")
+    if "compile_s" in results.get("torch-compile", {}):
+        print(f"torch-compile: decode step under torch.compile ({args.compile_backend}; its "
+              f"first, compiling call {results['torch-compile']['compile_s']} s), prefill eager")
+    if sp and rt.device.type == "cpu":
         print("CPU: fusedist ran its reference path (plain torch, fp32 accumulation, gloo), which "
-              "checks correctness, not speed; speed is measured on GPUs. Same ids as the torch "
-              f"baseline: {summary['torch_ids_match']}")
-    elif "speedup" in summary:
-        print(f"speedup over torch: {summary['speedup']}x per token (generate loop), "
-              f"{summary['step_speedup']}x per step (graph replays); same ids: "
-              f"{summary['torch_ids_match']}")
+              "checks correctness, not speed; speed is measured on GPUs. Same ids as "
+              + ", ".join(f"{k}: {v}" for k, v in summary["ids_match"].items()))
+    for name, v in (sp.items() if rt.device.type != "cpu" else ()):
+        print(f"speedup over {name}: {v['per_token']}x per token (generate loop), "
+              f"{v['per_step']}x per step (graph replays), {v['prefill']}x prefill; same ids: "
+              f"{summary['ids_match'][name]}")
+    classes = ("gemm", "attention", "communication", "other", "total")
     for name, r in results.items():
-        if "profile_us" in r:
-            p = r["profile_us"]
-            print(f"{name} decode step, kernel time (us): " + ", ".join(
-                f"{k} {p[k]}" for k in ("gemm", "attention", "communication", "other", "total")))
+        for key, what in (("profile_us", "decode step"), ("prefill_profile_us", "prefill")):
+            if key in r:
+                p = r[key]
+                print(f"{name} {what}, kernel time (us): " +
+                      ", ".join(f"{k} {p[k]}" for k in classes) +
+                      (f"; {p['kernels']} kernels, {p['wall_us']} us wall (profiled)"
+                       if key == "prefill_profile_us" else ""))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,11 @@ graph, for the cache's full length, so one graph replays for every length. Sampl
 temperature, top-k, top-p) runs outside the graph from a seeded torch.Generator with the
 exponential-race form of multinomial sampling (argmax of p / Exp(1) noise): reproducible for
 a seed, and identical on every rank because every rank holds the same gathered logits.
+
+compile_decode=True wraps the decode step's body in torch.compile(fullgraph=True,
+dynamic=False) (mode default: inductor fuses the elementwise work, GEMMs stay cuBLAS) before
+it is captured into the same CUDA graphs; each bucket compiles once, at its capture. Prefill
+stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized).
 """
 
 from __future__ import annotations
@@ -121,7 +126,8 @@ def buckets_for(max_batch: int) -> list[int]:
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, page_size: int = 16,
                  kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
-                 prefill_chunk: int = 4096):
+                 prefill_chunk: int = 4096, compile_decode: bool = False,
+                 compile_backend: str = "inductor"):
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
@@ -170,6 +176,12 @@ class Runner:
         self.graphs: dict[int, tuple] = {}
         self.pool = None
         self._metas: dict[int, object] = {}
+        self.compile_decode = compile_decode
+        self._step = self._decode_forward
+        if compile_decode:
+            self._step = torch.compile(self._decode_forward, fullgraph=True, dynamic=False,
+                                       backend=compile_backend)
+        self.compile_s: dict[int, float] = {}    # bucket -> seconds of its first (compiling) call
 
     # ---- decode --------------------------------------------------------------------------
     def _meta(self, b: int):
@@ -181,11 +193,25 @@ class Runner:
         return self._metas[b]
 
     def _body(self, b: int) -> torch.Tensor:
+        meta = self._meta(b)
+        if not self.compile_decode:
+            return self._step(b, meta)
+        from ..ops.attention import sdpa_priority
+        # SDPA picks its backend while tracing: the priority the eager step has.
+        first = b not in self.compile_s
+        t0 = time.perf_counter()
+        with sdpa_priority(self.device):
+            out = self._step(b, meta)
+        if first:
+            self.compile_s[b] = time.perf_counter() - t0
+        return out
+
+    def _decode_forward(self, b: int, meta) -> torch.Tensor:
         pos = self.seq_lens[:b].long() - 1
         self.positions[:b].copy_(pos)
         page = self.bt[:b].gather(1, (pos // self.page_size)[:, None]).squeeze(1).long()
         self.slots[:b].copy_(page * self.page_size + pos % self.page_size)
-        return self.model(self.tokens[:b], self.positions[:b], self.cache, self._meta(b))
+        return self.model(self.tokens[:b], self.positions[:b], self.cache, meta)
 
     def capture(self, b: int) -> None:
         """Capture the batch-b decode step (the live batch rows' cache slots at position
@@ -266,8 +292,9 @@ class Runner:
                              cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
                              max_q_len=max(n for _, _, n in chunk),
                              seq_lens_host=lens, cu_seqlens_q_host=cu)
+            # seq_rows stays on the host: the torch backend's static cache slices by it.
             logits = self.model(torch.tensor(toks, dtype=torch.int64, device=dev), pos_t.to(dev),
-                                self.cache, meta, seq_rows=rows_t.to(dev),
+                                self.cache, meta, seq_rows=rows_t,
                                 logits_rows=torch.tensor(out_rows, dtype=torch.int64, device=dev)
                                 if out_rows else None)
             for i, b in enumerate(out_seq):
@@ -366,42 +393,63 @@ class Runner:
         end.synchronize()
         return start.elapsed_time(end) / iters
 
+    @torch.no_grad()
+    def time_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,
+                     reps: int = 3) -> list[float]:
+        """ms of each of `reps` prefills of `prompts` after `start` cached tokens, the device
+        synchronized before and after each (host wall time: the launches and any host work of
+        the prefill included). Call after a warm-up at the same shapes (generate() of these
+        prompts): a first call at a shape pays cuDNN / cuBLAS planning. Each prefill rewrites
+        the prompts' cache slots with the same keys and values."""
+        if reps < 1:
+            raise ValueError(f"Runner.time_prefill: reps must be >= 1, got {reps}")
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" \
+            else (lambda: None)
+        out = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            self.prefill(prompts, start=start)
+            sync()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
     # ---- profile -------------------------------------------------------------------------
     @torch.no_grad()
-    def profile_step(self, n: int) -> dict:
+    def profile_step(self, n: int, top: int = 12) -> dict:
         """One decode step of batch n under torch.profiler, run eagerly (the graph's kernels,
         each named; their durations are the replay's, the launch gaps are not counted):
-        kernel time per class (GEMM / attention / communication / other), us. Call after
-        generate(): the step writes the cache slot at each row's seq_lens - 1."""
+        kernel time per class (GEMM / attention / communication / other), us, and the `top`
+        kernels. Call after generate(): the step writes the cache slot at each row's
+        seq_lens - 1."""
+        b = self.bucket(n)
+        self._body(b)
+        return self._profile(lambda: self._body(b), top)
+
+    @torch.no_grad()
+    def profile_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,
+                        top: int = 12) -> dict:
+        """One prefill of `prompts` after `start` cached tokens under torch.profiler: the
+        classes and top kernels of profile_step, plus "wall_us", the profiled call's host
+        wall time (profiler overhead included), and "kernels", the kernel count. Call after
+        a warm-up at the same shapes."""
+        return self._profile(lambda: self.prefill(prompts, start=start), top)
+
+    def _profile(self, fn, top: int) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
-        b = self.bucket(n)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda"
-                                         else [])
-        self._body(b)
-        with profile(activities=acts) as prof:
-            self._body(b)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
-        kernels = {}
         cuda = self.device.type == "cuda"
-        for e in prof.events():
-            on_dev = "CUDA" in str(getattr(e, "device_type", ""))
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            fn()
             if cuda:
-                if not on_dev:
-                    continue
-                us = float(getattr(e, "device_time_total", 0.0) or
-                           getattr(e, "cuda_time_total", 0.0))
-            else:
-                if e.cpu_parent is not None or not e.name.startswith("aten::"):
-                    continue
-                us = float(e.cpu_time_total)
-            k = classify_kernel(e.name)
-            out[k] += us
-            kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us
-        out["total"] = sum(out.values())
-        out["top"] = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+                torch.cuda.synchronize(self.device)
+            wall = (time.perf_counter() - t0) * 1e6
+        out = kernel_breakdown(prof.events(), cuda, top)
+        out["wall_us"] = wall
         return out
 
 
@@ -413,6 +461,42 @@ _CLASSES = (
     ("gemm", ("gemm", "gemv", "sm90", "cutlass", "nvjet", "cublas", "matmul", "addmm",
               "aten::mm", "aten::bmm", "linear", "xmma", "wgmma")),
 )
+
+
+def kernel_breakdown(events, cuda: bool, top: int = 12) -> dict:
+    """Kernel time per class (GEMM / attention / communication / other; us), "total", the
+    `top` kernels by time and the kernel count, from torch.profiler events: on CUDA the
+    device kernels, on CPU the outermost aten ops."""
+    out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
+    kernels: dict[str, float] = {}
+    count = 0
+    for e in events:
+        if cuda:
+            if "CUDA" not in str(getattr(e, "device_type", "")):
+                continue
+            us = float(getattr(e, "device_time_total", 0.0) or
+                       getattr(e, "cuda_time_total", 0.0))
+        else:
+            if not e.name.startswith("aten::") or _under_aten(e):
+                continue
+            us = float(e.cpu_time_total)
+        out[classify_kernel(e.name)] += us
+        kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us
+        count += 1
+    out["total"] = sum(out.values())
+    out["top"] = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    out["kernels"] = count
+    return out
+
+
+def _under_aten(e) -> bool:
+    """Whether a profiler event runs inside an aten op (its time is its caller's)."""
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith("aten::"):
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def classify_kernel(name: str) -> str:

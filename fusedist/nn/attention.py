@@ -11,7 +11,9 @@ Sharding over the tensor-parallel group of size W (Megatron / vLLM):
                is replicated on W / Hkv consecutive ranks (W % Hkv == 0), rank r holds kv head
                r // (W / Hkv), the one its q heads read.
   qkv          one column-parallel [q_r | k_r | v_r] weight [(H/W + 2 Hkv_r) D, hidden] (and
-               bias): x is replicated, the GEMM needs no communication.
+               bias): x is replicated, the GEMM needs no communication. It and the unreduced
+               o_proj go through fusedist.nn.linear.linear (fusedist.gemm's `auto` rules on
+               CUDA bf16/fp16), as the model's MLP and LM head do.
   o_proj       row-parallel [hidden, H/W D] (columns of this rank's q heads): reduce=True
                all-reduces through fusedist.gemm_ar; reduce=False returns the partial product so
                the caller fuses the all-reduce with residual + RMSNorm. At W = 1 there is no
@@ -32,6 +34,7 @@ from ..ops.attention import DecodePlan, decode, prefill, rope_append, rope_cos_s
 from ..ops.gemm_comm import gemm_ar
 from ..runtime import is_initialized
 from .kv_cache import PagedKVCache
+from .linear import linear
 
 MODES = ("decode", "prefill")
 
@@ -165,10 +168,7 @@ class TPAttention(torch.nn.Module):
                              f"{cache.head_dim}; this rank needs {self.kv_heads} of "
                              f"{self.head_dim} (TPAttention.make_cache builds one)")
         D, hq, hk = self.head_dim, self.q_heads, self.kv_heads
-        if self.qkv_bias is not None:
-            qkv = torch.addmm(self.qkv_bias, x, self.qkv_weight.t())
-        else:
-            qkv = x @ self.qkv_weight.t()
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q = qkv[:, :hq * D].view(T, hq, D)
         k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
         v = qkv[:, (hq + hk) * D:].view(T, hk, D)
@@ -185,7 +185,7 @@ class TPAttention(torch.nn.Module):
                         cu_seqlens_q_host=meta.cu_seqlens_q_host, k_new=k, v_new=v)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
-            return o @ self.o_weight.t()   # T == 0 on every rank alike: nothing to reduce
+            return linear(o, self.o_weight)   # T == 0 on every rank alike: nothing to reduce
         return gemm_ar(o, self.o_weight.t(), group=self.comm)
 
     def extra_repr(self) -> str:

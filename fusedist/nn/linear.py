@@ -11,6 +11,9 @@ RowParallelLinear     Y = X A^T + b, A [out, in] split by columns (input feature
     of X first. With sequence_parallel=True the output is reduce-scattered by rows (gemm_rs):
     [M / W, out]. The bias is added once, after the reduction.
 Weights load from the full matrix with from_full()/load_full(), which take this rank's shard.
+linear(x, w, bias)    x @ w^T (+ bias) for a local [out, in] weight, no communication: the
+    GEMM dispatch every projection of fusedist's model layers shares (fusedist.gemm's `auto`
+    rules for CUDA bf16/fp16, F.linear where fusedist.gemm takes no such call).
 Any number of tokens, 0 included (then every rank of the group has 0: the collectives need the
 same M everywhere, and an empty call skips them on every rank alike).
 These are inference modules: parameters do not require grad (the ops write into preallocated
@@ -22,9 +25,27 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..communicator import GroupLike, get_communicator
+from ..ops.gemm import gemm
 from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
+           ) -> torch.Tensor:
+    """x [..., in] @ w^T (+ bias [out]) for a row-major nn.Linear weight w [out, in].
+    CUDA bf16/fp16 with in and out multiples of 8 (16-byte TMA rows) go through
+    fusedist.gemm(kernel="auto"): fusedist's decode or sm90 kernel where the tuning table's
+    rules measured it faster than torch.matmul at that (M, K, N), torch.matmul (cuBLAS)
+    everywhere else. Other calls (CPU, fp32, odd sizes) are F.linear."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and \
+            w.dim() == 2 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and \
+            w.stride(1) == 1 and w.stride(0) % 8 == 0:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = gemm(x2 if x2.is_contiguous() else x2.contiguous(), w.t(), bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+    return F.linear(x, w, bias)
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:

@@ -365,13 +365,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_pages: int,
     return out.reshape(bt.shape[0], num_pages * ps, H, D)
 
 
-def _gather_seq(cache, pages, length, scale, dtype):
-    """One sequence's [length, H, D] from its page list (1-D long tensor)."""
+def _gather_seqs(cache, pages, length, scale, dtype):
+    """[B, length, H, D] of B sequences from their page lists (long [B, pages])."""
     P, ps, H, D = cache.shape
-    g = cache[pages]
+    g = cache[pages]                                         # [B, pages, ps, H, D]
     if scale is not None:   # dequantize in fp32, round once
         g = (g.float() * scale[pages][..., None]).to(dtype)
-    return g.to(dtype).reshape(-1, H, D)[:length]
+    return g.to(dtype).reshape(pages.shape[0], -1, H, D)[:, :length]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,31 +691,57 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     if lens is not None and len(lens) != seq_lens.shape[0]:
         _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
     cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
-    live = [b for b in range(len(lens)) if cu[b + 1] > cu[b]]
     use_sdpa = backend == "sdpa" or (backend == "auto" and q.device.type == "cuda")
     # SDPA takes one dtype: q's for bf16/fp16 caches. FP8 caches dequantize to fp32 and SDPA
     # runs in fp32: rounding dequantized K/V to bf16 on top of the flash-style P rounding
     # costs up to ~0.8% relative per row, too close to the bf16 budget.
     fp8 = k_scale is not None
     kv_dtype = q.dtype if use_sdpa and not fp8 else torch.float32
-    for b, (a, e) in enumerate(zip(cu, cu[1:])):
-        n, L = e - a, lens[b]
-        if n == 0:
-            continue
+    runs = prefill_runs(cu, lens)
+    for f, l in runs:
+        B, n, L = l - f, cu[f + 1] - cu[f], lens[f]
+        a, e = cu[f], cu[l]
+        qb = q[a:e].unflatten(0, (B, n))                            # [B, n, Hq, D]
         if k_new is not None and n == L and not fp8:   # no prefix: the fresh K/V
-            k, v = k_new[a:e].to(kv_dtype), v_new[a:e].to(kv_dtype)
+            k, v = (t[a:e].unflatten(0, (B, n)).to(kv_dtype) for t in (k_new, v_new))
         else:
-            pages = block_table[b, :-(-L // ps)].long()
-            k = _gather_seq(k_cache, pages, L, k_scale, kv_dtype)     # [L, Hkv, D]
-            v = _gather_seq(v_cache, pages, L, v_scale, kv_dtype)
-        o = _sdpa_chunk(q[a:e].to(kv_dtype), k, v, scale) if use_sdpa else \
-            _reference_chunk(q[a:e], k, v, scale)
-        if out is None and live == [b] and o.dtype == q.dtype:
-            return o.contiguous()   # the one sequence: SDPA's output as it is (no copy)
+            pages = block_table[f:l, :-(-L // ps)].long()
+            k = _gather_seqs(k_cache, pages, L, k_scale, kv_dtype)   # [B, L, Hkv, D]
+            v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
+        o = _sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
+            _reference_chunk(qb, k, v, scale)
+        if out is None and len(runs) == 1 and o.dtype == q.dtype:
+            return o.reshape(q.shape)   # one call covered every sequence: one copy
         if out is None:
             out = torch.empty_like(q)
-        out[a:e] = o
+        out[a:e].unflatten(0, (B, n)).copy_(o)
     return out
+
+
+# Sequences one prefill SDPA call takes: adjacent sequences with the same new-token count and
+# cache length (a batch of equal prompts, or of equal chunks behind equal prefixes), up to
+# PREFILL_GATHER_TOKENS cached tokens per call (a call gathers that many K and V rows).
+PREFILL_GATHER_TOKENS = 1 << 19
+
+
+def prefill_runs(cu: Sequence[int], lens: Sequence[int],
+                 max_tokens: int = PREFILL_GATHER_TOKENS) -> list[tuple[int, int]]:
+    """[first, last) ranges of adjacent sequences with equal (new tokens, cached tokens),
+    at most max_tokens cached tokens per range (at least one sequence); sequences without
+    new tokens are in no range."""
+    runs: list[tuple[int, int]] = []
+    for b in range(len(lens)):
+        n = cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        if runs:
+            f, l = runs[-1]
+            if l == b and cu[f + 1] - cu[f] == n and lens[f] == lens[b] and \
+                    (b + 1 - f) * lens[b] <= max_tokens:
+                runs[-1] = (f, b + 1)
+                continue
+        runs.append((b, b + 1))
+    return runs
 
 
 # Prefill on CUDA: torch SDPA backends in this order of preference (the first that takes the
@@ -726,28 +752,67 @@ PREFILL_SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 PREFILL_EXPAND_GQA = False
 
 
-def _sdpa_context(device):
+SDPA_NAMES = ("cudnn", "flash", "efficient", "math")
+_sdpa_default_set = False
+
+
+def _init_sdpa_default(device) -> None:
+    """Make torch settle its own default SDPA priority before fusedist first changes it.
+    torch sets that default (cuDNN first on Hopper / Blackwell with a recent cuDNN) once per
+    process, at its first backend selection; `sdpa_kernel(..., set_priority=True)` restores
+    on exit the order it found on entry. A process whose first SDPA call ran inside such a
+    context therefore kept the pre-default order (flash > efficient > math > cuDNN) for good:
+    every later plain SDPA call, a torch baseline's included, took the memory-efficient kernel
+    for a masked call cuDNN would have run. One backend selection (no kernel) settles it."""
+    global _sdpa_default_set
+    if _sdpa_default_set:
+        return
+    _sdpa_default_set = True
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return
+    try:
+        t = torch.empty((1, 1, 2, 8), device=device, dtype=torch.float16)
+        choose(t, t, t)
+    except Exception:  # noqa: BLE001 - a torch without the private op keeps its behavior
+        pass
+
+
+def sdpa_priority(device, order: Sequence[str] = SDPA_NAMES):
+    """A context in which SDPA calls on `device` try the backends `order` (names of
+    SDPA_NAMES) first, in that order, then the others in torch's order (CUDA; a null context
+    on other devices or inside torch.compile, where the caller sets it around the compiled
+    call). Leaving it restores torch's own default order (_init_sdpa_default)."""
     import contextlib
-    if device.type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
     names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    order = [names[n] for n in PREFILL_SDPA_BACKENDS]
+    bad = [n for n in order if n not in names]
+    if bad:
+        _fail("sdpa_priority", f"unknown SDPA backends {bad}; use names of {SDPA_NAMES}")
+    _init_sdpa_default(device)
+    backends = [names[n] for n in order] + [b for n, b in names.items() if n not in order]
     try:
-        return sdpa_kernel(order, set_priority=True)
+        return sdpa_kernel(backends, set_priority=True)
     except TypeError:   # torch without set_priority: the allowed set only
-        return sdpa_kernel(order)
+        return sdpa_kernel([names[n] for n in order])
+
+
+def _sdpa_context(device):
+    return sdpa_priority(device, PREFILL_SDPA_BACKENDS)
 
 
 def _sdpa_chunk(q, k, v, scale):
-    """q [n, Hq, D] against k, v [L, Hkv, D]; token i sees keys [0, L - n + i]."""
+    """q [B, n, Hq, D] against k, v [B, L, Hkv, D]; token i sees keys [0, L - n + i]."""
     from torch.nn.attention.bias import causal_lower_right
-    n, L = q.shape[0], k.shape[0]
-    rep = q.shape[1] // k.shape[1]
+    n, L = q.shape[1], k.shape[1]
+    rep = q.shape[2] // k.shape[2]
     if rep > 1 and PREFILL_EXPAND_GQA:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, H, len, D]
+        k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))   # [B, H, len, D]
     gqa = qh.shape[1] != kh.shape[1]
     with _sdpa_context(q.device):
         if n == L:
@@ -756,19 +821,19 @@ def _sdpa_chunk(q, k, v, scale):
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, L),
                                                scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+    return o.transpose(1, 2)
 
 
 def _reference_chunk(q, k, v, scale):
-    n, Hq, D = q.shape
-    L, Hkv, _ = k.shape
-    qf = q.float().view(n, Hkv, Hq // Hkv, D)
-    s = torch.einsum("nhgd,lhd->hgnl", qf, k.float()) * scale
+    B, n, Hq, D = q.shape
+    L, Hkv = k.shape[1], k.shape[2]
+    qf = q.float().unflatten(2, (Hkv, Hq // Hkv))
+    s = torch.einsum("bnhgd,blhd->bhgnl", qf, k.float()) * scale
     allowed = torch.arange(L, device=q.device)[None, :] <= \
         (L - n + torch.arange(n, device=q.device))[:, None]
     s = s.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(s, dim=-1)
-    return torch.einsum("hgnl,lhd->nhgd", p, v.float()).reshape(n, Hq, D)
+    return torch.einsum("bhgnl,blhd->bnhgd", p, v.float()).reshape(B, n, Hq, D)
 
 
 def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale=None,

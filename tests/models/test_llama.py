@@ -27,6 +27,7 @@ from fusedist.models import LlamaConfig, Runner, SamplingParams, build_model  # 
 from fusedist.models.llama import RandomWeights, SafetensorsWeights  # noqa: E402
 from hf_tiny import KINDS, assert_greedy_matches, load_hf, make_checkpoint  # noqa: E402
 from launch import ROOT, assert_passed, torchrun  # noqa: E402
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -41,15 +42,6 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf(ckpts):
     return {k: load_hf(p) for k, p in ckpts.items()}
-
-
-@pytest.fixture(scope="module")
-def rt():
-    if fusedist.is_initialized():
-        fusedist.shutdown()
-    r = fusedist.init(backend="gloo", rank=0, world_size=1, local_rank=0, local_world_size=1)
-    yield r
-    fusedist.shutdown()
 
 
 def _model(path, backend="fusedist", dtype=torch.float32, device="cpu"):

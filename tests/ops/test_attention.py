@@ -445,6 +445,38 @@ def test_prefill_mixed_chunks(device, backend):
         _prefill_case(device, [(200, 333)], 16, 4, 128, 16, dtype, dtype, backend, gen)
 
 
+# Runs of adjacent sequences with equal (new, cached) tokens: one SDPA call each.
+RUNS = [(16, 40)] * 3 + [(16, 41), (5, 5), (5, 5), (0, 9), (5, 5), (3, 70), (3, 70)]
+
+
+def test_prefill_runs():
+    cu, lens = [0], []
+    for n, L in RUNS:
+        cu.append(cu[-1] + n)
+        lens.append(L)
+    assert A.prefill_runs(cu, lens) == [(0, 3), (3, 4), (4, 6), (7, 8), (8, 10)]
+    # A cap of cached tokens per call splits a run (one sequence at least per call).
+    assert A.prefill_runs(cu, lens, max_tokens=80) == \
+        [(0, 2), (2, 3), (3, 4), (4, 6), (7, 8), (8, 9), (9, 10)]
+    assert A.prefill_runs(cu, lens, max_tokens=1) == [(b, b + 1) for b in range(10) if b != 6]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_prefill_batched_runs(device, backend, monkeypatch):
+    calls = []
+    real = A._sdpa_chunk if backend == "sdpa" else A._reference_chunk
+    name = "_sdpa_chunk" if backend == "sdpa" else "_reference_chunk"
+    monkeypatch.setattr(A, name, lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    gen = _gen(device)
+    for dtype in (torch.bfloat16, torch.float16):
+        calls.clear()
+        _prefill_case(device, RUNS, 8, 2, 64, 16, dtype, dtype, backend, gen)
+        # _prefill_case prefills twice here (out=, then k_new / v_new): one call per run
+        # each time, as many sequences as the run has
+        assert calls == [3, 1, 2, 1, 2] * 2, calls
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_long_odd(device):
     gen = _gen(device)
@@ -583,3 +615,47 @@ def test_rope_append_cuda_graph():
         A.rope_append_reference(eq, ek, sv, pos, cs, kc2, vc2, slots)
         assert count_bad(sq, eq.float(), torch.bfloat16) == 0
         assert count_bad(sk, ek.float(), torch.bfloat16) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# SDPA backend priority
+# ------------------------------------------------------------------------------------------------
+
+_PRIORITY = r"""
+import json, sys, torch
+import torch.nn.functional as F
+q = torch.randn(1, 8, 64, 128, device="cuda", dtype=torch.bfloat16)
+if sys.argv[1] == "fusedist":    # the process's first SDPA call inside fusedist's priority
+    from fusedist.ops import attention as A
+    A._sdpa_chunk(*(q.transpose(1, 2),) * 3, 0.1)
+else:                            # a plain SDPA call first
+    F.scaled_dot_product_attention(q, q, q, is_causal=True)
+# what a masked GQA-as-rows decode call (the torch baseline's) gets afterwards
+qd = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
+kd = torch.randn(1, 8, 4144, 128, device="cuda", dtype=torch.bfloat16)
+mask = torch.arange(4144, device="cuda")[None, None, None, :] < 4000
+print(json.dumps([list(torch._C._get_sdp_priority_order()),
+                  int(torch._fused_sdp_choice(qd, kd, kd, attn_mask=mask))]))
+"""
+
+
+@pytest.mark.gpu
+def test_sdpa_priority_leaves_torch_default():
+    import json
+    import subprocess
+
+    got = {}
+    for first in ("fusedist", "plain"):
+        p = subprocess.run([sys.executable, "-P", "-c", _PRIORITY, first], capture_output=True,
+                           text=True, timeout=240)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[first] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["fusedist"] == got["plain"], \
+        f"after fusedist's prefill SDPA: {got['fusedist']}; after a plain call: {got['plain']}"
+
+
+def test_sdpa_priority_validates_and_is_null_off_cuda():
+    with A.sdpa_priority("cpu"):
+        pass
+    with pytest.raises(ValueError, match="unknown SDPA backends"):
+        A.sdpa_priority("cuda", ("cudnn", "fast"))

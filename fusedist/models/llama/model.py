@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...communicator import get_communicator
+from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
 from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
 from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
 from ...ops.silu_mul import silu_mul
@@ -61,17 +62,6 @@ def _kernel_rows(t: torch.Tensor, width: int) -> bool:
     """fusedist's single-GPU kernels take rows of `width` elements of t: CUDA tensors, whole
     16-byte vectors (fusedist.add_rmsnorm also holds at most MAX_HIDDEN[dtype])."""
     return t.is_cuda and width % 8 == 0
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ w.T (+ b): fusedist.gemm for CUDA bf16/fp16 (its `auto` picks fusedist's kernel or
-    cuBLAS), F.linear where fusedist.gemm takes no such shape (CPU, fp32, N or K not a
-    multiple of 8)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.shape[0] % 8 == 0 \
-            and w.shape[1] % 8 == 0:
-        from ...ops.gemm import gemm
-        return gemm(x if x.is_contiguous() else x.contiguous(), w.t(), b)
-    return F.linear(x, w, b)
 
 
 class _Exchange:
@@ -127,8 +117,11 @@ class MLP(torch.nn.Module):
         self.down = _param(torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device))
 
     def forward(self, x):
+        if not self.fused:   # the torch backend: plain torch throughout
+            gu = F.linear(x, self.gate_up)
+            return F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
         gu = linear(x, self.gate_up)
-        if self.fused and _kernel_rows(gu, self.inter):
+        if _kernel_rows(gu, self.inter):
             return linear(silu_mul(gu), self.down)
         return linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
 
@@ -254,7 +247,8 @@ class Transformer(torch.nn.Module):
             x, residual = ex.add_rmsnorm(layer.mlp(x), residual, nxt, eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        logits = ex.gather_columns(linear(x, self.lm_head))
+        head = linear if self.backend == "fusedist" else F.linear
+        logits = ex.gather_columns(head(x, self.lm_head))
         return logits[:, :self.cfg.vocab_size]
 
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):

@@ -1,7 +1,10 @@
 """The torch backend's attention: the same tensor-parallel attention as fusedist.nn.TPAttention
 in plain torch (F.linear, RoPE in torch, SDPA over a static [batch, kv heads, S, head_dim]
-cache per layer), as gpt-fast runs it. It is the baseline `--baseline torch` measures, and the
-oracle the model tests hold fusedist's attention path against."""
+cache per layer), as gpt-fast runs it. It is the baseline `--baseline torch` measures (and,
+under torch.compile, `--baseline torch-compile`), and the oracle the model tests hold
+fusedist's attention path against. Its SDPA calls run under an explicit backend priority
+(SDPA_BACKENDS: cuDNN first), so the kernel they get does not depend on what else ran in the
+process."""
 
 from __future__ import annotations
 
@@ -11,8 +14,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...ops.attention import prefill_runs, sdpa_priority
 from .config import LlamaConfig
 from .weights import kv_head_range
+
+# SDPA backends the baseline's attention tries first, in this order (then torch's others): the
+# fastest torch has for its decode and prefill calls on Hopper (cuDNN takes the masked decode
+# call; flash takes no mask).
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -90,39 +99,64 @@ class TorchAttention(torch.nn.Module):
         k = _rotate(k.view(T, KH, D), cos, sin)
         v = v.view(T, KH, D)
         kc, vc = cache.k[layer], cache.v[layer]
-        if meta.mode == "decode":
-            # Decode rows are the cache's batch rows 0..T-1 (the runner's static buffers).
-            rows = torch.arange(T, device=x.device)
-            kc[rows, :, positions] = k
-            vc[rows, :, positions] = v
-            S = kc.shape[2]
-            mask = torch.arange(S, device=x.device)[None, :] < meta.seq_lens[:, None].long()
-            # The G = H / KH query heads of a kv head as G query rows against its cache: SDPA
-            # then reads each K/V row once (enable_gqa with a mask would copy the cache).
-            G = H // KH
-            o = F.scaled_dot_product_attention(q.view(T, KH, G, D), kc[:T], vc[:T],
-                                               attn_mask=mask[:, None, None, :])
-            o = o.reshape(T, H * D)
-        else:
-            o = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-            cu = getattr(meta, "cu_seqlens_q_host", None) or meta.cu_seqlens_q.tolist()
-            lens = getattr(meta, "seq_lens_host", None) or meta.seq_lens.tolist()
-            rows = list(range(len(lens))) if seq_rows is None else seq_rows.tolist()
-            for j, row in enumerate(rows):
-                s, e, L = cu[j], cu[j + 1], lens[j]
-                p0 = L - (e - s)
-                kc[row, :, p0:L] = k[s:e].transpose(0, 1)
-                vc[row, :, p0:L] = v[s:e].transpose(0, 1)
-                G = H // KH
-                kk = kc[row, :, :L].repeat_interleave(G, dim=0)[None]
-                vv = vc[row, :, :L].repeat_interleave(G, dim=0)[None]
-                qq = q[s:e].transpose(0, 1)[None]
-                if p0 == 0:     # no cached prefix: plain causal (SDPA's flash / cuDNN paths)
-                    oj = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-                else:
-                    i = torch.arange(e - s, device=x.device)[:, None]
-                    mask = torch.arange(L, device=x.device)[None, :] <= p0 + i
-                    oj = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[None, None])
-                o[s:e] = oj[0].transpose(0, 1)
-            o = o.reshape(T, H * D)
-        return F.linear(o, self.wo)
+        with sdpa_priority(x.device, SDPA_BACKENDS):
+            if meta.mode == "decode":
+                o = self._decode(q, k, v, kc, vc, positions, meta.seq_lens)
+            else:
+                o = self._prefill(q, k, v, kc, vc, meta, seq_rows)
+        return F.linear(o.reshape(T, H * D), self.wo)
+
+    def _decode(self, q, k, v, kc, vc, positions, seq_lens):
+        # Decode rows are the cache's batch rows 0..T-1 (the runner's static buffers).
+        T, KH, D = k.shape
+        rows = torch.arange(T, device=q.device)
+        kc[rows, :, positions] = k
+        vc[rows, :, positions] = v
+        S = kc.shape[2]
+        mask = torch.arange(S, device=q.device)[None, :] < seq_lens[:, None].long()
+        # The G = H / KH query heads of a kv head as G query rows against its cache: SDPA then
+        # reads each K/V row once (enable_gqa with a mask would copy the cache on the math
+        # path). cuDNN takes this masked call; flash takes no mask.
+        G = self.heads // KH
+        return F.scaled_dot_product_attention(q.view(T, KH, G, D), kc[:T], vc[:T],
+                                              attn_mask=mask[:, None, None, :])
+
+    def _prefill(self, q, k, v, kc, vc, meta, seq_rows):
+        from torch.nn.attention.bias import causal_lower_right
+        T, H, D = q.shape
+        o = torch.empty_like(q)
+        cu = getattr(meta, "cu_seqlens_q_host", None) or meta.cu_seqlens_q.tolist()
+        lens = getattr(meta, "seq_lens_host", None) or meta.seq_lens.tolist()
+        rows = list(range(len(lens))) if seq_rows is None else \
+            (seq_rows.tolist() if isinstance(seq_rows, torch.Tensor) else list(seq_rows))
+        gqa = H != self.kv_heads
+        # One SDPA call per run of adjacent sequences with equal (new tokens, cached tokens)
+        # in consecutive cache rows: a batch of equal prompts is one call per layer.
+        for f, l in _row_runs(prefill_runs(cu, lens), rows):
+            B, n, L = l - f, cu[f + 1] - cu[f], lens[f]
+            s, e, r0, p0 = cu[f], cu[l], rows[f], lens[f] - (cu[f + 1] - cu[f])
+            kc[r0:r0 + B, :, p0:L] = k[s:e].unflatten(0, (B, n)).transpose(1, 2)
+            vc[r0:r0 + B, :, p0:L] = v[s:e].unflatten(0, (B, n)).transpose(1, 2)
+            qq = q[s:e].unflatten(0, (B, n)).transpose(1, 2)              # [B, H, n, D]
+            kk, vv = kc[r0:r0 + B, :, :L], vc[r0:r0 + B, :, :L]
+            if p0 == 0:     # no cached prefix: plain causal (SDPA's flash / cuDNN paths)
+                oj = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+            else:           # behind a prefix: token i sees keys [0, p0 + i]
+                oj = F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=gqa,
+                                                    attn_mask=causal_lower_right(n, L))
+            o[s:e].unflatten(0, (B, n)).copy_(oj.transpose(1, 2))
+        return o
+
+
+def _row_runs(runs, rows):
+    """runs ([first, last) sequence ranges) split where the sequences' cache rows are not
+    consecutive."""
+    out = []
+    for f, l in runs:
+        start = f
+        for b in range(f + 1, l):
+            if rows[b] != rows[b - 1] + 1:
+                out.append((start, b))
+                start = b
+        out.append((start, l))
+    return out

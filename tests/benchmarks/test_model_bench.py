@@ -1,0 +1,84 @@
+"""benchmarks/model.py on a synthetic fusedist.generate JSON: one row per backend with
+fusedist's speedup over each baseline, the step and prefill tables, rows benchmarks/compare.py
+pairs (--fusedist fusedist), and --merge of rows measured by separate commands."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+model = _load("fusedist_bench_model", ROOT / "benchmarks" / "model.py")
+compare = _load("fusedist_bench_compare_m", ROOT / "benchmarks" / "compare.py")
+
+
+def _backend(step, prefill):
+    prof = {"gemm": 10.0, "attention": 5.0, "communication": 0.0, "other": 1.0, "total": 16.0,
+            "top": [["k", 10.0]], "kernels": 3}
+    return {"prefill_ms": prefill, "prefill_ms_reps": [prefill] * 3,
+            "prefill_tflops_per_gpu": 1.0, "step_ms": step, "ms_per_token": step * 1.1,
+            "tokens_per_s": 1.0, "profile_us": dict(prof),
+            "prefill_profile_us": dict(prof, wall_us=20.0)}
+
+
+def _out(fd=2.0, torch_=4.0, compiled=3.0):
+    return {"timings": {"fusedist": _backend(fd, 10.0), "torch": _backend(torch_, 12.0),
+                        "torch-compile": _backend(compiled, 12.0)}}
+
+
+def test_rows_and_markdown():
+    rows = model.rows_of((1, 16, 0, 8), "cmd", _out())
+    assert [r["backend"] for r in rows] == ["fusedist", "torch", "torch-compile"]
+    fd, t, c = rows
+    assert fd["speedup_vs"] == {"torch": 2.0, "torch-compile": 1.5}
+    assert fd["speedup_vs_torch"] == 2.0 and fd["target_step_ms"] == model.TARGETS[1]
+    assert t["fusedist_speedup"] == 2.0 and c["fusedist_speedup"] == 1.5
+    assert fd["time_us"] == 2000.0 and "top" not in fd["prefill_profile_us"]
+    assert fd["prefill_top_kernels_us"] == [["k", 10.0]]
+    md = model.markdown(rows, ["torch", "torch-compile"])
+    assert "| fusedist vs torch | fusedist vs torch-compile |" in md
+    assert "| 1 | 16+8 | fusedist | 10.0 | 1.0 | 2.0 | 2.2 | 1.0 | 2.0 | 1.5 | 3.7 |" in md
+    assert "| 1 | 16+8 | torch-compile | 12.0 | 0.02 | 0.01 / 0.01 / 0.00 / 0.00 | 3 |" in md
+    # compare.py pairs the rows by case and backend
+    doc = {"meta": {}, "rows": rows}
+    r = compare.ratios(doc, "fusedist")
+    assert sorted(v[0] for v in r.values()) == [1.5, 2.0]
+
+
+def test_failed_backend_row():
+    out = _out()
+    out["timings"]["torch-compile"] = {"error": "RuntimeError: compile"}
+    rows = model.rows_of((64, 16, 4000, 8), "cmd", out)
+    assert rows[2]["status"] == "failed" and rows[0]["speedup_vs"] == {"torch": 2.0}
+    assert "failed: RuntimeError: compile" in model.markdown(rows, ["torch", "torch-compile"])
+
+
+def test_merge(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEDIST_RESULTS_DIR", str(tmp_path))
+    meta = {"commit": "abc", "world_size": 1, "command": "python3 model.py --rows 1:16:0:8"}
+    first = model.rows_of((1, 16, 0, 8), "c1", _out())
+    d = tmp_path / model.machine_dir(meta)
+    d.mkdir()
+    (d / "model.json").write_text(json.dumps({"meta": meta, "rows": first}))
+    second = model.rows_of((64, 16, 4000, 8), "c2", _out())
+    again = model.rows_of((1, 16, 0, 8), "c3", _out(fd=1.0))
+    new_meta = {"commit": "abc", "world_size": 1, "command": "python3 model.py --rows 64"}
+    rows = model.merged(second + again, new_meta)
+    assert [(r["batch"], r["command"]) for r in rows] == [(64, "c2")] * 3 + [(1, "c3")] * 3
+    assert new_meta["command"] == "python3 model.py --rows 1:16:0:8 && python3 model.py --rows 64"
+    with pytest.raises(SystemExit, match="holds rows of commit abc"):
+        model.merged(second, {"commit": "def", "world_size": 1, "command": "x"})

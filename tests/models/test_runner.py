@@ -1,0 +1,198 @@
+"""fusedist.models.Runner: the compiled decode step (torch.compile of the step's body, then the
+same graphs), prefill of batches with equal prompts (one SDPA call per layer in the torch
+backend) against one prompt at a time, time_prefill / profile_prefill, the kernel breakdown.
+CPU tier: the tiny config in fp32 (torch.compile with the aot_eager backend; inductor, which
+compiles C++ here and takes ~10-25 s, under FUSEDIST_SLOW_TESTS=1). gpu tier: the compiled
+step (inductor) against the eager step, and the SDPA kernel the torch baseline's decode gets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fusedist  # noqa: E402
+from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
+from fusedist.models.llama import RandomWeights  # noqa: E402
+from fusedist.models.runner import kernel_breakdown  # noqa: E402
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
+from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+
+SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
+
+
+def _tiny(backend, seed=3, **kw):
+    cfg = LlamaConfig.named("tiny").replace(**kw)
+    return build_model(cfg, RandomWeights(cfg, seed=seed), backend=backend, dtype=torch.float32,
+                       device="cpu")
+
+
+def _prompts(vocab, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _compiled_matches_eager(backend, compile_backend, **kw):
+    m = _tiny(backend, **kw)
+    prompts = _prompts(m.cfg.vocab_size, (6, 11, 3), 1)
+    eager = Runner(m, max_batch=3, max_seq_len=64)
+    want = eager.generate(prompts, 10).ids
+    r = Runner(m, max_batch=3, max_seq_len=64, compile_decode=True,
+               compile_backend=compile_backend)
+    assert r.generate(prompts, 10).ids == want
+    assert set(r.compile_s) == {4} and r.compile_s[4] > 0     # bucket 4, compiled once
+    # One step at the same lengths: the compiled step's logits against the eager step's.
+    for x in (eager, r):
+        x.seq_lens[:3] = torch.tensor([20, 31, 9], dtype=torch.int32)
+        x.tokens[:3] = torch.tensor([5, 6, 7])
+    err = gemm_rel_err(r.decode_step(4)[:3], eager.decode_step(4)[:3])
+    assert err <= GEMM_REL[torch.float32], f"{backend} {compile_backend}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "fusedist"])
+def test_compiled_decode_equals_eager(rt, backend):
+    _compiled_matches_eager(backend, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW or shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="inductor on CPU compiles C++ (~10-25 s): FUSEDIST_SLOW_TESTS=1 and "
+                    "a C++ compiler")
+def test_compiled_decode_inductor_cpu(rt):
+    _compiled_matches_eager("torch", "inductor", num_layers=1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fusedist"])
+def test_equal_prompts_prefill_as_one_batch(rt, backend, monkeypatch):
+    """Four prompts, three of one length (chunks of 7 tokens, so later chunks run behind a
+    cached prefix): every row's logits equal its prompt prefilled alone."""
+    m = _tiny(backend)
+    prompts = _prompts(m.cfg.vocab_size, (19, 19, 19, 12), 2)
+    alone = [Runner(m, max_batch=1, max_seq_len=64).prefill([p], all_logits=True)[0]
+             for p in prompts]
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    for chunk in (4096, 7):
+        with monkeypatch.context() as mp:
+            if chunk == 4096:   # (a patched SDPA would not take the CausalBias of later chunks)
+                mp.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                           lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+            got = Runner(m, max_batch=4, max_seq_len=64, prefill_chunk=chunk).prefill(
+                prompts, all_logits=True)
+        for i, (g, a) in enumerate(zip(got, alone)):
+            err = gemm_rel_err(g, a)
+            assert err <= GEMM_REL[torch.float32], f"chunk {chunk} row {i}: rel err {err:.2e}"
+    if backend == "torch":
+        # one call for the three equal prompts and one for the fourth, per layer
+        assert calls == [3, 1] * m.cfg.num_layers, calls
+
+
+def test_time_prefill(rt):
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    prompts = _prompts(m.cfg.vocab_size, (9, 14), 3)
+    want = r.generate(prompts, 8, context_fill=5).ids
+    ms = r.time_prefill(prompts, start=5, reps=3)
+    assert len(ms) == 3 and all(t > 0 for t in ms)
+    # The timed prefills rewrite the prompts' slots with the same values.
+    assert r.generate(prompts, 8, context_fill=5).ids == want
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        r.time_prefill(prompts, reps=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fusedist"])
+def test_profile_prefill(rt, backend):
+    m = _tiny(backend)
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    prompts = _prompts(m.cfg.vocab_size, (9, 14), 4)
+    r.generate(prompts, 2)
+    p = r.profile_prefill(prompts)
+    assert set(p) == {"gemm", "attention", "communication", "other", "total", "top", "kernels",
+                      "wall_us"}
+    assert p["gemm"] > 0 and p["kernels"] > 0 and p["wall_us"] > 0
+    assert p["total"] == pytest.approx(p["gemm"] + p["attention"] + p["communication"] +
+                                       p["other"])
+    assert p["top"] and p["top"][0][1] >= p["top"][-1][1]
+    s = r.profile_step(2)
+    assert s["gemm"] > 0 and s["kernels"] > 0
+
+
+def _ev(name, us, device="CUDA", parent=None):
+    return SimpleNamespace(name=name, device_type=f"DeviceType.{device}", device_time_total=us,
+                           cpu_time_total=us, cpu_parent=parent)
+
+
+def test_kernel_breakdown():
+    events = [_ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 30.0),
+              _ev("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 20.0),
+              _ev("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 5.0),
+              _ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 4.0),
+              _ev("triton_poi_fused_add_mul_0", 2.5),
+              _ev("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 10.0),
+              _ev("aten::mm", 99.0, device="CPU")]          # host events are not kernels
+    out = kernel_breakdown(events, cuda=True, top=2)
+    assert (out["gemm"], out["attention"], out["communication"], out["other"]) == \
+        (40.0, 25.0, 4.0, 2.5)
+    assert out["total"] == 71.5 and out["kernels"] == 6
+    assert out["top"] == [("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 40.0),
+                          ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 20.0)]
+    # CPU: the outermost aten ops only (a nested op's time is its caller's).
+    outer = _ev("aten::linear", 8.0, device="CPU")
+    cpu = kernel_breakdown([outer, _ev("aten::mm", 7.0, device="CPU", parent=outer),
+                            _ev("aten::softmax", 3.0, device="CPU")], cuda=False)
+    assert (cpu["gemm"], cpu["attention"], cpu["kernels"]) == (8.0, 3.0, 2)
+
+
+# ---- GPU tier -------------------------------------------------------------------------------
+def _gpu_model(backend):
+    cfg = LlamaConfig.named("tiny").replace(hidden_size=512, num_heads=4, num_kv_heads=2,
+                                            head_dim=128, intermediate_size=1024,
+                                            vocab_size=1000)
+    return build_model(cfg, RandomWeights(cfg, seed=9), backend=backend, dtype=torch.bfloat16,
+                       device="cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_rt():
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    fusedist.init(backend="nccl", rank=0, world_size=1, local_rank=0, local_world_size=1)
+    yield
+    fusedist.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_matches_eager(gpu_rt):
+    m = _gpu_model("torch")
+    prompts = _prompts(m.cfg.vocab_size, (40, 77, 5), 5)
+    outs = []
+    for compiled in (False, True):
+        r = Runner(m, max_batch=3, max_seq_len=256, compile_decode=compiled)
+        r.generate(prompts, 8)
+        assert 4 in r.graphs                                   # captured in a CUDA graph
+        r.seq_lens[:3] = torch.tensor([60, 90, 30], dtype=torch.int32, device="cuda")
+        r.tokens[:3] = torch.tensor([1, 2, 3], device="cuda")
+        outs.append(r.decode_step(4)[:3].float())
+    err = gemm_rel_err(outs[1], outs[0])
+    assert err <= 2 * GEMM_REL[torch.bfloat16], f"compiled vs eager step: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch):
+    """The torch baseline's masked decode SDPA call runs cuDNN's kernel (SDPA_BACKENDS puts it
+    first), not the memory-efficient one, at batch 1 as at larger batches."""
+    m = _gpu_model("torch")
+    r = Runner(m, max_batch=batch, max_seq_len=256)
+    r.generate(_prompts(m.cfg.vocab_size, [50] * batch, 6), 4)
+    names = [n.lower() for n, _ in r.profile_step(batch, top=1000)["top"]]
+    sdpa = [n for n in names if any(k in n for k in ("cudnn", "flash", "fmha", "attention"))]
+    assert sdpa and not any("fmha_cutlassf" in n or "memeff" in n for n in sdpa), names
+    assert any("cudnn" in n for n in sdpa), names
