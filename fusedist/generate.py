@@ -297,6 +297,10 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
             out["compile_s"] = round(runner.compile_s.get(res.timings["bucket"], 0.0), 1)
             out["compile_backend"] = args.compile_backend
         out["step_ms"] = round(runner.time_step(len(prompts)), 4)
+        if backend != "fusedist":
+            from .models.llama.torch_attention import decode_path_choices
+            out["decode_attention"] = sorted({f"batch {k[0]}, cache {k[1]}: {v}"
+                                              for k, v in decode_path_choices.items()})
         if args.profile:
             for key, what in (("profile_us", lambda: runner.profile_step(len(prompts))),
                               ("prefill_profile_us",

@@ -4,7 +4,8 @@ cache per layer), as gpt-fast runs it. It is the baseline `--baseline torch` mea
 under torch.compile, `--baseline torch-compile`), and the oracle the model tests hold
 fusedist's attention path against. Its SDPA calls run under an explicit backend priority
 (SDPA_BACKENDS: cuDNN first), so the kernel they get does not depend on what else ran in the
-process."""
+process. Decode on CUDA takes whichever of two plain-torch forms is faster at the step's
+(batch, cache length), timed once outside graph capture (DECODE_PATHS)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,52 @@ from .weights import kv_head_range
 # fastest torch has for its decode and prefill calls on Hopper (cuDNN takes the masked decode
 # call; flash takes no mask).
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+# The baseline's decode attention, in two plain-torch forms:
+#   "sdpa":   one masked SDPA call (cuDNN). Its 64-row query tiles hold G = 4 rows at
+#             Llama-3-8B, and batch 1 is 8 CTAs: ~89 us a layer over a 4K cache on an H200.
+#   "matmul": Hugging Face's eager attention (scores = q K^T in the model dtype, a masked fp32
+#             softmax, P V): batched matmuls that read K and V once each at full width.
+# The first eager CUDA call of each (batch, cache length, heads, dtype) times both and keeps the
+# faster (decode_path_choices); graph capture and torch.compile reuse that choice ("sdpa" when
+# none was made), so the baseline is the faster plain torch at every batch.
+DECODE_PATHS = ("sdpa", "matmul")
+decode_path_choices: dict = {}
+
+
+def _decode_sdpa(q4, kc, vc, mask):
+    return F.scaled_dot_product_attention(q4, kc, vc, attn_mask=mask)
+
+
+def _decode_matmul(q4, kc, vc, mask):
+    s = torch.matmul(q4, kc.transpose(-1, -2)).float() * (q4.shape[-1] ** -0.5)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).to(q4.dtype)
+    return torch.matmul(p, vc)
+
+
+_DECODE_FNS = {"sdpa": _decode_sdpa, "matmul": _decode_matmul}
+
+
+def _pick_decode_path(key, args) -> str:
+    """The faster decode form for key, timed now (CUDA events, 3 calls each after one warm-up)
+    when the call is eager, else the recorded choice ("sdpa" when there is none)."""
+    if key in decode_path_choices:
+        return decode_path_choices[key]
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return "sdpa"
+    times = {}
+    for name in DECODE_PATHS:
+        fn = _DECODE_FNS[name]
+        fn(*args)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn(*args)
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end)
+    decode_path_choices[key] = min(times, key=times.get)
+    return decode_path_choices[key]
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -118,8 +165,10 @@ class TorchAttention(torch.nn.Module):
         # reads each K/V row once (enable_gqa with a mask would copy the cache on the math
         # path). cuDNN takes this masked call; flash takes no mask.
         G = self.heads // KH
-        return F.scaled_dot_product_attention(q.view(T, KH, G, D), kc[:T], vc[:T],
-                                              attn_mask=mask[:, None, None, :])
+        args = (q.view(T, KH, G, D), kc[:T], vc[:T], mask[:, None, None, :])
+        if not q.is_cuda:
+            return _decode_sdpa(*args)
+        return _DECODE_FNS[_pick_decode_path((T, S, KH, G, D, q.dtype), args)](*args)
 
     def _prefill(self, q, k, v, kc, vc, meta, seq_rows):
         from torch.nn.attention.bias import causal_lower_right
