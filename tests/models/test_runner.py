@@ -186,9 +186,12 @@ def test_gpu_compiled_step_matches_eager(gpu_rt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3])
-def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch):
-    """The torch baseline's masked decode SDPA call runs cuDNN's kernel (SDPA_BACKENDS puts it
-    first), not the memory-efficient one, at batch 1 as at larger batches."""
+def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch, monkeypatch):
+    """The torch baseline's masked decode SDPA call, when its SDPA form is taken, runs cuDNN's
+    kernel (SDPA_BACKENDS puts it first), not the memory-efficient one, at batch 1 as at larger
+    batches."""
+    from fusedist.models.llama import torch_attention as ta
+    monkeypatch.setattr(ta, "_pick_decode_path", lambda key, args: "sdpa")
     m = _gpu_model("torch")
     r = Runner(m, max_batch=batch, max_seq_len=256)
     r.generate(_prompts(m.cfg.vocab_size, [50] * batch, 6), 4)
