@@ -474,6 +474,23 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     return plan
 
 
+def _check_query(op, q, k_cache, fp8, rows):
+    """q [rows, q_heads, head_dim] against a cache [pages, page_size, kv_heads, head_dim]: its
+    dtype, shape, GQA ratio and device (decode: rows = "batch", prefill: "tokens")."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        _fail(op, f"q must be [{rows}, q_heads, head_dim] of float32/float16/bfloat16, got "
+                  f"{tuple(q.shape)} {q.dtype}")
+    _, Hq, D = q.shape
+    Hkv, Dc = k_cache.shape[2], k_cache.shape[3]
+    if Dc != D or Hq % Hkv:
+        _fail(op, f"q [{rows}, {Hq}, {D}] does not fit the cache's [kv_heads, head_dim] = "
+                  f"[{Hkv}, {Dc}] (q_heads must be a multiple of kv_heads)")
+    if not fp8 and k_cache.dtype != q.dtype:
+        _fail(op, f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} (or float8_e4m3fn)")
+    if q.device != k_cache.device:
+        _fail(op, f"q is on {q.device}; it must be on the cache's device {k_cache.device}")
+
+
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, plan: Optional[DecodePlan] = None,
            *, scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
@@ -484,18 +501,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     CUDA plans on the spot (not inside a graph: make the plan first)."""
     op = "decode"
     fp8 = _check_cache(op, k_cache, v_cache, k_scale, v_scale)
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        _fail(op, f"q must be [batch, q_heads, head_dim] of float32/float16/bfloat16, got "
-                  f"{tuple(q.shape)} {q.dtype}")
+    _check_query(op, q, k_cache, fp8, "batch")
     B, Hq, D = q.shape
-    P, ps, Hkv, Dc = k_cache.shape
-    if Dc != D or Hq % Hkv:
-        _fail(op, f"q [B, {Hq}, {D}] does not fit the cache's [kv_heads, head_dim] = "
-                  f"[{Hkv}, {Dc}] (q_heads must be a multiple of kv_heads)")
-    if not fp8 and k_cache.dtype != q.dtype:
-        _fail(op, f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} (or float8_e4m3fn)")
-    if q.device != k_cache.device:
-        _fail(op, f"q is on {q.device}; it must be on the cache's device {k_cache.device}")
+    _, ps, Hkv, _ = k_cache.shape
     _check_tables(op, block_table, seq_lens, B, k_cache.device)
     if not q.is_contiguous():
         q = q.contiguous()
@@ -626,18 +634,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if backend not in PREFILL_BACKENDS:
         _fail(op, f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
     fp8 = _check_cache(op, k_cache, v_cache, k_scale, v_scale)
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        _fail(op, f"q must be [tokens, q_heads, head_dim] of float32/float16/bfloat16, got "
-                  f"{tuple(q.shape)} {q.dtype}")
+    _check_query(op, q, k_cache, fp8, "tokens")
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    if k_cache.shape[3] != D or Hq % Hkv:
-        _fail(op, f"q [T, {Hq}, {D}] does not fit the cache's [kv_heads, head_dim] = "
-                  f"{list(k_cache.shape[2:])} (q_heads must be a multiple of kv_heads)")
-    if not fp8 and k_cache.dtype != q.dtype:
-        _fail(op, f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} (or float8_e4m3fn)")
-    if q.device != k_cache.device:
-        _fail(op, f"q is on {q.device}; it must be on the cache's device {k_cache.device}")
     B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
         _fail(op, f"cu_seqlens_q must be int32/int64 [batch + 1 = {B + 1}], got "
