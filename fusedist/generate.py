@@ -298,7 +298,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
             out["compile_backend"] = args.compile_backend
         out["step_ms"] = round(runner.time_step(len(prompts)), 4)
         if backend != "fusedist":
-            from .models.llama.torch_attention import decode_path_choices
+            from .models.llama.baseline import decode_path_choices
             out["decode_attention"] = sorted({f"batch {k[0]}, cache {k[1]}: {v}"
                                               for k, v in decode_path_choices.items()})
         if args.profile:
@@ -322,7 +322,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
 def main(argv=None) -> int:
     args = parse_args(argv)
     import fusedist
-    from .launch_env import detect_launch_env
+    from .distributed.launch_env import detect_launch_env
     from .models.llama import LlamaConfig, open_weights
 
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"

@@ -14,7 +14,7 @@ import pytest
 
 # The fusedist under test (the installed one under `python -P`, which keeps the source tree
 # and its unbuilt package off sys.path) defines the multicast settings once.
-from fusedist.runtime import SAFE_ENV
+from fusedist.distributed.runtime import SAFE_ENV
 
 for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)

@@ -19,7 +19,7 @@ fd_python
 fd_gpus
 [[ ${FUSEDIST_DEVICE:-} == cpu ]] && export CUDA_VISIBLE_DEVICES=""   # the GPU tiers skip
 fd_torch
-fd_install numpy pytest timeout mpi hf
+fd_install numpy pytest timeout mpi hf lint
 build=${FUSEDIST_BUILD:-}
 if [[ -z $build ]]; then
   build=0

@@ -87,10 +87,10 @@ def test_markdown_table_has_every_variable():
 
 
 def test_safe_env_defined_once_and_used_by_the_tests():
-    from fusedist.runtime import SAFE_ENV
+    from fusedist.distributed.runtime import SAFE_ENV
 
     assert SAFE_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                         "NVSHMEM_DISABLE_NVLS": "1"}
     conftest = (ROOT / "tests" / "conftest.py").read_text()
-    assert "from fusedist.runtime import SAFE_ENV" in conftest
+    assert "from fusedist.distributed.runtime import SAFE_ENV" in conftest
     assert "NCCL_NVLS_ENABLE" not in conftest, "conftest keeps its own copy of the defaults"

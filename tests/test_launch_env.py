@@ -1,4 +1,4 @@
-"""CPU unit tests for fusedist.launch_env (fake environ dicts, no torch needed)."""
+"""CPU unit tests for fusedist.distributed.launch_env (fake environ dicts, no torch needed)."""
 
 import importlib.util
 import pathlib
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 try:
-    from fusedist.launch_env import (LaunchEnv, LaunchEnvError, detect_launch_env,
+    from fusedist.distributed.launch_env import (LaunchEnv, LaunchEnvError, detect_launch_env,
                                      expand_slurm_nodelist)
 except ImportError:  # package __init__ may need torch; the module itself is stdlib-only
     _path = pathlib.Path(__file__).resolve().parents[1] / "fusedist" / "launch_env.py"

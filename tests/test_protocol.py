@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import fusedist
-from fusedist import symmetric
-from fusedist.communicator import Communicator, check_calls
+from fusedist.comm import symmetric
+from fusedist.comm.communicator import Communicator, check_calls
 from fusedist.errors import CollectiveMismatchError, CommunicatorTimeoutError
-from fusedist.streams import AsyncHandle
+from fusedist.comm.streams import AsyncHandle
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = (ROOT / "csrc" / "include" / "fusedist" / "layout.h").read_text()
@@ -564,7 +564,7 @@ def test_close_aborts_nccl_before_it_synchronizes_after_a_mismatch(monkeypatch):
     comm.symm = symm
     comm.name = "tp0/0"
     comm.nccl.close = lambda: log.append("nccl close")
-    monkeypatch.setattr("fusedist.communicator.get_runtime",
+    monkeypatch.setattr("fusedist.comm.communicator.get_runtime",
                         lambda: SimpleNamespace(communicators=[]))
     comm.close()
     assert log[:2] == ["abort", "symm close"], log
@@ -572,7 +572,7 @@ def test_close_aborts_nccl_before_it_synchronizes_after_a_mismatch(monkeypatch):
 
 def test_aborted_nccl_refuses_calls_and_close_does_not_destroy():
     from fusedist.errors import CommunicatorClosedError
-    from fusedist.nccl import NcclComm
+    from fusedist.comm.nccl import NcclComm
 
     calls = []
     nc = NcclComm.__new__(NcclComm)

@@ -1,12 +1,12 @@
-"""Topology (fusedist/topology.py) and the group rank lists and tp_size checks of
-fusedist/groups.py: pure functions of the gathered node ids, no process group needed."""
+"""Topology (fusedist/distributed/topology.py) and the group rank lists and tp_size checks of
+fusedist/distributed/groups.py: pure functions of the gathered node ids, no process group needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from fusedist.groups import build_rank_lists, validate_tp_size
-from fusedist.topology import Topology
+from fusedist.distributed.groups import build_rank_lists, validate_tp_size
+from fusedist.distributed.topology import Topology
 
 
 def topo(node_ids, rank=0) -> Topology:

@@ -15,15 +15,15 @@ Decode is captured once per batch-size bucket (1, 2, 4, ..., the first >= max_ba
 CUDA graph over static buffers: token ids, positions, block_table, seq_lens, slot_mapping.
 The graph computes positions (seq_lens - 1) and slot_mapping itself, so a step is: write the
 new token ids, replay, sample, seq_lens += 1. The attention DecodePlan is made outside the
-graph, for the cache's full length, so one graph replays for every length. Sampling (greedy,
-temperature, top-k, top-p) runs outside the graph from a seeded torch.Generator with the
-exponential-race form of multinomial sampling (argmax of p / Exp(1) noise): reproducible for
-a seed, and identical on every rank because every rank holds the same gathered logits.
+graph, for the cache's full length, so one graph replays for every length. Sampling (sampling.py) runs
+outside the graph from a seeded torch.Generator: reproducible for a seed, and identical on every
+rank because every rank holds the same gathered logits.
 
 compile_decode=True wraps the decode step's body in torch.compile(fullgraph=True,
 dynamic=False) (mode default: inductor fuses the elementwise work, GEMMs stay cuBLAS) before
 it is captured into the same CUDA graphs; each bucket compiles once, at its capture. Prefill
-stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized).
+stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
+the profiler's classes are profiling.py's).
 """
 
 from __future__ import annotations
@@ -35,41 +35,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0          # 0: off
-    top_p: float = 1.0      # 1.0: off
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams: top_k must be >= 0, got {self.top_k}")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Next token ids [n] (int64) from logits [n, vocab]."""
-    if params.greedy or params.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    lg = logits.float() / params.temperature
-    if params.top_k and params.top_k < lg.shape[-1]:
-        kth = torch.topk(lg, params.top_k, dim=-1).values[:, -1:]
-        lg = lg.masked_fill(lg < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_lg, idx = torch.sort(lg, dim=-1, descending=True)
-        cum = sorted_lg.softmax(-1).cumsum(-1)
-        drop = (cum - sorted_lg.softmax(-1)) > params.top_p   # keeps at least the top token
-        lg = lg.scatter(-1, idx, sorted_lg.masked_fill(drop, float("-inf")))
-    probs = lg.softmax(-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+from .profiling import profile
+from .sampling import SamplingParams, sample
 
 
 @dataclass
@@ -426,7 +393,7 @@ class Runner:
         seq_lens - 1."""
         b = self.bucket(n)
         self._body(b)
-        return self._profile(lambda: self._body(b), top)
+        return profile(lambda: self._body(b), self.device, top)
 
     @torch.no_grad()
     def profile_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,
@@ -435,75 +402,4 @@ class Runner:
         classes and top kernels of profile_step, plus "wall_us", the profiled call's host
         wall time (profiler overhead included), and "kernels", the kernel count. Call after
         a warm-up at the same shapes."""
-        return self._profile(lambda: self.prefill(prompts, start=start), top)
-
-    def _profile(self, fn, top: int) -> dict:
-        from torch.profiler import ProfilerActivity, profile
-
-        cuda = self.device.type == "cuda"
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        if cuda:
-            torch.cuda.synchronize(self.device)
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            wall = (time.perf_counter() - t0) * 1e6
-        out = kernel_breakdown(prof.events(), cuda, top)
-        out["wall_us"] = wall
-        return out
-
-
-_CLASSES = (
-    ("communication", ("allreduce", "all_reduce", "nccl", "allgather", "all_gather",
-                       "rmsnorm_kernel", "reduce_scatter", "c10d")),
-    ("attention", ("attention", "attn", "flash", "fmha", "decode_kernel", "rope", "paged",
-                   "sdpa", "softmax", "merge", "cudnn", "scaled_dot_product")),
-    ("gemm", ("gemm", "gemv", "sm90", "cutlass", "nvjet", "cublas", "matmul", "addmm",
-              "aten::mm", "aten::bmm", "linear", "xmma", "wgmma")),
-)
-
-
-def kernel_breakdown(events, cuda: bool, top: int = 12) -> dict:
-    """Kernel time per class (GEMM / attention / communication / other; us), "total", the
-    `top` kernels by time and the kernel count, from torch.profiler events: on CUDA the
-    device kernels, on CPU the outermost aten ops."""
-    out = {"gemm": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
-    kernels: dict[str, float] = {}
-    count = 0
-    for e in events:
-        if cuda:
-            if "CUDA" not in str(getattr(e, "device_type", "")):
-                continue
-            us = float(getattr(e, "device_time_total", 0.0) or
-                       getattr(e, "cuda_time_total", 0.0))
-        else:
-            if not e.name.startswith("aten::") or _under_aten(e):
-                continue
-            us = float(e.cpu_time_total)
-        out[classify_kernel(e.name)] += us
-        kernels[e.name[:120]] = kernels.get(e.name[:120], 0.0) + us
-        count += 1
-    out["total"] = sum(out.values())
-    out["top"] = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-    out["kernels"] = count
-    return out
-
-
-def _under_aten(e) -> bool:
-    """Whether a profiler event runs inside an aten op (its time is its caller's)."""
-    p = e.cpu_parent
-    while p is not None:
-        if p.name.startswith("aten::"):
-            return True
-        p = p.cpu_parent
-    return False
-
-
-def classify_kernel(name: str) -> str:
-    low = name.lower()
-    for cls, keys in _CLASSES:
-        if any(k in low for k in keys):
-            return cls
-    return "other"
+        return profile(lambda: self.prefill(prompts, start=start), self.device, top)

@@ -29,10 +29,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..communicator import Communicator, GroupLike, get_communicator, resolve_group
+from ..comm.communicator import Communicator, GroupLike, get_communicator, resolve_group
 from ..ops.attention import DecodePlan, decode, prefill, rope_append, rope_cos_sin
 from ..ops.gemm_comm import gemm_ar
-from ..runtime import is_initialized
+from ..distributed.runtime import is_initialized
 from .kv_cache import PagedKVCache
 from .linear import linear
 

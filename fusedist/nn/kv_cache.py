@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-FP8 = getattr(torch, "float8_e4m3fn", None)
+from .._dtypes import FP8
 
 
 class PageAllocator:

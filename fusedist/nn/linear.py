@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..communicator import GroupLike, get_communicator
+from ..comm.communicator import GroupLike, get_communicator
 from ..ops.gemm import gemm
 from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
 

@@ -2,7 +2,8 @@
 
 from .add_rmsnorm import add_rmsnorm, rmsnorm
 from .allreduce import all_reduce, all_reduce_
-from .allreduce_rmsnorm import all_reduce_add_rmsnorm, rmsnorm_reference
+from .add_rmsnorm import rmsnorm_reference
+from .allreduce_rmsnorm import all_reduce_add_rmsnorm
 from .attention import DecodePlan, decode, decode_plan, prefill, rope_append, rope_cos_sin
 from .gemm import gemm
 from .gemm_comm import ag_gemm, gemm_ar, gemm_rs

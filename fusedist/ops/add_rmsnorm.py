@@ -25,10 +25,8 @@ from typing import Optional
 import torch
 
 from .. import _align, _dtypes, _ext
-from .allreduce_rmsnorm import rmsnorm_reference
-from .attention import _warn_reference
+from ._rows import DTYPES, check_rows_input, overlaps, packed_rows, rows_view
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The widest row the kernel holds in registers: 4096 16-byte vectors (csrc/include/fusedist/
 # layers/api.h kAddRmsNormMaxVectors, exported as fusedist._C.ADD_RMSNORM_MAX_VECTORS).
 MAX_VECTORS = 4096
@@ -39,24 +37,23 @@ def _fail(msg: str):
     raise ValueError(f"fusedist.add_rmsnorm: {msg}")
 
 
+def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
+                      out_dtype: Optional[torch.dtype] = None):
+    """Plain-torch epilogue on the already-added residual h (fp32 math)."""
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if out_dtype is not None and out_dtype == _dtypes.FP8:
+        scale = y.abs().amax(-1).clamp_min(1e-12) / _dtypes.FP8_MAX
+        return (y / scale.unsqueeze(-1)).to(_dtypes.FP8), scale
+    return y.to(h.dtype), None
+
+
 def add_rmsnorm_reference(x: torch.Tensor, residual: Optional[torch.Tensor],
                           weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, new tensors: (normed, h) with h = x + residual in x's dtype (x itself
     without a residual) and normed = rmsnorm(h) in fp32, rounded once."""
     h = x if residual is None else x + residual
     return rmsnorm_reference(h, weight, eps)[0], h
-
-
-def check_rows_input(op: str, name: str, t, layout: str) -> None:
-    """t is a tensor `layout` ([..., n]) of float32 / float16 / bfloat16 (the layer kernels'
-    inputs), else a ValueError naming op and argument."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 1:
-        shape = f" {tuple(t.shape)}" if isinstance(t, torch.Tensor) else ""
-        raise ValueError(f"fusedist.{op}: {name} must be a tensor {layout}, got "
-                         f"{type(t).__name__}{shape}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"fusedist.{op}: {name} has dtype {t.dtype}; use float32, float16 or "
-                         "bfloat16")
 
 
 def _validate(x, residual, weight, eps, out) -> None:
@@ -104,18 +101,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     return add_rmsnorm(x, None, weight, eps, out=out)[0]
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses t's elements can occupy."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else -1
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a's and b's elements may share bytes (their address spans intersect)."""
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _check_aliases(out, x, residual) -> None:
     same_as_x = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
     if residual is not None and overlaps(out, residual):
@@ -132,31 +117,13 @@ def _kernel_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "add_rmsnorm")
 
 
-def rows_view(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """t [..., n] as a [T, n] view the layer kernels can address (unit feature stride, rows
-    that do not overlap, a 16-byte aligned start and row stride), or None."""
-    n = t.shape[-1]
-    v = t if t.dim() == 2 else (t.view(-1, n) if t.is_contiguous() else None)
-    if v is not None and v.shape[0] == 1 and v.stride(0) != n:   # one row: its stride is moot
-        v = v.as_strided((1, n), (n, 1))
-    if v is None or v.stride(1) != 1 or v.stride(0) < n or not _align.is_aligned(v) or \
-            not _align.whole_vectors(v.stride(0) * v.element_size()):
-        return None
-    return v
-
-
-def packed_rows(t: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous [T, n] copy of t [..., n] (fresh allocations are 16-byte aligned)."""
-    return t.reshape(-1, t.shape[-1]).clone(memory_format=torch.contiguous_format)
-
-
 def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0) -> None:
     if x.numel() == 0:
         return
     _check_aliases(out, x, residual)
     if not _kernel_ok(x):
         if x.device.type == "cuda":
-            _warn_reference("add_rmsnorm", "fusedist._C without the add_rmsnorm kernel")
+            _ext.warn_reference("add_rmsnorm", "fusedist._C without the add_rmsnorm kernel")
         normed, h = add_rmsnorm_reference(x, residual, weight, eps)
         if residual is not None:
             residual.copy_(h)

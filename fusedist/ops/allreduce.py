@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..communicator import GroupLike, communicator_by_name, get_communicator
+from ..comm.communicator import GroupLike, communicator_by_name, get_communicator
 
 
 def _compiling() -> bool:

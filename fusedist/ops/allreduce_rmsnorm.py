@@ -19,25 +19,14 @@ from typing import Optional
 import torch
 
 from .. import _align, _dtypes, _ext, tuning
-from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
-from ..streams import nvtx_range
+from ..comm.communicator import Communicator, GroupLike, communicator_by_name, get_communicator
+from ..comm.streams import nvtx_range
+from .add_rmsnorm import MAX_HIDDEN, rmsnorm_reference
 
-FP8 = getattr(torch, "float8_e4m3fn", None)
-FP8_MAX = 448.0
+FP8 = _dtypes.FP8
 # Widest row of the fused kernel in 16-byte vectors (csrc/ops/allreduce_rmsnorm.cu): hidden up
 # to 16384 for fp16/bf16, 8192 for fp32.
 MAX_FUSED_VECTORS = 2048
-
-
-def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
-                      out_dtype: Optional[torch.dtype] = None):
-    """Plain-torch epilogue on the already-added residual h (fp32 math)."""
-    hf = h.float()
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    if out_dtype is not None and out_dtype == FP8:
-        scale = y.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
-        return (y / scale.unsqueeze(-1)).to(FP8), scale
-    return y.to(h.dtype), None
 
 
 def _validate(comm: Communicator, x, residual, weight, eps, out_dtype):
@@ -115,7 +104,6 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 def _single_gpu_epilogue(x: torch.Tensor) -> bool:
     """fusedist.add_rmsnorm takes x's rows (whole 16-byte vectors, within its widest row)."""
-    from .add_rmsnorm import MAX_HIDDEN
     hidden = x.shape[-1]
     return hidden % 8 == 0 and hidden <= MAX_HIDDEN[x.dtype]
 

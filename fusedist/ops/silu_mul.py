@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _dtypes, _ext
-from .add_rmsnorm import check_rows_input, overlaps, packed_rows, rows_view
-from .attention import _warn_reference
+from ._rows import check_rows_input, overlaps, packed_rows, rows_view
 
 
 def _fail(msg: str):
@@ -71,7 +70,7 @@ def _silu_mul_impl(out: torch.Tensor, gate_up: torch.Tensor) -> None:
         _fail("out overlaps gate_up; pass a separate out")
     if not _kernel_ok(gate_up):
         if gate_up.device.type == "cuda":
-            _warn_reference("silu_mul", "fusedist._C without the silu_mul kernel")
+            _ext.warn_reference("silu_mul", "fusedist._C without the silu_mul kernel")
         out.copy_(silu_mul_reference(gate_up))
         return
     n = gate_up.shape[-1]

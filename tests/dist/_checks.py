@@ -85,7 +85,7 @@ def expect_timeout(comm, call, timeout_s: float, match: str = ""):
 def _wait_idle(device, deadline: float, what: str) -> None:
     """Poll (no synchronize) until the current stream and the comm-stream pool of `device`
     ran everything queued so far, or fail at `deadline` (time.time())."""
-    from fusedist import streams
+    from fusedist.comm import streams
 
     events = []
     for s in [torch.cuda.current_stream(device)] + [streams.comm_stream(device, i)

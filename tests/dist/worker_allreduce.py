@@ -457,7 +457,7 @@ def epoch_wraps_onto_the_next_generation(rt, seed):
     alternating), and the epoch wraps at EPOCH_PERIOD (a multiple of the generation count),
     not at 2^32 where two consecutive calls would share a generation."""
     symmetric_or_skip(rt)
-    from fusedist import symmetric
+    from fusedist.comm import symmetric
 
     comm = fusedist.Communicator(rt.tp, max_bytes=1 << 20)
     period, start, calls = symmetric.EPOCH_PERIOD, symmetric.EPOCH_PERIOD - 3, 6

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusedist  # noqa: E402
 from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
 from fusedist.models.llama import RandomWeights  # noqa: E402
-from fusedist.models.runner import kernel_breakdown  # noqa: E402
+from fusedist.models.profiling import kernel_breakdown  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch, monkeypatch):
     """The torch baseline's masked decode SDPA call, when its SDPA form is taken, runs cuDNN's
     kernel (SDPA_BACKENDS puts it first), not the memory-efficient one, at batch 1 as at larger
     batches."""
-    from fusedist.models.llama import torch_attention as ta
+    from fusedist.models.llama import baseline as ta
     monkeypatch.setattr(ta, "_pick_decode_path", lambda key, args: "sdpa")
     m = _gpu_model("torch")
     r = Runner(m, max_batch=batch, max_seq_len=256)

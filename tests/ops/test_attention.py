@@ -360,7 +360,7 @@ def test_closed_plan_is_refused():
     assert not plan.closed and bool(torch.isfinite(out).all())
     pid = plan.plan_id
     plan.close()
-    assert plan.closed and pid not in A._plans
+    assert plan.closed and pid not in A._decode._plans
     with pytest.raises(ValueError, match="plan was closed"):
         A.decode(q, kc, kc, bt, sl, plan)
     with pytest.raises(ValueError, match="was closed"):
@@ -465,9 +465,9 @@ def test_prefill_runs():
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
 def test_prefill_batched_runs(device, backend, monkeypatch):
     calls = []
-    real = A._sdpa_chunk if backend == "sdpa" else A._reference_chunk
+    real = A.sdpa._sdpa_chunk if backend == "sdpa" else A.sdpa._reference_chunk
     name = "_sdpa_chunk" if backend == "sdpa" else "_reference_chunk"
-    monkeypatch.setattr(A, name, lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(A.sdpa, name, lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
     gen = _gen(device)
     for dtype in (torch.bfloat16, torch.float16):
         calls.clear()
@@ -574,8 +574,7 @@ def test_decode_cuda_graph_replay_new_lengths():
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
     plan = A.decode_plan(3, 8, 2, 64, 16, 64, "cuda", torch.bfloat16)
-    from fusedist.ops import _attention_decode
-    if _attention_decode.available():   # the kernel, not the capturable torch path
+    if A._decode.available():   # the kernel, not the capturable torch path
         assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
     out = torch.empty_like(q)
     A.decode(q, kc, vc, bt, sl, plan, out=out)
@@ -627,7 +626,7 @@ import torch.nn.functional as F
 q = torch.randn(1, 8, 64, 128, device="cuda", dtype=torch.bfloat16)
 if sys.argv[1] == "fusedist":    # the process's first SDPA call inside fusedist's priority
     from fusedist.ops import attention as A
-    A._sdpa_chunk(*(q.transpose(1, 2),) * 3, 0.1)
+    A.sdpa._sdpa_chunk(*(q.transpose(1, 2),) * 3, 0.1)
 else:                            # a plain SDPA call first
     F.scaled_dot_product_attention(q, q, q, is_causal=True)
 # what a masked GQA-as-rows decode call (the torch baseline's) gets afterwards

@@ -1,4 +1,4 @@
-"""Paged split-KV decode attention (fusedist/ops/_attention_decode.py, csrc attention/decode)
+"""Paged split-KV decode attention (fusedist/ops/attention/_decode.py, csrc attention/decode)
 against a float64 reference on the gathered cache: odd and mixed lengths in one batch, shuffled
 page tables with every unused page and slot NaN-poisoned (and unread block-table entries out
 of range), page sizes 16-256, head dims 64/128/256, GQA ratios 1/4/7/8/20, fp8 KV against the
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tolerances import GEMM_REL  # noqa: E402
 
-from fusedist.ops import _attention_decode as ad  # noqa: E402
+from fusedist.ops.attention import _decode as ad  # noqa: E402
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
@@ -39,14 +39,14 @@ def test_choose_num_splits_fills_the_sms_once_and_caps():
 
 
 def test_plan_workspace_sized_from_the_plan():
-    p = ad.plan_decode(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
+    p = ad.plan_kernel(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
     assert p.num_splits == 5 and p.grid == (5, 8, 3)
     assert tuple(p.o_partial.shape) == (3, 32, 5, 128) and p.o_partial.dtype == torch.float32
     assert tuple(p.lse_partial.shape) == (3, 32, 5)
     assert tuple(p.counters.shape) == (3, 8) and int(p.counters.abs().sum()) == 0
-    one = ad.plan_decode(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
+    one = ad.plan_kernel(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
     assert one.num_splits == 1 and one.o_partial is None
-    wide = ad.plan_decode(1, 40, 2, 64, 32, 100, device="cpu", num_splits=3)
+    wide = ad.plan_kernel(1, 40, 2, 64, 32, 100, device="cpu", num_splits=3)
     assert wide.q_tiles == 3 and wide.grid == (3, 6, 1)
 
 
@@ -62,7 +62,7 @@ def test_plan_rejects_bad_arguments(kw, match):
                 device="cpu", num_sms=132)
     args.update(kw)
     with pytest.raises((ValueError, TypeError), match=match):
-        ad.plan_decode(**args)
+        ad.plan_kernel(**args)
 
 
 # ---- GPU -----------------------------------------------------------------------------------
@@ -134,14 +134,14 @@ class Case:
         return out
 
     def plan(self, num_splits=None, max_seq_len=None):
-        return ad.plan_decode(self.B, self.q_heads, self.kv_heads, self.D, self.P,
+        return ad.plan_kernel(self.B, self.q_heads, self.kv_heads, self.D, self.P,
                               max(self.lens) if max_seq_len is None else max_seq_len,
                               num_splits=num_splits, dtype=self.dtype,
                               kv_dtype=self.kv_dtype)
 
     def run(self, plan, out=None):
         out = torch.full_like(self.q, float("nan")) if out is None else out
-        return ad.run_decode(plan, self.q, self.k_cache, self.v_cache, self.block_table,
+        return ad.run_kernel(plan, self.q, self.k_cache, self.v_cache, self.block_table,
                              self.seq_lens, out, self.scale, self.k_scale, self.v_scale)
 
 
@@ -233,17 +233,17 @@ def test_decode_graph_replays_with_new_lengths_and_tables(fp8):
         lens.copy_(c.seq_lens)
         q.copy_(c.q)
 
-    plan = ad.plan_decode(4, 16, 4, 128, 16, 5000, dtype=torch.bfloat16, kv_dtype=kvd)
+    plan = ad.plan_kernel(4, 16, 4, 128, 16, 5000, dtype=torch.bfloat16, kv_dtype=kvd)
     assert plan.num_splits > 1
     load(sets[0])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)  # warm-up
+        ad.run_kernel(plan, q, k, v, bt, lens, out, st.scale, ks, vs)  # warm-up
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
+        ad.run_kernel(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
     for c in sets + sets[:1]:
         load(c)
         out.fill_(float("nan"))
@@ -252,23 +252,23 @@ def test_decode_graph_replays_with_new_lengths_and_tables(fp8):
         check(c, out, c.reference(), "graph replay")
         replayed = out.clone()
         out.fill_(float("nan"))
-        ad.run_decode(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
+        ad.run_kernel(plan, q, k, v, bt, lens, out, st.scale, ks, vs)
         torch.cuda.synchronize()
         assert torch.equal(out, replayed), "graph replay differs from eager"
 
 
 @pytest.mark.gpu
-def test_run_decode_rejects_bad_arguments():
+def test_run_kernel_rejects_bad_arguments():
     case = Case([40, 3], 16, 4, 64, 16, torch.bfloat16, torch.bfloat16)
     plan = case.plan()
     out = torch.empty_like(case.q)
     with pytest.raises(ValueError, match="q is non-contiguous"):
-        ad.run_decode(plan, case.q.transpose(0, 1).contiguous().transpose(0, 1), case.k_cache,
+        ad.run_kernel(plan, case.q.transpose(0, 1).contiguous().transpose(0, 1), case.k_cache,
                       case.v_cache, case.block_table, case.seq_lens, out, 1.0)
     with pytest.raises(ValueError, match="block_table must be int32"):
-        ad.run_decode(plan, case.q, case.k_cache, case.v_cache, case.block_table.long(),
+        ad.run_kernel(plan, case.q, case.k_cache, case.v_cache, case.block_table.long(),
                       case.seq_lens, out, 1.0)
     with pytest.raises(ValueError, match="plan was made for"):
         big = torch.zeros((3, 16, 64), dtype=torch.bfloat16, device="cuda")
-        ad.run_decode(plan, big, case.k_cache, case.v_cache, case.block_table,
+        ad.run_kernel(plan, big, case.k_cache, case.v_cache, case.block_table,
                       case.seq_lens, torch.empty_like(big), 1.0)

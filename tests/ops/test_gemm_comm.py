@@ -44,10 +44,10 @@ from types import SimpleNamespace  # noqa: E402
 import torch  # noqa: E402
 
 from fusedist import _ext  # noqa: E402
-from fusedist.comm.engines import base as eb  # noqa: E402
-from fusedist.comm.engines import copy_engine as ce  # noqa: E402
-from fusedist.comm.engines import fused as fz  # noqa: E402
-from fusedist.communicator import Communicator  # noqa: E402
+from fusedist.ops.gemm_comm import base as eb  # noqa: E402
+from fusedist.ops.gemm_comm import copy_engine as ce  # noqa: E402
+from fusedist.ops.gemm_comm import fused_sm90 as fz  # noqa: E402
+from fusedist.comm.communicator import Communicator  # noqa: E402
 from fusedist.ops import gemm_comm as gc  # noqa: E402
 
 gm = importlib.import_module("fusedist.ops.gemm")  # the module; fusedist.ops.gemm is the function
@@ -74,19 +74,19 @@ def test_weight_layouts():
     (1, None, "fused"), (32, None, "fused"), (33, None, "unfused"), (1, "dtype", "unfused")])
 def test_engine_auto_for_decode_gemm_ar(monkeypatch, m, why_not, engine):
     monkeypatch.delenv("FUSEDIST_GEMM_ENGINE", raising=False)
-    assert gc._engine("gemm_ar", "auto", m, 8192, 4096, _comm(), why_not) == engine
+    assert gc.pick("gemm_ar", "auto", m, 8192, 4096, _comm(), why_not) == engine
 
 
 def test_engine_env_fused_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "fused")
-    assert gc._engine("gemm_ar", "auto", 64, 8192, 4096, _comm(), None) == "fused"
+    assert gc.pick("gemm_ar", "auto", 64, 8192, 4096, _comm(), None) == "fused"
     # Where the fused kernel does not take the call, the table decides (overlap from 2^35).
-    assert gc._engine("ag_gemm", "auto", 8192, 8192, 8192, _comm(), "no staging") == "overlap"
+    assert gc.pick("ag_gemm", "auto", 8192, 8192, 8192, _comm(), "no staging") == "overlap"
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "unfused")
-    assert gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None) == "unfused"
+    assert gc.pick("gemm_ar", "auto", 1, 8192, 4096, _comm(), None) == "unfused"
     monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "warp-drive")
     with pytest.raises(ValueError, match="FUSEDIST_GEMM_ENGINE"):
-        gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(), None)
+        gc.pick("gemm_ar", "auto", 1, 8192, 4096, _comm(), None)
 
 
 def test_engine_auto_warns_once_at_an_unmeasured_world_size(monkeypatch, recwarn):
@@ -95,28 +95,28 @@ def test_engine_auto_warns_once_at_an_unmeasured_world_size(monkeypatch, recwarn
     comm.name = "tp/0"
     comm.table = {"gemm_comm": {**TABLE["gemm_comm"], "measured_worlds": [2]}}
     for m in (1, 2, 4096):
-        gc._engine("gemm_ar", "auto", m, 8192, 4096, comm, None)
+        gc.pick("gemm_ar", "auto", m, 8192, 4096, comm, None)
     got = [str(w.message) for w in recwarn if "measured at world size 2, not 8" in str(w.message)]
     assert len(got) == 1 and got[0].startswith("fusedist (tp/0):")
     ok = _comm(world=2)
     ok.table = comm.table
-    gc._engine("gemm_ar", "auto", 1, 8192, 4096, ok, None)
-    gc._engine("gemm_ar", "unfused", 1, 8192, 4096, comm, None)  # no table consulted
+    gc.pick("gemm_ar", "auto", 1, 8192, 4096, ok, None)
+    gc.pick("gemm_ar", "unfused", 1, 8192, 4096, comm, None)  # no table consulted
     assert len(recwarn) == 1
 
 
 def test_engine_fused_forced_names_the_reason():
     with pytest.raises(ValueError, match="M = 200 rows"):
-        gc._engine("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
+        gc.pick("gemm_ar", "fused", 200, 8192, 4096, _comm(), "M = 200 rows (at most 128)")
     with pytest.raises(ValueError, match="create fusedist.Communicator.staging_bytes"):
-        gc._engine("gemm_rs", "fused", 8192, 8192, 8192, _comm(),
+        gc.pick("gemm_rs", "fused", 8192, 8192, 8192, _comm(),
                    "the partial products live in symmetric staging; create "
                    "fusedist.Communicator(staging_bytes>=134217728)")
 
 
 def test_engine_single_rank_or_cpu_is_unfused():
-    assert gc._engine("gemm_ar", "fused", 1, 8192, 4096, _comm(world=1), None) == "unfused"
-    assert gc._engine("gemm_ar", "auto", 1, 8192, 4096, _comm(device="cpu"), None) == "unfused"
+    assert gc.pick("gemm_ar", "fused", 1, 8192, 4096, _comm(world=1), None) == "unfused"
+    assert gc.pick("gemm_ar", "auto", 1, 8192, 4096, _comm(device="cpu"), None) == "unfused"
 
 
 def test_fused_kernels_do_not_take_an_empty_problem():
@@ -320,7 +320,7 @@ import contextlib  # noqa: E402
 import ctypes  # noqa: E402
 import threading  # noqa: E402
 
-from fusedist import symmetric  # noqa: E402
+from fusedist.comm import symmetric  # noqa: E402
 from fusedist.errors import CollectiveMismatchError  # noqa: E402
 
 from tolerances import GEMM_REL, gemm_err  # noqa: E402
@@ -646,8 +646,8 @@ def test_nccl_collectives_of_the_gemm_ops_are_checked_first(emulated, monkeypatc
     """ag_gemm / gemm_rs through NCCL (unfused, overlap): a call check carrying what NCCL is
     about to be asked (collective, input elements, the overlap engine's NCCL calls) comes
     before the first NCCL call, once per op call."""
-    from fusedist.comm.engines import overlap as ov
-    from fusedist.comm.engines import unfused as uf
+    from fusedist.ops.gemm_comm import overlap as ov
+    from fusedist.ops.gemm_comm import unfused as uf
 
     W, m, k, n, chunks = 2, 6, 8, 5, 3
     log = []

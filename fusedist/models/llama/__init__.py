@@ -1,8 +1,30 @@
-"""Llama-family decoders (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5) on fusedist."""
+"""Llama-family decoders (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5) on fusedist: config.py
+(LlamaConfig from config.json), weights.py (checkpoint readers and the TP shard rules),
+model.py (fusedist's model), baseline.py (the plain-torch baseline on the same weights)."""
 
+import torch
+
+from .baseline import TorchTransformer
 from .config import NAMED, SUPPORTED_ARCHITECTURES, LlamaConfig
-from .model import BACKENDS, Transformer, build_model
+from .model import Transformer
 from .weights import RandomWeights, SafetensorsWeights, WeightSource, open_weights
 
-__all__ = ["LlamaConfig", "NAMED", "SUPPORTED_ARCHITECTURES", "Transformer", "build_model",
-           "BACKENDS", "WeightSource", "SafetensorsWeights", "RandomWeights", "open_weights"]
+# backend -> the model class (the CLI's --baseline torch / torch-compile build "torch").
+BACKENDS = {"fusedist": Transformer, "torch": TorchTransformer}
+
+
+def build_model(cfg: LlamaConfig, src: WeightSource, *, backend: str = "fusedist", group=None,
+                dtype=torch.bfloat16, device=None, max_position: int = 0, progress=None):
+    """The model for cfg on this rank's group (`backend`: "fusedist", or "torch" for the
+    plain-torch baseline), loaded from src (progress(i, n) per layer), in eval mode."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fusedist.models: backend must be one of {tuple(BACKENDS)}, got "
+                         f"{backend!r}")
+    m = BACKENDS[backend](cfg, group=group, dtype=dtype, device=device,
+                          max_position=max_position)
+    return m.load(src, progress).eval()
+
+
+__all__ = ["LlamaConfig", "NAMED", "SUPPORTED_ARCHITECTURES", "Transformer", "TorchTransformer",
+           "build_model", "BACKENDS", "WeightSource", "SafetensorsWeights", "RandomWeights",
+           "open_weights"]

@@ -1,13 +1,11 @@
 """A tensor-parallel Llama-family decoder built from fusedist's layers and ops.
 
-One model, two op sets (the `backend` argument):
-  "fusedist": fusedist.nn.TPAttention over the paged KV cache, every GEMM through
-      fusedist.gemm, the all-reduce after each row-parallel linear fused with the residual
-      add and the next RMSNorm (fusedist.all_reduce_add_rmsnorm; at TP 1, with nothing to
-      reduce, fusedist.add_rmsnorm), the SwiGLU activation as fusedist.silu_mul (on CUDA;
-      CPU tensors run the torch ops below);
-  "torch": the same weights and math in plain torch (F.linear, SDPA over a static cache,
-      F.rms_norm, F.silu, torch.distributed all_reduce): the baseline printed beside it.
+fusedist.nn.TPAttention over the paged KV cache, every GEMM through fusedist.gemm, the
+all-reduce after each row-parallel linear fused with the residual add and the next RMSNorm
+(fusedist.all_reduce_add_rmsnorm; at TP 1, with nothing to reduce, fusedist.add_rmsnorm), the
+SwiGLU activation as fusedist.silu_mul (on CUDA; CPU tensors run the same math in torch ops).
+The plain-torch baseline printed beside it (baseline.py) is a subclass that swaps these ops
+for torch's, on the same config and weights.
 
 Per layer (x: the layer's normed input, residual: the residual stream, both [T, hidden]):
 
@@ -30,24 +28,21 @@ from __future__ import annotations
 
 from typing import Optional
 
-import warnings
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...communicator import get_communicator
+from ...comm.communicator import get_communicator
+from ...nn.attention import TPAttention, kv_head_range
+from ...nn.kv_cache import PagedKVCache
+from ...nn.linear import _gather_columns
 from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
 from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
 from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
+from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
+from ...ops.attention import decode_plan
 from ...ops.silu_mul import silu_mul
 from .config import LlamaConfig
-from .weights import WeightSource, check_tp, kv_head_range, padded_vocab
-
-BACKENDS = ("fusedist", "torch")
-# torch >= 2.13 renames all_gather_into_tensor; the torch backend keeps the name every
-# supported torch has.
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+from .weights import WeightSource, check_tp, padded_vocab
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -64,62 +59,19 @@ def _kernel_rows(t: torch.Tensor, width: int) -> bool:
     return t.is_cuda and width % 8 == 0
 
 
-class _Exchange:
-    """The model's three tensor-parallel steps, per backend, and the first RMSNorm."""
-
-    def __init__(self, comm, backend: str):
-        self.comm, self.backend, self.tp = comm, backend, comm.group.size
-        self.fused = backend == "fusedist"
-
-    def add_rmsnorm(self, partial, residual, w, eps):
-        """(rmsnorm(all_reduce(partial) + residual), the new residual). fusedist at TP 1 on
-        CUDA: one kernel, residual updated in place."""
-        if self.fused and self.tp > 1:
-            from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
-            return all_reduce_add_rmsnorm(partial, residual, w, eps, group=self.comm)
-        if self._fused_norm(partial):
-            return add_rmsnorm(partial, residual, w, eps)
-        if self.tp > 1:
-            dist.all_reduce(partial, group=self.comm.group.pg)
-        h = partial + residual
-        return rmsnorm(h, w, eps), h
-
-    def rmsnorm(self, h, w, eps):
-        """The first layer's input norm of the embeddings h (no exchange)."""
-        if self._fused_norm(h):
-            return fused_rmsnorm(h, w, eps)
-        return rmsnorm(h, w, eps)
-
-    def _fused_norm(self, h) -> bool:
-        n = h.shape[-1]
-        return self.fused and _kernel_rows(h, n) and n <= MAX_HIDDEN[h.dtype]
-
-    def gather_columns(self, y):
-        """[n, v/tp] on each rank -> [n, v], rank r's columns at block r."""
-        if self.tp == 1:
-            return y
-        if self.backend == "fusedist":
-            from ...nn.linear import _gather_columns
-            return _gather_columns(self.comm, y)
-        parts = torch.empty((self.tp * y.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
-        dist.all_gather_into_tensor(parts, y.contiguous(), group=self.comm.group.pg)
-        return parts.view(self.tp, y.shape[0], -1).permute(1, 0, 2).reshape(y.shape[0], -1)
-
-
 class MLP(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device, fused: bool = False):
+    """SwiGLU, gate|up column-parallel (one GEMM for both), down row-parallel; returned before
+    the down projection's all-reduce."""
+
+    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device):
         super().__init__()
         self.inter = cfg.intermediate_size // tp
-        self.fused = fused   # silu(gate) * up as one fusedist.silu_mul kernel on CUDA
         # [gate_r; up_r]: one column-parallel GEMM for both.
         self.gate_up = _param(torch.empty(2 * self.inter, cfg.hidden_size, dtype=dtype,
                                           device=device))
         self.down = _param(torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device))
 
     def forward(self, x):
-        if not self.fused:   # the torch backend: plain torch throughout
-            gu = F.linear(x, self.gate_up)
-            return F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
         gu = linear(x, self.gate_up)
         if _kernel_rows(gu, self.inter):
             return linear(silu_mul(gu), self.down)
@@ -127,28 +79,29 @@ class MLP(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, attn: torch.nn.Module, tp: int, dtype, device,
-                 fused: bool = False):
+    def __init__(self, attn: torch.nn.Module, mlp: torch.nn.Module, hidden: int, dtype, device):
         super().__init__()
         self.attn = attn
-        self.mlp = MLP(cfg, tp, dtype, device, fused)
-        self.input_norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
-        self.post_norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
+        self.mlp = mlp
+        self.input_norm = _param(torch.ones(hidden, dtype=dtype, device=device))
+        self.post_norm = _param(torch.ones(hidden, dtype=dtype, device=device))
 
 
 class Transformer(torch.nn.Module):
     """forward(tokens [T], positions [T], cache, meta, seq_rows=None, logits_rows=None) ->
     logits [n, vocab] (float of the model's dtype) for the rows logits_rows of the T tokens
     (all when None). meta is the step's fusedist.nn.AttentionMetadata; seq_rows [num_seqs]
-    says which batch row of the cache each of meta's sequences is (the torch backend's static
-    cache needs it; the paged cache reads block_table instead)."""
+    says which batch row of the cache each of meta's sequences is (the torch baseline's static
+    cache needs it; the paged cache reads block_table instead).
 
-    def __init__(self, cfg: LlamaConfig, *, backend: str = "fusedist", group=None,
-                 dtype: torch.dtype = torch.bfloat16, device=None, max_position: int = 0):
+    The ops a step runs are the methods below the weights (attention / mlp / norms / head /
+    cache); the torch baseline (baseline.py) overrides exactly those."""
+    backend = "fusedist"
+
+    def __init__(self, cfg: LlamaConfig, *, group=None, dtype: torch.dtype = torch.bfloat16,
+                 device=None, max_position: int = 0):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"fusedist.models: backend must be one of {BACKENDS}, got {backend!r}")
-        self.cfg, self.backend, self.dtype = cfg, backend, dtype
+        self.cfg, self.dtype = cfg, dtype
         self.comm = get_communicator(group)
         self.tp, self.rank = self.comm.group.size, self.comm.group.rank
         check_tp(cfg, self.tp)
@@ -162,15 +115,15 @@ class Transformer(torch.nn.Module):
             raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds the "
                              f"sliding window ({window} tokens), which the model does not "
                              f"apply; keep prompt + new tokens <= {window}")
-        self.ex = _Exchange(self.comm, backend)
-        self.kv_first, self.local_kv_heads = kv_head_range(cfg.num_kv_heads, self.tp, self.rank)
+        self.kv_first, kv_last = kv_head_range(cfg.num_kv_heads, self.tp, self.rank)
+        self.local_kv_heads = kv_last - self.kv_first
         self.local_heads = cfg.num_heads // self.tp
         self.vocab_padded = padded_vocab(cfg, self.tp)
         self.vocab_shard = self.vocab_padded // self.tp
         self.embed = _param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                         device=device))
         self.layers = torch.nn.ModuleList(
-            Block(cfg, self._attention(), self.tp, dtype, device, self.ex.fused)
+            Block(self._attention(), self._mlp(), cfg.hidden_size, dtype, device)
             for _ in range(cfg.num_layers))
         self.norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
         self.lm_head = _param(torch.empty(self.vocab_shard, cfg.hidden_size, dtype=dtype,
@@ -178,11 +131,6 @@ class Transformer(torch.nn.Module):
 
     def _attention(self) -> torch.nn.Module:
         cfg = self.cfg
-        if self.backend == "torch":
-            from .torch_attention import TorchAttention
-            return TorchAttention(cfg, self.tp, self.rank, self.max_position, self.dtype,
-                                  self.device)
-        from ...nn.attention import TPAttention
         return TPAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            qkv_bias=cfg.qkv_bias, rope_base=cfg.rope_theta,
                            rope_scaling=cfg.rope_scaling, max_position=self.max_position,
@@ -236,25 +184,52 @@ class Transformer(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, meta,
                 seq_rows: Optional[torch.Tensor] = None,
                 logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        eps, ex = self.cfg.rms_norm_eps, self.ex
+        eps = self.cfg.rms_norm_eps
         residual = F.embedding(tokens, self.embed)
-        x = ex.rmsnorm(residual, self.layers[0].input_norm, eps)
+        x = self._rmsnorm(residual, self.layers[0].input_norm, eps)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a = self._attend(layer.attn, x, positions, cache, i, meta, seq_rows)
-            x, residual = ex.add_rmsnorm(a, residual, layer.post_norm, eps)
+            x, residual = self._add_rmsnorm(a, residual, layer.post_norm, eps)
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.norm
-            x, residual = ex.add_rmsnorm(layer.mlp(x), residual, nxt, eps)
+            x, residual = self._add_rmsnorm(layer.mlp(x), residual, nxt, eps)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        head = linear if self.backend == "fusedist" else F.linear
-        logits = ex.gather_columns(head(x, self.lm_head))
+        logits = self._gather_columns(self._head(x))
         return logits[:, :self.cfg.vocab_size]
 
+    # ---- the ops of a step (the torch baseline overrides these) ---------------------------
+    def _mlp(self) -> torch.nn.Module:
+        return MLP(self.cfg, self.tp, self.dtype, self.device)
+
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
-        if self.backend == "torch":
-            return attn(x, positions, cache, layer, meta, seq_rows)
         return attn(x, positions, cache, layer, meta, reduce=False)
+
+    def _add_rmsnorm(self, partial, residual, w, eps):
+        """(rmsnorm(all_reduce(partial) + residual), the new residual): one fused exchange at
+        TP > 1; at TP 1 on CUDA one add_rmsnorm kernel, the residual updated in place."""
+        if self.tp > 1:
+            return all_reduce_add_rmsnorm(partial, residual, w, eps, group=self.comm)
+        if self._kernel_norm(partial):
+            return add_rmsnorm(partial, residual, w, eps)
+        h = partial + residual
+        return rmsnorm(h, w, eps), h
+
+    def _rmsnorm(self, h, w, eps):
+        """The first layer's input norm of the embeddings h (no exchange)."""
+        return fused_rmsnorm(h, w, eps) if self._kernel_norm(h) else rmsnorm(h, w, eps)
+
+    @staticmethod
+    def _kernel_norm(h) -> bool:
+        n = h.shape[-1]
+        return _kernel_rows(h, n) and n <= MAX_HIDDEN[h.dtype]
+
+    def _head(self, x):
+        return linear(x, self.lm_head)
+
+    def _gather_columns(self, y):
+        """[n, v/tp] on each rank -> [n, v], rank r's columns at block r."""
+        return y if self.tp == 1 else _gather_columns(self.comm, y)
 
     # ---- cache ---------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -262,21 +237,13 @@ class Transformer(torch.nn.Module):
             torch.tensor([], dtype=self.dtype).element_size()
 
     def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int):
-        """The KV cache this backend reads: fusedist's PagedKVCache of num_pages pages, or the
-        torch backend's static [max_batch, kv heads, max_seq_len, head_dim] per layer."""
-        if self.backend == "torch":
-            from .torch_attention import StaticKVCache
-            return StaticKVCache(self.cfg.num_layers, max_batch, self.local_kv_heads,
-                                 max_seq_len, self.cfg.head_dim, self.dtype, self.device)
-        from ...nn.kv_cache import PagedKVCache
+        """The KV cache the model reads: a PagedKVCache of num_pages pages (max_batch and
+        max_seq_len size the torch baseline's static cache)."""
         return PagedKVCache(self.cfg.num_layers, self.local_kv_heads, self.cfg.head_dim,
                             num_pages, page_size=page_size, dtype=self.dtype, device=self.device)
 
     def decode_plan(self, batch: int, page_size: int, max_seq_len: int):
-        """The host-side plan of batch-`batch` decode attention (None for the torch backend)."""
-        if self.backend == "torch":
-            return None
-        from ...ops.attention import decode_plan
+        """The host-side plan of batch-`batch` decode attention (None for the torch baseline)."""
         return decode_plan(batch, self.local_heads, self.local_kv_heads, self.cfg.head_dim,
                            page_size, max_seq_len, self.device, self.dtype)
 
@@ -302,11 +269,4 @@ def load_attention_shard(attn, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None)
     attn.o_weight.copy_(o_w)
 
 
-def build_model(cfg: LlamaConfig, src: WeightSource, *, backend="fusedist", group=None,
-                dtype=torch.bfloat16, device=None, max_position: int = 0, progress=None):
-    m = Transformer(cfg, backend=backend, group=group, dtype=dtype, device=device,
-                    max_position=max_position)
-    return m.load(src, progress).eval()
-
-
-__all__ = ["Transformer", "build_model", "linear", "rmsnorm", "BACKENDS"]
+__all__ = ["Transformer", "load_attention_shard", "rmsnorm"]

@@ -10,8 +10,9 @@ copy of the model. Random weights are defined per tensor by (seed, name) over th
 then sliced, so every tensor-parallel size sees the same model: replicated tensors are equal on
 every rank, and rank r's shard is rows / columns of the full random tensor.
 
-The sharding rules (which dimension of which tensor is split, and how kv heads are replicated
-when tp > kv heads) are in shard_spec() and kv_head_range(), shared by the model and its tests.
+The sharding rules: Transformer.load (model.py) names which dimension of which tensor is split;
+fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated when tp > kv
+heads), for the model, TPAttention and the tests alike.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ...nn.attention import kv_head_range
 from .config import LlamaConfig
 
 
@@ -41,27 +43,12 @@ def hf_names(cfg: LlamaConfig) -> list[str]:
     return names
 
 
-def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
-    """(first kv head, kv heads) that rank keeps: kv_heads / tp of them, or, when tp exceeds
-    the kv heads, one head shared by tp / kv_heads consecutive ranks (replicated)."""
-    if num_kv_heads >= tp:
-        if num_kv_heads % tp:
-            raise ValueError(f"fusedist.models: num_kv_heads={num_kv_heads} is not divisible by "
-                             f"tp={tp}; pick a tp that divides it or that it divides")
-        n = num_kv_heads // tp
-        return rank * n, n
-    if tp % num_kv_heads:
-        raise ValueError(f"fusedist.models: tp={tp} is not a multiple of num_kv_heads="
-                         f"{num_kv_heads}; kv heads can only be replicated evenly")
-    return rank // (tp // num_kv_heads), 1
-
-
 def check_tp(cfg: LlamaConfig, tp: int) -> None:
     for what, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
         if n % tp:
             raise ValueError(f"fusedist.models: {what}={n} of {cfg.name or 'the model'} is not "
                              f"divisible by tp={tp}; pick a tp that divides it")
-    kv_head_range(cfg.num_kv_heads, tp, 0)
+    kv_head_range(cfg.num_kv_heads, tp, 0)   # raises when the kv heads do not split evenly
 
 
 def padded_vocab(cfg: LlamaConfig, tp: int) -> int:

@@ -11,10 +11,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _align, _dtypes, _ext, envs, symmetric, tuning
-from .errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
-from .groups import Group
-from .runtime import check_timeout_s, get_runtime
+from .. import _align, _dtypes, _ext, envs, tuning
+from ..distributed import runtime as _runtime
+from ..distributed.groups import Group
+from ..distributed.runtime import check_timeout_s, get_runtime
+from ..errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
+from . import symmetric
 from .streams import AsyncHandle, nvtx_range, run_on_comm_stream
 from .symmetric import SymmetricMemory
 
@@ -25,6 +27,7 @@ DEFAULT_ONE_SHOT_MAX_BYTES = 8 << 20
 _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
 _by_name: dict[str, "Communicator"] = {}   # Communicator.name -> open communicator
 _created_per_group: dict[str, int] = {}
+_runtime.on_shutdown(_created_per_group.clear)
 
 
 # Op codes of the CPU path's call descriptors (check_same_call).

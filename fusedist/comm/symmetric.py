@@ -22,10 +22,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _dtypes, _ext, envs
-from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
+from .. import _dtypes, _ext, envs
+from .._align import round_up
+from ..distributed.groups import Group
+from ..errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      PeerAccessError)
-from .groups import Group
 
 # OpCode (layout.h) values: kernels (1-7, in error records) and what a rank called (call
 # descriptors: 1-6, and 8-10 for the NCCL call a call check guards).
@@ -205,10 +206,6 @@ def error_message(words: Sequence[int], group_name: str, ranks: Sequence[int],
             f"unusable now; {outputs}.")
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def default_timeout_s() -> float:
     return envs.get("FUSEDIST_TIMEOUT_S")
 
@@ -250,9 +247,9 @@ class SymmetricMemory:
             raise ValueError(f"fusedist: SymmetricMemory timeout_s must be a finite number of "
                              f"seconds > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
-        self.one_shot_max_bytes = _align(max(16, one_shot_max_bytes), 16)
-        self.max_bytes = _align(max(16, max_bytes), 16)
-        self.staging_bytes = _align(max(0, staging_bytes), 256)
+        self.one_shot_max_bytes = round_up(max(16, one_shot_max_bytes), 16)
+        self.max_bytes = round_up(max(16, max_bytes), 16)
+        self.staging_bytes = round_up(max(0, staging_bytes), 256)
         config = {"max_bytes": self.max_bytes, "one_shot_max_bytes": self.one_shot_max_bytes,
                   "staging_bytes": self.staging_bytes, "timeout_s": self.timeout_s}
         me = {"node": group.topology.node_ids[group.ranks[r]] if group.topology else
@@ -272,13 +269,13 @@ class SymmetricMemory:
                 f"fusedist: GPUs {[p['bus'] for p in peers]} of group {group.name} cannot "
                 "access each other (no P2P); ops fall back to NCCL")
 
-        chunk_bytes = _align(-(-self.max_bytes // W), 16)
+        chunk_bytes = round_up(-(-self.max_bytes // W), 16)
         self.slot_bytes = max(self.one_shot_max_bytes, chunk_bytes)
         # world slots, the two-shot gather region, the call descriptors (layout.h)
         self.gen_bytes = W * self.slot_bytes + self.max_bytes + C.DESC_BYTES
         self.staging_offset = C.GENERATIONS * self.gen_bytes
         self.signal_offset = self.staging_offset + self.staging_bytes
-        self.signal_bytes = _align(W * C.MAX_SIGNAL_PIECES * 4, 256)
+        self.signal_bytes = round_up(W * C.MAX_SIGNAL_PIECES * 4, 256)
         total = self.signal_offset + self.signal_bytes
         stream = torch.cuda.current_stream().cuda_stream
 

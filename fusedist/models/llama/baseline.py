@@ -1,23 +1,34 @@
-"""The torch backend's attention: the same tensor-parallel attention as fusedist.nn.TPAttention
-in plain torch (F.linear, RoPE in torch, SDPA over a static [batch, kv heads, S, head_dim]
-cache per layer), as gpt-fast runs it. It is the baseline `--baseline torch` measures (and,
-under torch.compile, `--baseline torch-compile`), and the oracle the model tests hold
-fusedist's attention path against. Its SDPA calls run under an explicit backend priority
-(SDPA_BACKENDS: cuDNN first), so the kernel they get does not depend on what else ran in the
-process. Decode on CUDA takes whichever of two plain-torch forms is faster at the step's
-(batch, cache length), timed once outside graph capture (DECODE_PATHS)."""
+"""The plain-torch baseline of the Llama model, on the same config and weights: what
+`--baseline torch` measures (and, under torch.compile, `--baseline torch-compile`), and the
+oracle the model tests hold fusedist's path against. TorchTransformer is fusedist's
+Transformer with its step ops swapped for torch's: F.linear, F.rms_norm, F.silu,
+torch.distributed all_reduce / all_gather, and TorchAttention, the same tensor-parallel
+attention as fusedist.nn.TPAttention in plain torch (RoPE in torch, SDPA over a static
+[batch, kv heads, S, head_dim] cache per layer), as gpt-fast runs it. Its SDPA calls run under
+an explicit backend priority (SDPA_BACKENDS: cuDNN first), so the kernel they get does not
+depend on what else ran in the process. Decode on CUDA takes whichever of two plain-torch
+forms is faster at the step's (batch, cache length), timed once outside graph capture
+(DECODE_PATHS)."""
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...nn.attention import kv_head_range
 from ...ops.attention import prefill_runs, sdpa_priority
 from .config import LlamaConfig
-from .weights import kv_head_range
+from .model import Transformer, rmsnorm
+
+# torch >= 2.13 renames all_gather_into_tensor; the baseline keeps the name every supported
+# torch has.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
 
 # SDPA backends the baseline's attention tries first, in this order (then torch's others): the
 # fastest torch has for its decode and prefill calls on Hopper (cuDNN takes the masked decode
@@ -128,7 +139,8 @@ class TorchAttention(torch.nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: int, rank: int, max_position: int, dtype, device):
         super().__init__()
         self.heads = cfg.num_heads // tp
-        _, self.kv_heads = kv_head_range(cfg.num_kv_heads, tp, rank)
+        first, last = kv_head_range(cfg.num_kv_heads, tp, rank)
+        self.kv_heads = last - first
         self.head_dim = hd = cfg.head_dim
         n = (self.heads + 2 * self.kv_heads) * hd
         p = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=dtype, device=device),  # noqa
@@ -219,3 +231,63 @@ def _row_runs(runs, rows):
                 start = b
         out.append((start, l))
     return out
+
+
+class TorchMLP(torch.nn.Module):
+    """The model's MLP in plain torch: F.linear, F.silu."""
+
+    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device):
+        super().__init__()
+        self.inter = cfg.intermediate_size // tp
+        self.gate_up = torch.nn.Parameter(torch.empty(2 * self.inter, cfg.hidden_size,
+                                                      dtype=dtype, device=device),
+                                          requires_grad=False)
+        self.down = torch.nn.Parameter(torch.empty(cfg.hidden_size, self.inter, dtype=dtype,
+                                                   device=device), requires_grad=False)
+
+    def forward(self, x):
+        gu = F.linear(x, self.gate_up)
+        return F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
+
+
+class TorchTransformer(Transformer):
+    """fusedist's Transformer with plain-torch ops (module docstring); same parameters, same
+    load(), same forward()."""
+    backend = "torch"
+
+    def _attention(self) -> torch.nn.Module:
+        return TorchAttention(self.cfg, self.tp, self.rank, self.max_position, self.dtype,
+                              self.device)
+
+    def _mlp(self) -> torch.nn.Module:
+        return TorchMLP(self.cfg, self.tp, self.dtype, self.device)
+
+    def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
+        return attn(x, positions, cache, layer, meta, seq_rows)
+
+    def _add_rmsnorm(self, partial, residual, w, eps):
+        if self.tp > 1:
+            dist.all_reduce(partial, group=self.comm.group.pg)
+        h = partial + residual
+        return rmsnorm(h, w, eps), h
+
+    def _rmsnorm(self, h, w, eps):
+        return rmsnorm(h, w, eps)
+
+    def _head(self, x):
+        return F.linear(x, self.lm_head)
+
+    def _gather_columns(self, y):
+        if self.tp == 1:
+            return y
+        parts = torch.empty((self.tp * y.shape[0], y.shape[1]), dtype=y.dtype, device=y.device)
+        dist.all_gather_into_tensor(parts, y.contiguous(), group=self.comm.group.pg)
+        return parts.view(self.tp, y.shape[0], -1).permute(1, 0, 2).reshape(y.shape[0], -1)
+
+    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int):
+        """A static [max_batch, kv heads, max_seq_len, head_dim] cache per layer."""
+        return StaticKVCache(self.cfg.num_layers, max_batch, self.local_kv_heads, max_seq_len,
+                             self.cfg.head_dim, self.dtype, self.device)
+
+    def decode_plan(self, batch: int, page_size: int, max_seq_len: int):
+        return None

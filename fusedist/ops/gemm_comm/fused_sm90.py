@@ -16,13 +16,13 @@ from typing import Optional
 import torch
 
 from ... import _align, _ext
-from ...communicator import Communicator
-from ...ops.gemm import launch_sm90, sm90_available
+from ...comm.communicator import Communicator
+from ..gemm import launch_sm90, sm90_available
 from .base import Call, Engine, call_desc, depth, fork, fused_common_why_not
 
 
-class Fused(Engine):
-    name = "fused"
+class FusedSm90(Engine):
+    name = "fused_sm90"
 
     def why_not(self, call: Call) -> Optional[str]:
         if call.op == "ag_gemm":
@@ -48,7 +48,7 @@ class Fused(Engine):
         return _rs_fused(comm, x, w, call.bias, out, min(C, _ext.load().MAX_SIGNAL_PIECES))
 
 
-ENGINE = Fused()
+ENGINE = FusedSm90()
 
 
 def _fused_sm90_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:

@@ -42,8 +42,8 @@ after the collective. Engines (engine=):
     2x H200, so "auto" does not pick it.
   * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides; "fused" there applies where
     the fused kernel takes the call and falls back to the table elsewhere).
-Each engine is one unit in fusedist/comm/engines/ (a gate, why_not(call), and a run path);
-fusedist.comm.engines.choose is the dispatcher. This module holds the public functions
+Each engine is one unit in fusedist/ops/gemm_comm/ (a gate, why_not(call), and a run path);
+fusedist.ops.gemm_comm.dispatch.choose is the dispatcher. This module holds the public functions
 (validation, the empty batch, torch.compile) and their torch.library registrations.
 Transports (transport=, the same names for every op): "collective" (the op's collective on the
 communicator; "nccl" names it for ag_gemm and gemm_rs, whose collective is NCCL's),
@@ -61,19 +61,18 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .. import tuning
-from ..comm import engines
-from ..comm.engines import ENGINES, pick
-from ..comm.engines.base import (TRANSPORT_ALIASES, TRANSPORTS, Call, resolve_transport,
+from ... import tuning
+from ...comm.communicator import Communicator, GroupLike, communicator_by_name, get_communicator
+from ...comm.streams import nvtx_range
+from . import dispatch
+from .dispatch import ENGINES, UNITS, choose, fused_unit, pick  # noqa: F401 (the dispatcher)
+from .base import (TRANSPORT_ALIASES, TRANSPORTS, Call, resolve_transport,
                                  staging_need)
-from ..communicator import Communicator, GroupLike, communicator_by_name, get_communicator
-from ..streams import nvtx_range
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ag_gemm's and gemm_rs's collective is NCCL's, so "nccl" names it there too.
 _COLLECTIVE_NAMES = {"ag_gemm": TRANSPORTS + tuple(TRANSPORT_ALIASES), "gemm_rs":
                      TRANSPORTS + tuple(TRANSPORT_ALIASES), "gemm_ar": TRANSPORTS}
-_engine = pick  # the engine choice (fusedist.comm.engines.pick)
 
 
 def _validate(op: str, comm: Communicator, x, w, bias, x_name: str, w_name: str):
@@ -114,7 +113,7 @@ def _run(op: str, comm: Communicator, x, w, bias, out, engine: str, transport: s
     if comm.device.type == "cuda" and comm.group.size > 1:
         how = resolve_transport(op, comm, staging_need(op, x, w.shape[1]), transport)
     call = Call(op, comm, x, w, bias, out, chunks, how)
-    unit = engines.choose(call, engine)
+    unit = dispatch.choose(call, engine)
     with nvtx_range(f"fusedist.{op}.{unit.name}"):
         return unit.run(call)
 

@@ -10,10 +10,11 @@ from typing import Optional
 
 import torch
 
-from ... import _dtypes, symmetric, tuning
-from ...communicator import Communicator
-from ...ops.gemm import FUSED_DTYPES, weight_layout
-from ...streams import comm_stream
+from ... import _dtypes, tuning
+from ...comm import symmetric
+from ...comm.communicator import Communicator
+from ...comm.streams import comm_stream
+from ..gemm import FUSED_DTYPES, weight_layout
 
 # The transports of the overlap engine, the same names for every op: "collective" (the op's
 # collective on the communicator: NCCL's all-gather / reduce-scatter, the communicator's

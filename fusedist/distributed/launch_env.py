@@ -47,7 +47,7 @@ import socket
 from dataclasses import dataclass
 from typing import Mapping
 
-from . import envs
+from .. import envs
 
 __all__ = ["LaunchEnv", "LaunchEnvError", "detect_launch_env", "expand_slurm_nodelist"]
 

@@ -3,8 +3,9 @@ the call, None when it can; run(call)), in the manner of vLLM's communicator bac
   unfused      the collective and one cuBLAS GEMM, back to back (CPU: the reference path)
   overlap      chunked GEMMs on the caller's stream, the chunks' collectives on a comm stream
   copy_engine  the overlap engine with copy-engine transfers between symmetric staging
-  fused        ag_gemm / gemm_rs: one persistent Hopper GEMM with per-piece flags
-  decode       gemm_ar at decode sizes: one kernel, GEMM + one-shot exchange
+  fused_sm90   ag_gemm / gemm_rs: one persistent Hopper GEMM with per-piece flags
+  fused_ar     gemm_ar at decode sizes: one kernel, GEMM + one-shot exchange
+(engine="fused" names fused_ar for gemm_ar and fused_sm90 for ag_gemm / gemm_rs.)
 choose() is the dispatcher: engine="auto" takes the tuning table's pick (tuning.choose_gemm,
 FUSEDIST_GEMM_ENGINE overrides), given the gates of the fused unit and of the copy engine;
 every input of the choice is identical on every rank, so is the choice."""
@@ -14,18 +15,18 @@ from __future__ import annotations
 from typing import Optional
 
 from ... import envs, tuning
-from ...communicator import Communicator
-from . import copy_engine, decode, fused, overlap, unfused
+from ...comm.communicator import Communicator
+from . import copy_engine, fused_ar, fused_sm90, overlap, unfused
 from .base import Call, Engine
 
 ENGINES = ("unfused", "overlap", "fused")  # what engine= names
-UNITS = {e.name: e for e in (unfused.ENGINE, overlap.ENGINE, copy_engine.ENGINE, fused.ENGINE,
-                             decode.ENGINE)}
+UNITS = {e.name: e for e in (unfused.ENGINE, overlap.ENGINE, copy_engine.ENGINE, fused_sm90.ENGINE,
+                             fused_ar.ENGINE)}
 
 
 def fused_unit(op: str) -> Engine:
     """The unit behind engine="fused" for op."""
-    return decode.ENGINE if op == "gemm_ar" else fused.ENGINE
+    return fused_ar.ENGINE if op == "gemm_ar" else fused_sm90.ENGINE
 
 
 def choose(call: Call, engine: str) -> Engine:

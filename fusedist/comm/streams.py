@@ -15,7 +15,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from . import envs
+from .. import envs
+from ..distributed import runtime as _runtime
 
 _NVTX = envs.get("FUSEDIST_NVTX")
 _pools: dict[int, list[torch.cuda.Stream]] = {}
@@ -47,6 +48,9 @@ def comm_stream(device: torch.device | int | None = None, index: int = 0) -> tor
 
 def reset_pools() -> None:
     _pools.clear()
+
+
+_runtime.on_shutdown(reset_pools)   # streams belong to one runtime's devices
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""gemm_ar's fused decode engine (M <= GEMM_AR_FUSED_MAX_M): one CUDA kernel
+"""gemm_ar's fused engine, fused_ar (M <= GEMM_AR_FUSED_MAX_M): one CUDA kernel
 (csrc/include/fusedist/gemm_comm.cuh) streams the weight through a TMA ring into tensor-core
 MMAs, 64 output columns per block, and each block exchanges its finished strip with the peers
 through the communicator's symmetric buffers (one-shot protocol) while other blocks still
@@ -12,17 +12,17 @@ from typing import Optional
 import torch
 
 from ... import _dtypes, _ext
-from ...communicator import Communicator
-from ...ops.gemm import launch_decode
+from ...comm.communicator import Communicator
+from ..gemm import launch_decode
 from .base import Call, Engine, fused_common_why_not
 
 
-class Decode(Engine):
-    name = "decode"
+class FusedGemmAr(Engine):
+    name = "fused_ar"
 
     def why_not(self, call: Call) -> Optional[str]:
         if call.op != "gemm_ar":
-            return f"the decode kernel all-reduces; {call.op} has no decode engine"
+            return f"the fused gemm_ar kernel all-reduces; {call.op} has no fused_ar engine"
         return _fused_ar_why_not(call.comm, call.x, call.w)
 
     def run(self, call: Call) -> torch.Tensor:
@@ -30,7 +30,7 @@ class Decode(Engine):
                              call.comm.launch_stream())
 
 
-ENGINE = Decode()
+ENGINE = FusedGemmAr()
 
 
 def _fused_ar_why_not(comm: Communicator, x: torch.Tensor, w: torch.Tensor) -> Optional[str]:

@@ -1,4 +1,4 @@
-"""The torch baseline's two decode forms (fusedist/models/llama/torch_attention.py) compute the
+"""The torch baseline's two decode forms (fusedist/models/llama/baseline.py) compute the
 same masked attention, against a float64 reference; on CUDA the faster one is picked once."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedist.models.llama import torch_attention as ta
+from fusedist.models.llama import baseline as ta
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tolerances import TOL_EPILOGUE, count_bad  # noqa: E402

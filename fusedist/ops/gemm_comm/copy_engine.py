@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from ... import _align, _ext
-from ...communicator import Communicator
-from ...streams import comm_stream
+from ...comm.communicator import Communicator
+from ...comm.streams import comm_stream
 from .base import Call, Engine, call_desc, fork, mm, row_bounds, split, staging_need
 
 

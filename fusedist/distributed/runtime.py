@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import envs
-from .errors import NotInitializedError
+from .. import envs
+from ..errors import NotInitializedError
 from .groups import Group, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
 from .topology import Topology
@@ -59,6 +59,15 @@ class Runtime:
 
 
 _runtime: Optional[Runtime] = None
+# Called by shutdown() after the communicators are closed: the layers above (comm) register
+# their per-runtime state here, so this bootstrap layer never imports them.
+_shutdown_hooks: list = []
+
+
+def on_shutdown(fn) -> None:
+    """Register fn() to run at every shutdown(), once the communicators are closed."""
+    if fn not in _shutdown_hooks:
+        _shutdown_hooks.append(fn)
 _generation = 0  # process groups init() created in this process; names their store keys
 
 
@@ -229,11 +238,8 @@ def shutdown() -> None:
         rt.communicators.clear()
     finally:
         _runtime = None
-        from . import communicator, streams
-
-        communicator._created_per_group.clear()
-
-        streams.reset_pools()
+        for hook in _shutdown_hooks:
+            hook()
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         elif dist.is_initialized():

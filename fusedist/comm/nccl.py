@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import envs
-from .errors import CommunicatorClosedError, NcclUnavailableError
-from .groups import Group
+from .. import envs
+from ..distributed.groups import Group
+from ..errors import CommunicatorClosedError, NcclUnavailableError
 
 
 def backend_choice() -> str:

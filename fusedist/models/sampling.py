@@ -1,0 +1,46 @@
+"""Sampling the next token: greedy, temperature, top-k, top-p. Multinomial sampling in its
+exponential-race form (argmax of p / Exp(1) noise) from a seeded torch.Generator: reproducible
+for a seed, and identical on every rank that holds the same logits and generator state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0          # 0: off
+    top_p: float = 1.0      # 1.0: off
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next token ids [n] (int64) from logits [n, vocab]."""
+    if params.greedy or params.temperature == 0.0:
+        return logits.argmax(dim=-1)
+    lg = logits.float() / params.temperature
+    if params.top_k and params.top_k < lg.shape[-1]:
+        kth = torch.topk(lg, params.top_k, dim=-1).values[:, -1:]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_lg, idx = torch.sort(lg, dim=-1, descending=True)
+        cum = sorted_lg.softmax(-1).cumsum(-1)
+        drop = (cum - sorted_lg.softmax(-1)) > params.top_p   # keeps at least the top token
+        lg = lg.scatter(-1, idx, sorted_lg.masked_fill(drop, float("-inf")))
+    probs = lg.softmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,172 @@
+"""Chunked prefill over the paged cache: each sequence's new tokens attend causally to its
+cached prefix and to themselves. On CUDA torch SDPA runs on the K/V gathered from the pages
+(one call per run of equal sequences); CPU tensors take the fp32 plain-torch path."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import sdpa
+from .paged import _check_cache, _check_query, _check_tables, _fail, _gather_seqs
+
+PREFILL_BACKENDS = ("auto", "sdpa", "reference")
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, *,
+            scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+            max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+            v_scale: Optional[torch.Tensor] = None, backend: str = "auto",
+            seq_lens_host: Optional[Sequence[int]] = None,
+            cu_seqlens_q_host: Optional[Sequence[int]] = None,
+            k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Chunked prefill: sequence b's n_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens
+    q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] are the last n_b of its seq_lens[b] cached tokens;
+    new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
+    (with out=None and one sequence, SDPA's own output, no copy).
+    backend: "sdpa" (torch SDPA on the gathered KV), "reference" (fp32 plain torch), "auto"
+    (sdpa on CUDA, reference on CPU). The lengths are needed on the host: pass
+    seq_lens_host / cu_seqlens_q_host (the runner has them) to skip reading the device
+    tensors, which synchronizes with the GPU (prefill is not graph-captured).
+    k_new, v_new [T, Hkv, D] (optional, q's dtype): the keys and values rope_append just wrote
+    for these tokens; a sequence whose cache holds only its new tokens (no prefix) then reads
+    them instead of gathering its pages (bf16/fp16 caches, which hold the same values; FP8
+    caches always read the cache)."""
+    op = "prefill"
+    if backend not in PREFILL_BACKENDS:
+        _fail(op, f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
+    fp8 = _check_cache(op, k_cache, v_cache, k_scale, v_scale)
+    _check_query(op, q, k_cache, fp8, "tokens")
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if cu_seqlens_q.shape != (B + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
+        _fail(op, f"cu_seqlens_q must be int32/int64 [batch + 1 = {B + 1}], got "
+                  f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    _check_tables(op, block_table, seq_lens, B, k_cache.device)
+    if (k_new is None) != (v_new is None):
+        _fail(op, "pass k_new and v_new together (or neither)")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if tuple(t.shape) != (T, Hkv, D) or t.dtype != q.dtype or t.device != q.device:
+                _fail(op, f"{name} must be [{T}, {Hkv}, {D}] {q.dtype} on {q.device}, got "
+                          f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        _fail(op, f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    mq = -1 if max_q_len is None else int(max_q_len)
+    if torch.compiler.is_compiling():
+        out = torch.empty_like(q) if out is None else out
+        torch.ops.fusedist.attention_prefill(out, q, k_cache, v_cache, block_table, seq_lens,
+                                             cu_seqlens_q, scale, mq, k_scale, v_scale, backend)
+        return out
+    return _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                         mq, k_scale, v_scale, backend, seq_lens_host, cu_seqlens_q_host,
+                         k_new, v_new)
+
+
+def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=None, cu=None):
+    cu = cu_seqlens_q.tolist() if cu is None else [int(c) for c in cu]
+    lens = seq_lens.tolist() if lens is None else [int(n) for n in lens]
+    if len(cu) != len(lens) + 1:
+        _fail(op, f"cu_seqlens_q_host has {len(cu)} entries for {len(lens)} sequences")
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        _fail(op, f"cu_seqlens_q must rise from 0 to the {T} query tokens, got {cu}")
+    for b, (a, e) in enumerate(zip(cu, cu[1:])):
+        if e - a > lens[b]:
+            _fail(op, f"sequence {b} has {e - a} new tokens but seq_lens[{b}] = {lens[b]}; "
+                      "seq_lens counts the cached tokens including the new ones (append first)")
+        if -(-lens[b] // page_size) > block_table.shape[1]:
+            _fail(op, f"seq_lens[{b}] = {lens[b]} needs more pages than block_table's "
+                      f"{block_table.shape[1]} columns")
+    return cu, lens
+
+
+def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                  max_q_len, k_scale, v_scale, backend, lens=None, cu=None, k_new=None,
+                  v_new=None) -> torch.Tensor:
+    T = q.shape[0]
+    if T == 0:
+        return torch.empty_like(q) if out is None else out
+    ps = k_cache.shape[1]
+    if lens is not None and len(lens) != seq_lens.shape[0]:
+        _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
+    cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
+    use_sdpa = backend == "sdpa" or (backend == "auto" and q.device.type == "cuda")
+    # SDPA takes one dtype: q's for bf16/fp16 caches. FP8 caches dequantize to fp32 and SDPA
+    # runs in fp32: rounding dequantized K/V to bf16 on top of the flash-style P rounding
+    # costs up to ~0.8% relative per row, too close to the bf16 budget.
+    fp8 = k_scale is not None
+    kv_dtype = q.dtype if use_sdpa and not fp8 else torch.float32
+    runs = prefill_runs(cu, lens)
+    for f, l in runs:
+        B, n, L = l - f, cu[f + 1] - cu[f], lens[f]
+        a, e = cu[f], cu[l]
+        qb = q[a:e].unflatten(0, (B, n))                            # [B, n, Hq, D]
+        if k_new is not None and n == L and not fp8:   # no prefix: the fresh K/V
+            k, v = (t[a:e].unflatten(0, (B, n)).to(kv_dtype) for t in (k_new, v_new))
+        else:
+            pages = block_table[f:l, :-(-L // ps)].long()
+            k = _gather_seqs(k_cache, pages, L, k_scale, kv_dtype)   # [B, L, Hkv, D]
+            v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
+        o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
+            sdpa._reference_chunk(qb, k, v, scale)
+        if out is None and len(runs) == 1 and o.dtype == q.dtype:
+            return o.reshape(q.shape)   # one call covered every sequence: one copy
+        if out is None:
+            out = torch.empty_like(q)
+        out[a:e].unflatten(0, (B, n)).copy_(o)
+    return out
+
+
+# Sequences one prefill SDPA call takes: adjacent sequences with the same new-token count and
+# cache length (a batch of equal prompts, or of equal chunks behind equal prefixes), up to
+# PREFILL_GATHER_TOKENS cached tokens per call (a call gathers that many K and V rows).
+PREFILL_GATHER_TOKENS = 1 << 19
+
+
+def prefill_runs(cu: Sequence[int], lens: Sequence[int],
+                 max_tokens: int = PREFILL_GATHER_TOKENS) -> list[tuple[int, int]]:
+    """[first, last) ranges of adjacent sequences with equal (new tokens, cached tokens),
+    at most max_tokens cached tokens per range (at least one sequence); sequences without
+    new tokens are in no range."""
+    runs: list[tuple[int, int]] = []
+    for b in range(len(lens)):
+        n = cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        if runs:
+            f, l = runs[-1]
+            if l == b and cu[f + 1] - cu[f] == n and lens[f] == lens[b] and \
+                    (b + 1 - f) * lens[b] <= max_tokens:
+                runs[-1] = (f, b + 1)
+                continue
+        runs.append((b, b + 1))
+    return runs
+
+
+def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale=None,
+                      k_scale=None, v_scale=None):
+    """The fp32 plain-torch prefill (prefill(..., backend="reference"))."""
+    return prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
+                   k_scale=k_scale, v_scale=v_scale, backend="reference")
+
+
+@torch.library.custom_op("fusedist::attention_prefill", mutates_args=("out",))
+def _prefill_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, scale: float, max_q_len: int,
+                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                backend: str) -> None:
+    _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                  max_q_len, k_scale, v_scale, backend)
+
+
+@_prefill_op.register_fake
+def _(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, max_q_len, k_scale,
+      v_scale, backend):
+    return None

@@ -1,0 +1,97 @@
+"""The paged KV cache as the attention ops read it: the argument checks every op shares and
+the gather the plain-torch paths (and prefill's SDPA path) use. Layouts: the package
+docstring."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ... import _dtypes
+
+FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + ((FP8,) if FP8 is not None else ())
+
+
+def _fail(op: str, msg: str):
+    raise ValueError(f"fusedist.{op}: {msg}")
+
+
+def _check_cache(op, k_cache, v_cache, k_scale, v_scale):
+    if k_cache.dim() != 4:
+        _fail(op, f"k_cache must be [num_pages, page_size, kv_heads, head_dim], got "
+                  f"{tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        _fail(op, f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
+                  f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    if k_cache.dtype not in KV_DTYPES:
+        _fail(op, f"cache dtype {k_cache.dtype} is not supported; use one of {KV_DTYPES}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            _fail(op, f"{name} must be contiguous (stride {t.stride()}); allocate it with "
+                      "PagedKVCache")
+    fp8 = FP8 is not None and k_cache.dtype == FP8
+    if fp8:
+        want = tuple(k_cache.shape[:3])
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is None:
+                _fail(op, f"an FP8 cache needs {name} (float32 {list(want)}); pass the cache's "
+                          "scales")
+            if tuple(s.shape) != want or s.dtype != torch.float32 or not s.is_contiguous():
+                _fail(op, f"{name} must be contiguous float32 {list(want)}, got "
+                          f"{tuple(s.shape)} {s.dtype}")
+    elif k_scale is not None or v_scale is not None:
+        _fail(op, f"k_scale/v_scale are only for float8_e4m3fn caches (cache is {k_cache.dtype})")
+    return fp8
+
+
+def _check_tables(op, block_table, seq_lens, batch, device):
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != batch:
+        _fail(op, f"block_table must be int32 [batch={batch}, max_pages], got "
+                  f"{tuple(block_table.shape)} {block_table.dtype}")
+    if seq_lens.shape != (batch,) or seq_lens.dtype != torch.int32:
+        _fail(op, f"seq_lens must be int32 [{batch}], got {tuple(seq_lens.shape)} "
+                  f"{seq_lens.dtype}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != device:
+            _fail(op, f"{name} is on {t.device}; it must be on {device} with the cache")
+
+
+def _check_query(op, q, k_cache, fp8, rows):
+    """q [rows, q_heads, head_dim] against a cache [pages, page_size, kv_heads, head_dim]: its
+    dtype, shape, GQA ratio and device (decode: rows = "batch", prefill: "tokens")."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        _fail(op, f"q must be [{rows}, q_heads, head_dim] of float32/float16/bfloat16, got "
+                  f"{tuple(q.shape)} {q.dtype}")
+    _, Hq, D = q.shape
+    Hkv, Dc = k_cache.shape[2], k_cache.shape[3]
+    if Dc != D or Hq % Hkv:
+        _fail(op, f"q [{rows}, {Hq}, {D}] does not fit the cache's [kv_heads, head_dim] = "
+                  f"[{Hkv}, {Dc}] (q_heads must be a multiple of kv_heads)")
+    if not fp8 and k_cache.dtype != q.dtype:
+        _fail(op, f"cache dtype {k_cache.dtype} must be q's dtype {q.dtype} (or float8_e4m3fn)")
+    if q.device != k_cache.device:
+        _fail(op, f"q is on {q.device}; it must be on the cache's device {k_cache.device}")
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_pages: int,
+              scale: Optional[torch.Tensor] = None, dtype=torch.float32) -> torch.Tensor:
+    """[B, num_pages * page_size, H, D] of `dtype`: each row's first num_pages pages laid end to
+    end (entries clamped into range; the caller masks tokens past seq_len), FP8 dequantized."""
+    P, ps, H, D = cache.shape
+    bt = block_table[:, :num_pages].long().clamp(0, P - 1)
+    g = cache[bt]                                            # [B, n, ps, H, D]
+    if scale is not None:   # dequantize in fp32, round once
+        g = g.float() * scale[bt][..., None]
+    out = g.to(dtype)
+    return out.reshape(bt.shape[0], num_pages * ps, H, D)
+
+
+def _gather_seqs(cache, pages, length, scale, dtype):
+    """[B, length, H, D] of B sequences from their page lists (long [B, pages])."""
+    P, ps, H, D = cache.shape
+    g = cache[pages]                                         # [B, pages, ps, H, D]
+    if scale is not None:   # dequantize in fp32, round once
+        g = (g.float() * scale[pages][..., None]).to(dtype)
+    return g.to(dtype).reshape(pages.shape[0], -1, H, D)[:, :length]
