@@ -15,15 +15,16 @@ from . import _moved
 from ._version import __version__
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
-                     ExtensionMissingError, FusedistError, NcclUnavailableError,
+                     ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
                      NotInitializedError, PeerAccessError)
 from .comm.streams import AsyncHandle, comm_stream
 from .distributed.groups import Group
 from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
 from .distributed.runtime import Runtime, get_runtime, init, is_initialized, shutdown
 from .distributed.topology import Topology
-from .ops import (add_rmsnorm, ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm, gemm, gemm_ar,
-                  gemm_rs, rmsnorm, silu_mul)
+from .ops import (add_rmsnorm, ag_gemm, all_reduce, all_reduce_, all_reduce_add_rmsnorm,
+                  check_device_errors, clear_device_errors, gemm, gemm_ar, gemm_rs, rmsnorm,
+                  silu_mul)
 
 _moved.install()   # old module paths (fusedist.runtime, ...) resolve to their new homes
 
@@ -35,5 +36,6 @@ __all__ = [
     "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
-    "CommunicatorClosedError", "CollectiveMismatchError",
+    "CommunicatorClosedError", "CollectiveMismatchError", "MetadataError", "check_device_errors",
+    "clear_device_errors",
 ]

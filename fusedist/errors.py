@@ -36,3 +36,11 @@ class CollectiveMismatchError(FusedistError):
 
 class CommunicatorClosedError(FusedistError):
     """The communicator was closed (or broke after a timeout) and cannot be used."""
+
+
+class MetadataError(FusedistError, ValueError):
+    """A kernel met metadata it must not follow (a page id outside the cache, a sequence longer
+    than its block-table row, a slot or position out of range). The kernel touched no memory
+    outside its tensors and poisoned the affected outputs with NaN; the message names the op,
+    the row and the value. Raised at the next check after the kernel ran; the record stays set
+    until fusedist.clear_device_errors()."""

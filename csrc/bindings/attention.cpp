@@ -28,6 +28,9 @@ void register_attention(py::module_& m) {
       .def_readwrite("page_size", &DecodeArgs::page_size)
       .def_readwrite("bt_stride", &DecodeArgs::bt_stride)
       .def_readwrite("num_splits", &DecodeArgs::num_splits)
+      .def_readwrite("bt_cols", &DecodeArgs::bt_cols)
+      .def_readwrite("num_pages", &DecodeArgs::num_pages)
+      .def_readwrite("err", &DecodeArgs::err)
       .def_readwrite("scale", &DecodeArgs::scale)
       .def_property(
           "q_dtype", [](const DecodeArgs& a) { return int(a.q_dtype); },
@@ -36,6 +39,21 @@ void register_attention(py::module_& m) {
           "kv_dtype", [](const DecodeArgs& a) { return int(a.kv_dtype); },
           [](DecodeArgs& a, int v) { a.kv_dtype = DType(v); });
   m.def("attention_decode", &attention_decode, py::arg("args"), py::arg("stream"));
+  py::class_<PagedCheckArgs>(m, "PagedCheckArgs",
+                             "The paged-metadata check of the torch attention paths")
+      .def(py::init<>())
+      .def_readwrite("block_table", &PagedCheckArgs::block_table)
+      .def_readwrite("seq_lens", &PagedCheckArgs::seq_lens)
+      .def_readwrite("bad_rows", &PagedCheckArgs::bad_rows)
+      .def_readwrite("err", &PagedCheckArgs::err)
+      .def_readwrite("rows", &PagedCheckArgs::rows)
+      .def_readwrite("cols", &PagedCheckArgs::cols)
+      .def_readwrite("bt_stride", &PagedCheckArgs::bt_stride)
+      .def_readwrite("page_size", &PagedCheckArgs::page_size)
+      .def_readwrite("num_pages", &PagedCheckArgs::num_pages)
+      .def_readwrite("op", &PagedCheckArgs::op);
+  m.def("paged_check", &paged_check, py::arg("args"), py::arg("stream"));
+  m.attr("OP_ERROR_RECORD_BYTES") = int(sizeof(OpErrorRecord));
   m.def(
       "attention_decode_ctas_per_sm",
       [](int head_dim, int q_dtype, int kv_dtype) {

@@ -21,6 +21,8 @@ void register_rope(py::module_& m) {
       .def_readwrite("v_scale", &RopeAppendArgs::v_scale)
       .def_readwrite("slot_mapping", &RopeAppendArgs::slot_mapping)
       .def_readwrite("tokens", &RopeAppendArgs::tokens)
+      .def_readwrite("num_slots", &RopeAppendArgs::num_slots)
+      .def_readwrite("err", &RopeAppendArgs::err)
       .def_readwrite("q_heads", &RopeAppendArgs::q_heads)
       .def_readwrite("kv_heads", &RopeAppendArgs::kv_heads)
       .def_readwrite("head_dim", &RopeAppendArgs::head_dim)

@@ -1,15 +1,15 @@
 """Public functional ops (also registered as torch.ops.fusedist.*)."""
 
-from .add_rmsnorm import add_rmsnorm, rmsnorm
+from .add_rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_reference
 from .allreduce import all_reduce, all_reduce_
-from .add_rmsnorm import rmsnorm_reference
 from .allreduce_rmsnorm import all_reduce_add_rmsnorm
 from .attention import DecodePlan, decode, decode_plan, prefill, rope_append, rope_cos_sin
+from .device_errors import check_device_errors, clear_device_errors
 from .gemm import gemm
 from .gemm_comm import ag_gemm, gemm_ar, gemm_rs
 from .silu_mul import silu_mul
 
-__all__ = ["all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "rmsnorm_reference",
+__all__ = ["check_device_errors", "clear_device_errors", "all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "rmsnorm_reference",
            "gemm", "ag_gemm", "gemm_rs", "gemm_ar",
            "rope_cos_sin", "rope_append", "DecodePlan", "decode_plan", "decode", "prefill",
            "add_rmsnorm", "rmsnorm", "silu_mul"]

@@ -1,5 +1,6 @@
 // Launcher for the paged decode kernel: validates, picks the (head_dim, q dtype, KV dtype)
 // instantiation and launches it (csrc/include/fusedist/attention/decode.cuh).
+#include <climits>
 #include <string>
 
 #include "fusedist/attention/api.h"
@@ -100,6 +101,13 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
   FUSEDIST_CHECK_ARG(a.kv_dtype != DType::kFloat8E4M3 || (a.k_scale && a.v_scale),
                      w + "an fp8 KV cache needs k_scale and v_scale");
   FUSEDIST_CHECK_ARG(a.bt_stride >= 0, w + "bt_stride must be >= 0");
+  FUSEDIST_CHECK_ARG(a.bt_cols >= 0 && a.bt_cols <= a.bt_stride,
+                     w + "bt_cols must be in [0, bt_stride = " + std::to_string(a.bt_stride) +
+                         "], got " + std::to_string(a.bt_cols));
+  FUSEDIST_CHECK_ARG(a.num_pages > 0, w + "num_pages must be > 0, got " +
+                                          std::to_string(a.num_pages));
+  FUSEDIST_CHECK_ARG(int64_t(a.bt_cols) * a.page_size <= INT32_MAX,
+                     w + "bt_cols * page_size must fit in int32");
   FUSEDIST_CHECK_ARG((a.q | a.out | a.k_cache | a.v_cache | a.o_partial) % 16 == 0,
                      w + "q, out, k_cache, v_cache and o_partial must be 16-byte aligned");
   if (a.batch == 0) return;
@@ -119,6 +127,8 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
   p.group = a.q_heads / a.kv_heads;
   p.q_tiles = (p.group + attention::kDecodeTileHeads - 1) / attention::kDecodeTileHeads;
   p.page_size = a.page_size, p.bt_stride = a.bt_stride, p.num_splits = a.num_splits;
+  p.bt_cols = a.bt_cols, p.num_pages = a.num_pages;
+  p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   p.scale_log2 = a.scale * 1.4426950408889634f;
   FUSEDIST_CHECK_ARG(int64_t(a.kv_heads) * p.q_tiles <= 65535, w + "too many head tiles");
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -60,6 +60,7 @@ void rope_append(const RopeAppendArgs& a, uintptr_t stream) {
                          "non-null");
   const bool fp8 = a.cache_dtype == DType::kFloat8E4M3;
   FUSEDIST_CHECK_ARG(!fp8 || (a.k_scale && a.v_scale), w + "an fp8 cache needs k_scale, v_scale");
+  FUSEDIST_CHECK_ARG(a.num_slots > 0, w + "num_slots (num_pages * page_size) must be > 0");
   FUSEDIST_CHECK_ARG(aligned16(a.q) && aligned16(a.k) && aligned16(a.v) && aligned16(a.cos_sin) &&
                          aligned16(a.k_cache) && aligned16(a.v_cache),
                      w + "q, k, v, cos_sin, k_cache and v_cache must be 16-byte aligned");
@@ -80,6 +81,8 @@ void rope_append(const RopeAppendArgs& a, uintptr_t stream) {
   p.tokens = a.tokens;
   p.q_heads = a.q_heads, p.kv_heads = a.kv_heads, p.head_dim = a.head_dim, p.rot = a.rot;
   p.max_position = a.max_position;
+  p.num_slots = a.num_slots;
+  p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   p.q_stride = a.q_stride, p.k_stride = a.k_stride, p.v_stride = a.v_stride;
   p.positions_int64 = a.positions_int64;
   auto s = reinterpret_cast<cudaStream_t>(stream);

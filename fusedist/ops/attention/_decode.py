@@ -31,7 +31,9 @@ from typing import Optional
 import torch
 
 from ... import _dtypes, _ext
-from .paged import FP8, KV_DTYPES, _check_cache, _check_query, _check_tables, _fail, gather_kv
+from .. import device_errors
+from .paged import (FP8, KV_DTYPES, _check_cache, _check_query, _check_tables, _fail,
+                    check_pages_device, check_pages_host, device_check_available, gather_kv)
 
 HEAD_DIMS = (64, 128, 256)
 SLAB = 16          # tokens per slab (csrc: kDecodeSlab)
@@ -130,7 +132,8 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
                 max_seq_len: int, device=None, dtype=torch.bfloat16,
                 kv_dtype: Optional[torch.dtype] = None) -> DecodePlan:
     """Plan decode for up to `batch` sequences of up to max_seq_len tokens (host side, outside
-    graphs). kv_dtype defaults to dtype; float8_e4m3fn for FP8 caches."""
+    graphs). dtype is q's (bfloat16 unless given: pass the model's dtype); kv_dtype defaults to
+    dtype, float8_e4m3fn for FP8 caches."""
     op = "decode_plan"
     for name, val in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads),
                       ("head_dim", head_dim), ("page_size", page_size),
@@ -151,6 +154,8 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
             and available():
         plan = plan_kernel(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len,
                            device=device, dtype=dtype, kv_dtype=kv_dtype)
+    if device.type == "cuda":
+        device_errors.record_ptr(device)   # made here, outside any graph the plan is used in
     plan.plan_id = next(_plan_ids)
     _plans[plan.plan_id] = plan
     return plan
@@ -184,7 +189,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       f"head_dim {plan.head_dim}, page_size {plan.page_size}, {plan.dtype}/"
                       f"{plan.kv_dtype}) does not fit this call (batch {B}, heads {Hq}/{Hkv}, "
                       f"head_dim {D}, page_size {ps}, {q.dtype}/{k_cache.dtype}); make a plan "
-                      "for this shape")
+                      f"for this call: decode_plan({B}, {Hq}, {Hkv}, {D}, {ps}, max_seq_len, "
+                      f"device, dtype={q.dtype}, kv_dtype={k_cache.dtype})")
     if plan is not None and plan.closed:
         _fail(op, "plan was closed (DecodePlan.close()); make a new one with decode_plan()")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -193,6 +199,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         torch.ops.fusedist.attention_decode(out, q, k_cache, v_cache, block_table, seq_lens,
                                             scale, k_scale, v_scale, pid)
     else:
+        device_errors.check_before_launch(q)   # an error an earlier kernel recorded
         _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale,
                      plan)
     return out
@@ -202,6 +209,7 @@ def _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale
                  plan: Optional[DecodePlan]) -> None:
     if q.shape[0] == 0:
         return
+    P, ps = k_cache.shape[0], k_cache.shape[1]
     if q.device.type == "cuda":
         if plan is None:
             B, Hq, D = q.shape
@@ -215,6 +223,17 @@ def _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale
         _ext.warn_reference("decode", "fusedist._C without the decode kernel"
                             if not available() else
                             "a head_dim, page size or dtype the decode kernel does not serve")
+        if torch.cuda.is_current_stream_capturing():
+            # No host check inside a graph: the device check records and poisons instead
+            # (decode_reference reads pages clamped into range).
+            bad = check_pages_device("decode", block_table, seq_lens, P, ps) \
+                if device_check_available() else None
+            decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out,
+                             k_scale=k_scale, v_scale=v_scale)
+            if bad is not None:
+                out.masked_fill_(bad[:, None, None], float("nan"))
+            return
+    check_pages_host("decode", block_table, seq_lens, P, ps)
     decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=scale, out=out,
                      k_scale=k_scale, v_scale=v_scale)
 
@@ -386,6 +405,8 @@ def run_kernel(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor,
         a.counters = plan.counters.data_ptr()
     a.batch, a.q_heads, a.kv_heads, a.head_dim = B, plan.q_heads, plan.kv_heads, plan.head_dim
     a.page_size, a.bt_stride, a.num_splits = plan.page_size, block_table.stride(0), plan.num_splits
+    a.bt_cols, a.num_pages = block_table.shape[1], k_cache.shape[0]
+    a.err = device_errors.record_ptr(q.device)
     a.scale = plan.head_dim ** -0.5 if scale is None else float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(plan.dtype), _dtypes.code(plan.kv_dtype)
     C.attention_decode(a, torch.cuda.current_stream(q.device).cuda_stream)

@@ -10,7 +10,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import sdpa
-from .paged import _check_cache, _check_query, _check_tables, _fail, _gather_seqs
+from .. import device_errors
+from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs,
+                    check_pages_device, check_pages_host, device_check_available)
 
 PREFILL_BACKENDS = ("auto", "sdpa", "reference")
 
@@ -77,6 +79,8 @@ def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=
     if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
         _fail(op, f"cu_seqlens_q must rise from 0 to the {T} query tokens, got {cu}")
     for b, (a, e) in enumerate(zip(cu, cu[1:])):
+        if lens[b] < 0:
+            _fail(op, f"seq_lens[{b}] = {lens[b]} is negative")
         if e - a > lens[b]:
             _fail(op, f"sequence {b} has {e - a} new tokens but seq_lens[{b}] = {lens[b]}; "
                       "seq_lens counts the cached tokens including the new ones (append first)")
@@ -96,6 +100,13 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     if lens is not None and len(lens) != seq_lens.shape[0]:
         _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
     cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
+    P = k_cache.shape[0]
+    bad = None   # CUDA: rows whose pages are out of range (recorded on the device, poisoned)
+    if q.device.type == "cpu" or not device_check_available():
+        check_pages_host("prefill", block_table, lens, P, ps)
+    else:
+        device_errors.check_before_launch(q)
+        bad = check_pages_device("prefill", block_table, seq_lens, P, ps)
     use_sdpa = backend == "sdpa" or (backend == "auto" and q.device.type == "cuda")
     # SDPA takes one dtype: q's for bf16/fp16 caches. FP8 caches dequantize to fp32 and SDPA
     # runs in fp32: rounding dequantized K/V to bf16 on top of the flash-style P rounding
@@ -111,10 +122,14 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             k, v = (t[a:e].unflatten(0, (B, n)).to(kv_dtype) for t in (k_new, v_new))
         else:
             pages = block_table[f:l, :-(-L // ps)].long()
+            if bad is not None:
+                pages.clamp_(0, P - 1)   # never read outside the cache; bad rows are poisoned
             k = _gather_seqs(k_cache, pages, L, k_scale, kv_dtype)   # [B, L, Hkv, D]
             v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
         o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
             sdpa._reference_chunk(qb, k, v, scale)
+        if bad is not None:
+            o = o.masked_fill(bad[f:l, None, None, None], float("nan"))
         if out is None and len(runs) == 1 and o.dtype == q.dtype:
             return o.reshape(q.shape)   # one call covered every sequence: one copy
         if out is None:

@@ -8,7 +8,9 @@ from typing import Optional
 
 import torch
 
-from ... import _dtypes
+from ... import _dtypes, _ext
+from ...errors import MetadataError
+from .. import device_errors
 
 FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + ((FP8,) if FP8 is not None else ())
@@ -95,3 +97,64 @@ def _gather_seqs(cache, pages, length, scale, dtype):
     if scale is not None:   # dequantize in fp32, round once
         g = (g.float() * scale[pages][..., None]).to(dtype)
     return g.to(dtype).reshape(pages.shape[0], -1, H, D)[:, :length]
+
+
+# ---- metadata ranges -----------------------------------------------------------------------
+# A page id outside the cache, a length longer than its block-table row, a slot or position out
+# of range must never reach memory. CPU tensors (and the CUDA reference paths outside graph
+# capture) raise MetadataError at once; the kernels record it on the device and poison the
+# outputs (fusedist/ops/device_errors.py).
+
+def check_pages_host(op: str, block_table: torch.Tensor, seq_lens, num_pages: int,
+                     page_size: int, rows=None) -> None:
+    """Raise MetadataError unless every length lies in [0, columns * page_size] and the
+    block-table entries it reads, columns [0, ceil(len / page_size)), in [0, num_pages).
+    seq_lens: a tensor or a host list; rows: the row numbers to report (default 0..)."""
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    cols = block_table.shape[1]
+    for i, n in enumerate(lens):
+        r = i if rows is None else rows[i]
+        if n < 0 or n > cols * page_size:
+            raise MetadataError(
+                f"fusedist.{op}: seq_lens[{r}] = {n} is outside [0, {cols * page_size}], the "
+                f"tokens its block-table row can hold ({cols} columns x page_size {page_size})")
+    if not lens:
+        return
+    used = max(-(-n // page_size) for n in lens)
+    if used == 0:
+        return
+    bt = block_table[:len(lens), :used]
+    need = torch.arange(used, device=bt.device)[None, :] < \
+        torch.tensor([-(-n // page_size) for n in lens], device=bt.device)[:, None]
+    bad = need & ((bt < 0) | (bt >= num_pages))
+    if bool(bad.any()):
+        i, c = (int(x) for x in bad.nonzero()[0])
+        r = i if rows is None else rows[i]
+        raise MetadataError(
+            f"fusedist.{op}: sequence {r} reads block_table[{r}, {c}] = {int(bt[i, c])}, "
+            f"outside the cache's {num_pages} pages (ids 0..{num_pages - 1})")
+
+
+def check_pages_device(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       num_pages: int, page_size: int) -> torch.Tensor:
+    """The same check on the GPU, without synchronizing: bool [rows], True where a row's
+    length or pages are out of range (recorded in the device's error record)."""
+    rows = seq_lens.shape[0]
+    bad = torch.empty(rows, dtype=torch.uint8, device=seq_lens.device)
+    if rows == 0:
+        return bad.bool()
+    C = _ext.load()
+    bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    lens = seq_lens.contiguous()
+    a = C.PagedCheckArgs()
+    a.block_table, a.seq_lens, a.bad_rows = bt.data_ptr(), lens.data_ptr(), bad.data_ptr()
+    a.err = device_errors.record_ptr(seq_lens.device)
+    a.rows, a.cols, a.bt_stride = rows, bt.shape[1], bt.stride(0)
+    a.page_size, a.num_pages = page_size, num_pages
+    a.op = {"decode": 1, "prefill": 3}[op]
+    C.paged_check(a, torch.cuda.current_stream(seq_lens.device).cuda_stream)
+    return bad.bool()
+
+
+def device_check_available() -> bool:
+    return _ext.available() and hasattr(_ext.load(), "paged_check")

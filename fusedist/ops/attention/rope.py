@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 
 from ... import _align, _dtypes, _ext
+from ...errors import MetadataError
+from .. import device_errors
 from .paged import FP8, FP8_MAX, _check_cache, _fail
 
 ROPE_STYLES = ("neox", "gptj")
@@ -156,7 +158,9 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
                       k_scale, v_scale) -> None:
     if q.shape[0] == 0:
         return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
     if _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping):
+        device_errors.check_before_launch(q)
         C = _ext.load()
         a = C.RopeAppendArgs()
         a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -168,6 +172,7 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         a.tokens, a.q_heads, a.kv_heads, a.head_dim = q.shape[0], q.shape[1], k.shape[1], \
             q.shape[2]
         a.rot, a.max_position = cos_sin.shape[1], cos_sin.shape[0]
+        a.num_slots, a.err = num_slots, device_errors.record_ptr(q.device)
         a.q_stride, a.k_stride, a.v_stride = q.stride(0), k.stride(0), v.stride(0)
         a.positions_int64 = positions.dtype == torch.int64
         a.style = ROPE_STYLES.index(style)
@@ -178,8 +183,27 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         _ext.warn_reference("rope_append", "fusedist._C without the rope_append kernel"
                         if not _ext.available() or not hasattr(_ext.load(), "rope_append") else
                         "a dtype, head_dim, layout or alignment the kernel does not serve")
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_rope_host(positions, slot_mapping, cos_sin.shape[0], num_slots)
     rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                           style=style, k_scale=k_scale, v_scale=v_scale)
+
+
+def check_rope_host(positions: torch.Tensor, slot_mapping: torch.Tensor, max_position: int,
+                    num_slots: int) -> None:
+    """MetadataError unless every position lies in [0, max_position) and every slot below
+    num_slots (a negative slot is padding: skipped). Checked before anything is written."""
+    bad_pos = (positions < 0) | (positions >= max_position)
+    bad_slot = slot_mapping >= num_slots
+    if bool(bad_pos.any()):
+        t = int(bad_pos.nonzero()[0, 0])
+        raise MetadataError(f"fusedist.rope_append: positions[{t}] = {int(positions[t])} is "
+                            f"outside the RoPE table's [0, {max_position}) positions; build "
+                            "cos_sin for max_position tokens (rope_cos_sin)")
+    if bool(bad_slot.any()):
+        t = int(bad_slot.nonzero()[0, 0])
+        raise MetadataError(f"fusedist.rope_append: slot_mapping[{t}] = {int(slot_mapping[t])} "
+                            f"is outside the cache's {num_slots} slots (num_pages x page_size)")
 
 
 def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -211,11 +235,13 @@ def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *,
                           style="neox", k_scale=None, v_scale=None) -> None:
     """Plain-torch rope_append (fp32 rotation, one rounding to q's dtype)."""
-    q.copy_(apply_rope_reference(q, positions, cos_sin, style).to(q.dtype))
-    k.copy_(apply_rope_reference(k, positions, cos_sin, style).to(k.dtype))
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    pos = positions.clamp(0, cos_sin.shape[0] - 1)   # callers check; never index past the table
+    q.copy_(apply_rope_reference(q, pos, cos_sin, style).to(q.dtype))
+    k.copy_(apply_rope_reference(k, pos, cos_sin, style).to(k.dtype))
     slots = slot_mapping
     kk, vv = k, v
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < num_slots)
     if not bool(keep.all()):
         slots, kk, vv = slots[keep], kk[keep], vv[keep]
     H, D = k_cache.shape[2], k_cache.shape[3]

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "fusedist/common.h"
+#include "fusedist/op_error.h"
 
 namespace fusedist {
 
@@ -15,6 +16,8 @@ struct DecodeArgs {
   uintptr_t o_partial = 0, lse_partial = 0, counters = 0;  // workspace (num_splits > 1)
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, bt_stride = 0;
   int num_splits = 1;
+  int bt_cols = 0, num_pages = 0;  // block-table columns in use; pages in the cache
+  uintptr_t err = 0;               // OpErrorRecord* (fusedist/op_error.h), or 0
   float scale = 0.f;
   DType q_dtype = DType::kBFloat16, kv_dtype = DType::kBFloat16;
 };
@@ -25,6 +28,15 @@ void attention_decode(const DecodeArgs& args, uintptr_t stream);
 
 // Resident CTAs per SM of the instantiation (the planner sizes its grid with it).
 int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype);
+
+// The paged-metadata check of the torch attention paths (paged_check.cuh): rows x cols
+// block-table entries with their seq_lens; writes bad_rows (uint8 [rows]) and records into err.
+struct PagedCheckArgs {
+  uintptr_t block_table = 0, seq_lens = 0, bad_rows = 0, err = 0;
+  int rows = 0, cols = 0, bt_stride = 0, page_size = 0, num_pages = 0;
+  uint32_t op = 0;   // OpErrorOp (fusedist/op_error.h)
+};
+void paged_check(const PagedCheckArgs& args, uintptr_t stream);
 
 constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;

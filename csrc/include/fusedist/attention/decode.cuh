@@ -6,8 +6,9 @@
 //   q, out       [batch, q_heads, head_dim]                      bf16 / fp16, contiguous
 //   k/v_cache    [num_pages, page_size, kv_heads, head_dim]      bf16 / fp16 / fp8 e4m3
 //   k/v_scale    [num_pages, page_size, kv_heads] float32        fp8 only: value = fp8 * scale
-//   block_table  int32 [batch, bt_stride]: page ids; entries past ceil(len / page_size) unread
-//   seq_lens     int32 [batch]; a length <= 0 gives an output of zeros
+//   block_table  int32 [batch, bt_stride], bt_cols <= bt_stride columns used: page ids in
+//                [0, num_pages); entries past ceil(len / page_size) unread
+//   seq_lens     int32 [batch] in [0, bt_cols * page_size]; a length of 0 gives zeros
 //   o_partial    float32 [batch, q_heads, num_splits, head_dim]  (num_splits > 1 only)
 //   lse_partial  float32 [batch, q_heads, num_splits]            log2-domain LSE of a split
 //   counters     int32 [batch, kv_heads * q_tiles]: zero between calls; written only by the
@@ -29,6 +30,11 @@
 // in split order. Every sum runs in a fixed order, so results are bitwise identical run to
 // run and graph replay equals eager.
 //
+// Bad metadata (op_error.h): a length outside [0, bt_cols * page_size] reads nothing, a page id
+// outside [0, num_pages) reads page 0 instead; either is recorded in p.err and poisons the
+// row's output with NaN (a bad split writes NaN partials; the merge poisons the row when any
+// split's LSE is NaN). No access ever leaves the tensors.
+//
 // FP8 KV: each warp converts its slab to fp16 in shared memory (e4m3 -> fp16 is exact), the
 // MMAs run in fp16 (q converted to fp16: |q| must stay below 65504), k_scale multiplies the
 // scores and v_scale the probabilities of each token (p * v_scale is rounded to fp16: scales
@@ -42,6 +48,7 @@
 #include <type_traits>
 
 #include "fusedist/mma.cuh"
+#include "fusedist/op_error.h"
 #include "fusedist/signals.cuh"
 
 namespace fusedist {
@@ -70,7 +77,9 @@ struct DecodeParams {
   float* lse_partial;
   int* counters;
   int batch, q_heads, kv_heads, group, q_tiles, page_size, bt_stride, num_splits;
-  float scale_log2;  // softmax scale * log2(e)
+  int bt_cols, num_pages;  // the valid block-table columns and page ids
+  float scale_log2;        // softmax scale * log2(e)
+  OpErrorRecord* err;      // bad metadata is recorded here (null: not recorded)
 };
 
 // Chunk c of row r of a 16-bit slab (rows of D / 8 >= 8 chunks) sits at c ^ h(r), h(r) =
@@ -212,7 +221,12 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int rows = min(kDecodeTileHeads, p.group - qt * kDecodeTileHeads);
 
   pdl_wait();  // q, the cache and the workspace may belong to the previous kernel
-  const int len = max(__ldg(p.seq_lens + b), 0);
+  const int raw_len = __ldg(p.seq_lens + b);
+  const int max_len = p.bt_cols * p.page_size;
+  bool bad = raw_len < 0 || raw_len > max_len;  // block-uniform
+  if (bad && threadIdx.x == 0)
+    record_op_error(p.err, kOpErrDecode, kOpErrSeqLen, b, -1, raw_len, max_len);
+  const int len = bad ? 0 : raw_len;  // a bad length reads nothing
   const int nslab = (len + kDecodeSlab - 1) / kDecodeSlab;
   const int per_split = (nslab + p.num_splits - 1) / p.num_splits;
   const int s_begin = min(split * per_split, nslab);
@@ -247,10 +261,17 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const char* kc = static_cast<const char*>(p.k_cache);
   const char* vc = static_cast<const char*>(p.v_cache);
 
-  auto page_of = [&](int i) -> int {  // page id of this warp's i-th slab (0 when none)
+  // Page id of this warp's i-th slab (0 when none; a page id outside the cache reads page 0,
+  // is recorded, and marks the row bad). Warp-uniform: every lane loads the same entry.
+  auto page_of = [&](int i) -> int {
     if (i >= n_mine) return 0;
     const int tok0 = (s_begin + warp + i * kDecodeWarps) * kDecodeSlab;
-    return __ldg(bt + tok0 / p.page_size);
+    const int col = tok0 / p.page_size;
+    const int page = __ldg(bt + col);
+    if (static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages)) return page;
+    bad = true;
+    if (lane == 0) record_op_error(p.err, kOpErrDecode, kOpErrPage, b, col, page, p.num_pages);
+    return 0;
   };
   int next_page = page_of(0);
 
@@ -416,7 +437,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int e = 0; e < 2; ++e)
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], off);
-  __syncthreads();  // stage buffers are free
+  const bool cta_bad = __syncthreads_or(bad);  // stage buffers are free
+  const float kNaN = __int_as_float(0x7fffffff);
   float* sm_o = reinterpret_cast<float*>(smem);                        // [warps][8][D]
   float* sm_ml = sm_o + kDecodeWarps * kDecodeTileHeads * D;           // [warps][8][2]
   float* sm_w = sm_ml + kDecodeWarps * kDecodeTileHeads * 2;           // [8][splits + 1]
@@ -461,19 +483,23 @@ __global__ void __launch_bounds__(kDecodeThreads)
       acc.x *= inv, acc.y *= inv, acc.z *= inv, acc.w *= inv;
     }
     const int64_t qrow = int64_t(b) * p.q_heads + head0 + row;
+    if (cta_bad) acc = make_float4(kNaN, kNaN, kNaN, kNaN), M = kNaN;
     if (direct) {
       QT* out = static_cast<QT*>(p.out) + qrow * D + d;
       out[0] = from_f32<QT>(acc.x), out[1] = from_f32<QT>(acc.y);
       out[2] = from_f32<QT>(acc.z), out[3] = from_f32<QT>(acc.w);
     } else {
       *reinterpret_cast<float4*>(p.o_partial + (qrow * p.num_splits + split) * D + d) = acc;
-      if (d == 0) p.lse_partial[qrow * p.num_splits + split] = M == -INFINITY ? -INFINITY : M + __log2f(L);
+      if (d == 0)
+        p.lse_partial[qrow * p.num_splits + split] =
+            cta_bad ? kNaN : (M == -INFINITY ? -INFINITY : M + __log2f(L));
     }
   }
   if (direct) return;
 
   // ---- split merge by the last CTA of this (sequence, head tile) ----
   __shared__ int is_last;
+  __shared__ int row_bad[kDecodeTileHeads];  // a split of this row met bad metadata
   __threadfence();  // this CTA's partials are visible device-wide before it is counted
   __syncthreads();
   int* counter = p.counters + int64_t(b) * gridDim.y + tile_id;
@@ -490,11 +516,15 @@ __global__ void __launch_bounds__(kDecodeThreads)
   for (int row = warp; row < rows; row += kDecodeWarps) {
     const int64_t qrow = int64_t(b) * p.q_heads + head0 + row;
     float M = -INFINITY;
+    bool nan_lse = false;
     for (int sI = lane; sI < S; sI += 32) {
       const float v = __ldcg(p.lse_partial + qrow * S + sI);
       sm_w[row * (kDecodeMaxSplits + 1) + sI] = v;
       M = fmaxf(M, v);
+      nan_lse |= isnan(v);
     }
+    nan_lse = __any_sync(0xffffffffu, nan_lse);
+    if (lane == 0) row_bad[row] = nan_lse;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     float W = 0.f;
@@ -529,6 +559,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
         acc.x += ws * v[j].x, acc.y += ws * v[j].y, acc.z += ws * v[j].z, acc.w += ws * v[j].w;
       }
     }
+    if (row_bad[row]) acc = make_float4(kNaN, kNaN, kNaN, kNaN);
     QT* out = static_cast<QT*>(p.out) + qrow * D + d;
     out[0] = from_f32<QT>(acc.x), out[1] = from_f32<QT>(acc.y);
     out[2] = from_f32<QT>(acc.z), out[3] = from_f32<QT>(acc.w);

@@ -13,6 +13,8 @@ struct RopeAppendArgs {
   uintptr_t q = 0, k = 0, v = 0, positions = 0, cos_sin = 0;
   uintptr_t k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0, slot_mapping = 0;
   int64_t tokens = 0;
+  int64_t num_slots = 0;   // num_pages * page_size: slots at or past it are bad metadata
+  uintptr_t err = 0;       // OpErrorRecord* (fusedist/op_error.h), or 0
   int q_heads = 0, kv_heads = 0, head_dim = 0, rot = 0, max_position = 0;
   int64_t q_stride = 0, k_stride = 0, v_stride = 0;   // elements between tokens
   bool positions_int64 = true;

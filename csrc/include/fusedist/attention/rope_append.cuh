@@ -13,8 +13,10 @@
 // (e4m3): per (token, head) scale = amax / 448 of those values (a warp max), stored in the
 // float32 scale array; element = satfinite_rn(x * (1 / scale)) (scale 0: zeros).
 // Slots: slot_mapping[t] = page * page_size + offset; a negative slot writes nothing (q and k are
-// still rotated). Positions outside [0, max_position) are clamped to the table (the caller
-// sizes the table; torch indexing would raise there instead).
+// still rotated: padding tokens of a CUDA-graph batch). Bad metadata (op_error.h): a slot >=
+// num_slots or a position outside [0, max_position) is recorded in p.err, the token's q and k
+// heads become NaN, a bad slot writes no cache row, and a bad position with a valid slot
+// writes NaN rows; the RoPE table is read at a clamped position. No access leaves the tensors.
 //
 // Layouts: q [T, q_heads, D] with token stride q_stride elements (heads contiguous), likewise
 // k, v; k_cache, v_cache [num_slots, kv_heads, D] (a [num_pages, page_size, kv_heads, D] cache
@@ -25,6 +27,7 @@
 #include <cuda_fp8.h>
 #include <cstdint>
 
+#include "fusedist/op_error.h"
 #include "fusedist/vec.cuh"
 
 namespace fusedist {
@@ -47,6 +50,8 @@ struct RopeAppendParams {
   float* v_scale;
   const int64_t* slot_mapping;
   int64_t tokens;
+  int64_t num_slots;         // num_pages * page_size
+  OpErrorRecord* err;        // bad slots / positions are recorded here (null: not recorded)
   int q_heads, kv_heads, head_dim, rot, max_position;
   int64_t q_stride, k_stride, v_stride;   // elements between tokens
   bool positions_int64;
@@ -147,6 +152,15 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
 
   int64_t pos = p.positions_int64 ? reinterpret_cast<const int64_t*>(p.positions)[t]
                                   : int64_t(reinterpret_cast<const int*>(p.positions)[t]);
+  const int64_t slot = p.slot_mapping[t];
+  const bool bad_pos = pos < 0 || pos >= p.max_position;
+  const bool bad_slot = slot >= p.num_slots;
+  if (task == 0 && lane == 0) {
+    if (bad_pos) record_op_error(p.err, kOpErrRopeAppend, kOpErrPosition, int(t), -1, pos,
+                                 p.max_position);
+    else if (bad_slot) record_op_error(p.err, kOpErrRopeAppend, kOpErrSlot, int(t), -1, slot,
+                                       p.num_slots);
+  }
   pos = pos < 0 ? 0 : (pos >= p.max_position ? p.max_position - 1 : pos);
   const float* cs_row = p.cos_sin + pos * p.rot;
 
@@ -174,7 +188,11 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
       for (int w = 0; w < 4; ++w) pv.w[w] = __shfl_sync(0xffffffffu, raw.w[w], src_lane);
       unpack8<T>(pv, partner);
     }
-    if (rotated) {
+    if (bad_pos || bad_slot) {   // poison the token's q / k head (warp-uniform)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = __int_as_float(0x7fffffff);
+      if (live) *reinterpret_cast<Vec16*>(src + 8 * j) = vec_from_floats<T>(x);
+    } else if (rotated) {
       rotate8<S>(x, partner, cs_row, j, p.rot);
       const Vec16 out = vec_from_floats<T>(x);
       *reinterpret_cast<Vec16*>(src + 8 * j) = out;
@@ -182,8 +200,11 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
     }
   }
   if (is_q) return;
-  const int64_t slot = p.slot_mapping[t];
-  if (slot < 0) return;   // warp-uniform: the whole warp shares the token
+  if (slot < 0 || bad_slot) return;   // warp-uniform: the whole warp shares the token
+  if (bad_pos) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __int_as_float(0x7fffffff);
+  }
   const int64_t row = (slot * p.kv_heads + head) * p.head_dim;
   CT* cache = reinterpret_cast<CT*>(is_v ? p.v_cache : p.k_cache) + row;
   float* scale_slot = nullptr;
