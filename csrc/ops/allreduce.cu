@@ -1,9 +1,9 @@
 // Host launchers for the symmetric all-reduce kernels: capacity checks, dtype dispatch,
 // grid sizing from values identical on every rank, launch and error check.
-#include "fusedist/allreduce_oneshot.cuh"
-#include "fusedist/allreduce_twoshot.cuh"
+#include "fusedist/comm/allreduce_oneshot.cuh"
+#include "fusedist/comm/allreduce_twoshot.cuh"
 #include "fusedist/api.h"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 

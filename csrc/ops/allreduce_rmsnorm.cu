@@ -1,7 +1,7 @@
 // Host launcher for the fused one-shot all-reduce + residual add + RMSNorm kernel.
-#include "fusedist/allreduce_rmsnorm.cuh"
+#include "fusedist/comm/allreduce_rmsnorm.cuh"
 #include "fusedist/api.h"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 

@@ -1,7 +1,7 @@
 // Host launcher of the call check (call_check.cuh): one warp, on the caller's stream.
 #include "fusedist/api.h"
-#include "fusedist/call_check.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/comm/call_check.cuh"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "fusedist/api.h"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 #include "gemm_sm90.h"
 
 namespace fusedist {

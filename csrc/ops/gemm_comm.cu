@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "fusedist/api.h"
-#include "fusedist/gemm_comm.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/gemm/gemm_comm.cuh"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "fusedist/chunk_wait.cuh"
+#include "fusedist/gemm/chunk_wait.cuh"
 
 namespace fusedist {
 

@@ -6,9 +6,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "fusedist/common.h"
-#include "fusedist/gemm_sm90.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/common/common.h"
+#include "fusedist/gemm/gemm_sm90.cuh"
+#include "fusedist/common/launch.h"
 #include "gemm_sm90.h"
 
 namespace fusedist {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "fusedist/common.h"
-#include "fusedist/layout.h"
+#include "fusedist/common/common.h"
+#include "fusedist/common/layout.h"
 
 namespace fusedist {
 

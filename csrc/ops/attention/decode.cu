@@ -4,7 +4,7 @@
 
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/decode.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 namespace {

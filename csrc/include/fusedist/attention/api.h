@@ -4,7 +4,7 @@
 #pragma once
 #include <cstdint>
 
-#include "fusedist/common.h"
+#include "fusedist/common/common.h"
 
 namespace fusedist {
 

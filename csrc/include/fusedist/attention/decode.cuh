@@ -41,8 +41,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "fusedist/mma.cuh"
-#include "fusedist/signals.cuh"
+#include "fusedist/common/mma.cuh"
+#include "fusedist/common/signals.cuh"
 
 namespace fusedist {
 namespace attention {

@@ -25,7 +25,7 @@
 #include <cuda_fp8.h>
 #include <cstdint>
 
-#include "fusedist/vec.cuh"
+#include "fusedist/common/vec.cuh"
 
 namespace fusedist {
 namespace attention {

@@ -1,11 +1,11 @@
-// fusedist/symmetric.cuh -- addressing into a communicator's symmetric buffers (layout.h
+// fusedist/comm/symmetric.cuh -- addressing into a communicator's symmetric buffers (layout.h
 // has the layout), the receive-and-clear step every symmetric kernel uses, and the call
 // descriptor exchange that detects ranks calling different collectives.
 #pragma once
 #include <cstdint>
 
-#include "fusedist/layout.h"
-#include "fusedist/signals.cuh"
+#include "fusedist/common/layout.h"
+#include "fusedist/common/signals.cuh"
 
 namespace fusedist {
 

@@ -1,4 +1,4 @@
-// fusedist/common.h -- host+device basics shared by every tier: dtype codes, limits and the
+// fusedist/common/common.h -- host+device basics shared by every tier: dtype codes, limits and the
 // CUDA error check that turns a failed call into an exception naming the call site.
 #pragma once
 #include <cuda_runtime.h>

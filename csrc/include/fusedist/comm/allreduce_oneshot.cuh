@@ -1,4 +1,4 @@
-// fusedist/allreduce_oneshot.cuh -- barrier-free one-shot all-reduce.
+// fusedist/comm/allreduce_oneshot.cuh -- barrier-free one-shot all-reduce.
 //
 // Protocol: every rank pushes its (sanitized) input into slot `rank` of every peer's current
 // generation, then reads the world-1 peer slots of its own buffer, spinning per 32-bit word
@@ -9,7 +9,7 @@
 // b; the grid never exceeds the SM count, so every block is resident. Block 0 also exchanges
 // the call descriptors (symmetric.cuh) that catch ranks calling with another size or dtype.
 #pragma once
-#include "fusedist/symmetric.cuh"
+#include "fusedist/comm/symmetric.cuh"
 
 namespace fusedist {
 

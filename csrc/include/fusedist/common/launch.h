@@ -1,4 +1,4 @@
-// fusedist/launch.h -- host-side kernel launch with programmatic dependent launch (PDL).
+// fusedist/common/launch.h -- host-side kernel launch with programmatic dependent launch (PDL).
 //
 // sm_90: a kernel launched with programmatic stream serialization may be scheduled while the
 // previous kernel on the stream is still running, once every block of that kernel executed
@@ -17,7 +17,7 @@
 #include <tuple>
 #include <utility>
 
-#include "fusedist/common.h"
+#include "fusedist/common/common.h"
 
 namespace fusedist {
 

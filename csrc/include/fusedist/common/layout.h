@@ -1,4 +1,4 @@
-// fusedist/layout.h -- host-visible layout of a symmetric communicator: the control block,
+// fusedist/common/layout.h -- host-visible layout of a symmetric communicator: the control block,
 // the error record, the buffer layout and the SymmView that kernels receive by value (so a
 // CUDA graph captures it once). Plain structs, no device code: the bindings include it too.
 //
@@ -22,7 +22,7 @@
 #pragma once
 #include <cstdint>
 
-#include "fusedist/common.h"
+#include "fusedist/common/common.h"
 
 namespace fusedist {
 

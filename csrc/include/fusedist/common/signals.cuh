@@ -1,4 +1,4 @@
-// fusedist/signals.cuh -- the "empty word" sentinel that makes symmetric-buffer slots
+// fusedist/common/signals.cuh -- the "empty word" sentinel that makes symmetric-buffer slots
 // self-signalling, the bounded wait built on it, and the per-communicator control block.
 //
 // Protocol (docs/design/allreduce.md has the full argument):
@@ -15,8 +15,8 @@
 #pragma once
 #include <cstdint>
 
-#include "fusedist/layout.h"
-#include "fusedist/vec.cuh"
+#include "fusedist/common/layout.h"
+#include "fusedist/common/vec.cuh"
 
 namespace fusedist {
 

@@ -1,4 +1,4 @@
-// fusedist/mma.cuh -- warp-level tensor-core building blocks (sm_80+ instructions, used on
+// fusedist/common/mma.cuh -- warp-level tensor-core building blocks (sm_80+ instructions, used on
 // sm_90): asynchronous global->shared copies, ldmatrix fragment loads and the m16n8k16 MMA
 // with fp32 accumulation. Shared-memory tiles use 128-byte rows of eight 16-byte chunks,
 // with chunk c of row r stored at chunk c ^ (r & 7): the eight rows an ldmatrix reads for one

@@ -1,6 +1,6 @@
-// fusedist/call_check.cuh -- the call check: a device barrier that carries the calling op's call
-// descriptor (layout.h CallDesc), for the paths whose data does not move through the sentinel
-// slots: the NCCL calls of a communicator with symmetric memory, and the steps of the
+// fusedist/comm/call_check.cuh -- the call check: a device barrier that carries the calling op's
+// call descriptor (layout.h CallDesc), for the paths whose data does not move through the
+// sentinel slots: the NCCL calls of a communicator with symmetric memory, and the steps of the
 // copy-engine pipelines and the fused Hopper GEMM engines (their data moves by cudaMemcpyAsync).
 //
 // Protocol, one warp of one block; lane p meets rank p:
@@ -25,7 +25,7 @@
 // waiting for a peer that called differently exits (fusedist/communicator.py).
 // Cost: one launch and one NVLink round trip (a 16-byte store per peer, a poll, a clear).
 #pragma once
-#include "fusedist/symmetric.cuh"
+#include "fusedist/comm/symmetric.cuh"
 
 namespace fusedist {
 

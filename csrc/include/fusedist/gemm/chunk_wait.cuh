@@ -1,4 +1,4 @@
-// fusedist/chunk_wait.cuh -- the flags the Hopper GEMM (gemm_sm90.cuh) waits on and signals
+// fusedist/gemm/chunk_wait.cuh -- the flags the Hopper GEMM (gemm_sm90.cuh) waits on and signals
 // in the fused GEMM + collective engines (gemm_sm90.cuh has the protocols):
 //   ChunkWait   a tile waits for the copy-engine flags of the rows it reads: its A rows
 //               (ag_gemm) or its C rows (gemm_rs), bounded by the communicator's timeout;
@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "fusedist/layout.h"
-#include "fusedist/signals.cuh"
+#include "fusedist/common/layout.h"
+#include "fusedist/common/signals.cuh"
 
 namespace fusedist {
 

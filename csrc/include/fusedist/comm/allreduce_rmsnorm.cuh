@@ -1,4 +1,4 @@
-// fusedist/allreduce_rmsnorm.cuh -- one-shot all-reduce fused with residual add and RMSNorm.
+// fusedist/comm/allreduce_rmsnorm.cuh -- one-shot all-reduce fused with residual add and RMSNorm.
 //
 //   h        = round_T(round_T(sum_r x_r) + residual)   -> residual_out
 //   normed   = round_T(h * rsqrt(mean(h^2) + eps) * weight)   (or e4m3 + per-token scale)
@@ -12,7 +12,7 @@
 #pragma once
 #include <cuda_fp8.h>
 
-#include "fusedist/symmetric.cuh"
+#include "fusedist/comm/symmetric.cuh"
 
 namespace fusedist {
 

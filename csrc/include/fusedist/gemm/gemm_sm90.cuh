@@ -1,4 +1,4 @@
-// fusedist/gemm_sm90.cuh -- the Hopper tensor-core GEMM behind fusedist.gemm (prefill sizes)
+// fusedist/gemm/gemm_sm90.cuh -- the Hopper tensor-core GEMM behind fusedist.gemm (prefill sizes)
 // and ag_gemm(engine='fused'): CUTLASS 3 collectives (TMA loads, wgmma, persistent
 // warp-specialized cooperative kernel, TMA-store epilogue) with fusedist's own tile scheduler.
 //
@@ -42,7 +42,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 
-#include "fusedist/chunk_wait.cuh"
+#include "fusedist/gemm/chunk_wait.cuh"
 
 namespace fusedist {
 

@@ -1,4 +1,4 @@
-// fusedist/allreduce_twoshot.cuh -- barrier-free two-shot (reduce-scatter + all-gather).
+// fusedist/comm/allreduce_twoshot.cuh -- barrier-free two-shot (reduce-scatter + all-gather).
 //
 // The input's nvec vectors are cut into `world` chunks of C = ceil(nvec / world) vectors;
 // rank j owns chunk j. Per call:
@@ -12,7 +12,7 @@
 // optimum. Readers clear what they read (signals.cuh); no barrier, one launch. Block 0 also
 // exchanges the call descriptors (symmetric.cuh).
 #pragma once
-#include "fusedist/symmetric.cuh"
+#include "fusedist/comm/symmetric.cuh"
 
 namespace fusedist {
 

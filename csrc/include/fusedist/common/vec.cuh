@@ -1,11 +1,11 @@
-// fusedist/vec.cuh -- 16-byte vectors, element conversion to fp32 and back, and the
+// fusedist/common/vec.cuh -- 16-byte vectors, element conversion to fp32 and back, and the
 // volatile (relaxed, system-scope) accesses used on memory that another GPU writes.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
-#include "fusedist/common.h"
+#include "fusedist/common/common.h"
 
 namespace fusedist {
 

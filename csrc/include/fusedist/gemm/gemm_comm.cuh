@@ -1,4 +1,4 @@
-// fusedist/gemm_comm.cuh -- decode-sized GEMM + all-reduce in one kernel (gemm_ar, M <= 128).
+// fusedist/gemm/gemm_comm.cuh -- decode-sized GEMM + all-reduce in one kernel (gemm_ar, M <= 128).
 //
 // out[M, N] = sum over ranks r of x_r[M, K] @ w_r[K, N] (+ bias): the row-parallel linear of a
 // decode step. With M this small the GEMM is bound by reading w once from HBM, so the kernel
@@ -39,9 +39,9 @@
 // Contract: w is not written by the kernel launched just before this one on the stream
 // (it is prefetched before griddepcontrol.wait); weights of an inference model never are.
 #pragma once
-#include "fusedist/chunk_wait.cuh"  // wait_geq (counter_wait_kernel)
-#include "fusedist/mma.cuh"  // also the TMA / mbarrier helpers
-#include "fusedist/symmetric.cuh"
+#include "fusedist/gemm/chunk_wait.cuh"  // wait_geq (counter_wait_kernel)
+#include "fusedist/common/mma.cuh"  // also the TMA / mbarrier helpers
+#include "fusedist/comm/symmetric.cuh"
 
 namespace fusedist {
 
