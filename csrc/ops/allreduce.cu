@@ -2,7 +2,7 @@
 // grid sizing from values identical on every rank, launch and error check.
 #include "fusedist/comm/allreduce_oneshot.cuh"
 #include "fusedist/comm/allreduce_twoshot.cuh"
-#include "fusedist/api.h"
+#include "fusedist/comm/api.h"
 #include "fusedist/common/launch.h"
 
 namespace fusedist {

@@ -1,6 +1,6 @@
 // Host launcher for the fused one-shot all-reduce + residual add + RMSNorm kernel.
 #include "fusedist/comm/allreduce_rmsnorm.cuh"
-#include "fusedist/api.h"
+#include "fusedist/comm/api.h"
 #include "fusedist/common/launch.h"
 
 namespace fusedist {

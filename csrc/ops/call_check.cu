@@ -1,5 +1,5 @@
 // Host launcher of the call check (call_check.cuh): one warp, on the caller's stream.
-#include "fusedist/api.h"
+#include "fusedist/comm/api.h"
 #include "fusedist/comm/call_check.cuh"
 #include "fusedist/common/launch.h"
 

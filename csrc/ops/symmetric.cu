@@ -6,7 +6,7 @@
 #include <string>
 #include <cstring>
 
-#include "fusedist/api.h"
+#include "fusedist/comm/api.h"
 
 namespace fusedist {
 

@@ -1,4 +1,4 @@
-// fusedist/api.h -- the host-side API of csrc/ops/*.cu: what the bindings expose. Plain C++
+// fusedist/comm/api.h -- the host-side API of csrc/ops/*.cu: what the bindings expose. Plain C++
 // (no torch, no device code): pointers travel as uintptr_t, streams as cudaStream_t.
 #pragma once
 #include <cuda_runtime.h>
