@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "fusedist/comm/api.h"
+#include "fusedist/gemm/api.h"
 #include "fusedist/common/launch.h"
 #include "gemm_sm90.h"
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "fusedist/comm/api.h"
+#include "fusedist/gemm/api.h"
 #include "fusedist/gemm/gemm_comm.cuh"
 #include "fusedist/common/launch.h"
 

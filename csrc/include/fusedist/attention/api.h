@@ -1,6 +1,7 @@
-// fusedist/attention/api.h -- host entry points of the attention kernels (no torch).
-// Pointers are device addresses as integers; the launchers validate and throw
-// std::invalid_argument / std::runtime_error naming the argument.
+// fusedist/attention/api.h -- host entry points of the attention kernels: paged decode
+// (decode.cu) and the fused RoPE + cache append (rope_append.cu). No torch: pointers are device
+// addresses as integers; the launchers validate and throw std::invalid_argument /
+// std::runtime_error naming the argument.
 #pragma once
 #include <cstdint>
 
@@ -8,6 +9,7 @@
 
 namespace fusedist {
 
+// ---- decode.cu ---------------------------------------------------------------------------
 // One paged decode call (csrc/include/fusedist/attention/decode.cuh has the layouts).
 struct DecodeArgs {
   uintptr_t q = 0, k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0;
@@ -29,5 +31,21 @@ int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype);
 constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;
+
+// ---- rope_append.cu ----------------------------------------------------------------------
+// RoPE on q and k plus the paged-cache append, one kernel (csrc/include/fusedist/attention/
+// rope_append.cuh has the layouts).
+struct RopeAppendArgs {
+  uintptr_t q = 0, k = 0, v = 0, positions = 0, cos_sin = 0;
+  uintptr_t k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0, slot_mapping = 0;
+  int64_t tokens = 0;
+  int q_heads = 0, kv_heads = 0, head_dim = 0, rot = 0, max_position = 0;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;   // elements between tokens
+  bool positions_int64 = true;
+  int style = 0;   // 0 neox, 1 gptj
+  DType dtype = DType::kBFloat16, cache_dtype = DType::kBFloat16;
+};
+
+void rope_append(const RopeAppendArgs& args, uintptr_t stream);
 
 }  // namespace fusedist
