@@ -1,4 +1,4 @@
-// csrc/ops/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: the tile
+// csrc/ops/gemm/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: the tile
 // configuration's kernel (Sm90TileConfig), CUTLASS arguments from a GemmSm90Call, checks,
 // launch through CUTLASS's adapter. Included by the
 // gemm_sm90_<dtype>_<layout>.cu files only (each compiles one CUTLASS kernel).

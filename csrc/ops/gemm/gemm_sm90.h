@@ -1,4 +1,4 @@
-// csrc/ops/gemm_sm90.h -- the call the Hopper GEMM launcher (gemm.cu) hands to its
+// csrc/ops/gemm/gemm_sm90.h -- the call the Hopper GEMM launcher (gemm.cu) hands to its
 // instantiations (gemm_sm90_<dtype>_<layout>.cu, one CUTLASS kernel each, compiled in
 // parallel). Host code; no CUTLASS here.
 #pragma once
