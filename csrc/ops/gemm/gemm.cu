@@ -1,5 +1,6 @@
 // Host launcher for the Hopper GEMM (gemm_sm90.cuh): argument checks, the fused engines' wait
-// and signal parameters, dtype / weight-layout dispatch to the instantiations (gemm_sm90_*.cu).
+// and signal parameters, dtype / weight-layout dispatch to the instantiations (gemm_sm90_*.cu,
+// generated from gemm_sm90_inst.cu.in by the list in CMakeLists.txt).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -1,7 +1,7 @@
 // csrc/ops/gemm/gemm_sm90_run.cuh -- one instantiation of the Hopper GEMM launch: the tile
 // configuration's kernel (Sm90TileConfig), CUTLASS arguments from a GemmSm90Call, checks,
-// launch through CUTLASS's adapter. Included by the
-// gemm_sm90_<dtype>_<layout>.cu files only (each compiles one CUTLASS kernel).
+// launch through CUTLASS's adapter. Included by the gemm_sm90_<dtype>_<layout>[_<tile>].cu
+// files only (generated from gemm_sm90_inst.cu.in; each compiles one CUTLASS kernel).
 #pragma once
 #include <stdexcept>
 #include <string>
