@@ -1,4 +1,4 @@
-"""torch dtype <-> fusedist._C dtype codes (csrc/include/fusedist/common.h DType)."""
+"""torch dtype <-> fusedist._C dtype codes (csrc/include/fusedist/common/common.h DType)."""
 
 from __future__ import annotations
 

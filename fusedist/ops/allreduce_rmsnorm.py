@@ -24,7 +24,7 @@ from ..streams import nvtx_range
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
-# Widest row of the fused kernel in 16-byte vectors (csrc/ops/allreduce_rmsnorm.cu): hidden up
+# Widest row of the fused kernel in 16-byte vectors (csrc/ops/comm/allreduce_rmsnorm.cu): hidden up
 # to 16384 for fp16/bf16, 8192 for fp32.
 MAX_FUSED_VECTORS = 2048
 
