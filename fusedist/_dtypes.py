@@ -1,5 +1,5 @@
-"""The dtype tables, once: torch dtype <-> fusedist._C dtype codes (the DType enum of the C++
-headers), the FP8 format fusedist stores (e4m3, torch.float8_e4m3fn; None on a torch without
+"""The dtype tables, once: torch dtype <-> fusedist._C dtype codes (the DType enum of
+csrc/include/fusedist/common/common.h), the FP8 format fusedist stores (e4m3, torch.float8_e4m3fn; None on a torch without
 it) and its largest finite value."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from fusedist.errors import CollectiveMismatchError, CommunicatorTimeoutError
 from fusedist.comm.streams import AsyncHandle
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYOUT = (ROOT / "csrc" / "include" / "fusedist" / "layout.h").read_text()
+LAYOUT = (ROOT / "csrc" / "include" / "fusedist" / "common" / "layout.h").read_text()
 EMPTY_WORD = 0x80008000
 
 
@@ -183,7 +183,7 @@ def test_descriptor_encoding_matches_the_extension():
 
 _DESC_PROGRAM = r"""
 #include <cstdio>
-#include "fusedist/layout.h"
+#include "fusedist/common/layout.h"
 using namespace fusedist;
 static void show(const CallDesc& d, uint32_t epoch) {
   std::printf("%u %u %u %u\n", desc_word(0, d, epoch), desc_word(1, d, epoch),

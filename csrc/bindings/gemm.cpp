@@ -1,6 +1,6 @@
 #include <pybind11/pybind11.h>
 
-#include "fusedist/api.h"
+#include "fusedist/gemm/api.h"
 
 namespace py = pybind11;
 using namespace fusedist;

@@ -3,7 +3,7 @@
 
 #include <array>
 
-#include "fusedist/api.h"
+#include "fusedist/gemm/api.h"
 
 namespace py = pybind11;
 using namespace fusedist;

@@ -1,7 +1,7 @@
 // fusedist._C RoPE + cache-append binding: declarations only (csrc/ops/attention/rope_append.cu).
 #include <pybind11/pybind11.h>
 
-#include "fusedist/attention/rope_api.h"
+#include "fusedist/attention/api.h"
 
 namespace py = pybind11;
 using namespace fusedist;

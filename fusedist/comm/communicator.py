@@ -345,7 +345,7 @@ class Communicator:
 
     def device_barrier(self, desc: tuple) -> None:
         """Barrier on the current stream, on the device, that checks the call: the call check
-        (csrc/include/fusedist/call_check.cuh) exchanges `desc`, this rank's call descriptor
+        (csrc/include/fusedist/comm/call_check.cuh) exchanges `desc`, this rank's call descriptor
         (symmetric.gemm_desc / nccl_desc), with every peer, and completes on a rank only after
         every peer's check ran, i.e. after everything queued before it on the peers' streams.
         A peer with another descriptor fails the communicator (CollectiveMismatchError from

@@ -1,7 +1,7 @@
 """Symmetric memory: one equally sized buffer per rank of a single-node group, mapped into
 every peer through CUDA IPC, plus this rank's control block and host-mapped error record.
 
-Layout and protocol: csrc/include/fusedist/layout.h and docs/design/allreduce.md. In short,
+Layout and protocol: csrc/include/fusedist/common/layout.h and docs/design/allreduce.md. In short,
 the buffer holds kGenerations generations of `world` receive slots, one gather region and one
 call descriptor per rank; every free 32-bit word holds EMPTY_WORD; writers push into their own
 slot of a peer's buffer and the owner clears what it reads. The kernels (and the call checks,

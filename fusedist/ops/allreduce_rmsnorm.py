@@ -24,7 +24,7 @@ from ..comm.streams import nvtx_range
 from .add_rmsnorm import MAX_HIDDEN, rmsnorm_reference
 
 FP8 = _dtypes.FP8
-# Widest row of the fused kernel in 16-byte vectors (csrc/ops/allreduce_rmsnorm.cu): hidden up
+# Widest row of the fused kernel in 16-byte vectors (csrc/ops/comm/allreduce_rmsnorm.cu): hidden up
 # to 16384 for fp16/bf16, 8192 for fp32.
 MAX_FUSED_VECTORS = 2048
 

@@ -1,4 +1,4 @@
-"""The input-error record of the single-GPU ops on CUDA (csrc/include/fusedist/op_error.h).
+"""The input-error record of the single-GPU ops on CUDA (csrc/include/fusedist/common/op_error.h).
 
 A kernel that meets bad paged metadata (a page id outside the cache, a length longer than its
 block-table row, a slot or position out of range) touches no memory outside its tensors,

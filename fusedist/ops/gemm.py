@@ -5,9 +5,9 @@
 x [M, K] @ w (+ bias [N]) with fp32 accumulation, bf16/fp16, on the current stream. w is
 [K, N] row-major or the .t() of a row-major [N, K] nn.Linear weight. Kernels:
   * "decode" (M <= 128): the fused gemm_ar kernel with its exchange left out
-    (csrc/include/fusedist/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
+    (csrc/include/fusedist/gemm/gemm_comm.cuh): weight streaming through a TMA ring, mma.sync.
   * "sm90" (Hopper): the persistent warp-specialized wgmma GEMM (CUTLASS collectives,
-    csrc/include/fusedist/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
+    csrc/include/fusedist/gemm/gemm_sm90.cuh), the kernel behind ag_gemm(engine="fused"), in
     128 x 64 tiles up to 64 rows (so N = 8192 spreads over 128 SMs), swap-AB tiles of 128
     weight columns x 64 tokens (1 x 2 clusters sharing the weight tile, one consumer
     warpgroup) to 128 rows, 128 x 128 up to 256 rows when x has whole tiles of rows to read,
@@ -126,11 +126,11 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
     """The Hopper GEMM, in the tile configuration `tile` (0: the launcher picks, by M; else a
     value of fusedist._C.GEMM_SM90_TILES: "wide" 128 x 256; "narrow" 128 x 64, "mid"
     128 x 128, "swap" (64 tokens x 128 weight columns) and "swap_1wg" (the same, one consumer
-    warpgroup, not persistent) for plain GEMMs; csrc/include/fusedist/layout.h, Sm90Tile), its tiles handed out in the order
+    warpgroup, not persistent) for plain GEMMs; csrc/include/fusedist/common/layout.h, Sm90Tile), its tiles handed out in the order
     `raster` (0: by tile; else a value of fusedist._C.GEMM_SM90_RASTERS, "along_m" for plain
     GEMMs only; layout.h, Sm90Raster). A plain GEMM whose x is the first rows of a larger
     buffer reads whole tiles of its rows (the rows past M never reach out): tile loads that
-    run past a tensor's end measured slow (docs/design/gemm.md). The fused engines' protocols (csrc/include/fusedist/gemm_sm90.cuh):
+    run past a tensor's end measured slow (docs/design/gemm.md). The fused engines' protocols (csrc/include/fusedist/gemm/gemm_sm90.cuh):
       flags (int32, zeroed for this call), wait_on_c False: x is an all-gathered input of
         world blocks whose row pieces the copy engine flags as they land (ag_gemm fused);
       flags, wait_on_c True (with accumulate): out's rows, one block, arrive in `pieces`

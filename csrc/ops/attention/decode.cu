@@ -5,7 +5,7 @@
 
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/decode.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 namespace {

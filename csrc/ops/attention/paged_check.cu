@@ -3,7 +3,7 @@
 
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/paged_check.cuh"
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 

@@ -2,7 +2,7 @@
 // rope_append.cuh): validates, picks the (dtype, cache dtype, style) instantiation, launches.
 #include <string>
 
-#include "fusedist/attention/rope_api.h"
+#include "fusedist/attention/api.h"
 #include "fusedist/attention/rope_append.cuh"
 
 namespace fusedist {

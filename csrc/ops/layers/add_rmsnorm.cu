@@ -3,7 +3,7 @@
 // and launches one block per row with programmatic dependent launch (launch.h).
 #include <string>
 
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 #include "fusedist/layers/add_rmsnorm.cuh"
 #include "fusedist/layers/api.h"
 

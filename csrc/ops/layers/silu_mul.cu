@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "fusedist/launch.h"
+#include "fusedist/common/launch.h"
 #include "fusedist/layers/api.h"
 #include "fusedist/layers/silu_mul.cuh"
 

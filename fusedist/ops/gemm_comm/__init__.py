@@ -25,12 +25,12 @@ after the collective. Engines (engine=):
                into out and multiplies its own rows on top (addmm, beta = 1: no add kernel).
       gemm_ar: gemm_rs's pipeline over row sub-blocks, then every rank pulls the reduced
                sub-blocks (bitwise the same output everywhere).
-  * "fused" (gemm_ar, M <= 128): one CUDA kernel (csrc/include/fusedist/gemm_comm.cuh) streams
+  * "fused" (gemm_ar, M <= 128): one CUDA kernel (csrc/include/fusedist/gemm/gemm_comm.cuh) streams
     the weight through a TMA ring into tensor-core MMAs, 64 output columns per block, and
     each block exchanges its finished strip with the peers through the communicator's symmetric
     buffers (one-shot protocol) while other blocks still stream weights. bf16/fp16, N and K
     multiples of 8, w as [K, N] or as the .t() of an [N, K] nn.Linear weight; NVLink peers only.
-  * "fused" (ag_gemm, Hopper): one persistent wgmma GEMM (csrc/include/fusedist/gemm_sm90.cuh)
+  * "fused" (ag_gemm, Hopper): one persistent wgmma GEMM (csrc/include/fusedist/gemm/gemm_sm90.cuh)
     over the gathered input in symmetric staging (staging_bytes >= world x shard) while the
     copy engine pulls the peers' blocks; each tile waits for the flags of the rows it reads
     (chunks= copy pieces per block). Level with the overlap engines on 2x H200, so "auto"

@@ -1,5 +1,5 @@
 """gemm_ar's fused engine, fused_ar (M <= GEMM_AR_FUSED_MAX_M): one CUDA kernel
-(csrc/include/fusedist/gemm_comm.cuh) streams the weight through a TMA ring into tensor-core
+(csrc/include/fusedist/gemm/gemm_comm.cuh) streams the weight through a TMA ring into tensor-core
 MMAs, 64 output columns per block, and each block exchanges its finished strip with the peers
 through the communicator's symmetric buffers (one-shot protocol) while other blocks still
 stream weights. bf16/fp16, N and K multiples of 8, w as [K, N] or as the .t() of an [N, K]

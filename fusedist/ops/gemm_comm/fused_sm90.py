@@ -1,5 +1,5 @@
 """The fused engines of ag_gemm and gemm_rs on the Hopper GEMM (csrc/include/fusedist/
-gemm_sm90.cuh): one persistent wgmma GEMM whose tiles wait for (ag_gemm) or signal (gemm_rs)
+gemm/gemm_sm90.cuh): one persistent wgmma GEMM whose tiles wait for (ag_gemm) or signal (gemm_rs)
 per-piece flags while the copy engine moves the rows between the ranks' symmetric staging.
   ag_gemm: the GEMM runs over the gathered input in staging (staging_bytes >= world x shard)
            while the copy engine pulls the peers' blocks; each tile waits for the flags of the

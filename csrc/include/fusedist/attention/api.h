@@ -1,14 +1,16 @@
-// fusedist/attention/api.h -- host entry points of the attention kernels (no torch).
-// Pointers are device addresses as integers; the launchers validate and throw
-// std::invalid_argument / std::runtime_error naming the argument.
+// fusedist/attention/api.h -- host entry points of the attention kernels: paged decode
+// (decode.cu) and the fused RoPE + cache append (rope_append.cu). No torch: pointers are device
+// addresses as integers; the launchers validate and throw std::invalid_argument /
+// std::runtime_error naming the argument.
 #pragma once
 #include <cstdint>
 
-#include "fusedist/common.h"
-#include "fusedist/op_error.h"
+#include "fusedist/common/common.h"
+#include "fusedist/common/op_error.h"
 
 namespace fusedist {
 
+// ---- decode.cu ---------------------------------------------------------------------------
 // One paged decode call (csrc/include/fusedist/attention/decode.cuh has the layouts).
 struct DecodeArgs {
   uintptr_t q = 0, k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0;
@@ -17,7 +19,7 @@ struct DecodeArgs {
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, bt_stride = 0;
   int num_splits = 1;
   int bt_cols = 0, num_pages = 0;  // block-table columns in use; pages in the cache
-  uintptr_t err = 0;               // OpErrorRecord* (fusedist/op_error.h), or 0
+  uintptr_t err = 0;               // OpErrorRecord* (fusedist/common/op_error.h), or 0
   float scale = 0.f;
   DType q_dtype = DType::kBFloat16, kv_dtype = DType::kBFloat16;
 };
@@ -34,12 +36,30 @@ int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype);
 struct PagedCheckArgs {
   uintptr_t block_table = 0, seq_lens = 0, bad_rows = 0, err = 0;
   int rows = 0, cols = 0, bt_stride = 0, page_size = 0, num_pages = 0;
-  uint32_t op = 0;   // OpErrorOp (fusedist/op_error.h)
+  uint32_t op = 0;   // OpErrorOp (fusedist/common/op_error.h)
 };
 void paged_check(const PagedCheckArgs& args, uintptr_t stream);
 
 constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;
+
+// ---- rope_append.cu ----------------------------------------------------------------------
+// RoPE on q and k plus the paged-cache append, one kernel (csrc/include/fusedist/attention/
+// rope_append.cuh has the layouts).
+struct RopeAppendArgs {
+  uintptr_t q = 0, k = 0, v = 0, positions = 0, cos_sin = 0;
+  uintptr_t k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0, slot_mapping = 0;
+  int64_t tokens = 0;
+  int64_t num_slots = 0;   // num_pages * page_size: slots at or past it are bad metadata
+  uintptr_t err = 0;       // OpErrorRecord* (fusedist/common/op_error.h), or 0
+  int q_heads = 0, kv_heads = 0, head_dim = 0, rot = 0, max_position = 0;
+  int64_t q_stride = 0, k_stride = 0, v_stride = 0;   // elements between tokens
+  bool positions_int64 = true;
+  int style = 0;   // 0 neox, 1 gptj
+  DType dtype = DType::kBFloat16, cache_dtype = DType::kBFloat16;
+};
+
+void rope_append(const RopeAppendArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

@@ -47,9 +47,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "fusedist/mma.cuh"
-#include "fusedist/op_error.h"
-#include "fusedist/signals.cuh"
+#include "fusedist/common/mma.cuh"
+#include "fusedist/common/op_error.h"
+#include "fusedist/common/signals.cuh"
 
 namespace fusedist {
 namespace attention {

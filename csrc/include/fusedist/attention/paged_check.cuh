@@ -9,7 +9,7 @@
 #pragma once
 #include <cstdint>
 
-#include "fusedist/op_error.h"
+#include "fusedist/common/op_error.h"
 
 namespace fusedist {
 namespace attention {

@@ -27,8 +27,8 @@
 #include <cuda_fp8.h>
 #include <cstdint>
 
-#include "fusedist/op_error.h"
-#include "fusedist/vec.cuh"
+#include "fusedist/common/op_error.h"
+#include "fusedist/common/vec.cuh"
 
 namespace fusedist {
 namespace attention {

@@ -13,8 +13,8 @@
 // `h = x + residual; F.rms_norm(h)`. Rows are independent: no inter-block communication.
 // Reads happen before the barrier and normed is stored after it, so normed may overwrite x.
 #pragma once
-#include "fusedist/signals.cuh"  // pdl_wait / pdl_trigger
-#include "fusedist/vec.cuh"
+#include "fusedist/common/signals.cuh"  // pdl_wait / pdl_trigger
+#include "fusedist/common/vec.cuh"
 
 namespace fusedist {
 namespace layers {

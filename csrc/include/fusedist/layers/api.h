@@ -5,7 +5,7 @@
 #pragma once
 #include <cstdint>
 
-#include "fusedist/common.h"
+#include "fusedist/common/common.h"
 
 namespace fusedist {
 

@@ -8,8 +8,8 @@
 // row and walks rows blockIdx.y, blockIdx.y + gridDim.y, ...: two coalesced loads and one
 // store per vector, no shared memory, no inter-block communication.
 #pragma once
-#include "fusedist/signals.cuh"  // pdl_wait / pdl_trigger
-#include "fusedist/vec.cuh"
+#include "fusedist/common/signals.cuh"  // pdl_wait / pdl_trigger
+#include "fusedist/common/vec.cuh"
 
 namespace fusedist {
 namespace layers {

@@ -1,0 +1,72 @@
+// fusedist/gemm/api.h -- the host API of the GEMM area's launchers (gemm_comm.cu, gemm.cu):
+// what the bindings expose of the fused decode GEMM + all-reduce, the fused engines'
+// comm-stream kernels and the Hopper GEMM. Plain C++ (no torch, no device code): pointers
+// travel as uintptr_t, streams as cudaStream_t.
+#pragma once
+// SymmComm and CallDesc, and with them common.h (DType), layout.h (GEMM tile constants,
+// kMaxSignalPieces), <cstdint> and <vector>.
+#include "fusedist/comm/api.h"
+
+namespace fusedist {
+
+// ---- gemm_comm.cu --------------------------------------------------------------------------
+// Fused decode GEMM + all-reduce: out[m, n] = sum over ranks of x[m, k] @ w (+ bias), one kernel
+// (gemm_comm.cuh). comm == nullptr: no exchange, a plain skinny GEMM on the current device.
+// w is [k, n] with row stride ldw, or [n, k] with row stride ldw when w_nk (nn.Linear weight).
+constexpr int kGemmArFusedMaxM = 128;
+void gemm_ar_fused(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw,
+                   bool w_nk, uintptr_t bias, uintptr_t out, int m, int n, int k, DType dtype,
+                   uintptr_t stream);
+// gemm_rs engine='fused', on the comm stream: wait (one thread, bounded by the communicator's
+// timeout) until rank `src`'s GEMM signalled `expected` tiles of piece `piece` of this rank's
+// block into this rank's counters at `signal_offset` (gemm_sm90.cuh), then clear the counter.
+void gemm_rs_counter_wait(const SymmComm& comm, uint64_t signal_offset, int src, int piece,
+                          uint32_t expected, uintptr_t stream);
+
+// gemm_ar engine='overlap', transport='copy_engine', last step: out rows [b[p], b[p + 1]) =
+// rank p's staging rows there. SMs push this rank's rows into every peer's staging (the rows
+// of the partials it pulled), one token per block; on timeout the peers' rows become NaN.
+// row_bytes: bytes per row in both; out: row 0 of out. desc: the call's descriptor (the one
+// its call checks carry), exchanged by block 0.
+void gemm_ar_staging_gather(const SymmComm& comm, uint64_t staging_offset,
+                            const std::vector<int64_t>& row_bounds, int64_t row_bytes,
+                            uintptr_t out, const CallDesc& desc, uintptr_t stream);
+
+// ---- gemm.cu ------------------------------------------------------------------------------
+// Hopper GEMM (gemm_sm90.cuh): out[m, n] = x[m, k] @ w + beta * c + bias, fp32 accumulation.
+// w as in gemm_ar_fused; c (0: none) and out row-major with row strides ldc / ldo.
+// The fused engines' protocols (gemm_sm90.cuh); both need comm and leave a few SMs free:
+//  * `wait` (flags != 0), on_c == false, ag_gemm: x is the gathered input, rank comm.rank's
+//    block first, each tile after the copy pieces of its A rows are flagged.
+//  * `wait`, on_c == true, gemm_rs's own block: one block of m rows whose C rows arrive in
+//    `pieces` flagged pieces from rank `peer`; the C-load warp waits for them.
+//  * `signal` (pieces != 0), gemm_rs's peer blocks: rows [row0, row0 + m) of the block layout
+//    (none of them this rank's); each stored tile adds 1 on the owner's counters.
+// tile (layout.h, Sm90Tile): 0 picks (a plain GEMM: the narrow tile up to 64 rows, the
+// one-warpgroup swap tile to 128, the mid tile up to kGemmSm90MidMaxM rows with whole tiles
+// readable; else the wide one);
+// 1 wide; 2 narrow; 3 mid; 4 swap; 5 swap_1wg (all but wide: plain GEMMs only).
+// raster (layout.h, Sm90Raster): 0 picks by tile; 1 along N; 2 along M (plain GEMMs only).
+// m_load (plain GEMMs): rows of x (from row 0, row stride ldx) that may be read, m or more;
+// the mainloop reads up to a whole tile of them, so no tile load runs past x's end (those
+// loads are slow); rows past m never reach out. 0: m.
+struct GemmWaitArgs {
+  uintptr_t flags = 0;  // uint32 [blocks * pieces]; 0: no wait
+  int block_rows = 0;   // rows per block
+  int pieces = 1;       // copy pieces per block
+  bool on_c = false;
+  int peer = -1;        // on_c: the rank the rows come from (a timeout names it)
+};
+struct GemmSignalArgs {
+  uint64_t offset = 0;  // bytes from every rank's symmetric base to its counters
+  int row0 = 0;         // block-layout row of x's row 0
+  int block_rows = 0;   // rows per rank block
+  int pieces = 0;       // pieces per block (<= kMaxSignalPieces); 0: no signals
+};
+void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int64_t ldw, bool w_nk,
+               uintptr_t bias, uintptr_t c, int64_t ldc, float beta, uintptr_t out, int64_t ldo,
+               int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
+               const GemmSignalArgs& signal, uintptr_t stream, int tile = 0, int raster = 0,
+               int m_load = 0);
+
+}  // namespace fusedist

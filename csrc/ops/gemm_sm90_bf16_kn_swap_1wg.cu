@@ -1,4 +1,0 @@
-// One CUTLASS kernel of fusedist.gemm(kernel="sm90"): bf16, w [K, N] row-major, swap tile, one consumer warpgroup.
-#include "gemm_sm90_run.cuh"
-
-template void fusedist::gemm_sm90_run<__nv_bfloat16, false, fusedist::kSm90TileSwap1wg>(const fusedist::GemmSm90Call&);
