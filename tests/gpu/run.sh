@@ -9,8 +9,9 @@
 #
 # Stages (FUSEDIST_GPU_STAGES; default: build tests sanitizer bench gemm compare with two or
 # more GPUs, build tests sanitizer gemm_only compare with one): build, tests, sanitizer,
-# bench (all-reduce), gemm (GEMM + collective), gemm_only (fusedist.gemm, one GPU), compare,
-# waves, trace, ncu. Offline hosts install the wheels they lack (nccl4py, the CUTLASS headers)
+# bench (all-reduce), gemm (GEMM + collective), gemm_only (fusedist.gemm, one GPU), attn
+# (decode attention, --quick), model (the Llama-3-8B step beside torch and torch.compile),
+# quickstart (launchers/quickstart.sh), compare, waves, trace, ncu. Offline hosts install the wheels they lack (nccl4py, the CUTLASS headers)
 # from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh makes it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -50,7 +51,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary lin
 }
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce gemm"}  # which sanitizer runs the sanitizer stage does
+SAN=${FUSEDIST_SAN:-"allreduce gemm_ar ag rs ce gemm attn"}  # which sanitizer runs the sanitizer stage does
 want_san() { [[ " $SAN " == *" $1 "* ]]; }
 
 # $OUT gets summary.txt (nvidia-smi, ptxas spills, sanitizer summaries, stage results),
@@ -107,6 +108,13 @@ if want sanitizer && [[ $NGPU -ge 2 ]]; then
   # The copy-engine pipelines, with gemm_ar's closing gather kernel (per-block handshakes).
   san_fused ce "copy-engine pipelines" copy_engine_transport
 fi
+if want sanitizer && want_san attn; then  # bad paged metadata: no access leaves the tensors
+  stage san_attn "${FUSEDIST_SAN_TIMEOUT:-600}" compute-sanitizer --tool memcheck \
+    --error-exitcode 3 --report-api-errors no python3 -P -m pytest -q -p no:cacheprovider \
+    -m gpu tests/ops/test_attention_metadata.py
+  { echo "== compute-sanitizer memcheck (attention metadata)"; grep -E "^=========" "$LOGS/san_attn.log" | head -20; } \
+    >> "$OUT/summary.txt.head"
+fi
 if want sanitizer && want_san gemm; then  # every Hopper GEMM tile, one GPU
   stage san_gemm "${FUSEDIST_SAN_TIMEOUT:-600}" compute-sanitizer --tool memcheck \
     --error-exitcode 3 --report-api-errors no python3 -P -m pytest -q -p no:cacheprovider \
@@ -125,6 +133,18 @@ fi
 if want gemm_only; then  # one GPU: fusedist's GEMMs (every Hopper tile) against torch.matmul
   FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
     python3 benchmarks/gemm.py ${FUSEDIST_GEMM_ONLY_ARGS:-}
+fi
+if want attn; then  # one GPU: decode attention beside cuDNN / flash SDPA
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_attn "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+    python3 benchmarks/attention.py ${FUSEDIST_ATTN_ARGS:---quick}
+fi
+if want model; then  # the model's decode step beside torch and torch.compile
+  FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_model "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+    python3 benchmarks/model.py ${FUSEDIST_MODEL_ARGS:-}
+fi
+if want quickstart; then  # the README's main job, after the build
+  stage quickstart "${FUSEDIST_BENCH_TIMEOUT:-900}" bash launchers/quickstart.sh
+  cp "$LOGS/quickstart.log" "$OUT/" 2>/dev/null
 fi
 if want ncu; then  # one GPU: Nsight Compute counters of cuBLAS and every sm90 tile (FUSEDIST_NCU_MS)
   stage ncu "${FUSEDIST_BENCH_TIMEOUT:-900}" ncu --clock-control none --print-kernel-base function \
