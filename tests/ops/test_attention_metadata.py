@@ -136,7 +136,7 @@ def _expect_recorded(match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, cols, lens", [
     (3, 4, (20, 33, 64)),                 # several splits per row (merge path)
-    (48, 64, tuple(range(1, 49))),        # batch that takes one split (direct path)
+    (48, 64, tuple(range(17, 65))),       # batch that takes one split (direct path)
 ])
 @pytest.mark.parametrize("bad", ["page", "neg_page", "len", "neg_len"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
