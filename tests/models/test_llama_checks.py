@@ -73,6 +73,112 @@ def _load(path):
                        dtype=torch.float32, device="cpu")
 
 
+# ---- tensors against the config -------------------------------------------------------------
+def test_good_checkpoint_equals_random_weights(rt, tmp_path):
+    path = write_ckpt(tmp_path / "ok")
+    sharded = write_ckpt(tmp_path / "sharded", sharded=True)
+    cfg = LlamaConfig.from_dir(path)
+    ref = build_model(cfg, RandomWeights(cfg, seed=3), dtype=torch.float32, device="cpu")
+    from fusedist.models.llama.weights import check_weights
+    check_weights(RandomWeights(cfg, seed=3), cfg)     # random weights pass their own check
+    for p in (path, sharded):
+        got = _load(p)
+        for (n, a), (_, b) in zip(got.named_parameters(), ref.named_parameters()):
+            assert torch.equal(a, b), n
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+K = "model.layers.0.self_attn.k_proj.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+
+
+def _set(name, value):
+    def edit(t):
+        t[name] = value
+    return edit
+
+
+BAD_TENSORS = {
+    # extra rows: read as rows [0, 32) and the rest dropped
+    "extra_rows": (_set(Q, torch.randn(33, 32)), Q, r"shape \[33, 32\].*\[32, 32\]"),
+    # too few rows: a torch size error naming no tensor
+    "too_small": (_set(K, torch.randn(8, 32)), K, r"shape \[8, 32\].*\[16, 32\]"),
+    # [1]-shaped tensors: broadcast by copy_
+    "norm_1": (_set(NORM, torch.ones(1)), NORM, r"shape \[1\].*\[32\]"),
+    "head_1": (_set("lm_head.weight", torch.randn(1, 32)), "lm_head.weight",
+               r"shape \[1, 32\].*\[40, 32\]"),
+    "final_norm_2d": (_set("model.norm.weight", torch.ones(1, 32)), "model.norm.weight",
+                      r"shape \[1, 32\].*\[32\]"),
+    # integer weights: cast to float
+    "int32": (_set("model.embed_tokens.weight", torch.ones(40, 32, dtype=torch.int32)),
+              "model.embed_tokens.weight", r"dtype I32.*float32, float16 and bfloat16"),
+    "float64": (_set(K, torch.randn(16, 32, dtype=torch.float64)), K, r"dtype F64"),
+    # FP8: not read yet
+    "fp8": (_set(Q, torch.randn(32, 32).to(torch.float8_e4m3fn)), Q,
+            r"F8_E4M3.*FP8 checkpoints are not supported"),
+    # a bias the model would not apply (Llama attention_bias puts one on o_proj)
+    "o_proj_bias": (_set("model.layers.0.self_attn.o_proj.bias", torch.randn(32)),
+                    "model.layers.0.self_attn.o_proj.bias", r"not apply"),
+}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("case", list(BAD_TENSORS))
+def test_bad_tensor_names_tensor_and_file(rt, tmp_path, case, sharded):
+    edit, name, what = BAD_TENSORS[case]
+    path = write_ckpt(tmp_path / case, edit=edit, sharded=sharded)
+    weight_map = os.path.join(path, "model.safetensors.index.json")
+    fname = json.load(open(weight_map))["weight_map"][name] if sharded else "model.safetensors"
+    with pytest.raises(ValueError, match=re.escape(name) + ".*" + re.escape(fname) + ".*" + what):
+        _load(path)
+
+
+def test_read_past_the_tensor_is_refused(tmp_path):
+    path = write_ckpt(tmp_path / "ok")
+    src = SafetensorsWeights(path)
+    with pytest.raises(ValueError, match=re.escape(K) + r".*rows \[8, 24\).*16"):
+        src.read(K, 0, 8, 24, dtype=torch.float32, device="cpu")
+    assert src.read(K, 1, 0, 32, dtype=torch.float32, device="cpu").shape == (16, 32)
+
+
+# ---- files ----------------------------------------------------------------------------------
+def _rewrite(path, fname, data: bytes):
+    with open(os.path.join(path, fname), "wb") as f:
+        f.write(data)
+
+
+def test_corrupt_safetensors_names_the_file(rt, tmp_path):
+    path = write_ckpt(tmp_path / "trunc")
+    full = os.path.join(path, "model.safetensors")
+    data = open(full, "rb").read()
+    _rewrite(path, "model.safetensors", data[:-100])             # truncated
+    with pytest.raises(ValueError, match=re.escape(full) + ".*not a readable safetensors"):
+        _load(path)
+    _rewrite(path, "model.safetensors", b"not a safetensors file at all")
+    with pytest.raises(ValueError, match=re.escape(full) + ".*not a readable safetensors"):
+        _load(path)
+    # one shard of a sharded checkpoint
+    path = write_ckpt(tmp_path / "shard", sharded=True)
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    _rewrite(path, "model-00002-of-00002.safetensors", open(shard, "rb").read()[:50])
+    with pytest.raises(ValueError, match=re.escape(shard) + ".*not a readable safetensors"):
+        _load(path)
+
+
+def test_bad_index_json_names_the_file(tmp_path):
+    path = write_ckpt(tmp_path / "idx", sharded=True)
+    index = os.path.join(path, "model.safetensors.index.json")
+    _rewrite(path, "model.safetensors.index.json", b'{"metadata": {}}')
+    with pytest.raises(ValueError, match=re.escape(index) + ".*weight_map"):
+        SafetensorsWeights(path)
+    _rewrite(path, "model.safetensors.index.json", b'{"weight_map": [1, 2]}')
+    with pytest.raises(ValueError, match=re.escape(index) + ".*weight_map"):
+        SafetensorsWeights(path)
+    _rewrite(path, "model.safetensors.index.json", b'{"weight_map": {')
+    with pytest.raises(ValueError, match=re.escape(index) + ".*not valid JSON"):
+        SafetensorsWeights(path)
+
+
 # ---- config.json ----------------------------------------------------------------------------
 def _config_error(tmp_path, d=None, text=None):
     tmp_path.mkdir(exist_ok=True)

@@ -42,7 +42,7 @@ from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
 from ...ops.attention import decode_plan
 from ...ops.silu_mul import silu_mul
 from .config import LlamaConfig
-from .weights import WeightSource, check_tp, padded_vocab
+from .weights import WeightSource, check_tp, check_weights, padded_vocab
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -140,8 +140,11 @@ class Transformer(torch.nn.Module):
     # ---- weights -------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, src: WeightSource, progress=None) -> "Transformer":
-        """Fill every parameter with this rank's slices of `src` (progress(i, n) per layer)."""
+        """Fill every parameter with this rank's slices of `src` (progress(i, n) per layer),
+        after checking every tensor's full shape and dtype against the config
+        (weights.check_weights)."""
         cfg, dt, dev, r = self.cfg, self.dtype, self.device, self.rank
+        check_weights(src, cfg)
 
         def rd(name, dim=None, start=0, stop=None):
             return src.read(name, dim, start, stop, dtype=dt, device=dev)
