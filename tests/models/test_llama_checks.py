@@ -255,3 +255,25 @@ def test_config_from_hf_config_names_the_key():
     d = {k: v for k, v in HF.items() if k != "hidden_size"}
     with pytest.raises(ValueError, match="no 'hidden_size'"):
         LlamaConfig.from_hf_config(d)
+
+
+# ---- positions ------------------------------------------------------------------------------
+def test_max_position_names_max_position_embeddings(rt):
+    cfg = LlamaConfig.named("tiny")                      # 2048 positions, no sliding window
+    assert build_model(cfg, RandomWeights(cfg), dtype=torch.float32,
+                       device="cpu").max_position == 2048
+    with pytest.raises(ValueError, match=r"max_position=2049 exceeds max_position_embeddings "
+                                         r"\(2048\)") as e:
+        build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu",
+                    max_position=2049)
+    assert "sliding window" not in str(e.value)
+    # a sliding window longer than the positions: the positions bound the length
+    wide = cfg.replace(sliding_window=4096, architecture="MistralForCausalLM")
+    assert wide.position_limit()[0] == 2048
+    with pytest.raises(ValueError, match=r"max_position_embeddings \(2048\)"):
+        build_model(wide, RandomWeights(wide), dtype=torch.float32, device="cpu",
+                    max_position=3000)
+    narrow = cfg.replace(sliding_window=64, architecture="MistralForCausalLM")
+    with pytest.raises(ValueError, match=r"exceeds the sliding window \(64 tokens\)"):
+        build_model(narrow, RandomWeights(narrow), dtype=torch.float32, device="cpu",
+                    max_position=65)

@@ -94,6 +94,14 @@ class LlamaConfig:
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
 
+    def position_limit(self) -> tuple:
+        """(the most positions a sequence may use, what sets that limit): max_position_embeddings,
+        or the sliding window when it is shorter (fusedist does not apply a sliding window)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_position:
+            return (self.sliding_window, f"the sliding window ({self.sliding_window} tokens), "
+                    "which the model does not apply")
+        return self.max_position, f"max_position_embeddings ({self.max_position})"
+
     @classmethod
     def from_hf_config(cls, d: dict, name: str = "", *, source: str = "") -> "LlamaConfig":
         """The config of a Hugging Face config.json's dict; `source` (the file) is named in the

@@ -109,12 +109,12 @@ class Transformer(torch.nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        window = cfg.sliding_window or cfg.max_position
-        self.max_position = max_position or min(cfg.max_position, window)
-        if self.max_position > window:
-            raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds the "
-                             f"sliding window ({window} tokens), which the model does not "
-                             f"apply; keep prompt + new tokens <= {window}")
+        limit, what = cfg.position_limit()
+        self.max_position = max_position or limit
+        if self.max_position > limit:
+            raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds {what} "
+                             f"of {cfg.name or 'the model'}; keep context + prompt + new tokens "
+                             f"<= {limit}")
         self.kv_first, kv_last = kv_head_range(cfg.num_kv_heads, self.tp, self.rank)
         self.local_kv_heads = kv_last - self.kv_first
         self.local_heads = cfg.num_heads // self.tp
