@@ -25,7 +25,9 @@ Input is checked before anything is allocated: the flags, config.json and the ch
 tensors (shapes and dtypes from the safetensors headers), context + prompt + new tokens
 against the model's positions, and an estimate of each rank's memory (weights, KV cache,
 activations) against the device's free memory (the host's available memory on CPU); a mistake
-there is one line on stderr and exit status 1.
+there is one line on stderr and exit status 1. Exit status 1 also when a backend fails (on one
+process the other backends still run and the report is printed; the failure, a CUDA-graph
+capture that fell back to eager decode and a failed --profile included, goes to stderr).
 """
 
 from __future__ import annotations
@@ -515,8 +517,29 @@ def main(argv=None) -> int:
         prog.close()
     if rank0:
         report(args, cfg, rt, dtype, prompts, results, tok)
+        # The report stands; a backend's failure is also an error line and exit status 1.
+        for line in failures(results):
+            print(f"fusedist.generate: {line}", file=sys.stderr, flush=True)
     fusedist.shutdown()
-    return 0
+    return 1 if failures(results) else 0
+
+
+def failures(results: dict) -> list[str]:
+    """One line per failure the backends' results record (a failed run, a CUDA-graph decode
+    that fell back to eager, a failed --profile); empty when every backend did all it was
+    asked."""
+    out = []
+    for name, r in results.items():
+        if "error" in r:
+            out.append(f"{name} failed: {r['error']}" +
+                       (f" (eager retry: {r['eager_error']})" if "eager_error" in r else ""))
+        if "graph_error" in r:
+            out.append(f"{name}: CUDA-graph decode failed, ran eagerly instead: "
+                       f"{r['graph_error']}")
+        for key in ("profile_error", "prefill_profile_error"):
+            if key in r:
+                out.append(f"{name}: --profile failed ({key}): {r[key]}")
+    return out
 
 
 def speedups(results: dict) -> dict:

@@ -265,3 +265,42 @@ def test_memory_estimate_matches_the_model(rt):
                            prefill_chunk=64)
     assert half["kv_cache"] * 2 == full["kv_cache"]
     assert full["weights"] / 2 < half["weights"] < full["weights"]
+
+
+FAIL_FUSEDIST = """
+import sys
+import fusedist.generate as g
+run = g._run_backend
+def failing(backend, *args):
+    if backend == "fusedist":
+        raise RuntimeError("injected failure")
+    return run(backend, *args)
+g._run_backend = failing
+sys.exit(g.main(sys.argv[1:]))
+"""
+
+
+def test_cli_failure_exits_nonzero():
+    """A one-process run whose fusedist backend fails: the baseline still runs and the report
+    is printed, the error goes to stderr and the exit status is 1."""
+    p = _run(["--config", "tiny", "--random-weights", "--prompt-len", "5",
+              "--max-new-tokens", "3", "--baseline", "torch", "--prefill-reps", "1", "--json"],
+             code=FAIL_FUSEDIST)
+    assert p.returncode == 1, (p.returncode, p.stderr[-4000:])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["timings"]["fusedist"]["error"] == "RuntimeError: injected failure"
+    assert "error" not in out["timings"]["torch"] and out["timings"]["torch"]["step_ms"] > 0
+    assert "fusedist.generate: fusedist failed: RuntimeError: injected failure" in p.stderr
+
+
+def test_failures_lists_every_recorded_error():
+    from fusedist.generate import failures
+
+    assert failures({"fusedist": {"ms_per_token": 1.0}, "torch": {"step_ms": 2.0}}) == []
+    res = {"fusedist": {"error": "RuntimeError: a", "eager_error": "b"},
+           "torch": {"graph_error": "RuntimeError: c", "step_ms": 1.0},
+           "torch-compile": {"step_ms": 1.0, "prefill_profile_error": "RuntimeError: d"}}
+    assert failures(res) == [
+        "fusedist failed: RuntimeError: a (eager retry: b)",
+        "torch: CUDA-graph decode failed, ran eagerly instead: RuntimeError: c",
+        "torch-compile: --profile failed (prefill_profile_error): RuntimeError: d"]
