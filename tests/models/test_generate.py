@@ -304,3 +304,13 @@ def test_failures_lists_every_recorded_error():
         "fusedist failed: RuntimeError: a (eager retry: b)",
         "torch: CUDA-graph decode failed, ran eagerly instead: RuntimeError: c",
         "torch-compile: --profile failed (prefill_profile_error): RuntimeError: d"]
+
+
+def test_cli_request_filling_the_cache_runs():
+    """prompt 15 + 1 new token = one 16-token page: the warm-up fits the timed request."""
+    out = _cli(["--config", "tiny", "--random-weights", "--prompt-len", "15",
+                "--max-new-tokens", "1", "--baseline", "torch", "--prefill-reps", "1"])
+    for name, r in out["timings"].items():
+        assert "error" not in r, (name, r)
+        assert r["decode_steps"] == 0
+    assert [len(ids) for ids in out["ids"]] == [1] and out["ids_match"] == {"torch": True}
