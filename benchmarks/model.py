@@ -46,14 +46,27 @@ def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_b
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = report_of(cmd, p)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    out = json.loads(p.stdout.splitlines()[-1])
-    if any(k in r for r in out["timings"].values() for k in ("error", "graph_error",
-                                                            "profile_error",
-                                                            "prefill_profile_error")):
         print(p.stderr[-4000:], flush=True)
     return " ".join(cmd[cmd.index("fusedist.generate") - 1:]), out
+
+
+def report_of(cmd, p: subprocess.CompletedProcess) -> dict:
+    """The JSON report of a generate run. Exit status 1 with a report: a backend failed (its
+    timings say how, and its row records it); without one, or any other status, the run failed
+    as a whole (RuntimeError with its stderr)."""
+    out = None
+    lines = p.stdout.strip().splitlines()
+    if p.returncode in (0, 1) and lines:
+        try:
+            out = json.loads(lines[-1])
+        except ValueError:
+            out = None
+    if not isinstance(out, dict) or "timings" not in out:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit status {p.returncode}):\n"
+                           f"{p.stderr[-3000:]}")
+    return out
 
 
 def rows_of(spec: tuple, cmd: str, out: dict) -> list[dict]:

@@ -20,6 +20,14 @@ under torch.compile(fullgraph=True, dynamic=False) before capture (its prefill r
 Timings per backend: prefill_ms, the median of --prefill-reps warm prefills of the prompts
 (synchronized, apart from the generate loop); ms_per_token, the generate loop; step_ms, graph
 replays back to back.
+
+Input is checked before anything is allocated: the flags, config.json and the checkpoint's
+tensors (shapes and dtypes from the safetensors headers), context + prompt + new tokens
+against the model's positions, and an estimate of each rank's memory (weights, KV cache,
+activations) against the device's free memory (the host's available memory on CPU); a mistake
+there is one line on stderr and exit status 1. Exit status 1 also when a backend fails (on one
+process the other backends still run and the report is printed; the failure, a CUDA-graph
+capture that fell back to eager decode and a failed --profile included, goes to stderr).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -143,7 +152,39 @@ class Progress:
             self.bar = None
 
 
+def _fail(msg: str):
+    """A user mistake: one line on stderr, exit status 1 (no traceback)."""
+    raise SystemExit(f"fusedist.generate: {msg}")
+
+
+def _check_flags(args) -> None:
+    """Every numeric flag in its range, and the model flags consistent."""
+    for flag, lo in (("batch", 1), ("page_size", 1), ("prefill_chunk", 1), ("context_fill", 0),
+                     ("max_new_tokens", 1), ("prompt_len", 1), ("top_k", 0), ("tp", 1),
+                     ("prefill_reps", 1)):
+        v = getattr(args, flag)
+        if v is not None and v < lo:
+            _fail(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
+    t = args.temperature
+    if t is not None and not (math.isfinite(t) and t >= 0):
+        _fail(f"--temperature must be a finite number >= 0, got {t}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        _fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    gb = args.kv_budget_gb
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        _fail(f"--kv-budget-gb must be a finite number > 0, got {gb}")
+    if args.model is not None:
+        if args.config is not None:
+            _fail("--config and --model both given; drop --config (--model DIR reads "
+                  "DIR/config.json; add --random-weights for random weights of its shape) or "
+                  "drop --model (--config NAME --random-weights: a shipped shape)")
+        if not os.path.isdir(args.model):
+            _fail(f"--model {args.model!r} is not a directory; pass a Hugging Face checkpoint "
+                  "directory (config.json + safetensors)")
+
+
 def _defaults(args, cuda: bool):
+    _check_flags(args)
     embedded = args.model is None and args.config is None
     if embedded:
         args.config = "llama-3-8b" if cuda else "tiny"
@@ -154,14 +195,124 @@ def _defaults(args, cuda: bool):
     if args.baseline is None:
         args.baseline = "torch" if embedded else "none"
     args.baselines = parse_baselines(args.baseline)
-    if args.prefill_reps < 1:
-        raise SystemExit(f"fusedist.generate: --prefill-reps must be >= 1, got "
-                         f"{args.prefill_reps}")
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if cuda else 32
     if args.prompt_len is None and args.prompt_ids is None and args.prompt is None:
         args.prompt_len = 128 if cuda else 16
     return args
+
+
+def _message(e: BaseException) -> str:
+    """A library error's message without its "fusedist.models: " prefix (KeyError's text
+    unquoted)."""
+    msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+    return msg.removeprefix("fusedist.models: ")
+
+
+def _load(args, tp: int):
+    """(config, weight source, tokenizer) of the run; a bad config.json, checkpoint or
+    tokenizer, an unknown --config, or a --tp that does not split the model: _fail."""
+    from .models.llama import LlamaConfig, open_weights
+    from .models.llama.weights import check_tp, check_weights
+
+    try:
+        cfg = LlamaConfig.from_dir(args.model) if args.model else LlamaConfig.named(args.config)
+        check_tp(cfg, tp)
+        src = open_weights(args.model if not args.random_weights else None, cfg,
+                           args.weights_seed if args.random_weights else None)
+        check_weights(src, cfg)      # headers only; Transformer.load checks the same
+    except (ValueError, KeyError, OSError) as e:
+        _fail(_message(e))
+    return cfg, src, _tokenizer(args.model)
+
+
+def _check_positions(args, cfg, prompts) -> int:
+    """context + the longest prompt + new tokens, refused past the model's positions."""
+    longest = args.context_fill + max(len(p) for p in prompts) + args.max_new_tokens
+    limit, what = cfg.position_limit()
+    if longest > limit:
+        _fail(f"context + prompt + new tokens = {args.context_fill} + "
+              f"{max(len(p) for p in prompts)} + {args.max_new_tokens} = {longest} exceeds "
+              f"{what} of {cfg.name or 'the model'}; lower --context-fill, the prompt length "
+              "or --max-new-tokens")
+    return longest
+
+
+def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: int,
+                    page_size: int, prefill_chunk: int, kv_budget_bytes=None,
+                    max_position=None) -> dict:
+    """Bytes one rank of the fusedist backend holds for a run, before it allocates them:
+    "weights" (this rank's parameters and RoPE tables, as Transformer holds them), "kv_cache"
+    (as Runner sizes it: the batch rounded up to a power of two, seq_len rounded up to pages;
+    or the budget), "activations" (an estimate: the largest prefill chunk's hidden states,
+    twice, and the logits) and "total". max_position (default seq_len) sizes the RoPE tables."""
+    from .models.llama.weights import padded_vocab
+    from .nn.attention import kv_heads_per_rank
+
+    elt = torch.tensor([], dtype=dtype).element_size()
+    h, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    q, kv = cfg.num_heads // tp * hd, kv_heads_per_rank(cfg.num_kv_heads, tp) * hd
+    inter = cfg.intermediate_size // tp
+    vocab = padded_vocab(cfg, tp)
+    layer = (q + 2 * kv) * h + h * q + 3 * inter * h + 2 * h + \
+        ((q + 2 * kv) if cfg.qkv_bias else 0)
+    rope = (max_position or seq_len) * hd * 4 * L        # float32 cos|sin per layer
+    weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope
+    rows = 1 << (batch - 1).bit_length()
+    page_bytes = 2 * L * kv * elt * page_size
+    need = rows * math.ceil(seq_len / page_size) * page_bytes
+    kv_cache = need if kv_budget_bytes is None else \
+        max(need, int(kv_budget_bytes // page_bytes) * page_bytes)
+    tokens = min(prefill_chunk, batch * seq_len)
+    per_token = 4 * h + 2 * q + 2 * kv + 3 * inter
+    activations = 2 * tokens * per_token * max(elt, 4) + 2 * rows * vocab * (elt + 4)
+    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
+            "total": weights + kv_cache + activations}
+
+
+def _available_memory(device: torch.device) -> tuple:
+    """(bytes, what) a rank may still allocate: the GPU's free memory, or the host's available
+    memory (MemAvailable) on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "of host memory available"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "of host memory free"
+
+
+def _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position) -> "str | None":
+    """Why this rank cannot hold the run (None when it can)."""
+    budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
+    est = memory_estimate(cfg, tp=rt.tp.size, dtype=dtype, batch=len(prompts), seq_len=longest,
+                          page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+                          kv_budget_bytes=budget, max_position=max_position)
+    if budget is not None and budget < est["kv_cache"]:
+        return (f"--kv-budget-gb {args.kv_budget_gb} is less than the {_size(est['kv_cache'])} "
+                f"KV cache that {len(prompts)} sequences (--batch, rounded up to a power of two) "
+                f"x {longest} tokens need per rank; raise it or lower --batch / the lengths")
+    have, what = _available_memory(rt.device)
+    ranks = rt.env.local_world_size if rt.device.type == "cpu" else 1
+    if est["total"] * ranks <= have:
+        return None
+    each = f" x {ranks} ranks on this host" if ranks > 1 else ""
+    return (f"the run needs about {_size(est['total'])} of memory per rank{each} (weights "
+            f"{_size(est['weights'])}, KV cache {_size(est['kv_cache'])} for {len(prompts)} x "
+            f"{longest} tokens, activations {_size(est['activations'])}), more than the "
+            f"{_size(have)} {what}; lower --batch, --context-fill, the prompt length or "
+            "--max-new-tokens, use a smaller --dtype, or split the model over more ranks "
+            "(--tp)")
+
+
+def _size(n: float) -> str:
+    for unit, b in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= b / 10:
+            return f"{n / b:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def _prompts(args, cfg, tokenizer):
@@ -194,7 +345,12 @@ def _tokenizer(model_dir):
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception types
+        _fail(f"{path} is not a readable tokenizer ({e}); fix it, or pass --prompt-ids or "
+              "--prompt-len instead of --prompt")
 
 
 def prefill_flops(cfg, prompt_lens, context: int) -> float:
@@ -210,14 +366,16 @@ def prefill_flops(cfg, prompt_lens, context: int) -> float:
     return total
 
 
-def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
+def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_position):
     """One backend's run; on one process a failure is reported in the result (and a failed
     CUDA-graph run is retried eagerly) so the other backends still run."""
     if rt.world_size > 1:
-        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, None)
+        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
+                            max_position, None)
     import traceback
     try:
-        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, None)
+        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
+                            max_position, None)
     except Exception as e:  # noqa: BLE001 - reported in the JSON, the run goes on
         prog.close()
         print(f"[{backend}] failed: {traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -227,7 +385,8 @@ def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog):
         if args.no_graphs or device.type != "cuda":
             return {"error": f"{type(e).__name__}: {e}"}
         try:
-            out = _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, False)
+            out = _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
+                               max_position, False)
         except Exception as e2:  # noqa: BLE001
             print(f"[{backend}] eager retry failed: {traceback.format_exc()}", file=sys.stderr)
             return {"error": f"{type(e).__name__}: {e}", "eager_error": f"{e2}"}
@@ -239,7 +398,8 @@ def _round(d: dict) -> dict:
     return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, graphs):
+def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_position,
+                 graphs):
     from statistics import median
 
     from .models import Runner, SamplingParams, build_model
@@ -251,7 +411,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
     t0 = time.perf_counter()
     model = build_model(cfg, src, backend="torch" if backend.startswith("torch") else backend,
                         group=rt.tp, dtype=dtype, device=device,
-                        max_position=max(longest, 16), progress=prog.stage(f"[{backend}] loading"))
+                        max_position=max_position, progress=prog.stage(f"[{backend}] loading"))
     load_s = time.perf_counter() - t0
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
     runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
@@ -270,10 +430,11 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, grap
         # Warm-up outside the timed run, at the timed run's shapes: graph capture (and the
         # decode step's compilation), and the first calls of cuBLAS / cuDNN SDPA / the
         # allocator at the prompt's length (a first 4K-token SDPA call plans for hundreds of
-        # ms).
+        # ms). Its prefill and (with 2 or more new tokens) one decode step fit the cache the
+        # timed run needs, so every request that fits the model runs.
         prog.note(f"[{backend}] warm-up" + (" (compiling the decode step)" if compiled else ""))
         t0 = time.perf_counter()
-        runner.generate(prompts, 2, sp, context_fill=args.context_fill)
+        runner.generate(prompts, min(2, args.max_new_tokens), sp, context_fill=args.context_fill)
         warm_s = time.perf_counter() - t0
         prefill = runner.time_prefill(prompts, start=args.context_fill, reps=args.prefill_reps)
         res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
@@ -323,7 +484,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import fusedist
     from .distributed.launch_env import detect_launch_env
-    from .models.llama import LlamaConfig, open_weights
 
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -333,27 +493,54 @@ def main(argv=None) -> int:
     tp = args.tp or world
     if world % tp:
         raise SystemExit(f"fusedist.generate: --tp {tp} does not divide the world size {world}")
+    cfg, src, tok = _load(args, tp)
+    prompts = _prompts(args, cfg, tok)
+    longest = _check_positions(args, cfg, prompts)
+    max_position = min(max(longest, 16), cfg.position_limit()[0])
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     rt = fusedist.init(tp_size=tp, backend="nccl" if cuda else "gloo")
+    # Every rank's verdict, so that all of them stop when one cannot hold the run.
+    problem = _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position)
+    problem = next((p for p in rt.world.all_gather_object(problem) if p), None)
+    if problem is not None:
+        fusedist.shutdown()
+        _fail(problem)
     rank0 = rt.rank == 0
     prog = Progress(rank0 and not args.quiet)
+    device = rt.device
     try:
-        cfg = LlamaConfig.from_dir(args.model) if args.model else LlamaConfig.named(args.config)
-        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
-        device = rt.device
-        src = open_weights(args.model if not args.random_weights else None, cfg,
-                           args.weights_seed if args.random_weights else None)
-        tok = _tokenizer(args.model)
-        prompts = _prompts(args, cfg, tok)
         results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
-                                           device, prog)}
+                                           device, prog, max_position)}
         for name in args.baselines:
-            results[name] = run_backend(name, args, cfg, src, prompts, rt, dtype, device, prog)
+            results[name] = run_backend(name, args, cfg, src, prompts, rt, dtype, device, prog,
+                                        max_position)
     finally:
         prog.close()
     if rank0:
         report(args, cfg, rt, dtype, prompts, results, tok)
+        # The report stands; a backend's failure is also an error line and exit status 1.
+        for line in failures(results):
+            print(f"fusedist.generate: {line}", file=sys.stderr, flush=True)
     fusedist.shutdown()
-    return 0
+    return 1 if failures(results) else 0
+
+
+def failures(results: dict) -> list[str]:
+    """One line per failure the backends' results record (a failed run, a CUDA-graph decode
+    that fell back to eager, a failed --profile); empty when every backend did all it was
+    asked."""
+    out = []
+    for name, r in results.items():
+        if "error" in r:
+            out.append(f"{name} failed: {r['error']}" +
+                       (f" (eager retry: {r['eager_error']})" if "eager_error" in r else ""))
+        if "graph_error" in r:
+            out.append(f"{name}: CUDA-graph decode failed, ran eagerly instead: "
+                       f"{r['graph_error']}")
+        for key in ("profile_error", "prefill_profile_error"):
+            if key in r:
+                out.append(f"{name}: --profile failed ({key}): {r[key]}")
+    return out
 
 
 def speedups(results: dict) -> dict:

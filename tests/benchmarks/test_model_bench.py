@@ -67,6 +67,21 @@ def test_failed_backend_row():
     assert "failed: RuntimeError: compile" in model.markdown(rows, ["torch", "torch-compile"])
 
 
+def test_report_of_a_failed_backend():
+    """generate exits 1 when a backend failed, with the report on stdout: the rows keep it."""
+    import subprocess
+
+    out = _out()
+    out["timings"]["torch-compile"] = {"error": "RuntimeError: compile"}
+    done = subprocess.CompletedProcess(["x"], 1, stdout="progress\n" + json.dumps(out) + "\n",
+                                       stderr="fusedist.generate: torch-compile failed: ...")
+    assert model.report_of(["x"], done) == out
+    for code, stdout in ((1, ""), (1, "not json\n"), (2, json.dumps(out)), (-9, "")):
+        bad = subprocess.CompletedProcess(["x"], code, stdout=stdout, stderr="boom")
+        with pytest.raises(RuntimeError, match=f"exit status {code}"):
+            model.report_of(["x"], bad)
+
+
 def test_merge(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDIST_RESULTS_DIR", str(tmp_path))
     meta = {"commit": "abc", "world_size": 1, "command": "python3 model.py --rows 1:16:0:8"}

@@ -12,11 +12,14 @@ import sys
 from statistics import median
 
 import pytest
+import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fusedist.generate import _defaults, parse_args, parse_baselines, speedups  # noqa: E402
 from launch import ROOT  # noqa: E402
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -111,3 +114,203 @@ def test_cli_compile_baseline_alone_and_text():
     assert "prefill ms: the median of 2 warm prefills" in text
     assert "torch-compile: decode step under torch.compile (aot_eager" in text
     assert "prefill eager" in text
+
+
+# ---- failures, bad input, request sizes -----------------------------------------------------
+def _run(args, code=None, timeout=240):
+    """The CLI in a subprocess (or `python -c code` with these arguments), its address space
+    capped at 8 GiB so that a run that would allocate too much fails instead of swapping."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
+    head = ["-c", code] if code is not None else ["-m", "fusedist.generate"]
+    return subprocess.run([sys.executable, "-P", *head, *args, "--quiet", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          preexec_fn=cap)
+
+
+def _user_error(args, *needles):
+    """A user mistake: exit status 1 or 2, one line on stderr naming it, no traceback."""
+    p = _run(args)
+    assert p.returncode in (1, 2), (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    assert "Traceback" not in p.stderr, p.stderr[-4000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusedist.generate: "), p.stderr[-4000:]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert p.stdout == ""
+    return lines[0]
+
+
+BAD_FLAGS = {
+    "batch": (["--batch", "0"], "--batch must be >= 1, got 0"),
+    "page_size": (["--page-size", "0"], "--page-size must be >= 1, got 0"),
+    "prefill_chunk": (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+    "context_fill": (["--context-fill", "-1"], "--context-fill must be >= 0, got -1"),
+    "max_new_tokens": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    "prompt_len": (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+    "top_p_0": (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    "top_p_big": (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    "top_p_nan": (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    "top_k": (["--top-k", "-1"], "--top-k must be >= 0, got -1"),
+    "tp": (["--tp", "0"], "--tp must be >= 1, got 0"),
+    "temperature": (["--temperature", "-0.5"],
+                    "--temperature must be a finite number >= 0, got -0.5"),
+    "temperature_nan": (["--temperature", "nan"],
+                        "--temperature must be a finite number >= 0, got nan"),
+    "temperature_inf": (["--temperature", "inf"],
+                        "--temperature must be a finite number >= 0, got inf"),
+    "kv_budget": (["--kv-budget-gb", "0"], "--kv-budget-gb must be a finite number > 0, got 0.0"),
+    "model_missing": (["--model", "/nonexistent/ckpt"],
+                      "--model '/nonexistent/ckpt' is not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flag_is_refused(case):
+    argv, msg = BAD_FLAGS[case]
+    with pytest.raises(SystemExit) as e:
+        _defaults(parse_args(argv), cuda=False)
+    assert str(e.value).startswith("fusedist.generate: ") and msg in str(e.value), str(e.value)
+
+
+def test_config_and_model_together(tmp_path):
+    with pytest.raises(SystemExit, match="--config and --model both given; drop --config"):
+        _defaults(parse_args(["--model", str(tmp_path), "--config", "tiny"]), cuda=False)
+
+
+def _one_layer_config(d, **kw):
+    (d / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=1, num_attention_heads=4, **kw)))
+
+
+def _bad_tensor_checkpoint(d):
+    from safetensors.torch import save_file
+
+    from fusedist.models import LlamaConfig
+    from fusedist.models.llama import RandomWeights
+    from fusedist.models.llama.weights import hf_names
+
+    _one_layer_config(d)
+    cfg = LlamaConfig.from_dir(str(d))
+    t = {n: RandomWeights(cfg).read(n, dtype=torch.float32, device="cpu") for n in hf_names(cfg)}
+    t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(47, 32)
+    save_file(t, str(d / "model.safetensors"))
+
+
+USER_ERRORS = {
+    "model_missing": (None, ["--model", "{d}/nope"], ["is not a directory"]),
+    "batch": (None, ["--config", "tiny", "--random-weights", "--batch", "0"],
+              ["--batch must be >= 1"]),
+    "architecture": (lambda d: (d / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"]})), ["--model", "{d}"],
+        ["architecture 'GPT2LMHeadModel' is not supported"]),
+    "rope_type": (lambda d: _one_layer_config(d, rope_scaling={"rope_type": "yarn",
+                                                               "factor": 4.0}),
+                  ["--model", "{d}", "--random-weights"], ["rope_scaling type 'yarn'"]),
+    # a checkpoint whose tensor disagrees with its config.json: named, with its file
+    "tensor_shape": (_bad_tensor_checkpoint, ["--model", "{d}"],
+                     ["'model.layers.0.mlp.up_proj.weight'", "model.safetensors", "[47, 32]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_cli_user_error_is_one_line(tmp_path, case):
+    make, argv, needles = USER_ERRORS[case]
+    if make is not None:
+        make(tmp_path)
+    _user_error([a.replace("{d}", str(tmp_path)) for a in argv], *needles)
+
+
+def test_cli_too_many_positions():
+    """prompt + new tokens past max_position_embeddings: refused up front, naming it."""
+    line = _user_error(["--config", "tiny", "--random-weights", "--prompt-len", "2040",
+                        "--max-new-tokens", "16"], "max_position_embeddings", "2048")
+    assert "2056" in line and "sliding window" not in line, line
+
+
+def test_cli_memory_estimate_refuses_before_allocating():
+    """A KV cache no host holds (4096 x 100K tokens of Llama-3.1-8B): refused before the model
+    is built, naming the estimate's parts (the 8 GiB address-space cap would fail an attempt)."""
+    _user_error(["--config", "llama-3.1-8b", "--random-weights", "--batch", "4096",
+                 "--context-fill", "100000", "--prompt-len", "1", "--max-new-tokens", "1"],
+                "memory", "KV cache", "weights", "--batch")
+
+
+def test_memory_estimate_matches_the_model(rt):
+    from fusedist.generate import memory_estimate
+    from fusedist.models import LlamaConfig, Runner, build_model
+    from fusedist.models.llama import RandomWeights
+
+    cfg = LlamaConfig.named("tiny").replace(vocab_size=509)      # padded to 512 rows
+    for max_position, batch, seq, page in ((50, 3, 50, 16), (300, 1, 300, 7)):
+        m = build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu",
+                        max_position=max_position)
+        est = memory_estimate(cfg, tp=1, dtype=torch.float32, batch=batch, seq_len=seq,
+                              page_size=page, prefill_chunk=64)
+        held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+        assert est["weights"] == held
+        assert est["kv_cache"] == Runner(m, max_batch=batch, max_seq_len=seq,
+                                         page_size=page).kv_bytes
+        assert est["activations"] > 0
+        assert est["total"] == est["weights"] + est["kv_cache"] + est["activations"]
+    # TP 2 holds half the sharded weights; the embedding and norms stay whole
+    half = memory_estimate(cfg, tp=2, dtype=torch.float32, batch=1, seq_len=50, page_size=16,
+                           prefill_chunk=64)
+    full = memory_estimate(cfg, tp=1, dtype=torch.float32, batch=1, seq_len=50, page_size=16,
+                           prefill_chunk=64)
+    assert half["kv_cache"] * 2 == full["kv_cache"]
+    assert full["weights"] / 2 < half["weights"] < full["weights"]
+
+
+FAIL_FUSEDIST = """
+import sys
+import fusedist.generate as g
+run = g._run_backend
+def failing(backend, *args):
+    if backend == "fusedist":
+        raise RuntimeError("injected failure")
+    return run(backend, *args)
+g._run_backend = failing
+sys.exit(g.main(sys.argv[1:]))
+"""
+
+
+def test_cli_failure_exits_nonzero():
+    """A one-process run whose fusedist backend fails: the baseline still runs and the report
+    is printed, the error goes to stderr and the exit status is 1."""
+    p = _run(["--config", "tiny", "--random-weights", "--prompt-len", "5",
+              "--max-new-tokens", "3", "--baseline", "torch", "--prefill-reps", "1", "--json"],
+             code=FAIL_FUSEDIST)
+    assert p.returncode == 1, (p.returncode, p.stderr[-4000:])
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["timings"]["fusedist"]["error"] == "RuntimeError: injected failure"
+    assert "error" not in out["timings"]["torch"] and out["timings"]["torch"]["step_ms"] > 0
+    assert "fusedist.generate: fusedist failed: RuntimeError: injected failure" in p.stderr
+
+
+def test_failures_lists_every_recorded_error():
+    from fusedist.generate import failures
+
+    assert failures({"fusedist": {"ms_per_token": 1.0}, "torch": {"step_ms": 2.0}}) == []
+    res = {"fusedist": {"error": "RuntimeError: a", "eager_error": "b"},
+           "torch": {"graph_error": "RuntimeError: c", "step_ms": 1.0},
+           "torch-compile": {"step_ms": 1.0, "prefill_profile_error": "RuntimeError: d"}}
+    assert failures(res) == [
+        "fusedist failed: RuntimeError: a (eager retry: b)",
+        "torch: CUDA-graph decode failed, ran eagerly instead: RuntimeError: c",
+        "torch-compile: --profile failed (prefill_profile_error): RuntimeError: d"]
+
+
+def test_cli_request_filling_the_cache_runs():
+    """prompt 15 + 1 new token = one 16-token page: the warm-up fits the timed request."""
+    out = _cli(["--config", "tiny", "--random-weights", "--prompt-len", "15",
+                "--max-new-tokens", "1", "--baseline", "torch", "--prefill-reps", "1"])
+    for name, r in out["timings"].items():
+        assert "error" not in r, (name, r)
+        assert r["decode_steps"] == 0
+    assert [len(ids) for ids in out["ids"]] == [1] and out["ids_match"] == {"torch": True}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,6 +20,27 @@ from typing import Optional
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
+# config.json keys without a default (Hugging Face's names).
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+def _check_llama3_rope(scaling: dict, key: str, fail) -> dict:
+    """scaling with its llama3 factors checked: each present, a finite number > 0, and
+    high_freq_factor > low_freq_factor (else the RoPE table has NaN or inf entries)."""
+    for k in _LLAMA3_KEYS:
+        if k not in scaling:
+            fail(f"{key} has no {k!r}; llama3 RoPE scaling needs {', '.join(_LLAMA3_KEYS)}")
+        v = scaling[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                v <= 0:
+            fail(f"{key} {k} must be a finite number > 0, got {v!r}")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        fail(f"{key} high_freq_factor must be > low_freq_factor, got "
+             f"{scaling['high_freq_factor']!r} <= {scaling['low_freq_factor']!r}")
+    return dict(scaling)
 
 
 @dataclass(frozen=True)
@@ -72,49 +94,105 @@ class LlamaConfig:
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
 
+    def position_limit(self) -> tuple:
+        """(the most positions a sequence may use, what sets that limit): max_position_embeddings,
+        or the sliding window when it is shorter (fusedist does not apply a sliding window)."""
+        if self.sliding_window is not None and self.sliding_window < self.max_position:
+            return (self.sliding_window, f"the sliding window ({self.sliding_window} tokens), "
+                    "which the model does not apply")
+        return self.max_position, f"max_position_embeddings ({self.max_position})"
+
     @classmethod
-    def from_hf_config(cls, d: dict, name: str = "") -> "LlamaConfig":
+    def from_hf_config(cls, d: dict, name: str = "", *, source: str = "") -> "LlamaConfig":
+        """The config of a Hugging Face config.json's dict; `source` (the file) is named in the
+        errors. Every value fusedist reads is checked here: a missing key, a non-positive size
+        or head count, kv heads that do not divide the heads, RoPE factors that would give a
+        NaN table raise a ValueError naming the key."""
+        where = f"config.json ({source})" if source else "the config"
+
+        def fail(msg: str):
+            raise ValueError(f"fusedist.models: {where}: {msg}")
+
+        if not isinstance(d, dict):
+            fail(f"must be a JSON object, got {type(d).__name__}")
         archs = d.get("architectures") or [_MODEL_TYPES.get(d.get("model_type", ""), "")]
-        arch = archs[0] if archs else ""
+        arch = archs[0] if isinstance(archs, list) and archs else ""
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"fusedist.models: architecture {arch or d.get('model_type')!r} is "
-                             f"not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            fail(f"architecture {arch or d.get('model_type')!r} is not supported; supported: "
+                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if d.get("mlp_bias"):
-            raise ValueError("fusedist.models: mlp_bias=True is not supported (no Llama-family "
-                             "checkpoint fusedist knows uses it)")
+            fail("mlp_bias=True is not supported (no Llama-family checkpoint fusedist knows "
+                 "uses it)")
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"fusedist.models: hidden_act {act!r} is not supported; only 'silu'")
-        scaling = d.get("rope_scaling")
-        if scaling is None and isinstance(d.get("rope_parameters"), dict):
+            fail(f"hidden_act {act!r} is not supported; only 'silu'")
+
+        def size(key, required=True, default=None):
+            """A positive int (None when absent and not required)."""
+            if key not in d or (d[key] is None and not required):
+                if required:
+                    fail(f"has no {key!r}; a Llama-family config.json needs "
+                         f"{', '.join(_REQUIRED)}")
+                return default
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                fail(f"{key} must be a positive int, got {v!r}")
+            return v
+
+        def number(key, default):
+            v = d.get(key)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not math.isfinite(v) or v <= 0:
+                fail(f"{key} must be a finite number > 0, got {v!r}")
+            return float(v)
+
+        vocab, hidden, inter, layers, heads = (size(k) for k in _REQUIRED)
+        kv_heads = size("num_key_value_heads", required=False, default=heads)
+        if heads % kv_heads:
+            fail(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
+        head_dim = size("head_dim", required=False)
+        if head_dim is None:
+            if hidden % heads:
+                fail(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                     "give head_dim")
+            head_dim = hidden // heads
+        max_position = size("max_position_embeddings", required=False, default=8192)
+        window = size("sliding_window", required=False) if d.get("use_sliding_window", True) \
+            else None
+        rope_theta = number("rope_theta", 10000.0)
+        scaling, scaling_key = d.get("rope_scaling"), "rope_scaling"
+        if scaling is None and d.get("rope_parameters") is not None:
             # transformers >= 5 writes rope_theta and the scaling into rope_parameters.
+            scaling_key = "rope_parameters"
+            if not isinstance(d["rope_parameters"], dict):
+                fail(f"rope_parameters must be a JSON object, got {d['rope_parameters']!r}")
             rp = dict(d["rope_parameters"])
             theta = rp.pop("rope_theta", None)
             if rp.get("rope_type", rp.get("type", "default")) != "default":
                 scaling = rp
             if theta is not None:
                 d = {**d, "rope_theta": theta}
+                rope_theta = number("rope_theta", 10000.0)
         if scaling is not None:
+            if not isinstance(scaling, dict):
+                fail(f"{scaling_key} must be a JSON object or null, got {scaling!r}")
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind == "default":
                 scaling = None
             elif kind != "llama3":
-                raise ValueError(f"fusedist.models: rope_scaling type {kind!r} is not supported; "
-                                 "supported: 'llama3' (Llama 3.1 / 3.2) or none")
+                fail(f"rope_scaling type {kind!r} is not supported; supported: 'llama3' "
+                     "(Llama 3.1 / 3.2) or none")
+            else:
+                scaling = _check_llama3_rope(scaling, scaling_key, fail)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
-        heads = d["num_attention_heads"]
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
-        return cls(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"],
-                   num_layers=d["num_hidden_layers"], num_heads=heads,
-                   num_kv_heads=d.get("num_key_value_heads") or heads,
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-                   rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                   rope_theta=float(d.get("rope_theta", 10000.0)),
-                   rope_scaling=dict(scaling) if scaling else None,
-                   max_position=int(d.get("max_position_embeddings", 8192)),
+        return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                   num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                   rms_norm_eps=number("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+                   rope_scaling=scaling, max_position=max_position,
                    qkv_bias=qkv_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
                    sliding_window=window, name=name, extra=dict(d))
@@ -126,7 +204,12 @@ class LlamaConfig:
             raise FileNotFoundError(f"fusedist.models: no config.json in {path!r}; pass the "
                                     "directory of a Hugging Face checkpoint")
         with open(f) as fh:
-            return cls.from_hf_config(json.load(fh), name=os.path.basename(path.rstrip("/")))
+            try:
+                d = json.load(fh)
+            except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"fusedist.models: {f} is not valid JSON ({e}); fix or "
+                                 "re-download the checkpoint's config.json") from None
+        return cls.from_hf_config(d, name=os.path.basename(path.rstrip("/")), source=f)
 
     @classmethod
     def named(cls, name: str) -> "LlamaConfig":

@@ -42,7 +42,7 @@ from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
 from ...ops.attention import decode_plan
 from ...ops.silu_mul import silu_mul
 from .config import LlamaConfig
-from .weights import WeightSource, check_tp, padded_vocab
+from .weights import WeightSource, check_tp, check_weights, padded_vocab
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -109,12 +109,12 @@ class Transformer(torch.nn.Module):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        window = cfg.sliding_window or cfg.max_position
-        self.max_position = max_position or min(cfg.max_position, window)
-        if self.max_position > window:
-            raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds the "
-                             f"sliding window ({window} tokens), which the model does not "
-                             f"apply; keep prompt + new tokens <= {window}")
+        limit, what = cfg.position_limit()
+        self.max_position = max_position or limit
+        if self.max_position > limit:
+            raise ValueError(f"fusedist.models: max_position={self.max_position} exceeds {what} "
+                             f"of {cfg.name or 'the model'}; keep context + prompt + new tokens "
+                             f"<= {limit}")
         self.kv_first, kv_last = kv_head_range(cfg.num_kv_heads, self.tp, self.rank)
         self.local_kv_heads = kv_last - self.kv_first
         self.local_heads = cfg.num_heads // self.tp
@@ -140,8 +140,11 @@ class Transformer(torch.nn.Module):
     # ---- weights -------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, src: WeightSource, progress=None) -> "Transformer":
-        """Fill every parameter with this rank's slices of `src` (progress(i, n) per layer)."""
+        """Fill every parameter with this rank's slices of `src` (progress(i, n) per layer),
+        after checking every tensor's full shape and dtype against the config
+        (weights.check_weights)."""
         cfg, dt, dev, r = self.cfg, self.dtype, self.device, self.rank
+        check_weights(src, cfg)
 
         def rd(name, dim=None, start=0, stop=None):
             return src.read(name, dim, start, stop, dtype=dt, device=dev)

@@ -10,6 +10,11 @@ copy of the model. Random weights are defined per tensor by (seed, name) over th
 then sliced, so every tensor-parallel size sees the same model: replicated tensors are equal on
 every rank, and rank r's shard is rows / columns of the full random tensor.
 
+Before anything is read, Transformer.load checks the source against the config
+(check_weights): every tensor present with the full shape the config implies and a float32 /
+float16 / bfloat16 dtype (from the safetensors header: nothing is read), and no bias the model
+would not apply; the error names the tensor and its file.
+
 The sharding rules: Transformer.load (model.py) names which dimension of which tensor is split;
 fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated when tp > kv
 heads), for the model, TPAttention and the tests alike.
@@ -62,9 +67,16 @@ def _seed(seed: int, name: str) -> int:
     return (seed * 1000003 + zlib.crc32(name.encode())) & ((1 << 63) - 1)
 
 
+# Stored dtypes (safetensors' names) that the model reads, converted to its dtype on load.
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 class WeightSource:
     """read(name, dim, start, stop, dtype, device) -> the [start:stop] slice of tensor `name`
-    along `dim` (the whole tensor when dim is None)."""
+    along `dim` (the whole tensor when dim is None). shape(name): its full shape; dtype(name):
+    its stored dtype as safetensors names it ("F32", "BF16", "F8_E4M3", "I32", ...; None when
+    unknown); names(): every tensor it holds (None when unknown); location(name): where it is,
+    for messages."""
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0,
              stop: Optional[int] = None, *, dtype: torch.dtype,
@@ -74,6 +86,15 @@ class WeightSource:
     def shape(self, name: str) -> tuple:
         raise NotImplementedError
 
+    def dtype(self, name: str) -> Optional[str]:
+        return None
+
+    def names(self) -> Optional[list]:
+        return None
+
+    def location(self, name: str) -> str:
+        return type(self).__name__
+
 
 class SafetensorsWeights(WeightSource):
     def __init__(self, path: str):
@@ -81,8 +102,7 @@ class SafetensorsWeights(WeightSource):
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
+            self.where = _weight_map(index)
             self.index = index
         elif os.path.isfile(single):
             self.where = None
@@ -93,9 +113,23 @@ class SafetensorsWeights(WeightSource):
                                     "safetensors checkpoint directory")
         self._files: dict = {}
 
-    def _file(self, name: str):
+    def _open(self, fname: str, name: Optional[str] = None):
         from safetensors import safe_open
 
+        full = os.path.join(self.path, fname)
+        if full not in self._files:
+            if not os.path.isfile(full):
+                listed = f" (listed for tensor {name!r} in {self.index})" if name else ""
+                raise FileNotFoundError(f"fusedist.models: {full}{listed} does not exist")
+            try:
+                self._files[full] = safe_open(full, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError, OSError
+                raise ValueError(f"fusedist.models: {full} is not a readable safetensors file "
+                                 f"({type(e).__name__}: {e}); it may be truncated or corrupt: "
+                                 "re-download or re-convert the checkpoint") from None
+        return full, self._files[full]
+
+    def _file(self, name: str):
         if self.where is None:
             fname = "model.safetensors"
         elif name in self.where:
@@ -103,22 +137,35 @@ class SafetensorsWeights(WeightSource):
         else:
             raise KeyError(f"fusedist.models: tensor {name!r} is missing: not in the weight map of "
                            f"{self.index}")
-        full = os.path.join(self.path, fname)
-        if full not in self._files:
-            if not os.path.isfile(full):
-                raise FileNotFoundError(f"fusedist.models: {full} (listed for tensor {name!r}) "
-                                        "does not exist")
-            self._files[full] = safe_open(full, framework="pt", device="cpu")
-        f = self._files[full]
+        full, f = self._open(fname, name)
         if name not in f.keys():
             raise KeyError(f"fusedist.models: tensor {name!r} is missing from {full}")
         return f
 
+    def location(self, name: str) -> str:
+        fname = self.where.get(name, "?") if self.where is not None else "model.safetensors"
+        return os.path.join(self.path, fname)
+
+    def names(self) -> list:
+        if self.where is not None:
+            return list(self.where)
+        return list(self._open("model.safetensors")[1].keys())
+
     def shape(self, name: str) -> tuple:
         return tuple(self._file(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        return self._file(name).get_slice(name).get_dtype()
+
     def read(self, name, dim=None, start=0, stop=None, *, dtype, device):
         sl = self._file(name).get_slice(name)
+        if dim is not None:
+            # A slice past the end would come back short (Python slicing), not fail.
+            n = sl.get_shape()[dim]
+            if not 0 <= start <= (n if stop is None else stop) <= n:
+                what = ("rows", "columns")[dim] if dim in (0, 1) else f"dim {dim}"
+                raise ValueError(f"fusedist.models: tensor {name!r} in {self.location(name)}: "
+                                 f"{what} [{start}, {stop}) requested, but it has {n}")
         if dim is None:
             t = sl[:]
         elif dim == 0:
@@ -129,6 +176,21 @@ class SafetensorsWeights(WeightSource):
 
     def close(self):
         self._files.clear()
+
+
+def _weight_map(index: str) -> dict:
+    """The weight_map of a model.safetensors.index.json: {tensor name: file name}."""
+    with open(index) as f:
+        try:
+            d = json.load(f)
+        except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"fusedist.models: {index} is not valid JSON ({e}); re-download the "
+                             "checkpoint's index") from None
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise ValueError(f"fusedist.models: {index} has no weight_map object (tensor name -> "
+                         "file name); re-download the checkpoint's index")
+    return dict(wm)
 
 
 class RandomWeights(WeightSource):
@@ -145,6 +207,16 @@ class RandomWeights(WeightSource):
             raise KeyError(f"fusedist.models: tensor {name!r} is not part of the model")
         return self._shapes[name]
 
+    def dtype(self, name):
+        self.shape(name)
+        return "F32"
+
+    def names(self):
+        return list(self._shapes)
+
+    def location(self, name):
+        return f"random weights (seed {self.seed})"
+
     def read(self, name, dim=None, start=0, stop=None, *, dtype, device):
         shape = self.shape(name)
         if name.endswith("norm.weight"):
@@ -160,26 +232,71 @@ class RandomWeights(WeightSource):
 
 
 def _full_shapes(cfg: LlamaConfig) -> dict:
+    return {n: shape for n, (shape, _) in expected_tensors(cfg).items()}
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict:
+    """{HF name: (full shape, how the config gives it)} for every tensor cfg needs."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    s = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    q = (cfg.q_size, f"num_attention_heads x head_dim = {cfg.num_heads} x {cfg.head_dim}")
+    kv = (cfg.kv_size, f"num_key_value_heads x head_dim = {cfg.num_kv_heads} x {cfg.head_dim}")
+    H, I, V = (h, "hidden_size"), (i, "intermediate_size"), (v, "vocab_size")
+
+    def t(*dims):
+        return tuple(d for d, _ in dims), "[" + ", ".join(w for _, w in dims) + "]"
+
+    s = {"model.embed_tokens.weight": t(V, H), "model.norm.weight": t(H)}
     if not cfg.tie_word_embeddings:
-        s["lm_head.weight"] = (v, h)
+        s["lm_head.weight"] = t(V, H)
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        s[p + "input_layernorm.weight"] = (h,)
-        s[p + "post_attention_layernorm.weight"] = (h,)
-        s[p + "self_attn.q_proj.weight"] = (cfg.q_size, h)
-        s[p + "self_attn.k_proj.weight"] = (cfg.kv_size, h)
-        s[p + "self_attn.v_proj.weight"] = (cfg.kv_size, h)
-        s[p + "self_attn.o_proj.weight"] = (h, cfg.q_size)
+        s[p + "input_layernorm.weight"] = t(H)
+        s[p + "post_attention_layernorm.weight"] = t(H)
+        s[p + "self_attn.q_proj.weight"] = t(q, H)
+        s[p + "self_attn.k_proj.weight"] = t(kv, H)
+        s[p + "self_attn.v_proj.weight"] = t(kv, H)
+        s[p + "self_attn.o_proj.weight"] = t(H, q)
         if cfg.qkv_bias:
-            s[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
-            s[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
-            s[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
-        s[p + "mlp.gate_proj.weight"] = (i, h)
-        s[p + "mlp.up_proj.weight"] = (i, h)
-        s[p + "mlp.down_proj.weight"] = (h, i)
+            s[p + "self_attn.q_proj.bias"] = t(q)
+            s[p + "self_attn.k_proj.bias"] = t(kv)
+            s[p + "self_attn.v_proj.bias"] = t(kv)
+        s[p + "mlp.gate_proj.weight"] = t(I, H)
+        s[p + "mlp.up_proj.weight"] = t(I, H)
+        s[p + "mlp.down_proj.weight"] = t(H, I)
     return s
+
+
+def check_weights(src: WeightSource, cfg: LlamaConfig) -> None:
+    """Check src against cfg before anything is read: every tensor present (KeyError naming
+    it), with the full shape cfg implies, a float32 / float16 / bfloat16 dtype, and no bias the
+    model does not apply (ValueError naming the tensor and its file)."""
+    what = f"config.json of {cfg.name}" if cfg.name else "the config"
+    want = expected_tensors(cfg)
+    for name, (shape, why) in want.items():
+        got = tuple(src.shape(name))
+        if got != shape:
+            raise ValueError(
+                f"fusedist.models: tensor {name!r} in {src.location(name)} has shape "
+                f"{list(got)}; {what} implies {list(shape)} ({why}); the checkpoint does not "
+                "match its config.json")
+        dt = src.dtype(name)
+        if dt is None or dt in FLOAT_DTYPES:
+            continue
+        if dt.startswith("F8"):
+            raise ValueError(
+                f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8); FP8 "
+                "checkpoints are not supported: use a bfloat16, float16 or float32 checkpoint")
+        raise ValueError(
+            f"fusedist.models: tensor {name!r} in {src.location(name)} has dtype {dt}; fusedist "
+            "reads float32, float16 and bfloat16 tensors (a quantized checkpoint is not "
+            "supported): use a bfloat16, float16 or float32 checkpoint")
+    for name in src.names() or ():
+        if name.endswith(".bias") and name not in want:
+            raise ValueError(
+                f"fusedist.models: tensor {name!r} in {src.location(name)} is a bias the model "
+                f"does not apply ({cfg.architecture} with this config has no such bias); the "
+                "checkpoint does not match its config.json, or its architecture is not "
+                "supported")
 
 
 def open_weights(path: Optional[str], cfg: LlamaConfig, random_seed: Optional[int]) -> WeightSource:
