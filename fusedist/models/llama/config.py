@@ -43,6 +43,15 @@ def _check_llama3_rope(scaling: dict, key: str, fail) -> dict:
     return dict(scaling)
 
 
+def load_json(path: str, fix: str):
+    """The JSON document in `path`; a ValueError naming the file and `fix` when it is not JSON."""
+    with open(path) as fh:
+        try:
+            return json.load(fh)
+        except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"fusedist.models: {path} is not valid JSON ({e}); {fix}") from None
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -203,12 +212,7 @@ class LlamaConfig:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"fusedist.models: no config.json in {path!r}; pass the "
                                     "directory of a Hugging Face checkpoint")
-        with open(f) as fh:
-            try:
-                d = json.load(fh)
-            except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"fusedist.models: {f} is not valid JSON ({e}); fix or "
-                                 "re-download the checkpoint's config.json") from None
+        d = load_json(f, "fix or re-download the checkpoint's config.json")
         return cls.from_hf_config(d, name=os.path.basename(path.rstrip("/")), source=f)
 
     @classmethod

@@ -22,7 +22,6 @@ heads), for the model, TPAttention and the tests alike.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from typing import Optional
@@ -30,7 +29,7 @@ from typing import Optional
 import torch
 
 from ...nn.attention import kv_head_range
-from .config import LlamaConfig
+from .config import LlamaConfig, load_json
 
 
 def hf_names(cfg: LlamaConfig) -> list[str]:
@@ -180,12 +179,7 @@ class SafetensorsWeights(WeightSource):
 
 def _weight_map(index: str) -> dict:
     """The weight_map of a model.safetensors.index.json: {tensor name: file name}."""
-    with open(index) as f:
-        try:
-            d = json.load(f)
-        except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
-            raise ValueError(f"fusedist.models: {index} is not valid JSON ({e}); re-download the "
-                             "checkpoint's index") from None
+    d = load_json(index, "re-download the checkpoint's index")
     wm = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise ValueError(f"fusedist.models: {index} has no weight_map object (tensor name -> "
