@@ -43,4 +43,50 @@ void register_gemm(py::module_& m) {
   rasters["along_n"] = int(kSm90RasterAlongN);
   rasters["along_m"] = int(kSm90RasterAlongM);
   m.attr("GEMM_SM90_RASTERS") = rasters;
+
+  py::class_<GemvArgs>(m, "GemvArgs",
+                       "One gemv call: device pointers as integers, sizes, row strides in "
+                       "elements, dtype codes, the scale mode (GEMV_SCALE_MODES), the workspace")
+      .def(py::init<>())
+      .def_readwrite("x", &GemvArgs::x)
+      .def_readwrite("w", &GemvArgs::w)
+      .def_readwrite("scale", &GemvArgs::scale)
+      .def_readwrite("bias", &GemvArgs::bias)
+      .def_readwrite("out", &GemvArgs::out)
+      .def_readwrite("workspace", &GemvArgs::workspace)
+      .def_readwrite("counters", &GemvArgs::counters)
+      .def_readwrite("m", &GemvArgs::m)
+      .def_readwrite("n", &GemvArgs::n)
+      .def_readwrite("k", &GemvArgs::k)
+      .def_readwrite("ldx", &GemvArgs::ldx)
+      .def_readwrite("ldw", &GemvArgs::ldw)
+      .def_readwrite("ldo", &GemvArgs::ldo)
+      .def_readwrite("scale_ld", &GemvArgs::scale_ld)
+      .def_readwrite("scale_mode", &GemvArgs::scale_mode)
+      .def_readwrite("workspace_floats", &GemvArgs::workspace_floats)
+      .def_readwrite("counters_len", &GemvArgs::counters_len)
+      .def_readwrite("max_ctas", &GemvArgs::max_ctas)
+      .def_property(
+          "dtype", [](const GemvArgs& a) { return int(a.dtype); },
+          [](GemvArgs& a, int v) { a.dtype = DType(v); })
+      .def_property(
+          "w_dtype", [](const GemvArgs& a) { return int(a.w_dtype); },
+          [](GemvArgs& a, int v) { a.w_dtype = DType(v); });
+  py::class_<GemvPlan>(m, "GemvPlan", "gemv_plan's answer: grid, workspace sizes, strip rows")
+      .def_readonly("grid", &GemvPlan::grid)
+      .def_readonly("workspace_floats", &GemvPlan::workspace_floats)
+      .def_readonly("counters", &GemvPlan::counters)
+      .def_readonly("strip_rows", &GemvPlan::strip_rows)
+      .def_readonly("ctas_per_sm", &GemvPlan::ctas_per_sm)
+      .def_readonly("units", &GemvPlan::units);
+  m.def("gemv_plan", &gemv_plan, py::arg("args"));
+  m.def("gemv", &gemv, py::arg("args"), py::arg("stream"));
+  m.attr("GEMV_MAX_M") = kGemvMaxM;
+  m.attr("GEMV_SCALE_BLOCK") = kGemvScaleBlockSize;
+  py::dict scale_modes;  // GemvArgs.scale_mode values (api.h, GemvScale)
+  scale_modes["none"] = int(kGemvScaleNone);
+  scale_modes["tensor"] = int(kGemvScaleTensor);
+  scale_modes["channel"] = int(kGemvScaleChannel);
+  scale_modes["block"] = int(kGemvScaleBlock);
+  m.attr("GEMV_SCALE_MODES") = scale_modes;
 }

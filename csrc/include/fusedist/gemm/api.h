@@ -1,6 +1,6 @@
-// fusedist/gemm/api.h -- the host API of the GEMM area's launchers (gemm_comm.cu, gemm.cu):
-// what the bindings expose of the fused decode GEMM + all-reduce, the fused engines'
-// comm-stream kernels and the Hopper GEMM. Plain C++ (no torch, no device code): pointers
+// fusedist/gemm/api.h -- the host API of the GEMM area's launchers (gemm_comm.cu, gemm.cu,
+// gemv.cu): what the bindings expose of the fused decode GEMM + all-reduce, the fused engines'
+// comm-stream kernels, the Hopper GEMM and the decode GEMV. Plain C++ (no torch, no device code): pointers
 // travel as uintptr_t, streams as cudaStream_t.
 #pragma once
 // SymmComm and CallDesc, and with them common.h (DType), layout.h (GEMM tile constants,
@@ -68,5 +68,49 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
                int m, int n, int k, DType dtype, const GemmWaitArgs& wait,
                const GemmSignalArgs& signal, uintptr_t stream, int tile = 0, int raster = 0,
                int m_load = 0);
+
+// ---- gemv.cu ------------------------------------------------------------------------------
+// Decode GEMM at GEMV scale (gemv.cuh): out[m, n] = x[m, k] @ w[n, k]^T (* scale) (+ bias),
+// fp32 accumulation, one rounding. x, bias and out bf16; w bf16 or e4m3 (w_dtype), row-major
+// [n, k] (an nn.Linear weight) with row stride ldw elements. 1 <= m <= kGemvMaxM; k a multiple
+// of 8 (bf16 w) or 16 (e4m3 w); any n. Scales (e4m3 w only; float32): kGemvScaleTensor
+// scale[0]; kGemvScaleChannel scale[n]; kGemvScaleBlock scale[n / 128][k / 128], rows
+// scale_ld floats apart (>= ceil(k / 128)). The workspace (gemv_plan says how much):
+// `workspace` float32 [workspace_floats], `counters` int32 [counters], zero before the first
+// call and left zero by every call; calls sharing them run one at a time (stream order).
+constexpr int kGemvMaxM = 16;
+constexpr int kGemvScaleBlockSize = 128;
+enum GemvScale : int {
+  kGemvScaleNone = 0,
+  kGemvScaleTensor = 1,
+  kGemvScaleChannel = 2,
+  kGemvScaleBlock = 3,
+};
+struct GemvArgs {
+  uintptr_t x = 0, w = 0, scale = 0, bias = 0, out = 0;
+  uintptr_t workspace = 0, counters = 0;
+  int m = 0, n = 0, k = 0;
+  int64_t ldx = 0, ldw = 0, ldo = 0;  // elements between rows
+  int64_t scale_ld = 0;               // block scales: floats between scale rows
+  DType dtype = DType::kBFloat16;     // x, bias, out
+  DType w_dtype = DType::kBFloat16;   // bf16 or float8_e4m3fn
+  int scale_mode = kGemvScaleNone;
+  int64_t workspace_floats = 0;       // capacities, checked against the plan
+  int64_t counters_len = 0;
+  int max_ctas = 0;                   // 0: every resident CTA; else at most this many
+};
+// Grid and workspace of a call: grid CTAs, `workspace_floats` floats of partial sums and
+// `counters` strip counters (both 0: no strip is split), strip_rows rows per strip, at
+// ctas_per_sm resident CTAs per SM. Reads m, n, k, w_dtype, scale_mode and max_ctas only.
+struct GemvPlan {
+  int grid = 0;
+  int64_t workspace_floats = 0;
+  int64_t counters = 0;
+  int strip_rows = 0;
+  int ctas_per_sm = 0;
+  int units = 0;
+};
+GemvPlan gemv_plan(const GemvArgs& args);
+void gemv(const GemvArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

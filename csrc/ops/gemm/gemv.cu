@@ -1,0 +1,159 @@
+// Host launcher of the decode GEMV (csrc/include/fusedist/gemm/gemv.cuh): argument checks, the
+// plan (one wave of resident CTAs over the stream-K units; the workspace the partial strips
+// need), the instantiation (weight dtype x x rows padded to 8 or 16 x block scales: six
+// kernels) and the launch (programmatic dependent launch, launch.h).
+#include <algorithm>
+#include <string>
+
+#include "fusedist/common/launch.h"
+#include "fusedist/gemm/api.h"
+#include "fusedist/gemm/gemv.cuh"
+
+namespace fusedist {
+namespace {
+
+static_assert(kGemvMaxM == gemvk::kMaxM, "api.h and gemv.cuh agree on the largest M");
+static_assert(kGemvScaleBlockSize == gemvk::kScaleBlock, "api.h and gemv.cuh agree on blocks");
+
+using Kernel = void (*)(gemvk::Params);
+
+// One instantiation: the kernel and its strip geometry.
+struct Variant {
+  Kernel kernel;
+  int strip_rows, kunit;
+};
+
+template <bool kFp8, int kMp, bool kBlock>
+Variant variant() {
+  using C = gemvk::Cfg<kFp8, kMp>;
+  return {gemvk::gemv_kernel<kFp8, kMp, kBlock>, C::kBN, C::kKUnit};
+}
+
+Variant pick(bool fp8, int m, int scale_mode) {
+  const bool wide = m > 8;
+  if (!fp8) return wide ? variant<false, 16, false>() : variant<false, 8, false>();
+  if (scale_mode == kGemvScaleBlock)
+    return wide ? variant<true, 16, true>() : variant<true, 8, true>();
+  return wide ? variant<true, 16, false>() : variant<true, 8, false>();
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Shape, dtype and mode checks: no CUDA call, so they raise the same on a machine without a
+// driver.
+void check_call(const GemvArgs& a) {
+  const std::string w = "gemv: ";
+  FUSEDIST_CHECK_ARG(a.m >= 1 && a.m <= kGemvMaxM,
+                     w + "m (rows of x) must be in [1, " + std::to_string(kGemvMaxM) + "], got " +
+                         std::to_string(a.m));
+  FUSEDIST_CHECK_ARG(a.n >= 1, w + "n (rows of w) must be >= 1, got " + std::to_string(a.n));
+  FUSEDIST_CHECK_ARG(a.k >= 1, w + "k (columns of x and w) must be >= 1, got " +
+                                   std::to_string(a.k));
+  FUSEDIST_CHECK_ARG(a.dtype == DType::kBFloat16,
+                     w + "dtype (x, bias, out) must be bfloat16, got " + dtype_name(a.dtype));
+  FUSEDIST_CHECK_ARG(a.w_dtype == DType::kBFloat16 || a.w_dtype == DType::kFloat8E4M3,
+                     w + "w_dtype must be bfloat16 or float8_e4m3fn, got " +
+                         dtype_name(a.w_dtype));
+  const bool fp8 = a.w_dtype == DType::kFloat8E4M3;
+  const int per = 16 / dtype_size(a.w_dtype);
+  FUSEDIST_CHECK_ARG(a.k % per == 0,
+                     w + "k (columns of x and w) must be a multiple of " + std::to_string(per) +
+                         " for " + dtype_name(a.w_dtype) + " weights (16-byte rows), got " +
+                         std::to_string(a.k));
+  FUSEDIST_CHECK_ARG(a.scale_mode >= kGemvScaleNone && a.scale_mode <= kGemvScaleBlock,
+                     w + "scale_mode must be 0 (none), 1 (tensor), 2 (channel) or 3 (block), "
+                         "got " + std::to_string(a.scale_mode));
+  FUSEDIST_CHECK_ARG(fp8 || a.scale_mode == kGemvScaleNone,
+                     w + "scale_mode: scales are for float8_e4m3fn weights only");
+  FUSEDIST_CHECK_ARG(a.max_ctas >= 0, w + "max_ctas must be >= 0 (0: all resident CTAs)");
+}
+
+}  // namespace
+
+GemvPlan gemv_plan(const GemvArgs& a) {
+  check_call(a);
+  const Variant v = pick(a.w_dtype == DType::kFloat8E4M3, a.m, a.scale_mode);
+  GemvPlan plan;
+  plan.strip_rows = v.strip_rows;
+  const int64_t strips = ceil_div(a.n, v.strip_rows);
+  const int64_t kunits = ceil_div(a.k, v.kunit);
+  FUSEDIST_CHECK_ARG(strips * kunits < (int64_t(1) << 30),
+                     "gemv: n x k is too large (more than 2^30 units)");
+  const int units = int(strips * kunits);
+  plan.ctas_per_sm = blocks_per_sm(reinterpret_cast<const void*>(v.kernel), gemvk::kThreads, 0);
+  int64_t grid = int64_t(current_device_sm_count()) * plan.ctas_per_sm;
+  if (a.max_ctas > 0) grid = std::min<int64_t>(grid, a.max_ctas);
+  grid = std::min<int64_t>(grid, units);
+  plan.grid = int(grid);
+  plan.units = units;
+  // A strip is split when a CTA's range starts inside it.
+  bool split = false;
+  const int64_t q = units / grid, r = units % grid;  // CTA c starts at c q + min(c, r)
+  for (int64_t c = 1; c < grid && !split; ++c) split = (c * q + std::min(c, r)) % kunits != 0;
+  if (split) {
+    plan.workspace_floats = 2 * grid * a.m * v.strip_rows;
+    plan.counters = strips;
+  }
+  return plan;
+}
+
+void gemv(const GemvArgs& a, uintptr_t stream) {
+  check_call(a);
+  const std::string w = "gemv: ";
+  const bool fp8 = a.w_dtype == DType::kFloat8E4M3;
+  const int wbytes = dtype_size(a.w_dtype);
+  FUSEDIST_CHECK_ARG(a.x && a.w && a.out, w + "x, w and out must be non-null");
+  FUSEDIST_CHECK_ARG(a.x % 16 == 0 && a.w % 16 == 0, w + "x and w must be 16-byte aligned");
+  FUSEDIST_CHECK_ARG(a.ldx >= a.k && a.ldx % 8 == 0,
+                     w + "ldx (x's row stride) must be >= k and a multiple of 8 elements, got " +
+                         std::to_string(a.ldx));
+  FUSEDIST_CHECK_ARG(a.ldw >= a.k && a.ldw * wbytes % 16 == 0,
+                     w + "ldw (w's row stride) must be >= k and whole 16-byte vectors, got " +
+                         std::to_string(a.ldw));
+  FUSEDIST_CHECK_ARG(a.ldo >= a.n, w + "ldo (out's row stride) must be >= n, got " +
+                                       std::to_string(a.ldo));
+  FUSEDIST_CHECK_ARG(a.out % 2 == 0 && a.bias % 2 == 0,
+                     w + "out and bias must be aligned to their bfloat16 elements");
+  if (a.scale_mode != kGemvScaleNone)
+    FUSEDIST_CHECK_ARG(a.scale && a.scale % 4 == 0,
+                       w + "scale must be a non-null, aligned float32 pointer for scale_mode " +
+                           std::to_string(a.scale_mode));
+  if (a.scale_mode == kGemvScaleBlock)
+    FUSEDIST_CHECK_ARG(a.scale_ld >= ceil_div(a.k, kGemvScaleBlockSize),
+                       w + "scale_ld (floats between block-scale rows) must be >= ceil(k / 128) = " +
+                           std::to_string(ceil_div(a.k, kGemvScaleBlockSize)) + ", got " +
+                           std::to_string(a.scale_ld));
+  const GemvPlan plan = gemv_plan(a);
+  if (plan.workspace_floats > 0) {
+    FUSEDIST_CHECK_ARG(a.workspace && a.workspace % 4 == 0 &&
+                           a.workspace_floats >= plan.workspace_floats,
+                       w + "workspace must hold >= " + std::to_string(plan.workspace_floats) +
+                           " floats (gemv_plan), got " + std::to_string(a.workspace_floats));
+    FUSEDIST_CHECK_ARG(a.counters && a.counters % 4 == 0 && a.counters_len >= plan.counters,
+                       w + "counters must hold >= " + std::to_string(plan.counters) +
+                           " zeroed int32 (gemv_plan), got " + std::to_string(a.counters_len));
+  }
+  gemvk::Params p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(a.x);
+  p.w = reinterpret_cast<const uint8_t*>(a.w);
+  p.scale = reinterpret_cast<const float*>(a.scale);
+  p.bias = reinterpret_cast<const __nv_bfloat16*>(a.bias);
+  p.out = reinterpret_cast<__nv_bfloat16*>(a.out);
+  p.partial = reinterpret_cast<float*>(a.workspace);
+  p.counters = reinterpret_cast<int*>(a.counters);
+  p.ldx = a.ldx;
+  p.ldw_bytes = a.ldw * wbytes;
+  p.ldo = a.ldo;
+  p.scale_ld = a.scale_mode == kGemvScaleChannel ? 1
+               : a.scale_mode == kGemvScaleBlock ? a.scale_ld
+                                                 : 0;
+  p.m = a.m, p.n = a.n, p.k = a.k;
+  const Variant v = pick(fp8, a.m, a.scale_mode);
+  p.kunits = int(ceil_div(a.k, v.kunit));
+  p.units = plan.units;
+  p.epi_scale = a.scale_mode == kGemvScaleTensor || a.scale_mode == kGemvScaleChannel;
+  launch_kernel("gemv_kernel", v.kernel, dim3(unsigned(plan.grid)),
+                dim3(gemvk::kThreads), reinterpret_cast<cudaStream_t>(stream), p);
+}
+
+}  // namespace fusedist
