@@ -146,18 +146,26 @@ class Communicator:
         # so every rank issues the same device barriers.
         self.nccl_call_check = False
         self.table = {"allreduce": {}, "source": "cpu"}
+        if self.device.type == "cpu" and self.group.size > 1 and self.group.pg is None:
+            raise ValueError(f"fusedist.Communicator: group {self.group.name} has no "
+                             "torch.distributed process group, which the CPU path's collectives "
+                             "(gloo) run on; groups of emulated ranks (fusedist.testing) run on a "
+                             "GPU only")
         if self.device.type == "cuda":
             _ext.load()
             from .nccl import NcclComm
 
+            # The group's own transports where it has them (Group.symmetric_memory_class).
+            symm_class = self.group.symmetric_memory_class or SymmetricMemory
+            nccl_class = self.group.nccl_class or NcclComm
             if symmetric and self.group.size > 1:
                 try:
-                    self.symm = SymmetricMemory(self.group, max_bytes, min(one_shot_max_bytes,
-                                                max_bytes), timeout_s, staging_bytes)
+                    self.symm = symm_class(self.group, max_bytes, min(one_shot_max_bytes,
+                                           max_bytes), timeout_s, staging_bytes)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
             try:
-                self.nccl = NcclComm(self.group)
+                self.nccl = nccl_class(self.group)
             except BaseException:
                 # NcclComm fails on every rank alike (rank 0's verdict is gathered), so the
                 # collective close of the symmetric buffers cannot hang.
@@ -169,7 +177,7 @@ class Communicator:
             # GEMM; on 2x H200 8 CTAs measured slower than NCCL's default (benchmarks/NOTES.md),
             # so by default the overlap engine shares the main communicator.
             ctas = envs.get("FUSEDIST_OVERLAP_NCCL_CTAS")
-            self.nccl_overlap = NcclComm(self.group, max_ctas=ctas) \
+            self.nccl_overlap = nccl_class(self.group, max_ctas=ctas) \
                 if ctas > 0 and self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
             # Rank 0's table, forced algorithm and call-check setting for everyone: one choice
