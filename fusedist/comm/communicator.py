@@ -6,6 +6,7 @@ communicator (get_communicator)."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -28,6 +29,21 @@ _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
 _by_name: dict[str, "Communicator"] = {}   # Communicator.name -> open communicator
 _created_per_group: dict[str, int] = {}
 _runtime.on_shutdown(_created_per_group.clear)
+# The same two for each thread that runs under a runtime of its own (an emulated rank of
+# fusedist.testing): its names are its rank's, the same as its peers' as on real ranks.
+_names_of_thread_runtimes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _names() -> tuple[dict, dict]:
+    """(Communicator.name -> open communicator, communicators created per group name) of the
+    calling thread's runtime."""
+    rt = _runtime.thread_runtime()
+    if rt is None:
+        return _by_name, _created_per_group
+    names = _names_of_thread_runtimes.get(rt)
+    if names is None:
+        names = _names_of_thread_runtimes[rt] = ({}, {})
+    return names
 
 
 # Op codes of the CPU path's call descriptors (check_same_call).
@@ -83,7 +99,7 @@ def get_communicator(group: GroupLike = None) -> "Communicator":
 
 def communicator_by_name(name: str) -> "Communicator":
     """The open Communicator called `name` (Communicator.name); torch.ops.fusedist.* take it."""
-    comm = _by_name.get(name)
+    comm = _names()[0].get(name)
     if comm is None or comm.closed:
         raise RuntimeError(f"fusedist: no open communicator named {name!r} (closed, or created "
                            "in another fusedist.init() lifetime); pass communicator.name of an "
@@ -116,6 +132,9 @@ class Communicator:
     that kernel exits (check() reads host memory only, so it works while the GPU is stuck; a
     thread blocked in a synchronize cannot call it).
     """
+
+    # Where this communicator's name resolves (communicator_by_name): its runtime's names.
+    _registry: dict = _by_name
 
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
@@ -190,10 +209,11 @@ class Communicator:
         rt.communicators.append(self)
         # Communicators of a group are created collectively, in the same order on every rank,
         # so "<group>/<n>" names the same communicator everywhere (torch.ops take the name).
-        n = _created_per_group.get(self.group.name, 0)
-        _created_per_group[self.group.name] = n + 1
+        self._registry, created = _names()
+        n = created.get(self.group.name, 0)
+        created[self.group.name] = n + 1
         self.name = f"{self.group.name}/{n}"
-        _by_name[self.name] = self
+        self._registry[self.name] = self
 
     # ---- validation ------------------------------------------------------------------
     def check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
@@ -424,8 +444,8 @@ class Communicator:
             if self.nccl is not None:
                 self.nccl.close()
         finally:
-            if _by_name.get(self.name) is self:
-                del _by_name[self.name]
+            if self._registry.get(self.name) is self:
+                del self._registry[self.name]
             if self.group._communicator is self:
                 self.group._communicator = None
             try:

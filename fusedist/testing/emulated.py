@@ -245,8 +245,9 @@ class EmulatedGroup(Group):
     """A group of emulated ranks as one of them sees it: `rank` is that member's index, the
     control plane (all_gather_object, barrier) an exchange among the member threads, no torch
     process group (pg is None), and the transports EmulatedSymmetricMemory and EmulatedNccl.
-    Each member holds its own EmulatedGroup object, named "<world>.<kind>[<rank>]", unique in
-    the process (communicator names, which torch.ops.fusedist look up, derive from it)."""
+    Each member holds its own EmulatedGroup object, named "<world>.<kind>" on every member as
+    on real ranks (a communicator's name, which torch.ops.fusedist look up, derives from it;
+    each rank thread resolves names among its own runtime's communicators)."""
 
     symmetric_memory_class = EmulatedSymmetricMemory
     nccl_class = EmulatedNccl
@@ -296,7 +297,7 @@ class _World:
         topo = Topology(world_size=W, rank=r, node_ids=(NODE,) * W)
 
         def group(kind, ranks, index, exchange):
-            return EmulatedGroup(self, f"{self.name}.{kind}[{r}]", ranks, index, exchange, topo)
+            return EmulatedGroup(self, f"{self.name}.{kind}", ranks, index, exchange, topo)
 
         # The groups init() makes on one node with tp_size = world: world, tp and intra_node
         # span every rank (one exchange, as their torch groups share WORLD), dp and inter_node
