@@ -342,9 +342,13 @@ class Communicator:
 
     def launch_stream(self) -> torch.cuda.Stream:
         """The caller's stream, ordered after this communicator's pending async call (its
-        symmetric kernels run one at a time). Ops launch their kernels on it."""
+        symmetric kernels run one at a time). Ops launch their kernels on it; every kernel
+        that waits for the peers is launched after a call of this (SymmetricMemory.
+        before_launch: emulated ranks launch in step there)."""
         stream = torch.cuda.current_stream(self.device)
         self.order_after_pending(stream)
+        if self.symm is not None:
+            self.symm.before_launch()
         return stream
 
     def order_after_pending(self, stream: torch.cuda.Stream) -> None:

@@ -338,6 +338,11 @@ class SymmetricMemory:
         and before the buffers are freed)."""
         torch.cuda.synchronize(self._device)
 
+    def before_launch(self) -> None:
+        """Called on this rank before each launch of a kernel that waits for its peers
+        (Communicator.launch_stream). Nothing to do between GPUs; emulated ranks, which share
+        one, launch in step (fusedist.testing)."""
+
     def staging(self, dtype: torch.dtype, shape: tuple, offset: int = 0) -> torch.Tensor:
         """This rank's staging as a tensor: `shape` of `dtype` from byte `offset` (a view that
         owns nothing; valid until close()). Peers read the same bytes at

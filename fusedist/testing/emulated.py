@@ -29,17 +29,25 @@ What runs, and what cannot (docs/design/allreduce.md, "Emulated ranks"):
   rank threads' CUDA calls invalidate the capture.
 
 Co-residency: a kernel that waits for its peers progresses only while the peers' kernels run
-beside it, on the same GPU here. The emulated symmetric memory sizes every grid for a share of
-the SMs, max_blocks = SMs // (2 x world): two kernels per rank (the running one, and the next,
-which a programmatic dependent launch may start early) fit beside each other. Three more rules
-keep the ranks from waiting for each other through CUDA itself, none needed between GPUs:
-* CUDA_MODULE_LOADING=EAGER, set before CUDA initializes: with lazy loading the first launch
-  of a kernel may wait for the kernels running on the device (the deadlock CUDA's lazy-loading
-  guide describes), a peer's kernel waiting for this one among them. run_ranks warns when it
-  is not set; tests/dist/emulate.py sets it.
-* no cudaFree while ranks run: it waits for the whole device, a peer's kernel that waits for
-  this rank's next launch included. The emulated buffers are freed when run_ranks ends.
-* a rank synchronizes its own streams (current stream, comm pool), never the whole device.
+beside it, on the same GPU here, and nothing between GPUs prepares for that. So:
+* grids for a share of the SMs: the emulated symmetric memory sets max_blocks = SMs //
+  (2 x world), so the world's waiting kernels together take at most half of the GPU and
+  leave the rest to the ranks' other kernels;
+* no programmatic dependent launch (FUSEDIST_PDL=0 before fusedist launches anything): a
+  kernel's successor, scheduled early, holds its SMs while it waits for the kernel, and a
+  large one (add_rmsnorm after an all-reduce: a row per block) leaves a peer's kernel no room;
+* the ranks launch in step: before launching a waiting kernel (Communicator.launch_stream) a
+  rank waits, a few seconds at most, until its peers have come as far. Otherwise one rank's
+  kernel waits while a peer does something that waits for the whole GPU context, and both
+  wait until the kernel times out: on an H200, a rank's cuBLAS GEMM (the copy-engine
+  pipelines' first GEMM of a shape) stalled so beside a peer's waiting call check;
+* CUDA_MODULE_LOADING=EAGER, set before CUDA initializes: with lazy loading every kernel's
+  first launch may wait for the context (CUDA's lazy-loading guide);
+* no cudaFree while the ranks run (it waits for the whole GPU): the emulated buffers are freed
+  when run_ranks ends; and a rank synchronizes its own streams (current stream, comm pool),
+  never the whole device.
+run_ranks warns when CUDA_MODULE_LOADING or FUSEDIST_PDL says otherwise; tests/dist/emulate.py
+sets both.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from .. import _ext
+from .. import _ext, envs
 from ..comm import streams
 from ..comm.symmetric import SymmetricMemory
 from ..distributed import runtime
@@ -111,6 +119,7 @@ class _Exchange:
         self._done: dict[int, list] = {}      # round -> [payloads, readers still to read]
         self._broken: Optional[EmulationError] = None
         self._ended = False
+        self._launches = [0] * size
 
     def all_gather(self, index: int, obj) -> list:
         payload = pickle.dumps(obj)  # an object torch.distributed could not send fails here too
@@ -146,6 +155,22 @@ class _Exchange:
                 del self._done[rnd]
             payloads = entry[0]
         return [pickle.loads(p) for p in payloads]
+
+    def meet(self, index: int, patience: float) -> None:
+        """Member `index` is about to launch a kernel that waits for its peers: wait until
+        every member has come as far (its as many launches), for at most `patience` seconds,
+        then go on regardless (ranks that call differently launch different numbers of
+        kernels, and the kernels themselves report that)."""
+        with self._cond:
+            self._launches[index] += 1
+            k = self._launches[index]
+            self._cond.notify_all()
+            end = time.monotonic() + patience
+            while min(self._launches) < k and self._broken is None and not self._ended:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
 
     def _expire_locked(self) -> None:
         came = sorted(self._posted)
@@ -186,9 +211,10 @@ class _Exchange:
 
 class EmulatedSymmetricMemory(SymmetricMemory):
     """SymmetricMemory of an emulated group: the same layout and kernels; the peers' buffers
-    are plain device pointers (gathered, not IPC-mapped), grids take SMs // (2 x world) SMs
-    (co-residency), a rank synchronizes its own streams, and the buffers are freed when
-    run_ranks ends (cudaFree would wait for the peers' kernels)."""
+    are plain device pointers (gathered, not IPC-mapped), grids take SMs // (2 x world) SMs,
+    the ranks launch in step, a rank synchronizes its own streams, and the buffers are freed
+    when run_ranks ends (cudaFree would wait for the peers' kernels). The module docstring
+    says why."""
 
     def _map_peers(self) -> list:
         return self.group.all_gather_object(self._base)
@@ -198,6 +224,13 @@ class EmulatedSymmetricMemory(SymmetricMemory):
 
     def _synchronize(self) -> None:
         synchronize_rank(self._device)
+
+    def before_launch(self) -> None:
+        # The ranks launch in step: a rank's waiting kernel is in flight only while its peers
+        # are on their way to the same launch, not while one of them does a first use that
+        # synchronizes the GPU context (cuBLAS loads a kernel at its first use, for one) and
+        # so would wait for that kernel until it times out.
+        self.group._exchange.meet(self.group.rank, min(5.0, self.timeout_s / 2))
 
     def _free(self) -> None:
         self._staging_u8 = None
@@ -347,13 +380,21 @@ def _device(device) -> torch.device:
     return dev
 
 
-def _check_module_loading() -> None:
+def _check_environment() -> None:
+    """Warn where the process is set up so that a rank may wait for a peer's waiting kernel
+    (the module docstring says why; both are read once, before they could be changed here)."""
     if os.environ.get("CUDA_MODULE_LOADING", "").upper() != "EAGER":
         warnings.warn(
             "fusedist.testing.run_ranks: CUDA_MODULE_LOADING is not EAGER: with lazy loading "
             "the first launch of a kernel may wait for the kernels running on the GPU, a peer "
             "rank's kernel waiting for this one among them, until its timeout. Set "
             "CUDA_MODULE_LOADING=EAGER in the environment before CUDA initializes (as "
+            "tests/dist/emulate.py does)", RuntimeWarning, stacklevel=3)
+    if envs.get("FUSEDIST_PDL"):
+        warnings.warn(
+            "fusedist.testing.run_ranks: programmatic dependent launch is on: a kernel's "
+            "successor, scheduled early, holds SMs that a peer rank's kernel may need, until "
+            "its timeout. Set FUSEDIST_PDL=0 before fusedist launches a kernel (as "
             "tests/dist/emulate.py does)", RuntimeWarning, stacklevel=3)
 
 
@@ -399,7 +440,7 @@ def run_ranks(world: int, fn: Callable[[Runtime], T], *, device=None,
     if dev.type == "cuda":
         _ext.load()
         torch.cuda.set_device(dev)
-        _check_module_loading()
+        _check_environment()
     deadline = time.monotonic() + timeout_s
     w = _World(world, dev, name, deadline)
     results: list = [None] * world

@@ -11,6 +11,9 @@ import os
 # Before CUDA initializes: lazily loaded kernels may wait for the kernels on the GPU at their
 # first launch, among them an emulated peer's that waits for this one (fusedist/testing).
 os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+# Before fusedist launches a kernel: no programmatic dependent launch, whose early-scheduled
+# successors would hold SMs a peer's kernel needs (fusedist/testing).
+os.environ["FUSEDIST_PDL"] = "0"
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402

@@ -242,3 +242,43 @@ def test_the_emulated_transports():
     assert symm._max_blocks(132) == 22
     symm.group.size = 2
     assert symm._max_blocks(132) == 33 and symm._max_blocks(3) == 1
+
+
+def test_launches_meet_in_step_but_never_wait_past_their_patience():
+    ex = _Exchange(2, "g", time.monotonic() + 30)
+    went = {}
+
+    def rank(i, delay):
+        time.sleep(delay)
+        ex.meet(i, patience=5.0)
+        went[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(0, 0.0)),
+               threading.Thread(target=rank, args=(1, 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert went[0] - t0 >= 0.3, "rank 0 launched before rank 1 came"
+    # A peer that never makes this launch (it called something else): go on after the patience.
+    t0 = time.monotonic()
+    ex.meet(0, patience=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2
+
+
+def test_the_environment_it_needs_is_checked(monkeypatch):
+    from fusedist.testing.emulated import _check_environment
+
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    monkeypatch.setenv("FUSEDIST_PDL", "1")
+    with pytest.warns(RuntimeWarning) as got:
+        _check_environment()
+    text = " ".join(str(w.message) for w in got)
+    assert "CUDA_MODULE_LOADING is not EAGER" in text and "dependent launch is on" in text
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    monkeypatch.setenv("FUSEDIST_PDL", "0")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check_environment()
