@@ -65,6 +65,14 @@ def torchrun(worker: str, nproc: int, env: dict | None = None, timeout: int = 60
     return _run(cmd, _env(env), timeout)
 
 
+def emulate(worker: str, world: int, env: dict | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """The worker's checks marked @emulated on `world` ranks emulated on one GPU, in one
+    process (tests/dist/emulate.py)."""
+    cmd = [sys.executable, str(DIST / "emulate.py"), worker, "--world", str(world)]
+    return _run(cmd, _env(env), timeout)
+
+
 def mpirun_available() -> bool:
     return shutil.which("mpirun") is not None
 

@@ -1,7 +1,7 @@
 """The layering contract (pyproject.toml [tool.importlinter]): each layer of fusedist imports
-only the layers below it (generate > models > nn > ops > comm > distributed > core), and no
-two modules or subpackages import each other. lint-imports reads the imports from the source,
-so an import inside a function counts too. Also: the old module paths still resolve."""
+only the layers below it (testing > generate > models > nn > ops > comm > distributed > core),
+and no two modules or subpackages import each other. lint-imports reads the imports from the
+source, so an import inside a function counts too. Also: the old module paths still resolve."""
 
 import importlib
 import os

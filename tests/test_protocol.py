@@ -496,7 +496,8 @@ def _nccl_comm(monkeypatch, log, *, check=True, size=2, symm=True):
     c.group = SimpleNamespace(size=size, rank=0, name="tp0", ranks=tuple(range(size)),
                               _communicator=None)
     c.device = torch.device("cpu")
-    c.symm = SimpleNamespace(check=lambda: None, handle="h") if symm else None
+    c.symm = SimpleNamespace(check=lambda: None, handle="h", before_launch=lambda: None) \
+        if symm else None
     c.nccl = c.nccl_overlap = _RecNccl(log)
     c.device_barrier = lambda desc: log.append(("call check", tuple(desc)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))

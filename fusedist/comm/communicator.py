@@ -6,6 +6,7 @@ communicator (get_communicator)."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -28,6 +29,21 @@ _ALGO_CODE = {"one_shot": 0, "two_shot": 1}
 _by_name: dict[str, "Communicator"] = {}   # Communicator.name -> open communicator
 _created_per_group: dict[str, int] = {}
 _runtime.on_shutdown(_created_per_group.clear)
+# The same two for each thread that runs under a runtime of its own (an emulated rank of
+# fusedist.testing): its names are its rank's, the same as its peers' as on real ranks.
+_names_of_thread_runtimes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _names() -> tuple[dict, dict]:
+    """(Communicator.name -> open communicator, communicators created per group name) of the
+    calling thread's runtime."""
+    rt = _runtime.thread_runtime()
+    if rt is None:
+        return _by_name, _created_per_group
+    names = _names_of_thread_runtimes.get(rt)
+    if names is None:
+        names = _names_of_thread_runtimes[rt] = ({}, {})
+    return names
 
 
 # Op codes of the CPU path's call descriptors (check_same_call).
@@ -83,7 +99,7 @@ def get_communicator(group: GroupLike = None) -> "Communicator":
 
 def communicator_by_name(name: str) -> "Communicator":
     """The open Communicator called `name` (Communicator.name); torch.ops.fusedist.* take it."""
-    comm = _by_name.get(name)
+    comm = _names()[0].get(name)
     if comm is None or comm.closed:
         raise RuntimeError(f"fusedist: no open communicator named {name!r} (closed, or created "
                            "in another fusedist.init() lifetime); pass communicator.name of an "
@@ -117,6 +133,9 @@ class Communicator:
     thread blocked in a synchronize cannot call it).
     """
 
+    # Where this communicator's name resolves (communicator_by_name): its runtime's names.
+    _registry: dict = _by_name
+
     def __init__(self, group: GroupLike = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  one_shot_max_bytes: int = DEFAULT_ONE_SHOT_MAX_BYTES,
                  timeout_s: Optional[float] = None, symmetric: bool = True,
@@ -146,18 +165,26 @@ class Communicator:
         # so every rank issues the same device barriers.
         self.nccl_call_check = False
         self.table = {"allreduce": {}, "source": "cpu"}
+        if self.device.type == "cpu" and self.group.size > 1 and self.group.pg is None:
+            raise ValueError(f"fusedist.Communicator: group {self.group.name} has no "
+                             "torch.distributed process group, which the CPU path's collectives "
+                             "(gloo) run on; groups of emulated ranks (fusedist.testing) run on a "
+                             "GPU only")
         if self.device.type == "cuda":
             _ext.load()
             from .nccl import NcclComm
 
+            # The group's own transports where it has them (Group.symmetric_memory_class).
+            symm_class = self.group.symmetric_memory_class or SymmetricMemory
+            nccl_class = self.group.nccl_class or NcclComm
             if symmetric and self.group.size > 1:
                 try:
-                    self.symm = SymmetricMemory(self.group, max_bytes, min(one_shot_max_bytes,
-                                                max_bytes), timeout_s, staging_bytes)
+                    self.symm = symm_class(self.group, max_bytes, min(one_shot_max_bytes,
+                                           max_bytes), timeout_s, staging_bytes)
                 except PeerAccessError as e:
                     warnings.warn(f"{e}", RuntimeWarning, stacklevel=2)
             try:
-                self.nccl = NcclComm(self.group)
+                self.nccl = nccl_class(self.group)
             except BaseException:
                 # NcclComm fails on every rank alike (rank 0's verdict is gathered), so the
                 # collective close of the symmetric buffers cannot hang.
@@ -169,7 +196,7 @@ class Communicator:
             # GEMM; on 2x H200 8 CTAs measured slower than NCCL's default (benchmarks/NOTES.md),
             # so by default the overlap engine shares the main communicator.
             ctas = envs.get("FUSEDIST_OVERLAP_NCCL_CTAS")
-            self.nccl_overlap = NcclComm(self.group, max_ctas=ctas) \
+            self.nccl_overlap = nccl_class(self.group, max_ctas=ctas) \
                 if ctas > 0 and self.group.size > 1 and self.nccl.kind == "nccl4py" else self.nccl
             name = torch.cuda.get_device_name(self.device)
             # Rank 0's table, forced algorithm and call-check setting for everyone: one choice
@@ -182,10 +209,11 @@ class Communicator:
         rt.communicators.append(self)
         # Communicators of a group are created collectively, in the same order on every rank,
         # so "<group>/<n>" names the same communicator everywhere (torch.ops take the name).
-        n = _created_per_group.get(self.group.name, 0)
-        _created_per_group[self.group.name] = n + 1
+        self._registry, created = _names()
+        n = created.get(self.group.name, 0)
+        created[self.group.name] = n + 1
         self.name = f"{self.group.name}/{n}"
-        _by_name[self.name] = self
+        self._registry[self.name] = self
 
     # ---- validation ------------------------------------------------------------------
     def check_tensor(self, op: str, arg: str, t, dtypes=_dtypes.REDUCE_DTYPES) -> None:
@@ -314,9 +342,13 @@ class Communicator:
 
     def launch_stream(self) -> torch.cuda.Stream:
         """The caller's stream, ordered after this communicator's pending async call (its
-        symmetric kernels run one at a time). Ops launch their kernels on it."""
+        symmetric kernels run one at a time). Ops launch their kernels on it; every kernel
+        that waits for the peers is launched after a call of this (SymmetricMemory.
+        before_launch: emulated ranks launch in step there)."""
         stream = torch.cuda.current_stream(self.device)
         self.order_after_pending(stream)
+        if self.symm is not None:
+            self.symm.before_launch()
         return stream
 
     def order_after_pending(self, stream: torch.cuda.Stream) -> None:
@@ -416,8 +448,8 @@ class Communicator:
             if self.nccl is not None:
                 self.nccl.close()
         finally:
-            if _by_name.get(self.name) is self:
-                del _by_name[self.name]
+            if self._registry.get(self.name) is self:
+                del self._registry[self.name]
             if self.group._communicator is self:
                 self.group._communicator = None
             try:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -20,6 +21,7 @@ from ..distributed import runtime as _runtime
 
 _NVTX = envs.get("FUSEDIST_NVTX")
 _pools: dict[int, list[torch.cuda.Stream]] = {}
+_thread = threading.local()
 POOL_SIZE = envs.get("FUSEDIST_COMM_STREAMS")
 
 
@@ -32,17 +34,31 @@ def _device_index(device) -> int:
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
+def _pools_here() -> dict[int, list[torch.cuda.Stream]]:
+    """The pools of the calling thread: the process's, or, in a thread running under a runtime
+    of its own (an emulated rank of fusedist.testing), the thread's: ranks that share a GPU
+    must not queue their kernels on one stream, where a kernel waiting for a peer would hold
+    back that peer's kernel behind it."""
+    if _runtime.thread_runtime() is None:
+        return _pools
+    pools = getattr(_thread, "pools", None)
+    if pools is None:
+        pools = _thread.pools = {}
+    return pools
+
+
 def comm_stream(device: torch.device | int | None = None, index: int = 0) -> torch.cuda.Stream:
     """High-priority communication stream `index` of the pool for `device` (created once)."""
     dev = _device_index(device)
-    pool = _pools.get(dev)
+    pools = _pools_here()
+    pool = pools.get(dev)
     if pool is None:
         lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") \
             else (0, -1)
         prio = min(lo, hi)  # numerically lowest = highest priority
         with torch.cuda.device(dev):
             pool = [torch.cuda.Stream(device=dev, priority=prio) for _ in range(max(1, POOL_SIZE))]
-        _pools[dev] = pool
+        pools[dev] = pool
     return pool[index % len(pool)]
 
 

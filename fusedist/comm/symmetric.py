@@ -288,28 +288,11 @@ class SymmetricMemory:
             C.fill_u32(self._base + self.signal_offset, 0, self.signal_bytes // 4, stream)
             C.fill_u32(self._control, 0, C.CONTROL_BYTES // 4, stream)
             C.stream_synchronize(stream)  # slots are empty before any peer learns our handle
-            handles = group.all_gather_object(C.ipc_get_handle(self._base))
-            bases, err = [], None
-            for i, h in enumerate(handles):
-                if i == r:
-                    bases.append(self._base)
-                    continue
-                try:
-                    p = C.ipc_open_handle(h)
-                    self._opened.append(p)
-                    bases.append(p)
-                except RuntimeError as e:
-                    err = f"rank {group.ranks[i]}: {e}"
-                    break
-            errs = [e for e in group.all_gather_object(err) if e]
-            if errs:
-                raise PeerAccessError(f"fusedist: cannot map peers' symmetric buffers through "
-                                      f"CUDA IPC ({errs[0]}); ops fall back to NCCL")
-            self.max_blocks = min(p["sms"] for p in peers)
-            self.bases = list(bases)  # rank p's allocation, mapped into this process
-            self.handle = C.SymmComm(r, W, bases, self.gen_bytes, self.slot_bytes, self._control,
-                                     C.host_mapped_device_ptr(self._err_host), self.timeout_s,
-                                     self.max_blocks)
+            self.bases = self._map_peers()  # rank p's allocation, mapped into this process
+            self.max_blocks = self._max_blocks(min(p["sms"] for p in peers))
+            self.handle = C.SymmComm(r, W, self.bases, self.gen_bytes, self.slot_bytes,
+                                     self._control, C.host_mapped_device_ptr(self._err_host),
+                                     self.timeout_s, self.max_blocks)
         except BaseException:
             self._free()
             raise
@@ -318,6 +301,47 @@ class SymmetricMemory:
         self._staging_u8: Optional[torch.Tensor] = None
         if self.staging_bytes:
             self.staging(torch.uint8, (0,))  # wrap it now, not during a CUDA-graph capture
+
+    # ---- how the ranks reach each other (a subclass for ranks that are not one process per
+    # GPU: fusedist.testing's emulated ranks) ------------------------------------------------
+    def _map_peers(self) -> list:
+        """Collective: every rank's allocation as a device pointer in this process, in rank
+        order: the peers' opened through CUDA IPC (kept in self._opened for _free)."""
+        C, group = self._C, self.group
+        handles = group.all_gather_object(C.ipc_get_handle(self._base))
+        bases, err = [], None
+        for i, h in enumerate(handles):
+            if i == group.rank:
+                bases.append(self._base)
+                continue
+            try:
+                p = C.ipc_open_handle(h)
+                self._opened.append(p)
+                bases.append(p)
+            except RuntimeError as e:
+                err = f"rank {group.ranks[i]}: {e}"
+                break
+        errs = [e for e in group.all_gather_object(err) if e]
+        if errs:
+            raise PeerAccessError(f"fusedist: cannot map peers' symmetric buffers through "
+                                  f"CUDA IPC ({errs[0]}); ops fall back to NCCL")
+        return bases
+
+    def _max_blocks(self, sms: int) -> int:
+        """SMs the kernels of one call may fill (their grids, and so the residency every wait
+        relies on: docs/design/allreduce.md, Co-residency), given the group's smallest SM
+        count: all of them, each rank having a GPU of its own."""
+        return sms
+
+    def _synchronize(self) -> None:
+        """Wait until this rank's work on the device is done (before the epoch is read or set,
+        and before the buffers are freed)."""
+        torch.cuda.synchronize(self._device)
+
+    def before_launch(self) -> None:
+        """Called on this rank before each launch of a kernel that waits for its peers
+        (Communicator.launch_stream). Nothing to do between GPUs; emulated ranks, which share
+        one, launch in step (fusedist.testing)."""
 
     def staging(self, dtype: torch.dtype, shape: tuple, offset: int = 0) -> torch.Tensor:
         """This rank's staging as a tensor: `shape` of `dtype` from byte `offset` (a view that
@@ -367,8 +391,8 @@ class SymmetricMemory:
 
     # ---- tests -------------------------------------------------------------------------
     def epoch(self) -> int:
-        """This rank's epoch (calls completed modulo EPOCH_PERIOD). Synchronizes the device."""
-        torch.cuda.synchronize(self._device)
+        """This rank's epoch (calls completed modulo EPOCH_PERIOD). Waits for this rank's work."""
+        self._synchronize()
         return int.from_bytes(self._C.copy_to_host(self._control, 4), "little")
 
     def set_epoch(self, epoch: int) -> None:
@@ -376,7 +400,7 @@ class SymmetricMemory:
         call it on every rank with the same value, between calls (slots are empty then)."""
         if not 0 <= epoch < EPOCH_PERIOD:
             raise ValueError(f"fusedist: epoch must be in [0, {EPOCH_PERIOD}), got {epoch}")
-        torch.cuda.synchronize(self._device)
+        self._synchronize()
         self.group.barrier()  # no peer still runs a call that reads the old epoch
         stream = torch.cuda.current_stream(self._device).cuda_stream
         self._C.fill_u32(self._control, epoch, 1, stream)
@@ -408,6 +432,6 @@ class SymmetricMemory:
         if self._closed:
             return
         self._closed = True
-        torch.cuda.synchronize()
+        self._synchronize()
         self.group.barrier()
         self._free()

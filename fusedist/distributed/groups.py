@@ -7,7 +7,7 @@ inference engine that already owns its groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,13 @@ class Group:
     device: torch.device
     topology: Optional[Topology] = None
     _communicator: Any = field(default=None, repr=False)
+    # How the members reach each other, when not as separate processes with a GPU each: a
+    # Group subclass whose members live otherwise names its own transports here, classes
+    # called as the defaults are (None: comm.symmetric.SymmetricMemory, peers' buffers mapped
+    # through CUDA IPC; comm.nccl.NcclComm). fusedist.testing's emulated groups, threads of one
+    # process on one GPU, do.
+    symmetric_memory_class: ClassVar[Optional[Callable]] = None
+    nccl_class: ClassVar[Optional[Callable]] = None
 
     @property
     def size(self) -> int:

@@ -1,4 +1,5 @@
-"""fusedist.init / fusedist.shutdown: one runtime per process.
+"""fusedist.init / fusedist.shutdown: one runtime per process (and one per emulated rank, a
+thread of fusedist.testing's that runs under its own: set_thread_runtime).
 
 init() detects the launcher (launch_env.py), picks the local GPU before anything touches
 CUDA, starts torch.distributed (nccl on GPU, gloo on CPU; under mpirun without MASTER_ADDR the
@@ -13,6 +14,7 @@ import datetime
 import math
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -59,6 +61,9 @@ class Runtime:
 
 
 _runtime: Optional[Runtime] = None
+# A thread may run under a runtime of its own instead of the process's (set_thread_runtime):
+# fusedist.testing runs each emulated rank as a thread of one process this way.
+_thread = threading.local()
 # Called by shutdown() after the communicators are closed: the layers above (comm) register
 # their per-runtime state here, so this bootstrap layer never imports them.
 _shutdown_hooks: list = []
@@ -71,16 +76,42 @@ def on_shutdown(fn) -> None:
 _generation = 0  # process groups init() created in this process; names their store keys
 
 
+def thread_runtime() -> Optional[Runtime]:
+    """The runtime the calling thread runs under instead of the process's, or None."""
+    return getattr(_thread, "runtime", None)
+
+
+def set_thread_runtime(rt: Optional[Runtime]) -> None:
+    """Run the calling thread under `rt` instead of the process's runtime (None: back to the
+    process's). fusedist.testing's emulated ranks are threads of one process, each one rank:
+    get_runtime() in such a thread is its rank's (its groups, its communicators), and init()
+    and shutdown() there are errors: the emulation makes and ends the rank's runtime."""
+    if rt is not None and not isinstance(rt, Runtime):
+        raise TypeError(f"fusedist: a thread's runtime must be a fusedist.Runtime, got "
+                        f"{type(rt).__name__}")
+    _thread.runtime = rt
+
+
 def is_initialized() -> bool:
-    return _runtime is not None
+    return thread_runtime() is not None or _runtime is not None
 
 
 def get_runtime() -> Runtime:
+    rt = thread_runtime()
+    if rt is not None:
+        return rt
     if _runtime is None:
         raise NotInitializedError(
             "fusedist: not initialized; call fusedist.init() first (after fusedist.shutdown(), "
             "call init() again before using fusedist)")
     return _runtime
+
+
+def _not_in_a_rank_thread(where: str) -> None:
+    if thread_runtime() is not None:
+        raise RuntimeError(f"{where}: this thread runs under a runtime of its own (an emulated "
+                           "rank of fusedist.testing.run_ranks, which made that runtime and "
+                           "ends it); call it outside the rank threads")
 
 
 def _timeout_s(explicit: Optional[float]) -> float:
@@ -148,6 +179,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     (rank=, world_size=, ...) override what the launcher's environment says.
     """
     global _runtime, _generation
+    _not_in_a_rank_thread("fusedist.init")
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
     for k, v in SAFE_ENV.items():
@@ -229,6 +261,7 @@ def shutdown() -> None:
     """Free every communicator (symmetric buffers, IPC mappings, NCCL comms) and, if init()
     created it, destroy the process group. Safe to call twice."""
     global _runtime
+    _not_in_a_rank_thread("fusedist.shutdown")
     rt = _runtime
     if rt is None:
         return

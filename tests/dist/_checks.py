@@ -2,6 +2,10 @@
 
 Every rank runs every check; failures are gathered so one failing rank fails all of them
 (no rank hangs waiting for another); the worker exits non-zero if any rank failed.
+
+The same checks run on ranks emulated on one GPU (tests/dist/emulate.py: emulated_main, over
+fusedist.testing.run_ranks) where they are marked @emulated; @not_emulated(why) says why a
+check cannot run there.
 """
 
 from __future__ import annotations
@@ -20,11 +24,47 @@ import torch.distributed as dist  # noqa: E402
 import fusedist  # noqa: E402
 
 CHECKS = []
+# Check name -> None (it runs on emulated ranks too: @emulated) or why it cannot
+# (@not_emulated); checks in neither are not run there.
+EMULATION: dict = {}
 
 
 def check(fn):
     CHECKS.append(fn)
     return fn
+
+
+def emulated(fn):
+    """Mark a check to run on emulated ranks too (tests/dist/emulate.py)."""
+    EMULATION[fn.__name__] = None
+    return fn
+
+
+def not_emulated(why: str):
+    """Mark a check that cannot run on emulated ranks, and say why."""
+    def mark(fn):
+        EMULATION[fn.__name__] = why
+        return fn
+    return mark
+
+
+# Why checks cannot run on emulated ranks (fusedist/testing/emulated.py).
+NEEDS_NCCL = ("it calls NCCL, which runs one rank per GPU and process (emulated ranks refuse "
+              "NCCL routes)")
+NEEDS_GRAPHS = ("CUDA-graph capture: torch captures in the global mode, in which the other "
+                "rank threads' CUDA calls invalidate the capture")
+NEEDS_COMPILE = "torch.compile in several threads at once (dynamo traces one frame at a time)"
+PERSISTENT_HOPPER = ("the fused Hopper ag_gemm / gemm_rs are persistent GEMMs with a CTA on every "
+                     "SM whose tiles wait for a peer: one rank's GEMM holds the GPU, the peer's "
+                     "work it waits for never starts, and the wait times out")
+CPU_ONLY = "the CPU path's check (gloo); emulated ranks run on a GPU"
+
+
+def is_emulated(rt) -> bool:
+    """Whether rt is the runtime of an emulated rank (fusedist.testing)."""
+    from fusedist.testing import EmulatedGroup
+
+    return isinstance(rt.tp, EmulatedGroup)
 
 
 class SkipCheck(Exception):
@@ -196,3 +236,59 @@ def main(select: str | None = None) -> None:
             print("failed: " + " | ".join(f.splitlines()[0][:200] for f in flat), flush=True)
         sys.exit(1)
     print(f"rank {rt.rank}: all checks passed (seed {run_id})", flush=True)
+
+
+def _on_rank(fn, rt, seed):
+    """fn(rt, seed) on one emulated rank: None when it ran, the reason when it skipped."""
+    try:
+        fn(rt, seed)
+    except SkipCheck as e:
+        return str(e)
+    return None
+
+
+def emulated_main(world: int, select: str | None = None) -> None:
+    """The checks marked @emulated, each on `world` fresh emulated ranks of this process on its
+    GPU (fusedist.testing.run_ranks), reported as main() reports them: a line per check, the
+    summary, "rank r: all checks passed" per rank, exit 1 on any failure."""
+    from fusedist.testing import RankError, run_ranks
+
+    seed = int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time()))))
+    only = select or os.environ.get("FUSEDIST_TEST_ONLY")
+    failures, statuses = [], []
+    print(f"emulated ranks: {world} on {torch.cuda.get_device_name()} (seed {seed})", flush=True)
+    for fn in CHECKS:
+        name = fn.__name__
+        if only and only not in name:
+            continue
+        t0 = time.time()
+        reason = ""
+        if name not in EMULATION:
+            status, reason = "skip", ": not marked @emulated (tests/dist/_checks.py)"
+        elif EMULATION[name] is not None:
+            status, reason = "skip", f": not on emulated ranks: {EMULATION[name]}"
+        else:
+            try:
+                skips = run_ranks(world, lambda rt: _on_rank(fn, rt, seed), timeout_s=600)
+                if all(s is None for s in skips):
+                    status = "ok"
+                elif all(s is not None for s in skips):
+                    status, reason = "skip", f": {skips[0]}"
+                else:
+                    raise AssertionError("skipped on some ranks only: " + ", ".join(
+                        f"rank {r} {'skip' if s else 'ok'}" for r, s in enumerate(skips)))
+            except Exception as e:  # noqa: BLE001 - every failure is reported
+                status = "FAIL"
+                record_failure(failures, e.rank if isinstance(e, RankError) else -1, name, e)
+        statuses.append((name, status))
+        print(f"[{status}] {name} ({time.time() - t0:.2f}s){reason}", flush=True)
+    print("summary: " + " ".join(f"{n}={s}" for n, s in statuses), flush=True)
+    counts = {k: sum(1 for _, s in statuses if s == k) for k in ("ok", "skip", "FAIL")}
+    print(f"checks: {counts['ok']} ok, {counts['skip']} skipped, {counts['FAIL']} failed",
+          flush=True)
+    if failures:
+        print("\n".join(failures), flush=True)
+        print("failed: " + " | ".join(f.splitlines()[0][:200] for f in failures), flush=True)
+        sys.exit(1)
+    for r in range(world):
+        print(f"rank {r}: all checks passed (seed {seed}, emulated)", flush=True)

@@ -10,8 +10,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, captured, check, expect_mismatch,  # noqa: E402
-                      expect_timeout, fresh, main, rank_seed, skip)
+from _checks import (CPU_ONLY, NEEDS_COMPILE, NEEDS_GRAPHS, NEEDS_NCCL,  # noqa: E402
+                     assert_identical_across_ranks, captured, check, emulated, expect_mismatch,
+                     expect_timeout, fresh, is_emulated, main, not_emulated, rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -25,7 +26,11 @@ SIZES = tuple(n for n in (1, 7, 1023, 65537, 2**20 + 3)
 
 
 def algos(rt):
-    return ("one_shot", "two_shot", "nccl", "auto") if rt.device.type == "cuda" else ("auto",)
+    if rt.device.type != "cuda":
+        return ("auto",)
+    # Emulated ranks have no NCCL ("auto" stays on the symmetric kernels within capacity).
+    return ("one_shot", "two_shot", "auto") if is_emulated(rt) else \
+        ("one_shot", "two_shot", "nccl", "auto")
 
 
 def inputs_and_ref(rt, n, dtype, seed):
@@ -39,6 +44,7 @@ def inputs_and_ref(rt, n, dtype, seed):
 
 
 @check
+@emulated
 def eager_all_algos_dtypes_sizes(rt, seed):
     comm = fusedist.get_communicator()
     for algo in algos(rt):
@@ -58,6 +64,7 @@ def eager_all_algos_dtypes_sizes(rt, seed):
 
 
 @check
+@emulated
 def in_place_and_misaligned(rt, seed):
     for algo in algos(rt):
         for dtype in DTYPES:
@@ -75,6 +82,7 @@ def in_place_and_misaligned(rt, seed):
 
 
 @check
+@emulated
 def async_handle(rt, seed):
     for dtype in DTYPES:
         x, ref = inputs_and_ref(rt, 70001, dtype, (seed, "async", str(dtype)))
@@ -90,6 +98,7 @@ def async_handle(rt, seed):
 
 
 @check
+@emulated
 def torch_ops_name_the_communicator(rt, seed):
     """torch.ops.fusedist.* find the communicator by its name, also with several per group."""
     default = fusedist.get_communicator()
@@ -112,6 +121,7 @@ def torch_ops_name_the_communicator(rt, seed):
 
 
 @check
+@emulated
 def bad_input_errors(rt, seed):
     def expect(exc, match, fn):
         try:
@@ -145,6 +155,7 @@ def bad_input_errors(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def cuda_graph_fresh_inputs(rt, seed):
     if rt.device.type != "cuda":
         skip("CUDA graphs need a GPU")
@@ -174,6 +185,7 @@ def cuda_graph_fresh_inputs(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def cuda_graph_stress(rt, seed):
     """Many replays of a graph of 10 all-reduces on 10 different inputs, mismatches counted
     on the device inside the graph (no host sync per replay)."""
@@ -211,6 +223,7 @@ def cuda_graph_stress(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def cuda_graph_replays_changing_inputs(rt, seed):
     """100,000 replays of one captured all-reduce whose input changes inside the graph every
     replay. Inputs are small integers (exact in bf16 and in their sums); every rank holds all
@@ -249,6 +262,7 @@ def cuda_graph_replays_changing_inputs(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_COMPILE)
 def torch_compile_fullgraph(rt, seed):
     if rt.device.type != "cuda":
         skip("torch.compile of the GPU path needs a GPU")
@@ -280,6 +294,7 @@ def expect_raises(exc, fn, *matches):
 
 
 @check
+@not_emulated(CPU_ONLY)
 def mismatched_calls_raise(rt, seed):
     """Ranks calling all_reduce with different sizes or dtypes get CollectiveMismatchError on
     every rank, naming every rank's call, before gloo sees the call (gloo aborts the process
@@ -301,6 +316,7 @@ def mismatched_calls_raise(rt, seed):
 
 
 @check
+@emulated
 def symmetric_call_mismatch(rt, seed):
     """The symmetric kernels exchange call descriptors: a rank that calls with another size,
     dtype or op makes every rank's communicator fail with CollectiveMismatchError naming both
@@ -358,6 +374,7 @@ def symmetric_call_mismatch(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def nccl_call_mismatch(rt, seed):
     """All-reduces routed to NCCL carry a call check first: ranks calling NCCL with different
     sizes, or NCCL against a one-shot kernel, get CollectiveMismatchError naming both calls in
@@ -405,6 +422,7 @@ def nccl_call_mismatch(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def nccl_call_check_setting_is_rank_0s(rt, seed):
     """FUSEDIST_NCCL_CALL_CHECK is read at creation and rank 0's value applies on every rank
     (ranks that disagreed would issue different device barriers); NCCL calls are exact either
@@ -431,6 +449,7 @@ def nccl_call_check_setting_is_rank_0s(rt, seed):
 
 
 @check
+@emulated
 def symmetric_sizes_checked_at_creation(rt, seed):
     """Ranks creating a communicator with different sizes or timeouts get
     CollectiveMismatchError on every rank, naming each rank's value, before anything is
@@ -451,6 +470,7 @@ def symmetric_sizes_checked_at_creation(rt, seed):
 
 
 @check
+@emulated
 def epoch_wraps_onto_the_next_generation(rt, seed):
     """The epoch started just below its wrap: every call across the wrap is exact (fresh
     inputs, NaN-poisoned outputs, back to back without a host sync, one-shot and two-shot
@@ -482,6 +502,7 @@ def epoch_wraps_onto_the_next_generation(rt, seed):
 
 
 @check
+@emulated
 def zz_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips the collective; every other rank must get an error in bounded time."""
     symmetric_or_skip(rt)

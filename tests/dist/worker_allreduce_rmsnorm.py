@@ -6,8 +6,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, check, fresh, main, rank_seed,  # noqa: E402
-                      skip)
+from _checks import (assert_identical_across_ranks, check, emulated, fresh, main,  # noqa: E402
+                     rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -51,6 +51,7 @@ def fused_modes(rt):
 
 
 @check
+@emulated
 def fused_matches_reference(rt, seed):
     modes = fused_modes(rt)
     if True in modes:
@@ -79,6 +80,7 @@ def fused_matches_reference(rt, seed):
 
 
 @check
+@emulated
 def fp8_output(rt, seed):
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is None:
@@ -101,6 +103,7 @@ def fp8_output(rt, seed):
 
 
 @check
+@emulated
 def bad_inputs(rt, seed):
     dev, dt = rt.device, torch.float32
     x = torch.zeros(2, 64, device=dev, dtype=dt)

@@ -7,8 +7,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, captured, check, expect_mismatch,  # noqa: E402
-                      expect_timeout, fresh, main, rank_seed, skip)
+from _checks import (CPU_ONLY, NEEDS_COMPILE, NEEDS_GRAPHS, NEEDS_NCCL,  # noqa: E402
+                     PERSISTENT_HOPPER, assert_identical_across_ranks, captured, check, emulated,
+                     expect_mismatch, expect_timeout, fresh, main, not_emulated, rank_seed, skip)
 
 import torch  # noqa: E402
 
@@ -123,6 +124,7 @@ def check_rs_copy_engine(rt, comm, s, m, k, n, dt, chunks, with_bias):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def ag_gemm_matches_reference(rt, seed):
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     for eng in engines(rt):
@@ -145,6 +147,7 @@ def ag_gemm_matches_reference(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def copy_engine_transport_matches_reference(rt, seed):
     """Overlap engine with copy-engine transfers (symmetric staging, device barriers): ag_gemm's
     all-gather, gemm_rs's reduce-scatter and gemm_ar's reduce-scatter + all-gather."""
@@ -236,6 +239,7 @@ def copy_engine_transport_matches_reference(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def wave_cut_pieces_match_reference(rt, seed):
     """The copy-engine overlaps with chunks cut by a wave model (tuning.wave_row_bounds) or
     given as row counts: a toy model (16 x 64 tiles, 7 SMs) that makes gemm_rs's 129-row
@@ -285,6 +289,7 @@ def wave_cut_pieces_match_reference(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def gemm_rs_matches_reference(rt, seed):
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     for eng in engines(rt):
@@ -307,6 +312,7 @@ def gemm_rs_matches_reference(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def gemm_ar_matches_reference(rt, seed):
     W, me, dev = rt.tp.size, rt.tp.rank, rt.device
     for eng in engines(rt):
@@ -327,6 +333,7 @@ def gemm_ar_matches_reference(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def overlap_in_cuda_graph_fresh_inputs(rt, seed):
     if rt.device.type != "cuda":
         skip("needs CUDA tensors")
@@ -365,6 +372,7 @@ def overlap_in_cuda_graph_fresh_inputs(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def parallel_linears_match_full_layer(rt, seed):
     W, dev = rt.tp.size, rt.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -430,6 +438,7 @@ def _needs_staging(rt, what, call):
 
 
 @check
+@not_emulated(PERSISTENT_HOPPER)
 def ag_gemm_fused_matches_reference(rt, seed):
     """One persistent wgmma GEMM over the gathered rows, each tile waiting for the copy-engine
     flags of its rows: every chunking, both weight layouts, bias, eager, back to back and in a
@@ -484,6 +493,7 @@ def ag_gemm_fused_matches_reference(rt, seed):
 
 
 @check
+@not_emulated(PERSISTENT_HOPPER)
 def gemm_rs_fused_matches_reference(rt, seed):
     """The peers' blocks multiplied into staging, every tile counted on its owner as it lands,
     the owner pulling finished pieces and multiplying its own block on top: every chunking
@@ -552,6 +562,7 @@ def _weights(shape_kn, layout, dt, dev, seed):
 
 
 @check
+@emulated
 def gemm_ar_fused_matches_reference(rt, seed):
     if rt.device.type != "cuda":
         skip("needs CUDA tensors")
@@ -578,6 +589,7 @@ def gemm_ar_fused_matches_reference(rt, seed):
 
 
 @check
+@emulated
 def gemm_no_comm_matches_reference(rt, seed):
     """fusedist.gemm(kernel="decode"): the fused kernel without the exchange."""
     if rt.device.type != "cuda":
@@ -599,6 +611,7 @@ def gemm_no_comm_matches_reference(rt, seed):
 
 
 @check
+@emulated
 def gemm_ar_fused_misaligned_views(rt, seed):
     """Views that start off a 16-byte boundary run through aligned copies, same result."""
     if rt.device.type != "cuda":
@@ -617,6 +630,7 @@ def gemm_ar_fused_misaligned_views(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_GRAPHS)
 def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
     """Graph: fused gemm_ar -> one-shot all-reduce -> fused gemm_ar (nn.Linear layout, bias) on
     one communicator, so the kernels share and rotate its buffers; 30 replays, fresh inputs."""
@@ -661,6 +675,7 @@ def gemm_ar_fused_in_cuda_graph_fresh_inputs(rt, seed):
 
 
 @check
+@emulated
 def gemm_ar_fused_bad_inputs(rt, seed):
     if rt.device.type != "cuda" or rt.tp.size < 2:
         skip("needs CUDA tensors on 2 or more ranks")
@@ -726,6 +741,7 @@ def _run_mismatches(rt, cases, **comm_kwargs):
 
 
 @check
+@emulated
 def gemm_ar_fused_call_mismatch(rt, seed):
     """Ranks calling the fused decode gemm_ar with another N, M or dtype, or a one-shot
     all_reduce against it: the kernel's call descriptors make every rank raise
@@ -778,6 +794,7 @@ def gemm_ar_fused_call_mismatch(rt, seed):
 
 
 @check
+@emulated
 def copy_engine_call_mismatch(rt, seed):
     """Ranks in different copy-engine calls (ag_gemm against gemm_rs, another M, N or shard):
     the pipelines' device barriers are call checks carrying the op's descriptor, so every rank
@@ -826,6 +843,7 @@ def copy_engine_call_mismatch(rt, seed):
 
 
 @check
+@not_emulated(PERSISTENT_HOPPER)
 def fused_hopper_call_mismatch(rt, seed):
     """The fused Hopper engines: ag_gemm against gemm_rs, and gemm_rs with another M; their
     call checks (ag_gemm's first barrier, gemm_rs's opening one) make every rank raise
@@ -860,6 +878,7 @@ def fused_hopper_call_mismatch(rt, seed):
 
 
 @check
+@emulated
 def uneven_k_shards_are_not_a_mismatch(rt, seed):
     """Row-parallel shards of different K on different ranks are legal (the sum over ranks of
     x_r @ w_r is what gemm_ar / gemm_rs compute, and K sets no peer offset), so the call
@@ -893,6 +912,7 @@ def uneven_k_shards_are_not_a_mismatch(rt, seed):
 
 
 @check
+@emulated
 def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips the fused call: the others get CommunicatorTimeoutError in bounded time and
     NaN outputs, never a hang."""
@@ -909,6 +929,7 @@ def zz_gemm_ar_fused_peer_skips_call_times_out(rt, seed):
 
 
 @check
+@not_emulated(PERSISTENT_HOPPER)
 def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips a fused ag_gemm: the others' first barrier times out, their GEMM still
     finishes (its peer rows are pulled from stale staging, so the output is undefined), and
@@ -925,6 +946,7 @@ def zz_ag_gemm_fused_peer_skips_call_times_out(rt, seed):
 
 
 @check
+@not_emulated(PERSISTENT_HOPPER)
 def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips a fused gemm_rs: the others' opening call check times out (rank 0 never
     comes; the counter waits behind it give up at once), their GEMMs finish on whatever the
@@ -944,6 +966,7 @@ def zz_gemm_rs_fused_peer_skips_call_times_out(rt, seed):
 
 
 @check
+@emulated
 def zz_gemm_ar_copy_engine_peer_skips_call_times_out(rt, seed):
     """Rank 0 skips a copy-engine gemm_ar: the others' first barrier times out, so does the
     closing gather's handshake (at once: the communicator already failed), which sets rank 0's
@@ -965,6 +988,7 @@ def zz_gemm_ar_copy_engine_peer_skips_call_times_out(rt, seed):
 
 
 @check
+@not_emulated(NEEDS_NCCL)
 def empty_batch_on_every_op(rt, seed):
     """M = 0 on every rank (a batch with no tokens): every op and engine returns an empty,
     correctly shaped output without a collective, and the next call on the same communicator
@@ -1016,6 +1040,7 @@ def _compiled(fn):
 
 
 @check
+@not_emulated(NEEDS_COMPILE)
 def every_op_under_torch_compile(rt, seed):
     """Every public op inside torch.compile(fullgraph=True) reaches torch.ops.fusedist, and
     gives what the eager call gives (out= written and returned; async_op=True refused)."""
@@ -1087,6 +1112,7 @@ def every_op_under_torch_compile(rt, seed):
 
 
 @check
+@emulated
 def bad_inputs(rt, seed):
     dev = rt.device
     dt = torch.float32
@@ -1120,6 +1146,7 @@ def bad_inputs(rt, seed):
 
 
 @check
+@not_emulated(CPU_ONLY)
 def cpu_mismatched_shards_raise(rt, seed):
     """CPU path: ranks calling ag_gemm / gemm_rs with shards of different sizes get
     CollectiveMismatchError on every rank, naming every rank's call, before gloo sees the call

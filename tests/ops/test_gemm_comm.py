@@ -389,6 +389,9 @@ class _Symm:
         self.staging_offset = world.offset
         self.handle = rank
 
+    def before_launch(self):
+        pass
+
     def staging(self, dtype, shape, offset=0):
         n = 1
         for s in shape:
