@@ -164,6 +164,7 @@ class TPAttention(torch.nn.Module):
                              "was built with qkv_bias=True")
         qs = slice(self.tp_rank * self.q_heads * D, (self.tp_rank + 1) * self.q_heads * D)
         ks = slice(self.kv_first * D, (self.kv_first + self.kv_heads) * D)
+        self._check_kinds("load_full", q_w=q_w, k_w=k_w, v_w=v_w, o_w=o_w)
         if self.fp8_layout is not None:
             cut = lambda w, dim, s, name: w.narrow(dim, s.start, s.stop,  # noqa: E731
                                                    f"TPAttention.load_full {name}")
@@ -187,14 +188,7 @@ class TPAttention(torch.nn.Module):
             if tuple(w.shape) != want:
                 raise ValueError(f"TPAttention.load_shard: {name} must be {list(want)}, got "
                                  f"{list(w.shape)}")
-            if isinstance(w, FP8Weight) != (self.fp8_layout is not None):
-                raise ValueError(f"TPAttention.load_shard: {name} is "
-                                 f"{'an FP8Weight' if isinstance(w, FP8Weight) else 'a tensor'}"
-                                 f"; this module was built with fp8_layout={self.fp8_layout!r} "
-                                 "(FP8Weights exactly when fp8_layout is set)")
-            if isinstance(w, FP8Weight) and w.layout != self.fp8_layout:
-                raise ValueError(f"TPAttention.load_shard: {name} has {w.layout} scales; this "
-                                 f"module was built with fp8_layout={self.fp8_layout!r}")
+        self._check_kinds("load_shard", q_w=q_w, k_w=k_w, v_w=v_w, o_w=o_w)
         if (self.qkv_bias is not None) != (q_b is not None):
             raise ValueError("TPAttention.load_shard: pass q_b, k_b, v_b exactly when the module "
                              "was built with qkv_bias=True")
@@ -209,6 +203,18 @@ class TPAttention(torch.nn.Module):
         if self.qkv_bias is not None:
             self.qkv_bias.copy_(torch.cat([q_b, k_b, v_b]))
         return self
+
+    def _check_kinds(self, op: str, **weights) -> None:
+        """FP8Weights (of the module's scale layout) exactly when fp8_layout is set."""
+        for name, w in weights.items():
+            if isinstance(w, FP8Weight) != (self.fp8_layout is not None):
+                raise ValueError(f"TPAttention.{op}: {name} is "
+                                 f"{'an FP8Weight' if isinstance(w, FP8Weight) else 'a tensor'}"
+                                 f"; this module was built with fp8_layout={self.fp8_layout!r} "
+                                 "(FP8Weights exactly when fp8_layout is set)")
+            if isinstance(w, FP8Weight) and w.layout != self.fp8_layout:
+                raise ValueError(f"TPAttention.{op}: {name} has {w.layout} scales; this "
+                                 f"module was built with fp8_layout={self.fp8_layout!r}")
 
     def make_cache(self, num_layers: int, num_pages: int, page_size: int = 16,
                    kv_dtype: Optional[torch.dtype] = None) -> PagedKVCache:

@@ -80,13 +80,14 @@ class _TPLinear(torch.nn.Module):
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
-        """Build the module for a full [out, in] weight (and bias) and load this rank's shard."""
-        dtype = kw.pop("dtype", None)
-        if dtype is None:
-            dtype = bias.dtype if isinstance(weight, FP8Weight) and bias is not None else \
-                (torch.bfloat16 if isinstance(weight, FP8Weight) else weight.dtype)
-        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=dtype,
-                device=kw.pop("device", weight.device if isinstance(weight, FP8Weight) else None),
+        """Build the module for a full [out, in] weight (and bias) and load this rank's shard.
+        An FP8Weight stays FP8; the module's dtype (activations, bias) is then dtype=, else the
+        bias's, else bfloat16."""
+        fp8 = isinstance(weight, FP8Weight)
+        dtype = kw.pop("dtype", None) or (weight.dtype if not fp8 else
+                                          bias.dtype if bias is not None else torch.bfloat16)
+        device = kw.pop("device", weight.device if fp8 else None)
+        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=dtype, device=device,
                 **kw)
         return m.load_full(weight, bias)
 

@@ -31,9 +31,12 @@ fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
   * CUDA, M <= 16 rows, bf16 x: fusedist.ops.gemv (the decode GEMV, all three layouts; x stays
     bf16, the weight is dequantized in the kernel) when that op is present in this build and
     its kernel runs on the device;
-  * CUDA, else, on sm_89+ with K, N multiples of 16: torch._scaled_mm with dynamic activation
-    scales (x quantized to e4m3 at run time): per-tensor weights with one scale for x,
-    per-channel weights row-wise (sm_90+, bf16 x) with one scale per token (row of x);
+  * CUDA, else, per-tensor and per-channel weights with K, N multiples of 16: torch._scaled_mm
+    with dynamic activation scales (x quantized to e4m3 at run time). Row-wise on sm_90+ for
+    bf16 x: one scale per token (row of x) and the weight's scale of each output channel (a
+    per-tensor scale broadcast to them), so a token's error depends on its own amax only and a
+    NaN in one token stays in that token's row. Per-tensor weights with fp16 x, or on sm_89:
+    one scale for all of x (a NaN anywhere in x makes the whole output NaN);
   * everything else (block scales past 16 rows, fp16 / fp32 x, odd sizes, older GPUs):
     the weight dequantized to x's dtype and F.linear;
   * CPU: fp8_linear_reference: dequantize in fp32, fp32 matmul, rounded once to x's dtype.
@@ -44,7 +47,7 @@ quantization), and the _scaled_mm paths also round x to e4m3 (per element |x_q -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -52,15 +55,24 @@ import torch.nn.functional as F
 
 from .. import _dtypes
 
-try:   # the decode GEMV op (fusedist/ops/gemv.py), in builds that have it
-    from ..ops import gemv as _gemv_op
-except ImportError:   # pragma: no cover - depends on the build
-    _gemv_op = None
+# The decode GEMV op (fusedist/ops/gemv.py), in checkouts that have it: the op, whether its
+# kernel runs on a device, and its most rows.
+try:
+    from ..ops.gemv import gemv as _gemv
+except ImportError:   # pragma: no cover - depends on the checkout
+    _gemv = None
+try:
+    from ..ops.gemv import kernel_available as _gemv_kernel_available
+except ImportError:   # pragma: no cover
+    _gemv_kernel_available = None
+try:
+    from ..ops.gemv import MAX_M as GEMV_MAX_M
+except ImportError:   # pragma: no cover
+    GEMV_MAX_M = 16
 
 FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
 BLOCK = 128
 LAYOUTS = ("tensor", "channel", "block")
-GEMV_MAX_M = getattr(_gemv_op, "MAX_M", 16)
 # The smallest amax a scale is made from (amax / 448 stays a normal float32); rows below it are
 # quantized with this amax, rows of zeros get scale 1.
 _TINY_AMAX = 1e-30
@@ -112,6 +124,9 @@ class FP8Weight:
     data: torch.Tensor
     scale: torch.Tensor
     layout: str
+    # float32 [N]: the scale of each output channel ("tensor": scale broadcast, "channel": the
+    # scale itself; None for "block"), the weight operand of row-wise torch._scaled_mm.
+    channel_scale: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if FP8 is None:
@@ -132,6 +147,10 @@ class FP8Weight:
             _fail(f"scale is on {s.device}, data on {d.device}")
         if not d.is_contiguous():
             self.data = d.contiguous()
+        if self.layout == "tensor":
+            self.channel_scale = s.expand(d.shape[0]).contiguous()
+        elif self.layout == "channel":
+            self.channel_scale = s
 
     # ---- what it is ---------------------------------------------------------------------
     @property
@@ -267,10 +286,12 @@ def _to_fp8(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_fp8(w: torch.Tensor, layout: str = "channel") -> FP8Weight:
+def quantize_fp8(w: torch.Tensor, layout: str = "channel", reduce_amax=None) -> FP8Weight:
     """An [N, K] floating weight as FP8Weight: scale = amax / 448 per tensor, output channel
     (row) or 128 x 128 block, data = w / scale rounded to nearest e4m3. Non-finite weights
-    raise (they would poison a whole row or block)."""
+    raise (they would poison a whole row or block). reduce_amax(amax) -> amax, when given,
+    replaces the amax of w ([] per tensor, [N] per channel, blocks) before the scales are made:
+    a shard of a weight takes the whole weight's amax that way (the max over the ranks)."""
     if FP8 is None:
         _fail("this torch has no torch.float8_e4m3fn", RuntimeError)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or \
@@ -281,18 +302,19 @@ def quantize_fp8(w: torch.Tensor, layout: str = "channel") -> FP8Weight:
     if not bool(torch.isfinite(wf).all()):
         _fail("quantize_fp8: w has NaN or inf values; an FP8 scale cannot represent them")
     n, k = w.shape
+    red = reduce_amax if reduce_amax is not None else (lambda a: a)
     if layout == "tensor":
-        s = _scale_of(wf.abs().amax() if wf.numel() else wf.new_zeros(())).reshape(1)
+        s = _scale_of(red(wf.abs().amax() if wf.numel() else wf.new_zeros(()))).reshape(1)
         return FP8Weight(_to_fp8(wf / s), s, layout)
     if layout == "channel":
         amax = wf.abs().amax(dim=1) if k else wf.new_zeros(n)
-        s = _scale_of(amax)
+        s = _scale_of(red(amax))
         return FP8Weight(_to_fp8(wf / s[:, None]), s, layout)
     if layout == "block":
         nb, kb = _blocks(n), _blocks(k)
         padded = F.pad(wf, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
         amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
-        s = _scale_of(amax)
+        s = _scale_of(red(amax))
         return FP8Weight(_to_fp8(wf / _block_map(s, n, k)), s, layout)
     _fail(f"quantize_fp8: layout must be one of {LAYOUTS}, got {layout!r}")
 
@@ -351,10 +373,9 @@ def _device_facts(device: torch.device) -> tuple:
     facts = _DEVICE.get(idx)
     if facts is None:
         cap = tuple(torch.cuda.get_device_capability(idx))
-        gemv = _gemv_op is not None and hasattr(_gemv_op, "gemv")
-        avail = getattr(_gemv_op, "kernel_available", None)
-        if gemv and avail is not None:
-            gemv = bool(avail(torch.device("cuda", idx)))
+        gemv = _gemv is not None
+        if gemv and _gemv_kernel_available is not None:
+            gemv = bool(_gemv_kernel_available(torch.device("cuda", idx)))
         facts = _DEVICE[idx] = (cap, gemv)
     return facts
 
@@ -364,30 +385,31 @@ def device_capability(device: torch.device) -> tuple:
     return _device_facts(device)[0]
 
 
-def _gemv_takes(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor]) -> bool:
-    if x.dtype != torch.bfloat16 or w.shape[1] % 16 or \
-            (bias is not None and bias.dtype != x.dtype):
-        return False
-    return _device_facts(x.device)[1]
+def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
+                bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool) -> str:
+    """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
+    "scaled_mm_tensor", "scaled_mm_rowwise" or "dequantize". `gemv`: the GEMV op and its
+    kernel are there for the device; `capability`: the device's (major, minor)."""
+    if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
+            bias_dtype in (None, x_dtype):
+        return "gemv"
+    if m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
+            x_dtype in (torch.bfloat16, torch.float16):
+        if x_dtype == torch.bfloat16 and capability >= (9, 0):
+            return "scaled_mm_rowwise"
+        if layout == "tensor" and capability >= (8, 9):
+            return "scaled_mm_tensor"
+    return "dequantize"
 
 
 def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None) -> str:
-    """Which path fp8_linear takes for x [M, K] (module docstring): "gemv", "scaled_mm_tensor",
-    "scaled_mm_rowwise", "dequantize" (CUDA), or "reference" (CPU)."""
+    """Which path fp8_linear takes for x [M, K] (module docstring): choose_path's on CUDA,
+    "reference" on the CPU."""
     if not x.is_cuda:
         return "reference"
-    m = x.shape[0]
-    if 0 < m <= GEMV_MAX_M and _gemv_takes(x, w, bias):
-        return "gemv"
-    n, k = w.shape
-    if m > 0 and w.layout != "block" and n % 16 == 0 and k % 16 == 0 and \
-            x.dtype in (torch.bfloat16, torch.float16):
-        cap = _device_facts(x.device)[0]
-        if w.layout == "tensor" and cap >= (8, 9):
-            return "scaled_mm_tensor"
-        if w.layout == "channel" and x.dtype == torch.bfloat16 and cap >= (9, 0):
-            return "scaled_mm_rowwise"
-    return "dequantize"
+    cap, gemv = _device_facts(x.device)
+    return choose_path(x.shape[0], w.shape[0], w.shape[1], w.layout, x.dtype,
+                       None if bias is None else bias.dtype, cap, gemv)
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None, *,
@@ -405,9 +427,9 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
         x2 = x2.contiguous()
     path = path or fp8_path(x2, w, bias)
     if path == "gemv":
-        y = _gemv_op.gemv(x2, w.data, scale=w.scale, bias=bias)
+        y = _gemv(x2, w.data, scale=w.scale, bias=bias)
     elif path == "scaled_mm_rowwise":
-        y = scaled_mm_rowwise(x2, w.data, w.scale, bias)
+        y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
     elif path == "scaled_mm_tensor":
         y = scaled_mm_tensorwise(x2, w.data, w.scale, bias)
     elif path == "dequantize":
@@ -420,5 +442,5 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
 
 
 __all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "fp8_linear",
-           "fp8_linear_reference", "fp8_path", "scaled_mm_rowwise", "scaled_mm_tensorwise",
+           "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise", "scaled_mm_tensorwise",
            "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]

@@ -107,8 +107,7 @@ def torch_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> tor
     x2 = x.reshape(-1, k)
     if x2.is_cuda and x2.shape[0] and w.layout != "block" and x2.dtype == torch.bfloat16 and \
             n % 16 == 0 and k % 16 == 0 and device_capability(x2.device) >= (9, 0):
-        scale = w.scale if w.layout == "channel" else w.scale.expand(n).contiguous()
-        y = scaled_mm_rowwise(x2.contiguous(), w.data, scale, bias)
+        y = scaled_mm_rowwise(x2.contiguous(), w.data, w.channel_scale, bias)
     else:
         y = F.linear(x2, w.dequantize(x2.dtype), bias)
     return y.reshape(*x.shape[:-1], n)
