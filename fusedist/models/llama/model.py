@@ -176,7 +176,7 @@ class Transformer(torch.nn.Module):
 
         def proj(name, dim, start, stop):
             return read_projection(src, name, self.quant, dim, start, stop, dtype=dt,
-                                   device=dev)
+                                   device=dev, reduce_amax=self._max_over_ranks)
 
         self.embed.copy_(rd("model.embed_tokens.weight"))
         self.norm.copy_(rd("model.norm.weight"))
@@ -210,6 +210,14 @@ class Transformer(torch.nn.Module):
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         return self
+
+    def _max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """t's elementwise max over the tensor-parallel group (weights quantized at load take
+        the whole weight's amax this way)."""
+        if self.tp > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.comm.group.pg)
+        return t
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, meta,

@@ -25,9 +25,11 @@ holds them (config.quant.WeightQuant, or None for the model dtype): read from an
 weights of an FP8 checkpoint's shape are quantized in its layout). read_projection reads one
 rank's slice of a projection as a fusedist.nn.quant.FP8Weight: the e4m3 rows / columns and the
 scales that go with them (per-channel scales with the rows; block scales cut along the split
-dimension, which must fall on a multiple of 128). A weight quantized at load gets its scales
-from this rank's slice: for a row-parallel weight (o_proj, down_proj) at tp > 1 that is amax
-over the rank's columns of the row, so its scales (not its error bound) depend on tp.
+dimension, which must fall on a multiple of 128). A weight quantized at load gets the scales
+of the whole weight, so every tp holds the same FP8 model: where a rank's slice does not hold
+the whole scale group (per-channel scales of a row-parallel weight, o_proj and down_proj,
+whose rows are split by columns; per-tensor scales of any split weight), its amax is the max
+over the ranks (reduce_amax: a MAX all-reduce at load).
 check_weights checks FP8 tensors too: F8_E4M3 projections, their scale tensors' shapes and
 float dtypes.
 """
@@ -125,10 +127,12 @@ def resolve_quant(cfg: LlamaConfig, quantize: Optional[str], src: "WeightSource"
 
 def read_projection(src: "WeightSource", name: str, quant: Optional[WeightQuant],
                     dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None, *,
-                    dtype: torch.dtype, device) -> "torch.Tensor | FP8Weight":
+                    dtype: torch.dtype, device, reduce_amax=None) -> "torch.Tensor | FP8Weight":
     """Rows (dim 0) or columns (dim 1) [start, stop) of the projection weight `name`.weight:
     a `dtype` tensor (quant None), or an FP8Weight read from the checkpoint with its scales
-    (`name`.<quant.scale_suffix>) or quantized at load."""
+    (`name`.<quant.scale_suffix>) or quantized at load. reduce_amax(amax) -> the max of amax
+    over the ranks that split this weight (a collective every rank calls in the same order):
+    quantized at load, a slice whose scale groups span ranks takes the whole weight's amax."""
     wname = name + ".weight"
     if quant is None:
         return src.read(wname, dim, start, stop, dtype=dtype, device=device)
@@ -138,8 +142,10 @@ def read_projection(src: "WeightSource", name: str, quant: Optional[WeightQuant]
                                              f"tensor {wname!r}")
     if quant.method == "quantize":
         w = src.read(wname, dim, start, stop, dtype=torch.float32, device=device)
+        spans = dim is not None and (quant.layout == "tensor" or
+                                     (quant.layout == "channel" and dim == 1))
         try:
-            return quantize_fp8(w, quant.layout)
+            return quantize_fp8(w, quant.layout, reduce_amax if spans else None)
         except ValueError as e:
             raise ValueError(f"fusedist.models: tensor {wname!r} in {src.location(wname)}: "
                              f"{e}") from None
