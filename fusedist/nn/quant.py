@@ -442,5 +442,6 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
 
 
 __all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "fp8_linear",
-           "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise", "scaled_mm_tensorwise",
+           "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
+           "scaled_mm_tensorwise",
            "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]
