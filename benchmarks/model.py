@@ -4,6 +4,7 @@
     python benchmarks/model.py                      # batch 1 (4K prompt) and batch 64 (4K context)
     python benchmarks/model.py --rows 1:4096:0:64   # batch:prompt_len:context_fill:new_tokens
     python benchmarks/model.py --baselines torch    # without the compiled anchor
+    python benchmarks/model.py --quantize fp8       # FP8 projections (fusedist and baselines)
 
 Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
 ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
@@ -16,6 +17,9 @@ per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s. Writes
 results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results); each
 row's time_us is its step time, so benchmarks/compare.py --fusedist fusedist compares files.
 --merge adds this run's rows to the file's rows of other specs (one command per row).
+--quantize (fusedist.generate --quantize: fp8, fp8-tensor, fp8-block) runs every backend with
+FP8 projection weights quantized at load; its rows name the weight format ("weights") and go to
+model-<quantize>.{json,md}.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ PREFILL_TARGET = 550.0
 CLASSES = ("gemm", "attention", "communication", "other")
 
 
-def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend):
+def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend,
+            quantize="none"):
     cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
            "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
            "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
-                         else [])
+                         else []) + (["--quantize", quantize] if quantize != "none" else [])
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
@@ -78,7 +83,8 @@ def rows_of(spec: tuple, cmd: str, out: dict) -> list[dict]:
     rows = []
     for backend, r in t.items():
         row = {"batch": b, "prompt_len": L, "context_fill": fill, "new_tokens": new,
-               "context": fill + L + new, "backend": backend, "command": cmd}
+               "context": fill + L + new, "backend": backend, "command": cmd,
+               "weights": out.get("weights")}
         if "error" in r:
             rows.append({**row, "status": "failed", **r})
             continue
@@ -140,12 +146,17 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
 SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
 
 
-def merged(rows: list[dict], meta: dict) -> list[dict]:
+def stem(quantize: str = "none") -> str:
+    """The results file's stem: model, or model-<quantize> for FP8 runs."""
+    return "model" if quantize == "none" else f"model-{quantize}"
+
+
+def merged(rows: list[dict], meta: dict, quantize: str = "none") -> list[dict]:
     """rows added to the current results file's rows of other specs (--merge): rows of one
     commit, measured by several commands (one row per command keeps each within a time
     limit). meta's command and reproduce name every command."""
     path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
-        "model.json"
+        f"{stem(quantize)}.json"
     if not path.is_file():
         return rows
     doc = json.loads(path.read_text())
@@ -172,6 +183,9 @@ def main():
                     help="torch.compile backend of the torch-compile baseline")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per row (compiling the "
                     "8B decode step for torch-compile takes minutes)")
+    ap.add_argument("--quantize", default="none",
+                    choices=("none", "fp8", "fp8-channel", "fp8-tensor", "fp8-block"),
+                    help="fusedist.generate --quantize: FP8 projection weights for every backend")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
@@ -182,7 +196,7 @@ def main():
         b, L, fill, new = map(int, spec.split(":"))
         try:
             cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.baselines,
-                               args.timeout, args.compile_backend)
+                               args.timeout, args.compile_backend, args.quantize)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             print(f"row {spec}: {e}", flush=True)
             continue
@@ -194,14 +208,15 @@ def main():
                           out["timings"].items()}), flush=True)
     meta = metadata(args.tp)
     meta["config"] = args.config
+    meta["quantize"] = args.quantize
     if args.merge:
-        rows = merged(rows, meta)
+        rows = merged(rows, meta, args.quantize)
     text = markdown(rows, bases) + (
         f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= {TARGETS[64]}; prefill "
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
         "prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)
-    for p in write_results("model", meta, rows, text):
+    for p in write_results(stem(args.quantize), meta, rows, text):
         print(f"wrote {p}")
 
 

@@ -8,6 +8,7 @@
         --prompt "The capital of France is" --max-new-tokens 64
     python -m fusedist.generate --config llama-3-8b --random-weights --batch 64 \\
         --context-fill 4000 --baseline torch,torch-compile --json
+    python -m fusedist.generate --model /ckpt/Meta-Llama-3-8B --quantize fp8   # FP8 weights
 
 Launched like every fusedist job (torchrun, mpirun, srun: fusedist.init()); --tp defaults to
 the launcher's world size. Progress goes to stderr on rank 0; results to stdout on rank 0
@@ -20,6 +21,13 @@ under torch.compile(fullgraph=True, dynamic=False) before capture (its prefill r
 Timings per backend: prefill_ms, the median of --prefill-reps warm prefills of the prompts
 (synchronized, apart from the generate loop); ms_per_token, the generate loop; step_ms, graph
 replays back to back.
+
+FP8 weights: an FP8 checkpoint (config.json's quantization_config: quant_method "fp8" with
+128 x 128 block or per-tensor scales, or "compressed-tensors" float-quantized) is read as FP8;
+--quantize fp8 quantizes a bf16 / fp16 / fp32 checkpoint (or random weights) at load, one scale
+per output channel (fp8-tensor, fp8-block: the other layouts). The q/k/v/o, gate/up and down
+projections are then e4m3 with float32 scales, in fusedist and in the baselines alike (the
+report's "weights" says which format ran).
 
 Input is checked before anything is allocated: the flags, config.json and the checkpoint's
 tensors (shapes and dtypes from the safetensors headers), context + prompt + new tokens
@@ -43,6 +51,7 @@ import time
 import torch
 
 BASELINES = ("torch", "torch-compile")
+QUANTIZE_CHOICES = ("fp8", "fp8-channel", "fp8-tensor", "fp8-block")   # models.llama.QUANTIZE
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -59,6 +68,10 @@ def parse_args(argv=None):
     src.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
     src.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                      help="default bfloat16 on GPU, float32 on CPU")
+    src.add_argument("--quantize", default="none", choices=("none",) + QUANTIZE_CHOICES,
+                     help="FP8 (e4m3) projection weights, quantized at load: fp8 (one scale per "
+                     "output channel), fp8-tensor, fp8-block (128 x 128); FP8 checkpoints are "
+                     "read as FP8 without it")
     src.add_argument("--device", choices=("cpu", "cuda"), help="default cuda when a GPU is visible")
     inp = p.add_argument_group("input")
     inp.add_argument("--batch", type=int, default=1)
@@ -211,16 +224,18 @@ def _message(e: BaseException) -> str:
 
 def _load(args, tp: int):
     """(config, weight source, tokenizer) of the run; a bad config.json, checkpoint or
-    tokenizer, an unknown --config, or a --tp that does not split the model: _fail."""
+    tokenizer, an unknown --config, or a --tp that does not split the model: _fail. Sets
+    args.quant: how the projection weights are held (weights.resolve_quant)."""
     from .models.llama import LlamaConfig, open_weights
-    from .models.llama.weights import check_tp, check_weights
+    from .models.llama.weights import check_tp, check_weights, resolve_quant
 
     try:
         cfg = LlamaConfig.from_dir(args.model) if args.model else LlamaConfig.named(args.config)
-        check_tp(cfg, tp)
         src = open_weights(args.model if not args.random_weights else None, cfg,
                            args.weights_seed if args.random_weights else None)
-        check_weights(src, cfg)      # headers only; Transformer.load checks the same
+        args.quant = resolve_quant(cfg, args.quantize, src)
+        check_tp(cfg, tp, args.quant)
+        check_weights(src, cfg, args.quant)   # headers only; Transformer.load checks the same
     except (ValueError, KeyError, OSError) as e:
         _fail(_message(e))
     return cfg, src, _tokenizer(args.model)
@@ -240,12 +255,14 @@ def _check_positions(args, cfg, prompts) -> int:
 
 def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: int,
                     page_size: int, prefill_chunk: int, kv_budget_bytes=None,
-                    max_position=None) -> dict:
+                    max_position=None, quant=None) -> dict:
     """Bytes one rank of the fusedist backend holds for a run, before it allocates them:
-    "weights" (this rank's parameters and RoPE tables, as Transformer holds them), "kv_cache"
-    (as Runner sizes it: the batch rounded up to a power of two, seq_len rounded up to pages;
-    or the budget), "activations" (an estimate: the largest prefill chunk's hidden states,
-    twice, and the logits) and "total". max_position (default seq_len) sizes the RoPE tables."""
+    "weights" (this rank's parameters and RoPE tables, as Transformer holds them; with quant,
+    a WeightQuant, the projections at one byte an element plus their float32 scales, a
+    per-tensor layout's stacked q | k | v and gate | up counted per channel), "kv_cache" (as
+    Runner sizes it: the batch rounded up to a power of two, seq_len rounded up to pages; or
+    the budget), "activations" (an estimate: the largest prefill chunk's hidden states, twice,
+    and the logits) and "total". max_position (default seq_len) sizes the RoPE tables."""
     from .models.llama.weights import padded_vocab
     from .nn.attention import kv_heads_per_rank
 
@@ -254,10 +271,20 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
     q, kv = cfg.num_heads // tp * hd, kv_heads_per_rank(cfg.num_kv_heads, tp) * hd
     inter = cfg.intermediate_size // tp
     vocab = padded_vocab(cfg, tp)
-    layer = (q + 2 * kv) * h + h * q + 3 * inter * h + 2 * h + \
-        ((q + 2 * kv) if cfg.qkv_bias else 0)
+    proj = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]   # qkv, o, gate|up, down
+    layer = 2 * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    if quant is None:
+        layer += sum(n * k for n, k in proj)
+        fp8_bytes = 0
+    else:
+        blocks = lambda n: -(-n // 128)   # noqa: E731
+        scales = {"tensor": lambda n, k, stacked: n if stacked else 1,
+                  "channel": lambda n, k, stacked: n,
+                  "block": lambda n, k, stacked: blocks(n) * blocks(k)}[quant.layout]
+        fp8_bytes = L * sum(n * k + 4 * scales(n, k, i in (0, 2)) for i, (n, k) in
+                            enumerate(proj))
     rope = (max_position or seq_len) * hd * 4 * L        # float32 cos|sin per layer
-    weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope
+    weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope + fp8_bytes
     rows = 1 << (batch - 1).bit_length()
     page_bytes = 2 * L * kv * elt * page_size
     need = rows * math.ceil(seq_len / page_size) * page_bytes
@@ -290,7 +317,8 @@ def _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position) -> "st
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
     est = memory_estimate(cfg, tp=rt.tp.size, dtype=dtype, batch=len(prompts), seq_len=longest,
                           page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-                          kv_budget_bytes=budget, max_position=max_position)
+                          kv_budget_bytes=budget, max_position=max_position,
+                          quant=getattr(args, "quant", None))
     if budget is not None and budget < est["kv_cache"]:
         return (f"--kv-budget-gb {args.kv_budget_gb} is less than the {_size(est['kv_cache'])} "
                 f"KV cache that {len(prompts)} sequences (--batch, rounded up to a power of two) "
@@ -411,7 +439,8 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
     t0 = time.perf_counter()
     model = build_model(cfg, src, backend="torch" if backend.startswith("torch") else backend,
                         group=rt.tp, dtype=dtype, device=device,
-                        max_position=max_position, progress=prog.stage(f"[{backend}] loading"))
+                        max_position=max_position, progress=prog.stage(f"[{backend}] loading"),
+                        quantize=args.quantize)
     load_s = time.perf_counter() - t0
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
     runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
@@ -559,10 +588,18 @@ def speedups(results: dict) -> dict:
     return out
 
 
+def weight_format(quant, dtype) -> dict:
+    """The report's "weights": the projections' format (FP8: dtype, scales, where from)."""
+    if quant is None:
+        return {"format": str(dtype).replace("torch.", "")}
+    return quant.describe()
+
+
 def report(args, cfg, rt, dtype, prompts, results, tok):
     fd = results["fusedist"]
     summary = {"model": args.model or args.config, "tp": rt.tp.size, "world": rt.world_size,
                "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
+               "weights": weight_format(getattr(args, "quant", None), dtype),
                "batch": len(prompts), "prompt_len": len(prompts[0]),
                "context_fill": args.context_fill, "max_new_tokens": args.max_new_tokens,
                "baselines": list(args.baselines), "ids": fd.get("ids"),
@@ -587,6 +624,10 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
           f"{summary['dtype']}, batch {len(prompts)}, prompt {len(prompts[0])} tokens"
           + (f" after {args.context_fill} cached" if args.context_fill else "")
           + f", {args.max_new_tokens} new")
+    w = summary["weights"]
+    if w["format"] == "fp8":
+        print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
+              f"{w['source']})")
     if "text" in summary:
         print(f"text: {summary['text'][0]!r}")
     elif "ids" in fd:

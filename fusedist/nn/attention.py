@@ -19,6 +19,13 @@ Sharding over the tensor-parallel group of size W (Megatron / vLLM):
                the caller fuses the all-reduce with residual + RMSNorm. At W = 1 there is no
                communication at all.
 The cache passed in holds this rank's kv heads (Hkv_r of them).
+
+FP8 weights: TPAttention(..., fp8_layout="channel" | "tensor" | "block") keeps qkv_weight and
+o_weight as fusedist.nn.quant.FP8Weight (e4m3 + float32 scales; the activations, bias, cache
+and output stay `dtype`). load_full takes full FP8Weights and shards them (FP8Weight.narrow:
+per-channel scales follow the rows, block scales need the shard on multiples of 128);
+load_shard takes this rank's q / k / v / o shards, bf16 or FP8. The [q_r | k_r | v_r] stack of
+per-tensor parts with different scales becomes per-channel (FP8Weight.cat_rows).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import torch
 
 from ..comm.communicator import Communicator, GroupLike, get_communicator, resolve_group
 from ..ops.attention import DecodePlan, decode, prefill, rope_append, rope_cos_sin
+from ..ops.allreduce import all_reduce
 from ..ops.gemm_comm import gemm_ar
 from ..distributed.runtime import is_initialized
 from .kv_cache import PagedKVCache
 from .linear import linear
+from .quant import LAYOUTS, FP8Weight
 
 MODES = ("decode", "prefill")
 
@@ -89,7 +98,7 @@ class TPAttention(torch.nn.Module):
                  rope_base: float = 10000.0, rope_scaling: Optional[dict] = None,
                  max_position: int = 8192, rope_style: str = "neox", group: GroupLike = None,
                  dtype=None, device=None, rotary_dim: Optional[int] = None,
-                 softmax_scale: Optional[float] = None):
+                 softmax_scale: Optional[float] = None, fp8_layout: Optional[str] = None):
         super().__init__()
         self.comm = None
         if group is not None or is_initialized():
@@ -118,12 +127,21 @@ class TPAttention(torch.nn.Module):
         self.kv_first = kv_head_range(num_kv_heads, self.tp_size, self.tp_rank)[0]
         self.scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
         dtype = dtype if dtype is not None else torch.get_default_dtype()
+        if fp8_layout is not None and fp8_layout not in LAYOUTS:
+            raise ValueError(f"TPAttention: fp8_layout must be None or one of {LAYOUTS}, got "
+                             f"{fp8_layout!r}")
+        self.dtype, self.fp8_layout = dtype, fp8_layout
         rows = (self.q_heads + 2 * self.kv_heads) * head_dim
         p = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=dtype, device=device),  # noqa
                                           requires_grad=False)
-        self.qkv_weight = p(rows, hidden_size)
+        if fp8_layout is None:
+            self.qkv_weight = p(rows, hidden_size)
+            self.o_weight = p(hidden_size, self.q_heads * head_dim)
+        else:
+            self.qkv_weight = FP8Weight.empty(rows, hidden_size, fp8_layout, device)
+            self.o_weight = FP8Weight.empty(hidden_size, self.q_heads * head_dim, fp8_layout,
+                                            device)
         self.qkv_bias = p(rows) if qkv_bias else None
-        self.o_weight = p(hidden_size, self.q_heads * head_dim)
         self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_position, rope_base,
                                                      rope_scaling, device=device,
                                                      rotary_dim=rotary_dim), persistent=False)
@@ -131,7 +149,8 @@ class TPAttention(torch.nn.Module):
     @torch.no_grad()
     def load_full(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
         """Full HF-layout weights: q_w [H D, hidden], k_w / v_w [Hkv D, hidden], o_w
-        [hidden, H D]; takes this rank's shard."""
+        [hidden, H D] (tensors, or FP8Weights for an fp8_layout module); takes this rank's
+        shard."""
         D, hid = self.head_dim, self.hidden_size
         for name, w, want in (("q_w", q_w, (self.num_heads * D, hid)),
                               ("k_w", k_w, (self.num_kv_heads * D, hid)),
@@ -145,17 +164,63 @@ class TPAttention(torch.nn.Module):
                              "was built with qkv_bias=True")
         qs = slice(self.tp_rank * self.q_heads * D, (self.tp_rank + 1) * self.q_heads * D)
         ks = slice(self.kv_first * D, (self.kv_first + self.kv_heads) * D)
-        self.qkv_weight.copy_(torch.cat([q_w[qs], k_w[ks], v_w[ks]]))
+        self._check_kinds("load_full", q_w=q_w, k_w=k_w, v_w=v_w, o_w=o_w)
+        if self.fp8_layout is not None:
+            cut = lambda w, dim, s, name: w.narrow(dim, s.start, s.stop,  # noqa: E731
+                                                   f"TPAttention.load_full {name}")
+            return self.load_shard(cut(q_w, 0, qs, "q_w"), cut(k_w, 0, ks, "k_w"),
+                                   cut(v_w, 0, ks, "v_w"), cut(o_w, 1, qs, "o_w"),
+                                   *((q_b[qs], k_b[ks], v_b[ks]) if q_b is not None else ()))
+        return self.load_shard(q_w[qs], k_w[ks], v_w[ks], o_w[:, qs],
+                               *((q_b[qs], k_b[ks], v_b[ks]) if q_b is not None else ()))
+
+    @torch.no_grad()
+    def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+        """This rank's shards: q_w [H/W D, hidden] (its q heads), k_w / v_w [Hkv_r D, hidden]
+        (its kv heads), o_w [hidden, H/W D] (their o_proj columns), biases likewise; tensors, or
+        FP8Weights for an fp8_layout module (stacked by FP8Weight.cat_rows, so a per-tensor
+        checkpoint's q / k / v scales become per-channel when they differ)."""
+        D, hid = self.head_dim, self.hidden_size
+        for name, w, want in (("q_w", q_w, (self.q_heads * D, hid)),
+                              ("k_w", k_w, (self.kv_heads * D, hid)),
+                              ("v_w", v_w, (self.kv_heads * D, hid)),
+                              ("o_w", o_w, (hid, self.q_heads * D))):
+            if tuple(w.shape) != want:
+                raise ValueError(f"TPAttention.load_shard: {name} must be {list(want)}, got "
+                                 f"{list(w.shape)}")
+        self._check_kinds("load_shard", q_w=q_w, k_w=k_w, v_w=v_w, o_w=o_w)
+        if (self.qkv_bias is not None) != (q_b is not None):
+            raise ValueError("TPAttention.load_shard: pass q_b, k_b, v_b exactly when the module "
+                             "was built with qkv_bias=True")
+        if self.fp8_layout is not None:
+            dev = self.cos_sin.device
+            self.qkv_weight = FP8Weight.cat_rows([q_w, k_w, v_w],
+                                                 "TPAttention qkv (q | k | v rows)").to(dev)
+            self.o_weight = o_w.to(dev)
+        else:
+            self.qkv_weight.copy_(torch.cat([q_w, k_w, v_w]))
+            self.o_weight.copy_(o_w)
         if self.qkv_bias is not None:
-            self.qkv_bias.copy_(torch.cat([q_b[qs], k_b[ks], v_b[ks]]))
-        self.o_weight.copy_(o_w[:, qs])
+            self.qkv_bias.copy_(torch.cat([q_b, k_b, v_b]))
         return self
+
+    def _check_kinds(self, op: str, **weights) -> None:
+        """FP8Weights (of the module's scale layout) exactly when fp8_layout is set."""
+        for name, w in weights.items():
+            if isinstance(w, FP8Weight) != (self.fp8_layout is not None):
+                raise ValueError(f"TPAttention.{op}: {name} is "
+                                 f"{'an FP8Weight' if isinstance(w, FP8Weight) else 'a tensor'}"
+                                 f"; this module was built with fp8_layout={self.fp8_layout!r} "
+                                 "(FP8Weights exactly when fp8_layout is set)")
+            if isinstance(w, FP8Weight) and w.layout != self.fp8_layout:
+                raise ValueError(f"TPAttention.{op}: {name} has {w.layout} scales; this "
+                                 f"module was built with fp8_layout={self.fp8_layout!r}")
 
     def make_cache(self, num_layers: int, num_pages: int, page_size: int = 16,
                    kv_dtype: Optional[torch.dtype] = None) -> PagedKVCache:
         """A cache for this rank's kv heads."""
         return PagedKVCache(num_layers, self.kv_heads, self.head_dim, num_pages, page_size,
-                            self.qkv_weight.dtype, self.qkv_weight.device, kv_dtype)
+                            self.dtype, self.cos_sin.device, kv_dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, layer: int,
                 meta: AttentionMetadata, *, reduce: bool = True) -> torch.Tensor:
@@ -186,9 +251,12 @@ class TPAttention(torch.nn.Module):
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
             return linear(o, self.o_weight)   # T == 0 on every rank alike: nothing to reduce
+        if isinstance(self.o_weight, FP8Weight):
+            return all_reduce(linear(o, self.o_weight), group=self.comm)
         return gemm_ar(o, self.o_weight.t(), group=self.comm)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads} "
                 f"(per rank {self.q_heads}/{self.kv_heads}), head_dim={self.head_dim}, "
-                f"tp={self.tp_size}, rope={self.rope_style}")
+                f"tp={self.tp_size}, rope={self.rope_style}"
+                + (f", fp8 {self.fp8_layout} scales" if self.fp8_layout else ""))

@@ -13,7 +13,13 @@ RowParallelLinear     Y = X A^T + b, A [out, in] split by columns (input feature
 Weights load from the full matrix with from_full()/load_full(), which take this rank's shard.
 linear(x, w, bias)    x @ w^T (+ bias) for a local [out, in] weight, no communication: the
     GEMM dispatch every projection of fusedist's model layers shares (fusedist.gemm's `auto`
-    rules for CUDA bf16/fp16, F.linear where fusedist.gemm takes no such call).
+    rules for CUDA bf16/fp16, F.linear where fusedist.gemm takes no such call; an FP8Weight
+    goes through fusedist.nn.quant.fp8_linear).
+FP8 weights (fusedist.nn.quant.FP8Weight): from_full() / load_full() take one and keep it FP8,
+sharded by FP8Weight.shard (per-channel scales follow the rows, block scales are cut along the
+split dimension, on multiples of 128). The GEMM is fp8_linear; the communication is the
+all-gather / all-reduce of the bf16 output (the fused ag_gemm / gemm_rs / gemm_ar engines and
+sequence_parallel take bf16 / fp16 weights only).
 Any number of tokens, 0 included (then every rank of the group has 0: the collectives need the
 same M everywhere, and an empty call skips them on every rank alike).
 These are inference modules: parameters do not require grad (the ops write into preallocated
@@ -29,16 +35,21 @@ import torch.nn.functional as F
 
 from ..comm.communicator import GroupLike, get_communicator
 from ..ops.gemm import gemm
+from ..ops.allreduce import all_reduce
 from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
+from .quant import FP8Weight, fp8_linear
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] @ w^T (+ bias [out]) for a row-major nn.Linear weight w [out, in].
     CUDA bf16/fp16 with in and out multiples of 8 (16-byte TMA rows) go through
     fusedist.gemm(kernel="auto"): fusedist's decode or sm90 kernel where the tuning table's
     rules measured it faster than torch.matmul at that (M, K, N), torch.matmul (cuBLAS)
-    everywhere else. Other calls (CPU, fp32, odd sizes) are F.linear."""
+    everywhere else. Other calls (CPU, fp32, odd sizes) are F.linear. An FP8Weight goes
+    through fusedist.nn.quant.fp8_linear (the GEMV to 16 rows, torch._scaled_mm, or its
+    dequantized weight; on CPU the fp32 reference), the output in x's dtype."""
+    if isinstance(w, FP8Weight):
+        return fp8_linear(x, w, bias)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and \
             w.dim() == 2 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and \
             w.stride(1) == 1 and w.stride(0) % 8 == 0:
@@ -69,10 +80,26 @@ class _TPLinear(torch.nn.Module):
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, **kw):
-        """Build the module for a full [out, in] weight (and bias) and load this rank's shard."""
-        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=weight.dtype,
-                device=kw.pop("device", None), **kw)
+        """Build the module for a full [out, in] weight (and bias) and load this rank's shard.
+        An FP8Weight stays FP8; the module's dtype (activations, bias) is then dtype=, else the
+        bias's, else bfloat16."""
+        fp8 = isinstance(weight, FP8Weight)
+        dtype = kw.pop("dtype", None) or (weight.dtype if not fp8 else
+                                          bias.dtype if bias is not None else torch.bfloat16)
+        device = kw.pop("device", weight.device if fp8 else None)
+        m = cls(weight.shape[1], weight.shape[0], bias is not None, dtype=dtype, device=device,
+                **kw)
         return m.load_full(weight, bias)
+
+    def _fp8_shard(self, weight: FP8Weight, dim: int, what: str) -> None:
+        """Keep this rank's shard of an FP8 weight in place of the bf16 / fp16 parameter."""
+        if self.sequence_parallel:
+            raise ValueError(f"{what}: sequence_parallel=True takes bf16 / fp16 weights (the "
+                             "fused GEMM + collective engines); FP8 weights run with "
+                             "sequence_parallel=False")
+        shard = weight.shard(dim, self.tp_rank, self.tp_size, what).to(self.weight.device)
+        self._parameters.pop("weight", None)
+        self.weight = shard
 
     def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         lead = tuple(x.shape[:-1])
@@ -99,7 +126,10 @@ class ColumnParallelLinear(_TPLinear):
             raise ValueError(f"ColumnParallelLinear.load_full: weight must be "
                              f"[{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
         rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
-        self.weight.copy_(weight[rows])
+        if isinstance(weight, FP8Weight):
+            self._fp8_shard(weight, 0, "ColumnParallelLinear.load_full")
+        else:
+            self.weight.copy_(weight[rows])
         if self.bias is not None:
             if bias is None:
                 raise ValueError("ColumnParallelLinear.load_full: the module has a bias; pass bias=")
@@ -108,7 +138,9 @@ class ColumnParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2, lead = self._flat(x)
-        if self.sequence_parallel:
+        if isinstance(self.weight, FP8Weight):
+            y = linear(x2, self.weight, self.bias)
+        elif self.sequence_parallel:
             y = ag_gemm(x2, self.weight.t(), self.bias, group=self.comm, engine=self.engine)
             lead = (y.shape[0],)
         elif self.bias is not None:
@@ -139,7 +171,10 @@ class RowParallelLinear(_TPLinear):
             raise ValueError(f"RowParallelLinear.load_full: weight must be "
                              f"[{self.out_features}, {self.in_features}], got {tuple(weight.shape)}")
         cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
-        self.weight.copy_(weight[:, cols])
+        if isinstance(weight, FP8Weight):
+            self._fp8_shard(weight, 1, "RowParallelLinear.load_full")
+        else:
+            self.weight.copy_(weight[:, cols])
         if self.bias is not None:
             if bias is None:
                 raise ValueError("RowParallelLinear.load_full: the module has a bias; pass bias=")
@@ -150,6 +185,13 @@ class RowParallelLinear(_TPLinear):
         if not self.input_is_parallel:
             x = x[..., self.tp_rank * self.in_per_rank:(self.tp_rank + 1) * self.in_per_rank]
         x2, lead = self._flat(x)
+        if isinstance(self.weight, FP8Weight):
+            y = linear(x2, self.weight)
+            if self.tp_size > 1 and y.shape[0]:
+                y = all_reduce(y, group=self.comm)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*lead, y.shape[-1])
         if self.sequence_parallel:
             y = gemm_rs(x2, self.weight.t(), self.bias, group=self.comm, engine=self.engine)
             return y

@@ -5,26 +5,32 @@ model.py (fusedist's model), baseline.py (the plain-torch baseline on the same w
 import torch
 
 from .baseline import TorchTransformer
-from .config import NAMED, SUPPORTED_ARCHITECTURES, LlamaConfig
+from .config import NAMED, SUPPORTED_ARCHITECTURES, LlamaConfig, WeightQuant
 from .model import Transformer
-from .weights import RandomWeights, SafetensorsWeights, WeightSource, open_weights
+from .weights import (QUANTIZE, RandomWeights, SafetensorsWeights, WeightSource, open_weights,
+                      resolve_quant)
 
 # backend -> the model class (the CLI's --baseline torch / torch-compile build "torch").
 BACKENDS = {"fusedist": Transformer, "torch": TorchTransformer}
 
 
 def build_model(cfg: LlamaConfig, src: WeightSource, *, backend: str = "fusedist", group=None,
-                dtype=torch.bfloat16, device=None, max_position: int = 0, progress=None):
+                dtype=torch.bfloat16, device=None, max_position: int = 0, progress=None,
+                quantize=None):
     """The model for cfg on this rank's group (`backend`: "fusedist", or "torch" for the
-    plain-torch baseline), loaded from src (progress(i, n) per layer), in eval mode."""
+    plain-torch baseline), loaded from src (progress(i, n) per layer), in eval mode.
+    Projection weights: FP8 as an FP8 checkpoint stores them (cfg.quant, from its
+    quantization_config), or quantized at load with quantize="fp8" (per output channel;
+    "fp8-tensor", "fp8-block" for the other scale layouts), else `dtype`
+    (weights.resolve_quant)."""
     if backend not in BACKENDS:
         raise ValueError(f"fusedist.models: backend must be one of {tuple(BACKENDS)}, got "
                          f"{backend!r}")
     m = BACKENDS[backend](cfg, group=group, dtype=dtype, device=device,
-                          max_position=max_position)
+                          max_position=max_position, quant=resolve_quant(cfg, quantize, src))
     return m.load(src, progress).eval()
 
 
 __all__ = ["LlamaConfig", "NAMED", "SUPPORTED_ARCHITECTURES", "Transformer", "TorchTransformer",
            "build_model", "BACKENDS", "WeightSource", "SafetensorsWeights", "RandomWeights",
-           "open_weights"]
+           "open_weights", "WeightQuant", "QUANTIZE", "resolve_quant"]

@@ -8,7 +8,13 @@ attention as fusedist.nn.TPAttention in plain torch (RoPE in torch, SDPA over a 
 an explicit backend priority (SDPA_BACKENDS: cuDNN first), so the kernel they get does not
 depend on what else ran in the process. Decode on CUDA takes whichever of two plain-torch
 forms is faster at the step's (batch, cache length), timed once outside graph capture
-(DECODE_PATHS)."""
+(DECODE_PATHS).
+
+With FP8 weights (the same FP8Weights fusedist's model holds) its projections are
+torch_linear's plain-torch FP8 GEMM: torch._scaled_mm with row-wise scales on CUDA (each token
+of x quantized to e4m3 with its own scale, the weight's per-channel scales; a per-tensor scale
+broadcast to the channels), the weight dequantized to x's dtype and F.linear elsewhere (CPU,
+128 x 128 block scales, fp16 / fp32, sizes not multiples of 16)."""
 
 from __future__ import annotations
 
@@ -22,9 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...nn.attention import kv_head_range
+from ...nn.quant import FP8Weight, device_capability, scaled_mm_rowwise
 from ...ops.attention import prefill_runs, sdpa_priority
 from .config import LlamaConfig
-from .model import Transformer, rmsnorm
+from .model import MLP, Transformer, rmsnorm
 
 # torch >= 2.13 renames all_gather_into_tensor; the baseline keeps the name every supported
 # torch has.
@@ -92,6 +99,20 @@ def _pick_decode_path(key, args) -> str:
     return decode_path_choices[key]
 
 
+def torch_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, or for an FP8Weight the plain-torch FP8 GEMM (module docstring)."""
+    if not isinstance(w, FP8Weight):
+        return F.linear(x, w, bias)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.is_cuda and x2.shape[0] and w.layout != "block" and x2.dtype == torch.bfloat16 and \
+            n % 16 == 0 and k % 16 == 0 and device_capability(x2.device) >= (9, 0):
+        y = scaled_mm_rowwise(x2.contiguous(), w.data, w.channel_scale, bias)
+    else:
+        y = F.linear(x2, w.dequantize(x2.dtype), bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
 def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
     """Inverse frequencies in fp32, computed as Hugging Face computes them (llama3 scaling
     included), so fp32 logits agree with HF's to rounding."""
@@ -136,7 +157,8 @@ class StaticKVCache:
 
 
 class TorchAttention(torch.nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: int, rank: int, max_position: int, dtype, device):
+    def __init__(self, cfg: LlamaConfig, tp: int, rank: int, max_position: int, dtype, device,
+                 fp8_layout: Optional[str] = None):
         super().__init__()
         self.heads = cfg.num_heads // tp
         first, last = kv_head_range(cfg.num_kv_heads, tp, rank)
@@ -145,23 +167,32 @@ class TorchAttention(torch.nn.Module):
         n = (self.heads + 2 * self.kv_heads) * hd
         p = lambda *s: torch.nn.Parameter(torch.zeros(*s, dtype=dtype, device=device),  # noqa
                                           requires_grad=False)
-        self.wqkv = p(n, cfg.hidden_size)
+        self.fp8_layout = fp8_layout
+        if fp8_layout is None:
+            self.wqkv = p(n, cfg.hidden_size)
+            self.wo = p(cfg.hidden_size, self.heads * hd)
+        else:
+            self.wqkv = FP8Weight.empty(n, cfg.hidden_size, fp8_layout, device)
+            self.wo = FP8Weight.empty(cfg.hidden_size, self.heads * hd, fp8_layout, device)
         self.bqkv = p(n) if cfg.qkv_bias else None
-        self.wo = p(cfg.hidden_size, self.heads * hd)
         cos, sin = rope_tables(hd, max_position, cfg.rope_theta, cfg.rope_scaling, device, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     @torch.no_grad()
     def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
-        self.wqkv.copy_(torch.cat((q_w, k_w, v_w)))
+        if self.fp8_layout is not None:
+            self.wqkv = FP8Weight.cat_rows([q_w, k_w, v_w], "TorchAttention qkv")
+            self.wo = o_w
+        else:
+            self.wqkv.copy_(torch.cat((q_w, k_w, v_w)))
+            self.wo.copy_(o_w)
         if self.bqkv is not None:
             self.bqkv.copy_(torch.cat((q_b, k_b, v_b)))
-        self.wo.copy_(o_w)
 
     def forward(self, x, positions, cache: StaticKVCache, layer: int, meta, seq_rows=None):
         T, H, KH, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = F.linear(x, self.wqkv, self.bqkv)
+        qkv = torch_linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split((H * D, KH * D, KH * D), dim=-1)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         q = _rotate(q.view(T, H, D), cos, sin)
@@ -173,7 +204,7 @@ class TorchAttention(torch.nn.Module):
                 o = self._decode(q, k, v, kc, vc, positions, meta.seq_lens)
             else:
                 o = self._prefill(q, k, v, kc, vc, meta, seq_rows)
-        return F.linear(o.reshape(T, H * D), self.wo)
+        return torch_linear(o.reshape(T, H * D), self.wo)
 
     def _decode(self, q, k, v, kc, vc, positions, seq_lens):
         # Decode rows are the cache's batch rows 0..T-1 (the runner's static buffers).
@@ -233,21 +264,13 @@ def _row_runs(runs, rows):
     return out
 
 
-class TorchMLP(torch.nn.Module):
-    """The model's MLP in plain torch: F.linear, F.silu."""
-
-    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device):
-        super().__init__()
-        self.inter = cfg.intermediate_size // tp
-        self.gate_up = torch.nn.Parameter(torch.empty(2 * self.inter, cfg.hidden_size,
-                                                      dtype=dtype, device=device),
-                                          requires_grad=False)
-        self.down = torch.nn.Parameter(torch.empty(cfg.hidden_size, self.inter, dtype=dtype,
-                                                   device=device), requires_grad=False)
+class TorchMLP(MLP):
+    """The model's MLP (same weights, same load_shard) in plain torch: F.linear (torch_linear
+    for FP8 weights), F.silu."""
 
     def forward(self, x):
-        gu = F.linear(x, self.gate_up)
-        return F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
+        gu = torch_linear(x, self.gate_up)
+        return torch_linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
 
 
 class TorchTransformer(Transformer):
@@ -257,10 +280,10 @@ class TorchTransformer(Transformer):
 
     def _attention(self) -> torch.nn.Module:
         return TorchAttention(self.cfg, self.tp, self.rank, self.max_position, self.dtype,
-                              self.device)
+                              self.device, self.fp8_layout)
 
     def _mlp(self) -> torch.nn.Module:
-        return TorchMLP(self.cfg, self.tp, self.dtype, self.device)
+        return TorchMLP(self.cfg, self.tp, self.dtype, self.device, self.fp8_layout)
 
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
         return attn(x, positions, cache, layer, meta, seq_rows)

@@ -6,6 +6,23 @@
 
 Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"), MistralForCausalLM and
 Qwen2ForCausalLM (Qwen2 / 2.5: biases on q, k, v). Anything else raises with the list.
+
+FP8 checkpoints (cfg.quant, a WeightQuant, from config.json's quantization_config; the
+projections q/k/v/o, gate/up, down are e4m3 with float32 scales, everything else is
+bf16 / fp16 / fp32):
+  quant_method "fp8"                 Hugging Face's fine-grained FP8 (DeepSeek-V3 / Qwen3-FP8):
+                                     `*.weight_scale_inv`, which multiplies the e4m3 values,
+                                     per 128 x 128 block (weight_block_size [128, 128]) or per
+                                     tensor (weight_block_size null); activation_scheme
+                                     "dynamic" only.
+  quant_method "compressed-tensors"  format "float-quantized" / "naive-quantized" with 8-bit
+                                     float weights: `*.weight_scale` per channel ([N, 1]), per
+                                     tensor ([] / [1]) or per 128 x 128 block. Static input
+                                     scales (input_activations.dynamic false, `*.input_scale`)
+                                     are accepted and not used: fusedist scales activations
+                                     per token at run time.
+Anything else in quantization_config (another method, block size, scale format, static
+activations of quant_method "fp8", integer weights) raises naming the field.
 """
 
 from __future__ import annotations
@@ -52,6 +69,129 @@ def load_json(path: str, fix: str):
             raise ValueError(f"fusedist.models: {path} is not valid JSON ({e}); {fix}") from None
 
 
+QUANT_METHODS = ("fp8", "compressed-tensors")
+FP8_BLOCK = [128, 128]
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How the projection weights (q/k/v/o, gate/up, down) are FP8: `method` "fp8" or
+    "compressed-tensors" (read from the checkpoint) or "quantize" (a floating checkpoint
+    quantized at load); `layout` of the scales ("tensor", "channel", "block": 128 x 128);
+    `scale_suffix`, the checkpoint's scale tensor of `<proj>.weight` (`<proj>.<suffix>`; "" when
+    quantized at load); `input_scales`: the checkpoint also holds static input scales (read
+    past: activations get dynamic per-token scales)."""
+    method: str
+    layout: str
+    scale_suffix: str = ""
+    input_scales: bool = False
+
+    def describe(self) -> dict:
+        """The weight format as the CLI's report states it."""
+        src = {"fp8": "checkpoint (quantization_config.quant_method fp8)",
+               "compressed-tensors": "checkpoint (quantization_config.quant_method "
+                                     "compressed-tensors)",
+               "quantize": "quantized at load (amax / 448)"}[self.method]
+        scales = {"tensor": "per-tensor", "channel": "per-output-channel",
+                  "block": "128x128 blocks"}[self.layout]
+        d = {"format": "fp8", "dtype": "float8_e4m3fn", "scales": scales, "source": src,
+             "layers": "q/k/v/o, gate/up, down (embeddings, norms, LM head: the model dtype)"}
+        if self.input_scales:
+            d["input_scales"] = "static scales in the checkpoint not used (dynamic per-token)"
+        return d
+
+
+def parse_quantization(q, fail) -> Optional[WeightQuant]:
+    """The WeightQuant of config.json's quantization_config (None when absent); fail(msg) for
+    what fusedist does not read, naming the field."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        fail(f"quantization_config must be a JSON object, got {q!r}")
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _parse_hf_fp8(q, fail)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(q, fail)
+    fail(f"quantization_config.quant_method {method!r} is not supported; fusedist reads FP8 "
+         f"checkpoints of quant_method {' or '.join(repr(m) for m in QUANT_METHODS)} (or "
+         "quantizes a bf16 checkpoint at load: --quantize fp8)")
+
+
+def _parse_hf_fp8(q: dict, fail) -> WeightQuant:
+    scheme = q.get("activation_scheme", "dynamic")
+    if not isinstance(scheme, str) or scheme.lower() != "dynamic":
+        fail(f"quantization_config.activation_scheme {scheme!r} is not supported; fusedist "
+             "scales activations at run time (\"dynamic\"), it does not apply static "
+             "activation scales")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        fail(f"quantization_config.fmt {fmt!r} is not supported; fusedist reads e4m3 weights")
+    sfmt = q.get("scale_fmt", "float")
+    if sfmt not in (None, "float"):
+        fail(f"quantization_config.scale_fmt {sfmt!r} is not supported; fusedist reads float32 "
+             "scales (\"float\")")
+    block = q.get("weight_block_size", FP8_BLOCK)
+    if block is None:
+        layout = "tensor"
+    elif isinstance(block, (list, tuple)) and list(block) == FP8_BLOCK:
+        layout = "block"
+    else:
+        fail(f"quantization_config.weight_block_size {block!r} is not supported; fusedist reads "
+             f"{FP8_BLOCK} blocks or null (one scale per tensor)")
+    return WeightQuant("fp8", layout, "weight_scale_inv")
+
+
+def _parse_compressed_tensors(q: dict, fail) -> WeightQuant:
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        fail("quantization_config.config_groups must be a non-empty JSON object (compressed-"
+             "tensors)")
+    layouts, static = set(), False
+    for gname, g in groups.items():
+        key = f"quantization_config.config_groups.{gname}"
+        if not isinstance(g, dict):
+            fail(f"{key} must be a JSON object, got {g!r}")
+        fmt = g.get("format") or q.get("format")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            fail(f"{key}.format / quantization_config.format {fmt!r} is not supported; fusedist "
+                 "reads compressed-tensors FP8 in \"float-quantized\" or \"naive-quantized\" "
+                 "format")
+        w = g.get("weights")
+        if not isinstance(w, dict):
+            fail(f"{key}.weights must be a JSON object, got {w!r}")
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            fail(f"{key}.weights is {w.get('type')!r} with num_bits {w.get('num_bits')!r}; "
+                 "fusedist reads 8-bit float (FP8 e4m3) weights only")
+        if w.get("symmetric", True) is not True:
+            fail(f"{key}.weights.symmetric must be true (FP8 weights have no zero point)")
+        if w.get("dynamic", False):
+            fail(f"{key}.weights.dynamic true is not supported; fusedist reads stored weight "
+                 "scales")
+        strategy = w.get("strategy")
+        if strategy in ("tensor", "channel"):
+            layouts.add(strategy)
+        elif strategy == "block":
+            bs = w.get("block_structure")
+            if not isinstance(bs, (list, tuple)) or list(bs) != FP8_BLOCK:
+                fail(f"{key}.weights.block_structure {bs!r} is not supported; fusedist reads "
+                     f"{FP8_BLOCK} blocks")
+            layouts.add("block")
+        else:
+            fail(f"{key}.weights.strategy {strategy!r} is not supported; fusedist reads "
+                 "\"tensor\", \"channel\" or \"block\" ([128, 128]) FP8 weight scales")
+        a = g.get("input_activations")
+        if a is not None:
+            if not isinstance(a, dict) or a.get("type") != "float" or a.get("num_bits") != 8:
+                fail(f"{key}.input_activations {a!r} is not supported; fusedist runs 8-bit float "
+                     "activations (dynamic, per token) or unquantized ones")
+            static = static or not a.get("dynamic", False)
+    if len(layouts) > 1:
+        fail(f"quantization_config.config_groups use several weight strategies "
+             f"{sorted(layouts)}; fusedist reads one for every projection")
+    return WeightQuant("compressed-tensors", layouts.pop(), "weight_scale", input_scales=static)
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
@@ -71,6 +211,7 @@ class LlamaConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     sliding_window: Optional[int] = None  # Mistral: sequences stay within it (not applied)
+    quant: Optional[WeightQuant] = None  # FP8 projections of the checkpoint (quantization_config)
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -195,6 +336,7 @@ class LlamaConfig:
                      "(Llama 3.1 / 3.2) or none")
             else:
                 scaling = _check_llama3_rope(scaling, scaling_key, fail)
+        quant = parse_quantization(d.get("quantization_config"), fail)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
@@ -204,7 +346,7 @@ class LlamaConfig:
                    rope_scaling=scaling, max_position=max_position,
                    qkv_bias=qkv_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
-                   sliding_window=window, name=name, extra=dict(d))
+                   sliding_window=window, quant=quant, name=name, extra=dict(d))
 
     @classmethod
     def from_dir(cls, path: str) -> "LlamaConfig":

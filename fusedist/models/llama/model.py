@@ -22,6 +22,11 @@ no exchange and reads T rows; a vocab-parallel one would add an all-reduce per s
 vocabulary, and its logits are all-gathered. At TP 1 there is no exchange at all: the
 residual add and RMSNorm are one fusedist.add_rmsnorm kernel, which updates the residual
 stream in place.
+
+FP8 weights (quant=, a config.WeightQuant; build_model's quantize= or an FP8 checkpoint): q/k/v,
+o, gate|up and down are fusedist.nn.quant.FP8Weight, their GEMMs fusedist.nn.linear.linear's
+FP8 paths; embeddings, norms, the LM head, activations and the KV cache stay in the model
+dtype.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from ...nn.attention import TPAttention, kv_head_range
 from ...nn.kv_cache import PagedKVCache
 from ...nn.linear import _gather_columns
 from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
+from ...nn.quant import FP8Weight
 from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
 from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
 from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
 from ...ops.attention import decode_plan
 from ...ops.silu_mul import silu_mul
-from .config import LlamaConfig
-from .weights import WeightSource, check_tp, check_weights, padded_vocab
+from .config import LlamaConfig, WeightQuant
+from .weights import WeightSource, check_tp, check_weights, padded_vocab, read_projection
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -63,13 +69,30 @@ class MLP(torch.nn.Module):
     """SwiGLU, gate|up column-parallel (one GEMM for both), down row-parallel; returned before
     the down projection's all-reduce."""
 
-    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device):
+    def __init__(self, cfg: LlamaConfig, tp: int, dtype, device, fp8_layout=None):
         super().__init__()
         self.inter = cfg.intermediate_size // tp
-        # [gate_r; up_r]: one column-parallel GEMM for both.
-        self.gate_up = _param(torch.empty(2 * self.inter, cfg.hidden_size, dtype=dtype,
-                                          device=device))
-        self.down = _param(torch.empty(cfg.hidden_size, self.inter, dtype=dtype, device=device))
+        self.fp8_layout = fp8_layout
+        h = cfg.hidden_size
+        if fp8_layout is None:
+            # [gate_r; up_r]: one column-parallel GEMM for both.
+            self.gate_up = _param(torch.empty(2 * self.inter, h, dtype=dtype, device=device))
+            self.down = _param(torch.empty(h, self.inter, dtype=dtype, device=device))
+        else:
+            self.gate_up = FP8Weight.empty(2 * self.inter, h, fp8_layout, device)
+            self.down = FP8Weight.empty(h, self.inter, fp8_layout, device)
+
+    @torch.no_grad()
+    def load_shard(self, gate, up, down):
+        """This rank's gate / up rows and down_proj columns: tensors, or FP8Weights (gate|up
+        stacked by FP8Weight.cat_rows)."""
+        if self.fp8_layout is None:
+            self.gate_up[:self.inter].copy_(gate)
+            self.gate_up[self.inter:].copy_(up)
+            self.down.copy_(down)
+        else:
+            self.gate_up = FP8Weight.cat_rows([gate, up], "MLP gate | up rows")
+            self.down = down
 
     def forward(self, x):
         gu = linear(x, self.gate_up)
@@ -99,12 +122,13 @@ class Transformer(torch.nn.Module):
     backend = "fusedist"
 
     def __init__(self, cfg: LlamaConfig, *, group=None, dtype: torch.dtype = torch.bfloat16,
-                 device=None, max_position: int = 0):
+                 device=None, max_position: int = 0, quant: Optional[WeightQuant] = None):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.quant = cfg, dtype, quant
+        self.fp8_layout = quant.layout if quant is not None else None
         self.comm = get_communicator(group)
         self.tp, self.rank = self.comm.group.size, self.comm.group.rank
-        check_tp(cfg, self.tp)
+        check_tp(cfg, self.tp, quant)
         device = torch.device(device) if device is not None else self.comm.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -135,19 +159,24 @@ class Transformer(torch.nn.Module):
                            qkv_bias=cfg.qkv_bias, rope_base=cfg.rope_theta,
                            rope_scaling=cfg.rope_scaling, max_position=self.max_position,
                            rope_style="neox", group=self.comm, dtype=self.dtype,
-                           device=self.device)
+                           device=self.device, fp8_layout=self.fp8_layout)
 
     # ---- weights -------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, src: WeightSource, progress=None) -> "Transformer":
         """Fill every parameter with this rank's slices of `src` (progress(i, n) per layer),
         after checking every tensor's full shape and dtype against the config
-        (weights.check_weights)."""
+        (weights.check_weights). Projections are read as self.quant says (FP8 from the
+        checkpoint, quantized at load, or the model dtype)."""
         cfg, dt, dev, r = self.cfg, self.dtype, self.device, self.rank
-        check_weights(src, cfg)
+        check_weights(src, cfg, self.quant)
 
         def rd(name, dim=None, start=0, stop=None):
             return src.read(name, dim, start, stop, dtype=dt, device=dev)
+
+        def proj(name, dim, start, stop):
+            return read_projection(src, name, self.quant, dim, start, stop, dtype=dt,
+                                   device=dev, reduce_amax=self._max_over_ranks)
 
         self.embed.copy_(rd("model.embed_tokens.weight"))
         self.norm.copy_(rd("model.norm.weight"))
@@ -165,9 +194,9 @@ class Transformer(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            q = dict(q_w=rd(a + "q_proj.weight", 0, r * qn, (r + 1) * qn),
-                     k_w=rd(a + "k_proj.weight", 0, k0, k1), v_w=rd(a + "v_proj.weight", 0, k0, k1),
-                     o_w=rd(a + "o_proj.weight", 1, r * qn, (r + 1) * qn))
+            q = dict(q_w=proj(a + "q_proj", 0, r * qn, (r + 1) * qn),
+                     k_w=proj(a + "k_proj", 0, k0, k1), v_w=proj(a + "v_proj", 0, k0, k1),
+                     o_w=proj(a + "o_proj", 1, r * qn, (r + 1) * qn))
             if cfg.qkv_bias:
                 q.update(q_b=rd(a + "q_proj.bias", 0, r * qn, (r + 1) * qn),
                          k_b=rd(a + "k_proj.bias", 0, k0, k1), v_b=rd(a + "v_proj.bias", 0, k0, k1))
@@ -176,12 +205,19 @@ class Transformer(torch.nn.Module):
             layer.post_norm.copy_(rd(p + "post_attention_layernorm.weight"))
             m = p + "mlp."
             i0, i1 = r * inter, (r + 1) * inter
-            layer.mlp.gate_up[:inter].copy_(rd(m + "gate_proj.weight", 0, i0, i1))
-            layer.mlp.gate_up[inter:].copy_(rd(m + "up_proj.weight", 0, i0, i1))
-            layer.mlp.down.copy_(rd(m + "down_proj.weight", 1, i0, i1))
+            layer.mlp.load_shard(proj(m + "gate_proj", 0, i0, i1), proj(m + "up_proj", 0, i0, i1),
+                                 proj(m + "down_proj", 1, i0, i1))
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         return self
+
+    def _max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """t's elementwise max over the tensor-parallel group (weights quantized at load take
+        the whole weight's amax this way)."""
+        if self.tp > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX,
+                                         group=self.comm.group.pg)
+        return t
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, meta,
@@ -203,7 +239,7 @@ class Transformer(torch.nn.Module):
 
     # ---- the ops of a step (the torch baseline overrides these) ---------------------------
     def _mlp(self) -> torch.nn.Module:
-        return MLP(self.cfg, self.tp, self.dtype, self.device)
+        return MLP(self.cfg, self.tp, self.dtype, self.device, self.fp8_layout)
 
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
         return attn(x, positions, cache, layer, meta, reduce=False)
@@ -266,6 +302,9 @@ def load_attention_shard(attn, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None)
     rule that a rank reads only its slices of the checkpoint."""
     if hasattr(attn, "load_shard"):
         return attn.load_shard(q_w, k_w, v_w, o_w, q_b, k_b, v_b)
+    if any(isinstance(w, FP8Weight) for w in (q_w, k_w, v_w, o_w)):
+        raise TypeError(f"load_attention_shard: {type(attn).__name__} has no load_shard to take "
+                        "FP8 weights")
     attn.qkv_weight.copy_(torch.cat((q_w, k_w, v_w)))
     if attn.qkv_bias is not None:
         attn.qkv_bias.copy_(torch.cat((q_b, k_b, v_b)))

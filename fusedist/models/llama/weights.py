@@ -18,6 +18,20 @@ would not apply; the error names the tensor and its file.
 The sharding rules: Transformer.load (model.py) names which dimension of which tensor is split;
 fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated when tp > kv
 heads), for the model, TPAttention and the tests alike.
+
+FP8 (the projections q/k/v/o, gate/up, down; docs/design/fp8.md): resolve_quant says how a run
+holds them (config.quant.WeightQuant, or None for the model dtype): read from an FP8 checkpoint
+(its quantization_config), or quantized at load (`quantize="fp8"` and friends, QUANTIZE; random
+weights of an FP8 checkpoint's shape are quantized in its layout). read_projection reads one
+rank's slice of a projection as a fusedist.nn.quant.FP8Weight: the e4m3 rows / columns and the
+scales that go with them (per-channel scales with the rows; block scales cut along the split
+dimension, which must fall on a multiple of 128). A weight quantized at load gets the scales
+of the whole weight, so every tp holds the same FP8 model: where a rank's slice does not hold
+the whole scale group (per-channel scales of a row-parallel weight, o_proj and down_proj,
+whose rows are split by columns; per-tensor scales of any split weight), its amax is the max
+over the ranks (reduce_amax: a MAX all-reduce at load).
+check_weights checks FP8 tensors too: F8_E4M3 projections, their scale tensors' shapes and
+float dtypes.
 """
 
 from __future__ import annotations
@@ -28,8 +42,16 @@ from typing import Optional
 
 import torch
 
-from ...nn.attention import kv_head_range
-from .config import LlamaConfig, load_json
+from ...nn.attention import kv_head_range, kv_heads_per_rank
+from ...nn.quant import FP8, FP8Weight, quantize_fp8, scale_range, scale_shape
+from .config import LlamaConfig, WeightQuant, load_json
+
+# quantize= / --quantize: the scale layout of weights quantized at load ("fp8": per output
+# channel).
+QUANTIZE = {"fp8": "channel", "fp8-channel": "channel", "fp8-tensor": "tensor",
+            "fp8-block": "block"}
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def hf_names(cfg: LlamaConfig) -> list[str]:
@@ -47,12 +69,94 @@ def hf_names(cfg: LlamaConfig) -> list[str]:
     return names
 
 
-def check_tp(cfg: LlamaConfig, tp: int) -> None:
+def projection_names(cfg: LlamaConfig) -> list[str]:
+    """The FP8-able projections' weight names (q/k/v/o, gate/up, down of every layer)."""
+    return [f"model.layers.{i}.{p}.weight" for i in range(cfg.num_layers) for p in PROJECTIONS]
+
+
+def check_tp(cfg: LlamaConfig, tp: int, quant: Optional[WeightQuant] = None) -> None:
     for what, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
         if n % tp:
             raise ValueError(f"fusedist.models: {what}={n} of {cfg.name or 'the model'} is not "
                              f"divisible by tp={tp}; pick a tp that divides it")
     kv_head_range(cfg.num_kv_heads, tp, 0)   # raises when the kv heads do not split evenly
+    if quant is not None and quant.layout == "block":
+        hd = cfg.head_dim
+        for what, n in ((f"q rows (o_proj columns) per rank: num_attention_heads / tp x head_dim "
+                         f"= {cfg.num_heads} / {tp} x {hd}", cfg.num_heads // tp * hd),
+                        (f"k / v rows per rank: kv heads per rank x head_dim = "
+                         f"{kv_heads_per_rank(cfg.num_kv_heads, tp)} x {hd}",
+                         kv_heads_per_rank(cfg.num_kv_heads, tp) * hd),
+                        (f"gate / up rows (down_proj columns) per rank: intermediate_size / tp = "
+                         f"{cfg.intermediate_size} / {tp}", cfg.intermediate_size // tp)):
+            if n % 128:
+                raise ValueError(
+                    f"fusedist.models: FP8 weights with 128 x 128 block scales are split and "
+                    f"stacked (q | k | v, gate | up) in whole blocks only, and "
+                    f"{cfg.name or 'the model'} at tp={tp} has {what} = {n}, not a multiple of "
+                    "128; pick a tp whose shards are whole blocks, or per-channel scales "
+                    "(quantize='fp8' of a bf16 checkpoint)")
+
+
+def quantize_layout(quantize: Optional[str]) -> Optional[str]:
+    """The scale layout of a quantize= value (None / "none": no quantization at load)."""
+    if quantize is None or quantize == "none":
+        return None
+    if quantize not in QUANTIZE:
+        raise ValueError(f"fusedist.models: quantize must be None, 'none' or one of "
+                         f"{', '.join(QUANTIZE)}, got {quantize!r}")
+    return QUANTIZE[quantize]
+
+
+def resolve_quant(cfg: LlamaConfig, quantize: Optional[str], src: "WeightSource"
+                  ) -> Optional[WeightQuant]:
+    """How this run holds the projection weights: the FP8 checkpoint's format (cfg.quant), FP8
+    quantized at load (quantize=, or random weights of an FP8 checkpoint's shape: in its scale
+    layout), or None (the model dtype). quantize="fp8" on an FP8 checkpoint reads it as it is;
+    a layout it does not have (quantize="fp8-block" of a per-channel checkpoint) raises."""
+    layout = quantize_layout(quantize)
+    if cfg.quant is None or isinstance(src, RandomWeights):
+        layout = layout or (cfg.quant.layout if cfg.quant is not None else None)
+        return None if layout is None else WeightQuant("quantize", layout)
+    if layout is not None and quantize != "fp8" and layout != cfg.quant.layout:
+        raise ValueError(f"fusedist.models: the checkpoint is FP8 already ({cfg.quant.method}, "
+                         f"{cfg.quant.layout} scales); quantize={quantize!r} asks for "
+                         f"{layout} scales: drop it or pass 'fp8'")
+    return cfg.quant
+
+
+def read_projection(src: "WeightSource", name: str, quant: Optional[WeightQuant],
+                    dim: Optional[int] = None, start: int = 0, stop: Optional[int] = None, *,
+                    dtype: torch.dtype, device, reduce_amax=None) -> "torch.Tensor | FP8Weight":
+    """Rows (dim 0) or columns (dim 1) [start, stop) of the projection weight `name`.weight:
+    a `dtype` tensor (quant None), or an FP8Weight read from the checkpoint with its scales
+    (`name`.<quant.scale_suffix>) or quantized at load. reduce_amax(amax) -> the max of amax
+    over the ranks that split this weight (a collective every rank calls in the same order):
+    quantized at load, a slice whose scale groups span ranks takes the whole weight's amax."""
+    wname = name + ".weight"
+    if quant is None:
+        return src.read(wname, dim, start, stop, dtype=dtype, device=device)
+    full = src.shape(wname)
+    stop = full[dim] if dim is not None and stop is None else stop
+    r = None if dim is None else scale_range(quant.layout, dim, start, stop, full[dim],
+                                             f"tensor {wname!r}")
+    if quant.method == "quantize":
+        w = src.read(wname, dim, start, stop, dtype=torch.float32, device=device)
+        spans = dim is not None and (quant.layout == "tensor" or
+                                     (quant.layout == "channel" and dim == 1))
+        try:
+            return quantize_fp8(w, quant.layout, reduce_amax if spans else None)
+        except ValueError as e:
+            raise ValueError(f"fusedist.models: tensor {wname!r} in {src.location(wname)}: "
+                             f"{e}") from None
+    data = src.read(wname, dim, start, stop, dtype=FP8, device=device)
+    sname = f"{name}.{quant.scale_suffix}"
+    if r is None:
+        scale = src.read(sname, dtype=torch.float32, device=device)
+    else:
+        scale = src.read(sname, dim, r[0], r[1], dtype=torch.float32, device=device)
+    scale = scale.reshape(scale_shape(quant.layout, *data.shape)).contiguous()
+    return FP8Weight(data.contiguous(), scale, quant.layout)
 
 
 def padded_vocab(cfg: LlamaConfig, tp: int) -> int:
@@ -166,7 +270,7 @@ class SafetensorsWeights(WeightSource):
                 raise ValueError(f"fusedist.models: tensor {name!r} in {self.location(name)}: "
                                  f"{what} [{start}, {stop}) requested, but it has {n}")
         if dim is None:
-            t = sl[:]
+            t = sl[:] if sl.get_shape() else self._file(name).get_tensor(name)
         elif dim == 0:
             t = sl[start:stop]
         else:
@@ -260,12 +364,43 @@ def expected_tensors(cfg: LlamaConfig) -> dict:
     return s
 
 
-def check_weights(src: WeightSource, cfg: LlamaConfig) -> None:
+_DEFAULT = object()
+SCALE_DTYPES = ("F32", "BF16", "F16")
+_NO_FP8 = ("fusedist reads FP8 checkpoints whose config.json declares quantization_config "
+           "quant_method 'fp8' (weight_block_size [128, 128] or null) or 'compressed-tensors' "
+           "(float-quantized FP8), or quantizes a bf16 checkpoint at load (--quantize fp8)")
+
+
+def fp8_scale_shapes(cfg: LlamaConfig, quant: WeightQuant) -> dict:
+    """{scale tensor name: (the shapes it may have, how the config gives them)} of an FP8
+    checkpoint's projections."""
+    shapes = expected_tensors(cfg)
+    out = {}
+    for wname in projection_names(cfg):
+        (n, k), _ = shapes[wname]
+        sname = wname[:-len("weight")] + quant.scale_suffix
+        if quant.layout == "tensor":
+            out[sname] = (((), (1,)), "one per tensor")
+        elif quant.layout == "channel":
+            out[sname] = (((n, 1), (n,)), f"one per output channel of {list((n, k))}")
+        else:
+            out[sname] = ((scale_shape("block", n, k),),
+                          f"one per 128 x 128 block of {list((n, k))}")
+    return out
+
+
+def check_weights(src: WeightSource, cfg: LlamaConfig, quant=_DEFAULT) -> None:
     """Check src against cfg before anything is read: every tensor present (KeyError naming
     it), with the full shape cfg implies, a float32 / float16 / bfloat16 dtype, and no bias the
-    model does not apply (ValueError naming the tensor and its file)."""
+    model does not apply (ValueError naming the tensor and its file). With FP8 projections read
+    from the checkpoint (quant, default resolve_quant(cfg, None, src)): each projection weight
+    F8_E4M3 and its scale tensor of the layout's shape and a float dtype."""
+    if quant is _DEFAULT:
+        quant = resolve_quant(cfg, None, src)
+    fp8 = quant is not None and quant.method != "quantize"
     what = f"config.json of {cfg.name}" if cfg.name else "the config"
     want = expected_tensors(cfg)
+    proj = set(projection_names(cfg)) if fp8 else set()
     for name, (shape, why) in want.items():
         got = tuple(src.shape(name))
         if got != shape:
@@ -274,16 +409,44 @@ def check_weights(src: WeightSource, cfg: LlamaConfig) -> None:
                 f"{list(got)}; {what} implies {list(shape)} ({why}); the checkpoint does not "
                 "match its config.json")
         dt = src.dtype(name)
+        if name in proj:
+            if dt is not None and dt != "F8_E4M3":
+                raise ValueError(
+                    f"fusedist.models: tensor {name!r} in {src.location(name)} has dtype {dt}; "
+                    f"the checkpoint's quantization_config (quant_method {quant.method}) makes "
+                    "every q/k/v/o, gate/up and down projection F8_E4M3 in fusedist (one left "
+                    "unquantized by modules_to_not_convert / ignore, or e5m2 weights, are not "
+                    "read)")
+            continue
         if dt is None or dt in FLOAT_DTYPES:
             continue
         if dt.startswith("F8"):
+            if fp8:
+                raise ValueError(
+                    f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8); "
+                    "fusedist keeps embeddings, norms and the LM head in the model dtype: a "
+                    "checkpoint that quantizes them is not read")
             raise ValueError(
-                f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8); FP8 "
-                "checkpoints are not supported: use a bfloat16, float16 or float32 checkpoint")
+                f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8), but "
+                f"config.json has no quantization_config that says how; {_NO_FP8}")
         raise ValueError(
             f"fusedist.models: tensor {name!r} in {src.location(name)} has dtype {dt}; fusedist "
-            "reads float32, float16 and bfloat16 tensors (a quantized checkpoint is not "
-            "supported): use a bfloat16, float16 or float32 checkpoint")
+            "reads float32, float16 and bfloat16 tensors and FP8 (e4m3) projections; "
+            f"{_NO_FP8}")
+    if fp8:
+        for name, (shapes, why) in fp8_scale_shapes(cfg, quant).items():
+            got = tuple(src.shape(name))
+            if got not in shapes:
+                raise ValueError(
+                    f"fusedist.models: tensor {name!r} in {src.location(name)} has shape "
+                    f"{list(got)}; {quant.layout} FP8 scales ({why}) are "
+                    f"{' or '.join(str(list(x)) for x in shapes)}; the checkpoint does not "
+                    "match its quantization_config")
+            dt = src.dtype(name)
+            if dt is not None and dt not in SCALE_DTYPES:
+                raise ValueError(
+                    f"fusedist.models: tensor {name!r} in {src.location(name)} has dtype {dt}; "
+                    "fusedist reads FP8 scales stored as float32, bfloat16 or float16")
     for name in src.names() or ():
         if name.endswith(".bias") and name not in want:
             raise ValueError(

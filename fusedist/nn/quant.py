@@ -1,0 +1,447 @@
+"""FP8 weights for the projections: e4m3 values and float32 scales, and the GEMM that reads them.
+
+    w8 = quantize_fp8(w, "channel")        # w [N, K] bf16 / fp16 / fp32 -> FP8Weight
+    y = fp8_linear(x, w8, bias)            # x [..., K] @ dequantize(w8)^T (+ bias), x's dtype
+    w8.dequantize()                        # float32 [N, K]: the values every path multiplies by
+
+FP8Weight holds data [N, K] torch.float8_e4m3fn (an nn.Linear weight, K contiguous) and scale,
+float32, that MULTIPLIES the e4m3 values (value = data * scale; Hugging Face's
+`weight_scale_inv` and compressed-tensors' `weight_scale` both mean this), in one of three
+layouts:
+
+    "tensor"   scale [1]                              one scale for the whole weight
+    "channel"  scale [N]                              one per output channel (row)
+    "block"    scale [ceil(N/128), ceil(K/128)]       one per 128 x 128 block (DeepSeek-V3 /
+                                                      Qwen3-FP8 style); the last block row /
+                                                      column may be partial
+
+quantize_fp8 makes scale = amax / 448 over the row (block, tensor), so the largest magnitude
+maps to e4m3's largest finite value, and rounds w / scale to nearest (an all-zero row / block
+gets scale 1). Per element |dequantize - w| <= 2^-4 |w| + 2^-10 scale (3 mantissa bits; the
+second term is half the subnormal spacing, for values below 2^-6 scale).
+
+Sharding (FP8Weight.narrow, the tensor-parallel rules): rows (column-parallel) take their
+per-channel scales along; columns (row-parallel) keep them. Block scales are cut along the
+split dimension and need the cut on a multiple of 128 (else ValueError: the block would be
+shared between ranks). cat_rows stacks [q; k; v] or [gate; up]: per-tensor parts with
+different scales become per-channel (exact: each row keeps its part's scale); block parts
+need every part but the last to have a multiple of 128 rows.
+
+fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
+  * CUDA, M <= 16 rows, bf16 x: fusedist.ops.gemv (the decode GEMV, all three layouts; x stays
+    bf16, the weight is dequantized in the kernel) when that op is present in this build and
+    its kernel runs on the device;
+  * CUDA, else, per-tensor and per-channel weights with K, N multiples of 16: torch._scaled_mm
+    with dynamic activation scales (x quantized to e4m3 at run time). Row-wise on sm_90+ for
+    bf16 x: one scale per token (row of x) and the weight's scale of each output channel (a
+    per-tensor scale broadcast to them), so a token's error depends on its own amax only and a
+    NaN in one token stays in that token's row. Per-tensor weights with fp16 x, or on sm_89:
+    one scale for all of x (a NaN anywhere in x makes the whole output NaN);
+  * everything else (block scales past 16 rows, fp16 / fp32 x, odd sizes, older GPUs):
+    the weight dequantized to x's dtype and F.linear;
+  * CPU: fp8_linear_reference: dequantize in fp32, fp32 matmul, rounded once to x's dtype.
+So the GEMV and the reference multiply the exact dequantized weight by x (weight-only
+quantization), and the _scaled_mm paths also round x to e4m3 (per element |x_q - x| <= 2^-4
+|x| + 2^-10 s_x, s_x = amax(row) / 448).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import _dtypes
+
+# The decode GEMV op (fusedist/ops/gemv.py), in checkouts that have it: the op, whether its
+# kernel runs on a device, and its most rows.
+try:
+    from ..ops.gemv import gemv as _gemv
+except ImportError:   # pragma: no cover - depends on the checkout
+    _gemv = None
+try:
+    from ..ops.gemv import kernel_available as _gemv_kernel_available
+except ImportError:   # pragma: no cover
+    _gemv_kernel_available = None
+try:
+    from ..ops.gemv import MAX_M as GEMV_MAX_M
+except ImportError:   # pragma: no cover
+    GEMV_MAX_M = 16
+
+FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
+BLOCK = 128
+LAYOUTS = ("tensor", "channel", "block")
+# The smallest amax a scale is made from (amax / 448 stays a normal float32); rows below it are
+# quantized with this amax, rows of zeros get scale 1.
+_TINY_AMAX = 1e-30
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(f"fusedist.nn.FP8Weight: {msg}")
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def scale_shape(layout: str, n: int, k: int) -> tuple:
+    """The scale shape fusedist keeps for an [n, k] weight in `layout`."""
+    if layout == "tensor":
+        return (1,)
+    if layout == "channel":
+        return (n,)
+    if layout == "block":
+        return (_blocks(n), _blocks(k))
+    _fail(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def scale_range(layout: str, dim: int, start: int, stop: int, full: int, what: str = "weight"
+                ) -> Optional[tuple]:
+    """The [first, last) range of the scale along `dim` that rows (dim 0) or columns (dim 1)
+    [start, stop) of a weight of `full` rows / columns use; None when the scale is not cut
+    along dim (per-tensor; per-channel cut by columns). Block scales need start, and stop
+    unless it is the end, on a multiple of 128 (else a ValueError naming `what`)."""
+    if layout == "tensor" or (layout == "channel" and dim == 1):
+        return None
+    if layout == "channel":
+        return start, stop
+    for edge in (start, stop):
+        if edge % BLOCK and edge != full:
+            side = ("rows", "columns")[dim]
+            raise ValueError(
+                f"fusedist.nn: {what}: {side} [{start}, {stop}) of {full} cut a 128 x 128 scale "
+                f"block at {edge}; block-quantized FP8 weights split only on multiples of 128 "
+                "(pick a tensor-parallel size whose shards are whole blocks)")
+    return start // BLOCK, _blocks(stop)
+
+
+@dataclass(eq=False)
+class FP8Weight:
+    """An FP8 projection weight (module docstring): data [N, K] float8_e4m3fn, scale float32 in
+    `layout` ("tensor" [1], "channel" [N], "block" [ceil(N/128), ceil(K/128)])."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    layout: str
+    # float32 [N]: the scale of each output channel ("tensor": scale broadcast, "channel": the
+    # scale itself; None for "block"), the weight operand of row-wise torch._scaled_mm.
+    channel_scale: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if FP8 is None:
+            _fail("this torch has no torch.float8_e4m3fn", RuntimeError)
+        d, s = self.data, self.scale
+        if not isinstance(d, torch.Tensor) or d.dtype != FP8 or d.dim() != 2:
+            _fail(f"data must be a 2-D [N, K] torch.float8_e4m3fn tensor, got "
+                  f"{getattr(d, 'dtype', type(d).__name__)} {tuple(getattr(d, 'shape', ()))}")
+        if self.layout not in LAYOUTS:
+            _fail(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        want = scale_shape(self.layout, *d.shape)
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or \
+                tuple(s.shape) != want:
+            _fail(f"a {self.layout} scale of an {list(d.shape)} weight must be a float32 "
+                  f"tensor of shape {list(want)}, got {getattr(s, 'dtype', type(s).__name__)} "
+                  f"{list(getattr(s, 'shape', ()))}")
+        if s.device != d.device:
+            _fail(f"scale is on {s.device}, data on {d.device}")
+        if not d.is_contiguous():
+            self.data = d.contiguous()
+        if self.layout == "tensor":
+            self.channel_scale = s.expand(d.shape[0]).contiguous()
+        elif self.layout == "channel":
+            self.channel_scale = s
+
+    # ---- what it is ---------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+    def __repr__(self) -> str:
+        return (f"FP8Weight({list(self.shape)}, {self.layout} scales {list(self.scale.shape)}, "
+                f"{self.device})")
+
+    @classmethod
+    def empty(cls, n: int, k: int, layout: str, device=None) -> "FP8Weight":
+        """Zeros of shape [n, k] with unit scales (a module's weight before loading)."""
+        return cls(torch.zeros((n, k), dtype=FP8, device=device),
+                   torch.ones(scale_shape(layout, n, k), dtype=torch.float32, device=device),
+                   layout)
+
+    def to(self, device) -> "FP8Weight":
+        return FP8Weight(self.data.to(device), self.scale.to(device), self.layout)
+
+    # ---- values -------------------------------------------------------------------------
+    def scale_map(self, dtype=torch.float32) -> torch.Tensor:
+        """The scale of every element that broadcasts against data: [1, 1], [N, 1], or [N, K]
+        (block)."""
+        n, k = self.shape
+        s = self.scale.to(dtype)
+        if self.layout == "tensor":
+            return s.view(1, 1)
+        if self.layout == "channel":
+            return s.view(n, 1)
+        return _block_map(s, n, k)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """data * scale as `dtype` [N, K]: in float32 exact up to one rounding of each product;
+        in bf16 / fp16 the product is rounded to that dtype."""
+        w = self.data.to(dtype)
+        n, k = self.shape
+        s = self.scale.to(dtype)
+        if self.layout == "tensor":
+            return w.mul_(s)
+        if self.layout == "channel":
+            return w.mul_(s.view(n, 1))
+        s = s.repeat_interleave(BLOCK, 0)[:n]                # [N, K blocks]: rows expanded only
+        full, rem = divmod(k, BLOCK)
+        if full:
+            w[:, :full * BLOCK].unflatten(1, (full, BLOCK)).mul_(s[:, :full, None])
+        if rem:
+            w[:, full * BLOCK:].mul_(s[:, full:])
+        return w
+
+    # ---- sharding -----------------------------------------------------------------------
+    def narrow(self, dim: int, start: int, stop: int, what: str = "weight") -> "FP8Weight":
+        """Rows (dim 0) or columns (dim 1) [start, stop) with their scales (module docstring)."""
+        if dim not in (0, 1):
+            _fail(f"narrow: dim must be 0 (rows) or 1 (columns), got {dim}")
+        full = self.shape[dim]
+        if not 0 <= start <= stop <= full:
+            _fail(f"narrow: {('rows', 'columns')[dim]} [{start}, {stop}) out of range for "
+                  f"{list(self.shape)}")
+        data = self.data.narrow(dim, start, stop - start)
+        r = scale_range(self.layout, dim, start, stop, full, what)
+        scale = self.scale if r is None else self.scale.narrow(dim, r[0], r[1] - r[0])
+        return FP8Weight(data.contiguous(), scale.contiguous(), self.layout)
+
+    def shard(self, dim: int, rank: int, world: int, what: str = "weight") -> "FP8Weight":
+        """Rank `rank`'s equal share of rows (dim 0, column-parallel) or columns (dim 1,
+        row-parallel) of `world`."""
+        n = self.shape[dim]
+        if n % world:
+            _fail(f"{what}: {n} {('rows', 'columns')[dim]} do not split into {world} equal shards")
+        per = n // world
+        return self.narrow(dim, rank * per, (rank + 1) * per, what)
+
+    @staticmethod
+    def cat_rows(parts: Sequence["FP8Weight"], what: str = "weight") -> "FP8Weight":
+        """[parts[0]; parts[1]; ...] along the rows (module docstring)."""
+        parts = list(parts)
+        if not parts or any(not isinstance(p, FP8Weight) for p in parts):
+            _fail(f"cat_rows ({what}): pass FP8Weights")
+        layouts = {p.layout for p in parts}
+        if len(layouts) > 1:
+            _fail(f"cat_rows ({what}): the parts have different scale layouts {sorted(layouts)}")
+        if len({p.shape[1] for p in parts}) > 1:
+            _fail(f"cat_rows ({what}): the parts have different columns "
+                  f"{[p.shape[1] for p in parts]}")
+        layout = parts[0].layout
+        data = torch.cat([p.data for p in parts])
+        if len(parts) == 1:
+            return parts[0]
+        if layout == "tensor":
+            scales = torch.cat([p.scale for p in parts])
+            if bool((scales == scales[0]).all()):
+                return FP8Weight(data, parts[0].scale.clone(), "tensor")
+            per_row = torch.cat([p.scale.expand(p.shape[0]) for p in parts])
+            return FP8Weight(data, per_row.contiguous(), "channel")
+        if layout == "block":
+            for i, p in enumerate(parts[:-1]):
+                if p.shape[0] % BLOCK:
+                    raise ValueError(
+                        f"fusedist.nn: {what}: part {i} has {p.shape[0]} rows, not a multiple of "
+                        "128, so the stacked weight's 128 x 128 scale blocks would mix parts; "
+                        "block-quantized FP8 weights need every stacked part (q / k / v heads "
+                        "of a rank, gate / up rows of a rank) to be whole blocks")
+        return FP8Weight(data, torch.cat([p.scale for p in parts]), layout)
+
+
+# ---- quantization -------------------------------------------------------------------------
+def _block_map(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Block scales [ceil(n/128), ceil(k/128)] expanded to one per element [n, k]."""
+    return s.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, amax floored at _TINY_AMAX; 1 where amax is 0 (all-zero row or block)."""
+    s = amax.float().clamp_min(_TINY_AMAX) / FP8_MAX
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def _to_fp8(v: torch.Tensor) -> torch.Tensor:
+    """v (already divided by its scale) rounded to nearest e4m3, clamped to +-448 first (the
+    conversion does not saturate); NaN stays NaN."""
+    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_fp8(w: torch.Tensor, layout: str = "channel", reduce_amax=None) -> FP8Weight:
+    """An [N, K] floating weight as FP8Weight: scale = amax / 448 per tensor, output channel
+    (row) or 128 x 128 block, data = w / scale rounded to nearest e4m3. Non-finite weights
+    raise (they would poison a whole row or block). reduce_amax(amax) -> amax, when given,
+    replaces the amax of w ([] per tensor, [N] per channel, blocks) before the scales are made:
+    a shard of a weight takes the whole weight's amax that way (the max over the ranks)."""
+    if FP8 is None:
+        _fail("this torch has no torch.float8_e4m3fn", RuntimeError)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point() or \
+            w.dtype == FP8:
+        _fail(f"quantize_fp8: w must be a 2-D floating (bf16 / fp16 / fp32) [N, K] tensor, got "
+              f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
+    wf = w.float()
+    if not bool(torch.isfinite(wf).all()):
+        _fail("quantize_fp8: w has NaN or inf values; an FP8 scale cannot represent them")
+    n, k = w.shape
+    red = reduce_amax if reduce_amax is not None else (lambda a: a)
+    if layout == "tensor":
+        s = _scale_of(red(wf.abs().amax() if wf.numel() else wf.new_zeros(()))).reshape(1)
+        return FP8Weight(_to_fp8(wf / s), s, layout)
+    if layout == "channel":
+        amax = wf.abs().amax(dim=1) if k else wf.new_zeros(n)
+        s = _scale_of(red(amax))
+        return FP8Weight(_to_fp8(wf / s[:, None]), s, layout)
+    if layout == "block":
+        nb, kb = _blocks(n), _blocks(k)
+        padded = F.pad(wf, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
+        amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
+        s = _scale_of(red(amax))
+        return FP8Weight(_to_fp8(wf / _block_map(s, n, k)), s, layout)
+    _fail(f"quantize_fp8: layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization: x [M, K] -> (e4m3 [M, K], float32 scale
+    [M, 1]) with scale = amax(row) / 448 (1 for a row of zeros), x ~= x_q * scale. A row with
+    a NaN stays NaN."""
+    s = _scale_of(x.abs().amax(dim=1, keepdim=True))
+    return _to_fp8(x.float() / s), s
+
+
+def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-tensor activation quantization: (e4m3 [M, K], float32 scale [])."""
+    s = _scale_of(x.abs().amax())
+    return _to_fp8(x.float() / s), s
+
+
+# ---- the GEMM ------------------------------------------------------------------------------
+def fp8_linear_reference(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
+    """x [M, K] @ dequantize(w)^T (+ bias) in float32, rounded once to x's dtype."""
+    y = x.float() @ w.dequantize(torch.float32).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def scaled_mm_rowwise(x: torch.Tensor, data: torch.Tensor, channel_scale: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: x [M, K] bf16 quantized per token, data [N, K]
+    e4m3 with channel_scale float32 [N]; bf16 [M, N] (+ bias, added after)."""
+    xq, sx = quantize_rows(x)
+    y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=channel_scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    return y if bias is None else y + bias
+
+
+def scaled_mm_tensorwise(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch._scaled_mm with per-tensor scales: x [M, K] quantized with one dynamic scale,
+    data [N, K] e4m3 with its scale [1]; x's dtype [M, N] (+ bias, added after)."""
+    xq, sx = quantize_tensor(x)
+    y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale.reshape(()),
+                         out_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
+# Per CUDA device index: (compute capability, the gemv kernel runs there), read once, so that
+# a compiled or captured step (whose first call came after an eager one) only looks them up.
+_DEVICE: dict = {}
+
+
+def _device_facts(device: torch.device) -> tuple:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _DEVICE.get(idx)
+    if facts is None:
+        cap = tuple(torch.cuda.get_device_capability(idx))
+        gemv = _gemv is not None
+        if gemv and _gemv_kernel_available is not None:
+            gemv = bool(_gemv_kernel_available(torch.device("cuda", idx)))
+        facts = _DEVICE[idx] = (cap, gemv)
+    return facts
+
+
+def device_capability(device: torch.device) -> tuple:
+    """The CUDA device's compute capability (read once per device)."""
+    return _device_facts(device)[0]
+
+
+def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
+                bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool) -> str:
+    """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
+    "scaled_mm_tensor", "scaled_mm_rowwise" or "dequantize". `gemv`: the GEMV op and its
+    kernel are there for the device; `capability`: the device's (major, minor)."""
+    if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
+            bias_dtype in (None, x_dtype):
+        return "gemv"
+    if m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
+            x_dtype in (torch.bfloat16, torch.float16):
+        if x_dtype == torch.bfloat16 and capability >= (9, 0):
+            return "scaled_mm_rowwise"
+        if layout == "tensor" and capability >= (8, 9):
+            return "scaled_mm_tensor"
+    return "dequantize"
+
+
+def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None) -> str:
+    """Which path fp8_linear takes for x [M, K] (module docstring): choose_path's on CUDA,
+    "reference" on the CPU."""
+    if not x.is_cuda:
+        return "reference"
+    cap, gemv = _device_facts(x.device)
+    return choose_path(x.shape[0], w.shape[0], w.shape[1], w.layout, x.dtype,
+                       None if bias is None else bias.dtype, cap, gemv)
+
+
+def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None, *,
+               path: Optional[str] = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(w)^T (+ bias [N]) -> [..., N] in x's dtype, by fp8_path's
+    choice (or `path`, for tests)."""
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"fusedist.nn.linear: x has {x.shape[-1]} features, the FP8 weight "
+                         f"{list(w.shape)} takes {w.shape[1]}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return x.new_empty((*lead, w.shape[0]))
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    path = path or fp8_path(x2, w, bias)
+    if path == "gemv":
+        y = _gemv(x2, w.data, scale=w.scale, bias=bias)
+    elif path == "scaled_mm_rowwise":
+        y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
+    elif path == "scaled_mm_tensor":
+        y = scaled_mm_tensorwise(x2, w.data, w.scale, bias)
+    elif path == "dequantize":
+        y = F.linear(x2, w.dequantize(x2.dtype), bias)
+    elif path == "reference":
+        y = fp8_linear_reference(x2, w, bias)
+    else:
+        raise ValueError(f"fusedist.nn.fp8_linear: unknown path {path!r}")
+    return y.reshape(*lead, y.shape[-1])
+
+
+__all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "fp8_linear",
+           "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
+           "scaled_mm_tensorwise",
+           "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]

@@ -1,0 +1,75 @@
+"""fusedist.models with FP8 weights at TP > 1 (gloo on CPU): the FP8 checkpoints that
+tests/models/test_fp8_model.py writes, read by slices (FUSEDIST_FP8_REF: their paths, a prompt
+and the TP 1 logits), give TP 1's logits to fp32 rounding; each rank's FP8 shards are the
+rows / columns of the full FP8 weight with their scales."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _checks import check, main  # noqa: E402
+
+import torch  # noqa: E402
+
+from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
+from fusedist.models.llama import SafetensorsWeights  # noqa: E402
+from fusedist.models.llama.weights import read_projection  # noqa: E402
+from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+
+REF = torch.load(os.environ["FUSEDIST_FP8_REF"]) if os.environ.get("FUSEDIST_FP8_REF") else None
+
+
+def _model(rt, path, backend="fusedist", quantize=None):
+    cfg = LlamaConfig.from_dir(path)
+    return build_model(cfg, SafetensorsWeights(path), backend=backend, group=rt.tp,
+                       dtype=torch.float32, device=rt.device, quantize=quantize)
+
+
+@check
+def fp8_logits_equal_tp1(rt, seed):
+    assert REF is not None, "FUSEDIST_FP8_REF is not set (tests/models/test_fp8_model.py sets it)"
+    for key, want in REF["logits"].items():
+        variant, how = key.split("/")
+        path = REF["ckpts"][variant]
+        quantize = how if how.startswith("fp8") else None
+        m = _model(rt, path, "fusedist" if quantize else how, quantize=quantize)
+        got = Runner(m, max_batch=1, max_seq_len=32).prefill([REF["prompt"]], all_logits=True)[0]
+        # Quantized at load too: the scales come from the whole weight (a MAX all-reduce of
+        # the amax where a rank's slice does not hold a whole scale group), so every TP size
+        # holds the same FP8 model.
+        err = gemm_rel_err(got, want)
+        if rt.rank == 0:
+            print(f"{key}: TP {rt.tp.size} against TP 1: rel err {err:.2e}", flush=True)
+        assert err <= GEMM_REL[torch.float32], f"{key}: TP {rt.tp.size} against TP 1: " \
+                                               f"rel err {err:.2e}"
+
+
+@check
+def fp8_shards_are_slices(rt, seed):
+    path = REF["ckpts"]["hf-block"]
+    cfg = LlamaConfig.from_dir(path)
+    m = _model(rt, path)
+    src = SafetensorsWeights(path)
+    W, r = rt.tp.size, rt.tp.rank
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        full = {n: read_projection(src, p + n, cfg.quant, dtype=torch.float32, device="cpu")
+                for n in ("self_attn.o_proj", "mlp.down_proj", "mlp.gate_proj")}
+        o = full["self_attn.o_proj"]
+        qn = o.shape[1] // W
+        assert torch.equal(m.layers[i].attn.o_weight.dequantize(),
+                           o.dequantize()[:, r * qn:(r + 1) * qn])
+        assert tuple(m.layers[i].attn.o_weight.scale.shape) == (o.scale.shape[0],
+                                                                qn // 128)
+        inter = cfg.intermediate_size // W
+        assert torch.equal(m.layers[i].mlp.down.dequantize(),
+                           full["mlp.down_proj"].dequantize()[:, r * inter:(r + 1) * inter])
+        assert torch.equal(m.layers[i].mlp.gate_up.dequantize()[:inter],
+                           full["mlp.gate_proj"].dequantize()[r * inter:(r + 1) * inter])
+
+
+if __name__ == "__main__":
+    main()

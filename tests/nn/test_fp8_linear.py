@@ -1,0 +1,484 @@
+"""FP8 weights in the model layers (fusedist.nn.quant): the quantization error model, the FP8
+GEMM against float64 on the dequantized values, its dispatch, sharding, and the TP layers that
+hold FP8 weights.
+
+Error model (docs/design/fp8.md), checked element by element:
+  quantize_fp8   |dequantize(q(w)) - w| <= 2^-4 |w| + 2^-10 s  (s: the element's scale)
+  fp8_linear     the CPU reference and the dequantize path multiply x by the exact dequantized
+                 weight: |y - ref| <= (K + 2) 2^-24 sum|x w| + (half an ulp of y's dtype) |ref|
+                 against float64 ref = x @ (data * scale)^T
+  _scaled_mm     x also rounded to e4m3 with its dynamic scale s_x (per token or per tensor):
+                 + sum_k |w_k| (2^-4 |x_k| + 2^-10 s_x)
+CPU tier: every CPU path, and torch._scaled_mm's paths where this torch runs them on the CPU;
+gpu tier: the CUDA paths (GEMV when the build has it, row-wise / per-tensor _scaled_mm, the
+dequantized weight for block scales past 16 rows), eager and in a CUDA graph."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+import fusedist.nn.quant as quant  # noqa: E402
+from fusedist.nn import ColumnParallelLinear, RowParallelLinear, TPAttention  # noqa: E402
+from fusedist.nn.attention import AttentionMetadata  # noqa: E402
+from fusedist.nn.linear import linear  # noqa: E402
+from fusedist.nn.quant import (BLOCK, FP8, FP8Weight, choose_path, fp8_linear,  # noqa: E402
+                               quantize_fp8)
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
+
+pytestmark = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+
+LAYOUTS = ("tensor", "channel", "block")
+HALF_ULP = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11}
+# Half the smallest subnormal step of each output dtype (an absolute error for tiny outputs).
+HALF_TINY = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
+SHAPES = [(1, 16), (7, 13), (200, 300), (129, 257), (256, 128)]   # [N, K]: odd, partial blocks
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def scale_map64(w: FP8Weight) -> torch.Tensor:
+    """The element scales [N, K] in float64, built block by block (independent of the code's
+    expansion)."""
+    n, k = w.shape
+    s = w.scale.double()
+    if w.layout == "tensor":
+        return s.reshape(1, 1).expand(n, k)
+    if w.layout == "channel":
+        return s.reshape(n, 1).expand(n, k)
+    out = torch.empty(n, k, dtype=torch.float64)
+    for bi in range(s.shape[0]):
+        for bj in range(s.shape[1]):
+            out[bi * BLOCK:(bi + 1) * BLOCK, bj * BLOCK:(bj + 1) * BLOCK] = s[bi, bj]
+    return out
+
+
+def deq64(w: FP8Weight) -> torch.Tensor:
+    return w.data.double() * scale_map64(w)
+
+
+def random_fp8(n: int, k: int, layout: str, seed: int, exp=(-100, 40)) -> FP8Weight:
+    """Every finite e4m3 value (+-448, subnormals, +-0) from random bytes, one all-zero row,
+    and scales 2^e, e uniform in exp (default [-100, 40]: 1e-30 ~ 2^-100)."""
+    g = _gen(seed)
+    b = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    b[(b == 0x7F) | (b == 0xFF)] = 0                # the two NaN encodings
+    b[0, :k // 2] = 0x7E                            # +448
+    b[n // 2] = 0                                   # a row of zeros
+    data = b.view(FP8)
+    shape = quant.scale_shape(layout, n, k)
+    scale = torch.exp2(torch.empty(shape).uniform_(*exp, generator=g)).float()
+    return FP8Weight(data, scale, layout)
+
+
+def gemm_bound(x: torch.Tensor, w64: torch.Tensor, ref: torch.Tensor, out_dtype, bias=None):
+    """Per-element bound of an fp32-accumulated GEMM of the exact x and w64 (float64), rounded
+    once to out_dtype."""
+    k = x.shape[-1]
+    absum = x.double().abs() @ w64.abs().t()
+    if bias is not None:
+        absum = absum + bias.double().abs()
+    return (k + 2) * 2.0 ** -24 * absum + 2 * HALF_ULP[out_dtype] * ref.abs() + \
+        HALF_TINY[out_dtype]
+
+
+def assert_within(y, ref, bound, what):
+    y = y.double()
+    bad = ~((y - ref).abs() <= bound)
+    worst = float(((y - ref).abs() / bound)[bad].max()) if bool(bad.any()) else 0.0
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {y.numel()} outside the bound, "
+                                 f"worst |err| / bound {worst}")
+
+
+# ---- quantization ----------------------------------------------------------------------------
+def special_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = _gen(seed)
+    w = torch.randn(n, k, generator=g)
+    w[0] = 0                                                     # zeros
+    if n > 1:
+        w[1] = torch.randn(k, generator=g) * 1e-30                # tiny values
+    if n > 2:                                                    # 8 decades in one row
+        w[2] = torch.randn(k, generator=g) * 10 ** torch.empty(k).uniform_(-8, 0, generator=g)
+    if n > 3:
+        w[3] = 448.0 * torch.sign(torch.randn(k, generator=g))   # already on the e4m3 limit
+    if n > 4:
+        w[4] = torch.randn(k, generator=g) * 1e30                # huge values
+    return w
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_quantize_error_bound(layout, n, k):
+    w = special_weight(n, k, seed=n * 1000 + k)
+    for src in (w, w.to(torch.bfloat16)):
+        q = quantize_fp8(src, layout)
+        assert q.data.dtype == FP8 and tuple(q.scale.shape) == quant.scale_shape(layout, n, k)
+        s = scale_map64(q)
+        exact = src.double()
+        err = (deq64(q) - exact).abs()
+        bound = (2.0 ** -4 * exact.abs() + 2.0 ** -10 * s) * (1 + 1e-6)
+        assert bool((err <= bound).all()), f"{layout} {n}x{k}: worst {float((err / bound).max())}"
+        assert torch.equal(q.dequantize(), deq64(q).float())        # one fp32 product each
+        # The largest magnitude of each scale group maps to 448 (e4m3's largest finite value);
+        # an all-zero group gets scale 1 and zeros.
+        mag = q.data.float().abs()
+        if layout == "channel":
+            amax = exact.abs().amax(1)
+            assert bool((mag.amax(1)[amax > 0] == 448).all())
+            assert bool((q.scale[amax == 0] == 1).all()) and bool((mag[amax == 0] == 0).all())
+        elif layout == "tensor":
+            assert float(mag.max()) == (448 if bool(exact.any()) else 0)
+    if layout == "block":   # the zero row's blocks are not all zero (other rows share them)
+        z = quantize_fp8(torch.zeros(n, k), layout)
+        assert bool((z.scale == 1).all()) and not bool(z.data.float().any())
+
+
+def test_quantize_refuses_nonfinite_and_bad_input():
+    w = torch.randn(8, 16)
+    w[3, 4] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_fp8(w)
+    with pytest.raises(ValueError, match="2-D floating"):
+        quantize_fp8(torch.ones(8, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="layout"):
+        quantize_fp8(torch.randn(8, 16), "row")
+
+
+def test_weight_validation():
+    d = torch.zeros(8, 16, dtype=FP8)
+    with pytest.raises(ValueError, match=r"channel scale .* shape \[8\]"):
+        FP8Weight(d, torch.ones(8, 1), "channel")
+    with pytest.raises(ValueError, match="float32"):
+        FP8Weight(d, torch.ones(1, dtype=torch.float64), "tensor")
+    with pytest.raises(ValueError, match=r"shape \[1, 1\]"):
+        FP8Weight(d, torch.ones(2, 1), "block")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        FP8Weight(torch.zeros(8, 16), torch.ones(1), "tensor")
+
+
+# ---- the GEMM against float64 ----------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_matches_float64_on_dequantized(layout, dtype):
+    # fp16 outputs stay finite: scales in [2^-24, 2^-8] (448 x 4 x 300 x 2^-8 < 65504)
+    exp = (-24, -8) if dtype == torch.float16 else (-100, 40)
+    for i, (n, k) in enumerate(SHAPES):
+        w = random_fp8(n, k, layout, seed=i, exp=exp)
+        w64 = deq64(w)
+        g = _gen(100 + i)
+        for lead in ((0,), (1,), (5,), (17,), (2, 3)):
+            x = torch.randn(*lead, k, generator=g).to(dtype)
+            bias = (torch.randn(n, generator=g) * 4).to(dtype)
+            for b in (None, bias):
+                y = linear(x, w, b)          # the dispatch: CPU -> fp8_linear_reference
+                assert y.dtype == dtype and y.shape == (*lead, n)
+                x2 = x.reshape(-1, k)
+                ref = x2.double() @ w64.t() + (0 if b is None else b.double())
+                bound = gemm_bound(x2, w64, ref, dtype, b)
+                assert_within(y.reshape(-1, n), ref, bound, f"{layout} {dtype} {n}x{k} {lead}")
+                # The CUDA fallback's form (weight dequantized to x's dtype, F.linear) on fp32.
+                if dtype == torch.float32:
+                    yd = fp8_linear(x, w, b, path="dequantize")
+                    assert_within(yd.reshape(-1, n), ref, bound, f"dequantize {layout}")
+
+
+@pytest.mark.parametrize("path", ["reference", "dequantize"])
+def test_nan_input_stays_nan(path):
+    w = quantize_fp8(torch.randn(40, 48), "channel")
+    x = torch.randn(4, 48)
+    x[2, 5] = float("nan")
+    y = fp8_linear(x, w, path=path)
+    assert bool(y[2].isnan().all())
+    rows = [0, 1, 3]
+    ref = x[rows].double() @ deq64(w).t()
+    assert_within(y[rows], ref, gemm_bound(x[rows], deq64(w), ref, torch.float32), path)
+
+
+def _scaled_mm_on_cpu() -> bool:
+    try:
+        a = torch.zeros(16, 16, dtype=FP8)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()),
+                         out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def w8a8_bound(x, w64, ref, sx, out_dtype):
+    """gemm_bound plus the activations' e4m3 rounding (sx: [M, 1] or [] dynamic scales)."""
+    xa = x.double().abs()
+    act = (2.0 ** -4 * xa + 2.0 ** -10 * sx.double()) @ w64.abs().t()
+    k = x.shape[-1]
+    return act + (k + 2) * 2.0 ** -24 * 1.07 * (xa @ w64.abs().t()) + \
+        2 * HALF_ULP[out_dtype] * (ref.abs() + act) + HALF_TINY[out_dtype]
+
+
+@pytest.mark.skipif(not _scaled_mm_on_cpu(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("path,layout,dtype", [("scaled_mm_rowwise", "channel", torch.bfloat16),
+                                               ("scaled_mm_rowwise", "tensor", torch.bfloat16),
+                                               ("scaled_mm_tensor", "tensor", torch.bfloat16),
+                                               ("scaled_mm_tensor", "tensor", torch.float16)])
+def test_scaled_mm_paths_w8a8_bound(path, layout, dtype):
+    """The _scaled_mm paths' arithmetic (dynamic activation quantization, scale shapes), run by
+    this torch's CPU _scaled_mm: within the W8A8 bound of float64 on dequantized values."""
+    for i, (n, k) in enumerate([(16, 16), (48, 32), (256, 128), (144, 400)]):
+        w = quantize_fp8(torch.randn(n, k, generator=_gen(i)) * 0.05, layout)
+        w64 = deq64(w)
+        x = (torch.randn(9, k, generator=_gen(50 + i)) *
+             torch.logspace(-3, 1, 9)[:, None]).to(dtype)       # rows of different magnitude
+        x[4] = 0                                                 # a row of zeros
+        bias = torch.randn(n, generator=_gen(70 + i)).to(dtype)
+        for b in (None, bias):
+            y = fp8_linear(x, w, b, path=path)
+            assert y.dtype == dtype
+            ref = x.double() @ w64.t() + (0 if b is None else b.double())
+            xa = x.float().abs()
+            sx = (xa.amax(1, keepdim=True) if path.endswith("rowwise") else xa.amax()) / 448
+            bound = w8a8_bound(x, w64, ref, sx, dtype)
+            if b is not None:
+                bound = bound + 2 * HALF_ULP[dtype] * (ref.abs() + b.double().abs())
+            assert_within(y, ref, bound, f"{path} {n}x{k}")
+            assert bool((y[4] == (0 if b is None else b)).all())
+    x = torch.randn(3, 32).to(dtype)
+    x[1, 0] = float("nan")
+    y = fp8_linear(x, quantize_fp8(torch.randn(16, 32), layout), path=path)
+    if path.endswith("rowwise"):    # per-token scales: the NaN stays in its token's row
+        assert bool(y[1].isnan().all()) and not bool(y[[0, 2]].isnan().any())
+    else:                           # one scale for all of x: every output is NaN
+        assert bool(y.isnan().all())
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+BF, HF = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("args,want", [
+    ((1, 4096, 4096, "block", BF, None, (9, 0), True), "gemv"),
+    ((16, 4096, 4096, "channel", BF, BF, (9, 0), True), "gemv"),
+    ((17, 4096, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),
+    ((1, 4096, 4096, "channel", BF, None, (9, 0), False), "scaled_mm_rowwise"),   # no GEMV
+    ((64, 4096, 4096, "tensor", BF, None, (9, 0), True), "scaled_mm_rowwise"),   # per token
+    ((64, 4096, 4096, "tensor", BF, None, (8, 9), True), "scaled_mm_tensor"),
+    ((64, 4096, 4096, "tensor", HF, None, (9, 0), True), "scaled_mm_tensor"),
+    ((64, 4096, 4096, "tensor", HF, None, (8, 9), True), "scaled_mm_tensor"),
+    ((64, 4096, 4096, "channel", HF, None, (9, 0), True), "dequantize"),    # row-wise: bf16
+    ((64, 4096, 4096, "channel", BF, None, (8, 9), True), "dequantize"),    # row-wise: sm_90
+    ((64, 4096, 4096, "block", BF, None, (9, 0), True), "dequantize"),
+    ((64, 4096, 4104, "channel", BF, None, (9, 0), True), "dequantize"),    # K % 16
+    ((1, 4096, 4104, "channel", BF, None, (9, 0), True), "dequantize"),     # GEMV: K % 16
+    ((64, 4104, 4096, "tensor", BF, None, (9, 0), True), "dequantize"),     # N % 16
+    ((64, 4096, 4096, "tensor", BF, None, (8, 0), True), "dequantize"),     # no FP8 MMA
+    ((4, 4096, 4096, "channel", torch.float32, None, (9, 0), True), "dequantize"),
+    ((4, 4096, 4096, "channel", BF, torch.float32, (9, 0), True), "scaled_mm_rowwise"),
+])
+def test_choose_path(args, want):
+    assert choose_path(*args) == want
+
+
+def test_cpu_path_is_reference():
+    x, w = torch.randn(3, 16), quantize_fp8(torch.randn(8, 16))
+    assert quant.fp8_path(x, w) == "reference"
+
+
+def test_gemv_call_through_the_guard(monkeypatch):
+    """The GEMV op is imported under a guard (None without fusedist/ops/gemv.py); when present,
+    fp8_linear hands it x [M, K], the e4m3 data, the scale as stored and the bias."""
+    try:
+        import fusedist.ops.gemv as op
+        assert quant._gemv is op.gemv
+    except ImportError:
+        assert quant._gemv is None
+    calls = []
+
+    def fake_gemv(x, w, *, scale=None, bias=None, out=None):
+        calls.append((x, w, scale, bias))
+        return quant.fp8_linear_reference(x, FP8Weight(w, scale, layout), bias)
+
+    monkeypatch.setattr(quant, "_gemv", fake_gemv)
+    for layout in LAYOUTS:
+        w = quantize_fp8(torch.randn(144, 160), layout)
+        x = torch.randn(2, 3, 160).to(torch.bfloat16)
+        b = torch.randn(144).to(torch.bfloat16)
+        y = fp8_linear(x, w, b, path="gemv")
+        assert y.shape == (2, 3, 144)
+        gx, gw, gs, gb = calls[-1]
+        assert gx.shape == (6, 160) and gx.is_contiguous()
+        assert gw is w.data and gs is w.scale and gb is b
+
+
+# ---- sharding ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_narrow_and_shard_take_their_scales(layout):
+    w = quantize_fp8(torch.randn(512, 300, generator=_gen(1)), layout)
+    full = w.dequantize()
+    for dim, (a, b) in ((0, (128, 384)), (1, (256, 300)), (0, (0, 512)), (1, (0, 128))):
+        part = w.narrow(dim, a, b)
+        assert torch.equal(part.dequantize(), full.narrow(dim, a, b - a))
+        assert part.data.is_contiguous()
+    shards = [w.shard(0, r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([s.dequantize() for s in shards]), full)
+    w = quantize_fp8(torch.randn(100, 512, generator=_gen(2)), layout)
+    shards = [w.shard(1, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([s.dequantize() for s in shards], 1), w.dequantize())
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor"])
+def test_quantize_a_shard_with_the_whole_amax(layout):
+    """reduce_amax gives a column shard the whole weight's amax (what a MAX all-reduce over the
+    ranks does at load): the shards are then exactly the columns of the whole weight's
+    quantization."""
+    w = torch.randn(64, 96, generator=_gen(9))
+    w[:, 50] *= 30                                    # the row maxima sit in one shard
+    full = quantize_fp8(w, layout).dequantize()
+    halves = [w[:, :48], w[:, 48:]]
+    red = (lambda t: t.abs().amax(1)) if layout == "channel" else (lambda t: t.abs().amax())
+    whole = torch.stack([red(h) for h in halves]).amax(0)
+    for i, h in enumerate(halves):
+        q = quantize_fp8(h, layout, reduce_amax=lambda a: torch.maximum(a, whole))
+        assert torch.equal(q.dequantize(), full[:, 48 * i:48 * (i + 1)])
+    assert not torch.equal(quantize_fp8(halves[0], layout).dequantize(), full[:, :48])
+
+
+def test_block_cut_off_a_block_boundary():
+    w = quantize_fp8(torch.randn(300, 200), "block")
+    w.narrow(0, 128, 300)                 # the partial last block: fine
+    w.narrow(1, 0, 200)
+    with pytest.raises(ValueError, match=r"rows \[0, 150\) of 300 cut a 128 x 128 scale block"):
+        w.narrow(0, 0, 150)
+    with pytest.raises(ValueError, match=r"columns \[64, 200\)"):
+        w.narrow(1, 64, 200)
+    with pytest.raises(ValueError, match="cut a 128 x 128"):
+        w.shard(0, 0, 2)                  # 150-row shards
+    # per-channel and per-tensor weights split anywhere
+    quantize_fp8(torch.randn(300, 200), "channel").narrow(0, 7, 150)
+    quantize_fp8(torch.randn(300, 200), "tensor").narrow(1, 3, 11)
+
+
+def test_cat_rows():
+    a, b = torch.randn(64, 32), torch.randn(32, 32) * 10
+    ta, tb = quantize_fp8(a, "tensor"), quantize_fp8(b, "tensor")
+    cat = FP8Weight.cat_rows([ta, tb])
+    assert cat.layout == "channel"                       # different scales: one per row, exact
+    assert torch.equal(cat.dequantize(), torch.cat([ta.dequantize(), tb.dequantize()]))
+    same = FP8Weight.cat_rows([ta, FP8Weight(tb.data, ta.scale.clone(), "tensor")])
+    assert same.layout == "tensor"
+    ca, cb = quantize_fp8(a, "channel"), quantize_fp8(b, "channel")
+    assert torch.equal(FP8Weight.cat_rows([ca, cb]).dequantize(),
+                       torch.cat([ca.dequantize(), cb.dequantize()]))
+    ba, bb = quantize_fp8(torch.randn(256, 200), "block"), quantize_fp8(torch.randn(40, 200),
+                                                                        "block")
+    blk = FP8Weight.cat_rows([ba, bb])
+    assert torch.equal(blk.dequantize(), torch.cat([ba.dequantize(), bb.dequantize()]))
+    with pytest.raises(ValueError, match="part 0 has 40 rows, not a multiple of 128"):
+        FP8Weight.cat_rows([bb, ba])
+    with pytest.raises(ValueError, match="different scale layouts"):
+        FP8Weight.cat_rows([ta, ca])
+
+
+# ---- TP layers holding FP8 weights -----------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tp_linears_take_fp8(rt, layout):
+    w8 = quantize_fp8(torch.randn(256, 384, generator=_gen(3)), layout)
+    bias = torch.randn(256, generator=_gen(4))
+    x = torch.randn(5, 384, generator=_gen(5))
+    ref = x.double() @ deq64(w8).t() + bias.double()
+    bound = gemm_bound(x, deq64(w8), ref, torch.float32, bias)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        m = cls.from_full(w8, bias, dtype=torch.float32, device="cpu")
+        assert isinstance(m.weight, FP8Weight) and "weight" not in dict(m.named_parameters())
+        assert_within(m(x), ref, bound, cls.__name__)
+    with pytest.raises(ValueError, match="sequence_parallel=True takes bf16"):
+        ColumnParallelLinear.from_full(w8, None, dtype=torch.float32, device="cpu",
+                                       sequence_parallel=True)
+
+
+def _attention_inputs(attn, T, seed):
+    g = _gen(seed)
+    x = torch.randn(T, attn.hidden_size, generator=g)
+    pos = torch.arange(T) + 3
+    meta = AttentionMetadata("decode", block_table=torch.arange(T * 2, dtype=torch.int32)
+                             .view(T, 2), seq_lens=(pos + 1).to(torch.int32),
+                             slot_mapping=torch.arange(T) * 32 + pos)
+    return x, pos, meta
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_tpattention_fp8_equals_dequantized(layout, bias):
+    """TPAttention with FP8 qkv / o (load_full shards FP8Weights) against the same module with
+    the dequantized weights as fp32 parameters."""
+    H, KV, D, hid = 4, 2, 64, 192                 # q 256 rows, k / v 128: whole blocks
+    g = _gen(7)
+    full = [torch.randn(n, k, generator=g) * 0.2 for n, k in
+            ((H * D, hid), (KV * D, hid), (KV * D, hid), (hid, H * D))]
+    b = [torch.randn(n, generator=g) * 0.1 for n in (H * D, KV * D, KV * D)] if bias else []
+    q8 = [quantize_fp8(w, layout) for w in full]
+    fp8 = TPAttention(hid, H, KV, D, qkv_bias=bias, max_position=64, dtype=torch.float32,
+                      fp8_layout=layout).load_full(*q8, *b)
+    ref = TPAttention(hid, H, KV, D, qkv_bias=bias, max_position=64,
+                      dtype=torch.float32).load_full(*[w.dequantize() for w in q8], *b)
+    assert isinstance(fp8.qkv_weight, FP8Weight) and isinstance(fp8.o_weight, FP8Weight)
+    x, pos, meta = _attention_inputs(fp8, 3, 8)
+    got = fp8(x, pos, fp8.make_cache(1, num_pages=8, page_size=16), 0, meta)
+    want = ref(x, pos, ref.make_cache(1, num_pages=8, page_size=16), 0, meta)
+    err = float((got - want).norm() / want.norm())
+    assert err <= 1e-5, f"{layout}: rel err {err:.2e}"
+    with pytest.raises(ValueError, match="FP8Weights exactly when fp8_layout is set"):
+        ref.load_full(*q8, *b)
+    other = "channel" if layout != "channel" else "tensor"
+    with pytest.raises(ValueError, match=f"has {other} scales"):
+        fp8.load_full(*[quantize_fp8(w, other) for w in full], *b)
+
+
+# ---- gpu tier ----------------------------------------------------------------------------------
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64, 300])
+def test_gpu_paths_against_float64(layout, m):
+    """Each CUDA path (fp8_path's choice at this M and layout, and the dequantize fallback)
+    within its bound: the GEMV and the dequantized weight multiply bf16 x by the dequantized
+    weight (the latter after rounding it to bf16), the _scaled_mm paths also round x to e4m3.
+    Outputs poisoned with NaN first: eager, then replayed in a CUDA graph."""
+    dev = torch.device("cuda")
+    n, k = 4096 + 128, 2048 + 64
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.02, layout).to(dev)
+    w64 = deq64(w.to("cpu"))
+    x = (torch.randn(m, k, generator=_gen(m + 1)) * 2).to(torch.bfloat16)
+    b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
+    ref = x.double() @ w64.t() + b.double()
+    path = quant.fp8_path(x.to(dev), w, b.to(dev))
+    for p in {path, "dequantize"}:
+        xd, bd = x.to(dev), b.to(dev)
+        y = fp8_linear(xd, w, bd, path=p)
+        out = torch.full_like(y, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(fp8_linear(xd, w, bd, path=p))
+        graph.replay()
+        torch.cuda.synchronize()
+        if p.startswith("scaled_mm"):
+            xa = x.float().abs()
+            sx = (xa.amax(1, keepdim=True) if p.endswith("rowwise") else xa.amax()) / 448
+            bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
+                2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
+        elif p == "dequantize":   # the weight rounded to bf16 first: 2^-9 relative more
+            bound = gemm_bound(x, w64, ref, torch.bfloat16, b) + \
+                2.0 ** -9 * (x.double().abs() @ w64.abs().t())
+        else:
+            bound = gemm_bound(x, w64, ref, torch.bfloat16, b)
+        for got in (y, out):
+            assert_within(got.cpu(), ref, bound, f"{p} m={m} {layout}")
