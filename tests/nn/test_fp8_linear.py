@@ -15,6 +15,7 @@ dequantized weight for block scales past 16 rows), eager and in a CUDA graph."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -293,8 +294,8 @@ def test_cpu_path_is_reference():
 def test_gemv_call_through_the_guard(monkeypatch):
     """The GEMV op is imported under a guard (None without fusedist/ops/gemv.py); when present,
     fp8_linear hands it x [M, K], the e4m3 data, the scale as stored and the bias."""
-    try:
-        import fusedist.ops.gemv as op
+    try:   # by name: the package attribute fusedist.ops.gemv is the function
+        op = importlib.import_module("fusedist.ops.gemv")
         assert quant._gemv is op.gemv
     except ImportError:
         assert quant._gemv is None
