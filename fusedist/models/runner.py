@@ -24,12 +24,19 @@ dynamic=False) (mode default: inductor fuses the elementwise work, GEMMs stay cu
 it is captured into the same CUDA graphs; each bucket compiles once, at its capture. Prefill
 stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
 the profiler's classes are profiling.py's).
+
+max_seq_len may not exceed the model's positions (model.max_position, the rotary table's
+length); generate() holds every sequence to both. close() (or the end of a `with Runner(...)`
+block) releases the graphs, the KV cache and the buckets' decode plans, whose workspaces the
+attention op keeps registered until they are closed; a runner that is dropped without close()
+closes its plans when it is collected.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -81,6 +88,13 @@ class GenerationResult:
         return self.batch * self.steps / (self.decode_ms / 1e3) if self.steps else float("nan")
 
 
+def _close_plans(plans: list) -> None:
+    """Close the decode plans a runner made (weakref.finalize's callback: it holds the list,
+    never the runner)."""
+    while plans:
+        plans.pop().close()
+
+
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while True:
@@ -98,6 +112,17 @@ class Runner:
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
+        max_position = getattr(model, "max_position", None)
+        if max_position is not None and max_seq_len > max_position:
+            raise ValueError(
+                f"Runner: max_seq_len={max_seq_len} exceeds the model's max_position "
+                f"{max_position} (the positions its rotary table holds); pass max_seq_len <= "
+                f"{max_position}, or build the model with a larger max_position (build_model("
+                "..., max_position=), at most the config's max_position)")
+        self.max_position = max_position
+        self.closed = False
+        self._plans: list = []       # decode plans of the buckets, closed by close()
+        self._release = weakref.finalize(self, _close_plans, self._plans)
         self.model, self.device = model, model.device
         self.page_size = page_size
         self.buckets = buckets_for(max_batch)
@@ -150,10 +175,37 @@ class Runner:
                                        backend=compile_backend)
         self.compile_s: dict[int, float] = {}    # bucket -> seconds of its first (compiling) call
 
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the CUDA graphs, the KV cache and the buckets' decode plans (their
+        workspaces). The runner cannot be used afterwards; calling close() again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.graphs.clear()          # the graphs replay into the plans' workspaces: first
+        self._metas.clear()
+        self.pool = None
+        self.cache = None
+        self._release()
+
+    def __enter__(self) -> "Runner":
+        self._check_open("Runner")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, where: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{where}: the runner is closed (close() or the end of its "
+                               "with-block released its cache and plans); build a new Runner")
+
     # ---- decode --------------------------------------------------------------------------
     def _meta(self, b: int):
         if b not in self._metas:
             plan = self.model.decode_plan(b, self.page_size, self.max_seq_len)
+            if plan is not None:
+                self._plans.append(plan)
             self._metas[b] = _metadata(mode="decode", block_table=self.bt[:b],
                                        seq_lens=self.seq_lens[:b], slot_mapping=self.slots[:b],
                                        plan=plan)
@@ -185,6 +237,7 @@ class Runner:
     def capture(self, b: int) -> None:
         """Capture the batch-b decode step (the live batch rows' cache slots at position
         seq_lens - 1 are written by the warm-up: call before prefill)."""
+        self._check_open("Runner.capture")
         if b in self.graphs or not self.cuda_graphs:
             return
         s = torch.cuda.Stream(self.device)
@@ -204,6 +257,7 @@ class Runner:
     @torch.no_grad()
     def decode_step(self, b: int) -> torch.Tensor:
         """One decode step of bucket b over the static buffers; logits [b, vocab]."""
+        self._check_open("Runner.decode_step")
         if b in self.graphs:
             g, out = self.graphs[b]
             g.replay()
@@ -224,6 +278,7 @@ class Runner:
         start..start+len-1 after `start` tokens already in the cache); returns the last
         token's logits [len(prompts), vocab], or with all_logits a list of [len, vocab], one
         per prompt (every position's logits)."""
+        self._check_open("Runner.prefill")
         P, dev = self.page_size, self.device
         last = [None] * len(prompts)
         every = [[] for _ in prompts]
@@ -277,6 +332,7 @@ class Runner:
     def fill_context(self, tokens: int, seed: int = 0) -> None:
         """Benchmarks: make every row's first `tokens` cache positions random keys / values
         (N(0, 1)), as if a prompt of that length had been prefilled."""
+        self._check_open("Runner.fill_context")
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         for kv in (self.cache.k, self.cache.v):
@@ -289,6 +345,7 @@ class Runner:
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
+        self._check_open("Runner.generate")
         n = len(prompts)
         if n == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("Runner.generate: pass at least one prompt, each of >= 1 token")
@@ -299,6 +356,11 @@ class Runner:
             raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
                              f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
                              "with a larger max_seq_len")
+        if self.max_position is not None and longest > self.max_position:
+            raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
+                             f"the model's max_position {self.max_position}; lower "
+                             "max_new_tokens or the prompt, or build the model with a larger "
+                             "max_position")
         b = self.bucket(n)
         dev = self.device
         self.seq_lens.fill_(1)

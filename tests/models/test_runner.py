@@ -199,3 +199,63 @@ def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch, monkeypatch):
     sdpa = [n for n in names if any(k in n for k in ("cudnn", "flash", "fmha", "attention"))]
     assert sdpa and not any("fmha_cutlassf" in n or "memeff" in n for n in sdpa), names
     assert any("cudnn" in n for n in sdpa), names
+
+
+# ---- construction limits and lifetime ------------------------------------------------------
+def test_max_seq_len_beyond_the_models_positions(rt):
+    """max_seq_len past the model's rotary table (model.max_position) is refused at
+    construction; a generate whose tokens would pass it (the page-rounded cache is longer)
+    raises before any step."""
+    m = _tiny("fusedist")
+    with pytest.raises(ValueError, match=r"max_seq_len=2049 exceeds the model's max_position "
+                                         r"2048"):
+        Runner(m, max_batch=1, max_seq_len=m.max_position + 1)
+    cfg = LlamaConfig.named("tiny")
+    short = build_model(cfg, RandomWeights(cfg, seed=3), dtype=torch.float32, device="cpu",
+                        max_position=40)
+    r = Runner(short, max_batch=1, max_seq_len=40)       # 3 pages of 16: a 48-token cache
+    assert r.max_seq_len == 48
+    with pytest.raises(ValueError, match="exceed the model's max_position 40"):
+        r.generate([list(range(1, 31))], 15)
+    assert len(r.generate([list(range(1, 31))], 10).ids[0]) == 10
+
+
+def _plan_count():
+    from fusedist.ops.attention import _decode
+    return len(_decode._plans)
+
+
+def test_decode_plans_are_released(rt):
+    """Each bucket's decode plan (and its workspace) is registered by the attention op; the
+    runner closes them at close(), at the end of a with-block, and when it is dropped."""
+    import gc
+
+    m = _tiny("fusedist")
+    prompts = _prompts(m.cfg.vocab_size, (5, 7, 4), 8)
+    gc.collect()                        # runners of earlier tests
+    n0 = _plan_count()
+    r = Runner(m, max_batch=3, max_seq_len=64)
+    want = r.generate(prompts, 3).ids                    # bucket 4
+    r.generate(prompts[:1], 3)                           # bucket 1
+    assert _plan_count() == n0 + 2
+    del r
+    gc.collect()
+    assert _plan_count() == n0, "a dropped Runner left its decode plans registered"
+
+    with Runner(m, max_batch=3, max_seq_len=64) as r:
+        assert r.generate(prompts, 3).ids == want
+        plans = [meta.plan for meta in r._metas.values()]
+        assert _plan_count() == n0 + 1
+    assert plans and all(p.closed for p in plans) and _plan_count() == n0
+    with pytest.raises(RuntimeError, match="Runner.generate: the runner is closed"):
+        r.generate(prompts, 3)
+    r.close()                                            # twice is fine
+
+    r = Runner(m, max_batch=1, max_seq_len=64)
+    r.generate(prompts[:1], 2)
+    r.close()
+    assert _plan_count() == n0
+    # The torch backend makes no plans; close() still works.
+    with Runner(_tiny("torch"), max_batch=1, max_seq_len=64) as t:
+        t.generate(prompts[:1], 2)
+    assert _plan_count() == n0
