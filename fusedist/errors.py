@@ -36,3 +36,9 @@ class CollectiveMismatchError(FusedistError):
 
 class CommunicatorClosedError(FusedistError):
     """The communicator was closed (or broke after a timeout) and cannot be used."""
+
+
+class RequestMismatchError(CollectiveMismatchError, ValueError):
+    """Ranks of a tensor-parallel group were handed different requests (Runner.generate: other
+    prompts, sampling parameters, limits or stop ids). The message names each differing field
+    and every rank's value. Also a ValueError: the input is what is wrong."""

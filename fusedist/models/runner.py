@@ -25,6 +25,14 @@ it is captured into the same CUDA graphs; each bucket compiles once, at its capt
 stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
 the profiler's classes are profiling.py's).
 
+At TP > 1 every rank must call generate() with the same request (prompts, max_new_tokens,
+sampling parameters with the seed, eos_ids, context_fill, eos_check_every): each call first
+all-gathers a 16-byte digest of it over the model's tensor-parallel group and raises
+fusedist.RequestMismatchError on every rank, naming each differing field and every rank's
+value, when they differ (a request invalid on some ranks only raises its ValueError there and
+the mismatch elsewhere). Different requests would otherwise give wrong ids, or ranks that
+stop at different steps and leave their peers in a collective.
+
 max_seq_len may not exceed the model's positions (model.max_position, the rotary table's
 length); generate() holds every sequence to both. close() (or the end of a `with Runner(...)`
 block) releases the graphs, the KV cache and the buckets' decode plans, whose workspaces the
@@ -35,13 +43,16 @@ closes its plans when it is collected.
 from __future__ import annotations
 
 import math
+import operator
 import time
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..errors import RequestMismatchError
 from .profiling import profile
 from .sampling import SamplingParams, sample
 
@@ -86,6 +97,21 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return self.batch * self.steps / (self.decode_ms / 1e3) if self.steps else float("nan")
+
+
+def _show_ids(ids: list) -> str:
+    """A prompt as the mismatch message shows it: short ones whole, long ones by their head,
+    length and CRC-32."""
+    if len(ids) <= 16:
+        return f"{len(ids)} ids {ids}"
+    crc = zlib.crc32(repr(ids).encode())
+    return f"{len(ids)} ids [{', '.join(map(str, ids[:8]))}, ...] crc32 {crc:08x}"
+
+
+def _int(where: str, name: str, v, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{where}: {name} must be an int >= {low}, got {v!r}")
+    return v
 
 
 def _close_plans(plans: list) -> None:
@@ -346,21 +372,22 @@ class Runner:
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
         self._check_open("Runner.generate")
+        try:
+            fields, exact = self._request(prompts, max_new_tokens, sampling, eos_ids,
+                                          context_fill, eos_check_every)
+            bad = None
+        except (ValueError, TypeError) as e:
+            bad, fields, exact = e, {"request": f"invalid: {type(e).__name__}: {e}"}, None
+        try:
+            self._check_same_request(fields, exact)
+        except RequestMismatchError as e:
+            if bad is None:
+                raise
+            raise bad from e              # this rank's own error says what to fix here
+        if bad is not None:
+            raise bad
+        prompts = exact                   # the ids as python ints
         n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("Runner.generate: pass at least one prompt, each of >= 1 token")
-        if max_new_tokens < 1:
-            raise ValueError(f"Runner.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-        longest = context_fill + max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.max_seq_len:
-            raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
-                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
-                             "with a larger max_seq_len")
-        if self.max_position is not None and longest > self.max_position:
-            raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
-                             f"the model's max_position {self.max_position}; lower "
-                             "max_new_tokens or the prompt, or build the model with a larger "
-                             "max_position")
         b = self.bucket(n)
         dev = self.device
         self.seq_lens.fill_(1)
@@ -404,6 +431,81 @@ class Runner:
                                 steps=steps, batch=n,
                                 prompt_tokens=sum(len(p) for p in prompts),
                                 timings={"bucket": b, "graphs": b in self.graphs})
+
+    def _request(self, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                 eos_check_every) -> tuple[dict, list]:
+        """Check generate()'s arguments here (a ValueError or TypeError naming the argument);
+        return the request's fields as the mismatch message shows them, and the prompts' ids
+        (which long prompts' fields abbreviate)."""
+        where = "Runner.generate"
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or \
+                len(prompts) == 0:
+            raise ValueError(f"{where}: prompts must be a non-empty list of token-id lists, got "
+                             f"{type(prompts).__name__}")
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                row = [operator.index(t) for t in p]
+            except TypeError:
+                raise TypeError(f"{where}: prompts[{i}] must be a sequence of int token ids, "
+                                f"got {p!r:.80}") from None
+            if not row:
+                raise ValueError(f"{where}: prompts[{i}] is empty; every prompt needs >= 1 "
+                                 "token")
+            if vocab is not None and not all(0 <= t < vocab for t in row):
+                bad = next(t for t in row if not 0 <= t < vocab)
+                raise ValueError(f"{where}: prompts[{i}] holds token id {bad}, outside the "
+                                 f"model's vocabulary [0, {vocab})")
+            ids.append(row)
+        _int(where, "max_new_tokens", max_new_tokens, 1)
+        _int(where, "context_fill", context_fill, 0)
+        _int(where, "eos_check_every", eos_check_every, 1)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"{where}: sampling must be a fusedist.models.SamplingParams, got "
+                            f"{type(sampling).__name__}")
+        try:
+            stop = sorted({operator.index(t) for t in eos_ids})
+        except TypeError:
+            raise TypeError(f"{where}: eos_ids must be a sequence of int token ids, got "
+                            f"{eos_ids!r:.80}") from None
+        longest = context_fill + max(len(p) for p in ids) + max_new_tokens
+        if longest > self.max_seq_len:
+            raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
+                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
+                             "with a larger max_seq_len")
+        if self.max_position is not None and longest > self.max_position:
+            raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
+                             f"the model's max_position {self.max_position}; lower "
+                             "max_new_tokens or the prompt, or build the model with a larger "
+                             "max_position")
+        self.bucket(len(ids))
+        fields = {"request": "valid", "prompts": f"{len(ids)} prompts"}
+        fields.update((f"prompts[{i}]", _show_ids(row)) for i, row in enumerate(ids))
+        fields["max_new_tokens"] = repr(max_new_tokens)
+        for f in ("greedy", "temperature", "top_k", "top_p", "seed"):
+            fields[f"sampling.{f}"] = repr(getattr(sampling, f))
+        fields["eos_ids"] = repr(stop)
+        fields["context_fill"] = repr(context_fill)
+        fields["eos_check_every"] = repr(eos_check_every)
+        return fields, ids
+
+    def _tp_group(self):
+        """The model's tensor-parallel fusedist Group (None for a model without one)."""
+        comm = getattr(self.model, "comm", None)
+        return getattr(comm, "group", None)
+
+    def _check_same_request(self, fields: dict, exact) -> None:
+        group = self._tp_group()
+        if group is None or group.size == 1:
+            return
+        group.check_same(
+            fields, exact=exact, where="Runner.generate", what="requests",
+            error=RequestMismatchError,
+            fix="Every rank of the tensor-parallel group must call generate() with the same "
+                "prompts, max_new_tokens, sampling parameters (seed included), eos_ids, "
+                "context_fill and eos_check_every: build the request on one rank and send it "
+                "to the others (e.g. torch.distributed.broadcast_object_list)")
 
     @torch.no_grad()
     def time_step(self, n: int, iters: int = 20) -> float:

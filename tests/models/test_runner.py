@@ -24,6 +24,7 @@ from fusedist.models.llama import RandomWeights  # noqa: E402
 from fusedist.models.profiling import kernel_breakdown  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+from launch import assert_passed, torchrun  # noqa: E402
 
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
 
@@ -259,3 +260,57 @@ def test_decode_plans_are_released(rt):
     with Runner(_tiny("torch"), max_batch=1, max_seq_len=64) as t:
         t.generate(prompts[:1], 2)
     assert _plan_count() == n0
+
+
+# ---- TP 2 over gloo: ranks given different requests ---------------------------------------
+@pytest.mark.timeout(300)
+def test_request_mismatch_tp2_cpu():
+    """tests/dist/worker_runner.py: different prompt ids, seeds, max_new_tokens, EOS ids on one
+    rank, sampling modes, context fills, and a request invalid on one rank only."""
+    assert_passed(torchrun("worker_runner.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=240), 2)
+
+
+def test_generate_argument_checks(rt):
+    """generate() names the bad argument (before: an IndexError deep in the embedding for an
+    id past the vocabulary, ZeroDivisionError for eos_check_every=0, a str taken as a prompt)."""
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    for kw, exc, match in [
+        ({"prompts": [[1, 512]]}, ValueError, r"prompts\[0\] holds token id 512, outside the "
+                                               r"model's vocabulary \[0, 512\)"),
+        ({"prompts": [[1, -1]]}, ValueError, "token id -1"),
+        ({"prompts": ["hello"]}, TypeError, r"prompts\[0\] must be a sequence of int token ids"),
+        ({"prompts": [[1.0, 2.0]]}, TypeError, r"prompts\[0\] must be a sequence of int"),
+        ({"prompts": "12"}, ValueError, "prompts must be a non-empty list"),
+        ({"prompts": []}, ValueError, "prompts must be a non-empty list"),
+        ({"prompts": [[1], []]}, ValueError, r"prompts\[1\] is empty"),
+        ({"prompts": [[1]] * 3}, ValueError, "batch 3 exceeds max_batch 2"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an int >= 1, got 0"),
+        ({"max_new_tokens": 2.0}, ValueError, "max_new_tokens must be an int >= 1"),
+        ({"eos_ids": (3,), "eos_check_every": 0}, ValueError,
+         "eos_check_every must be an int >= 1, got 0"),
+        ({"context_fill": -1}, ValueError, "context_fill must be an int >= 0"),
+        ({"eos_ids": ("a",)}, TypeError, "eos_ids must be a sequence of int token ids"),
+        ({"sampling": {"greedy": True}}, TypeError, "sampling must be a fusedist.models."
+                                                     "SamplingParams"),
+    ]:
+        args = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw}
+        with pytest.raises(exc, match=match):
+            r.generate(**args)
+    # Token ids given as tensors or numpy-like ints are taken as their values.
+    want = r.generate([[1, 2, 3]], 4).ids
+    assert r.generate([torch.tensor([1, 2, 3])], 4).ids == want
+
+
+def test_describe_differences():
+    from fusedist.distributed.groups import describe_differences
+    from fusedist.models.runner import _show_ids
+
+    fields = [{"a": "1", "b": "x", "only0": "z"}, {"a": "2", "b": "x"}, {"a": "1", "b": "y"}]
+    assert describe_differences((0, 1, 2), fields) == \
+        "a: ranks 0, 2: 1; rank 1: 2 | b: ranks 0, 1: x; rank 2: y"
+    assert describe_differences((4, 5), [{"k": "1", "extra": "e"}, {"k": "1"}]) == \
+        "extra: rank 4: e; rank 5: (absent)"
+    long = list(range(40))
+    assert _show_ids(long).startswith("40 ids [0, 1, 2, 3, 4, 5, 6, 7, ...] crc32 ")
+    assert _show_ids(long) != _show_ids(long[:-1] + [99]) and _show_ids([3, 4]) == "2 ids [3, 4]"
