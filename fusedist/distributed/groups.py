@@ -22,7 +22,8 @@ from .topology import Topology
 class Group:
     name: str                       # identical on every member; keys torch.library ops
     ranks: tuple[int, ...]          # global ranks, in group-rank order
-    pg: Optional[dist.ProcessGroup]  # None on ranks outside the group
+    pg: Optional[dist.ProcessGroup]  # None on ranks outside the group, and once shutdown()
+    #                                  destroyed and released it
     device: torch.device
     topology: Optional[Topology] = None
     _communicator: Any = field(default=None, repr=False)

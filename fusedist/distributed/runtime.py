@@ -5,10 +5,18 @@ CUDA, starts torch.distributed (nccl on GPU, gloo on CPU; under mpirun without M
 address is bootstrapped through mpi4py), gathers the topology and creates the world,
 tensor-parallel, data-parallel, intra-node and inter-node groups. An engine that already
 initialized torch.distributed keeps its process group: init() adopts it.
+
+shutdown() destroys the process groups init() created and drops fusedist's references to them,
+so torch frees them there and then: a gloo group's destructor joins its worker threads. Left
+for the interpreter's exit, a worker thread could still hold the last collective's work and
+need the GIL to free its tensors while the interpreter finalizes, which ends the process with
+"terminate called without an active exception" (SIGABRT). A gloo runtime still initialized
+at exit is shut down by an atexit hook for the same reason.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -69,6 +77,7 @@ def on_shutdown(fn) -> None:
     if fn not in _shutdown_hooks:
         _shutdown_hooks.append(fn)
 _generation = 0  # process groups init() created in this process; names their store keys
+_atexit_registered = False
 
 
 def is_initialized() -> bool:
@@ -147,7 +156,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     of the process groups (default FUSEDIST_INIT_TIMEOUT_S or 300 s). The launch arguments
     (rank=, world_size=, ...) override what the launcher's environment says.
     """
-    global _runtime, _generation
+    global _runtime, _generation, _atexit_registered
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
     for k, v in SAFE_ENV.items():
@@ -222,12 +231,44 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
                        tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
                        inter_node=groups["inter_node"], owns_process_group=owns,
                        created_groups=created)
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
     return _runtime
+
+
+def _shutdown_at_exit() -> None:
+    """atexit: shut down a gloo runtime the program left initialized, while the interpreter is
+    whole (see the module docstring). With NCCL, closing communicators is collective, so an
+    exit that skipped shutdown() is left as it is."""
+    rt = _runtime
+    if rt is None or rt.backend != "gloo":
+        return
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - an exit hook reports, never raises
+        import sys
+        print(f"fusedist: shutdown at exit failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+
+
+def _release_groups(rt: Runtime, destroyed) -> None:
+    """Drop fusedist's references to the destroyed process groups (`destroyed`: all of them,
+    or a set of torch ProcessGroups), so torch frees them now, not at interpreter exit."""
+    groups = [rt.world, rt.tp, rt.dp, rt.intra_node, rt.inter_node,
+              *rt.adopted_groups.values()]
+    for g in groups:
+        if g is not None and g.pg is not None and (destroyed is all or g.pg in destroyed):
+            g.pg = None
+    rt.created_groups.clear()
 
 
 def shutdown() -> None:
     """Free every communicator (symmetric buffers, IPC mappings, NCCL comms) and, if init()
-    created it, destroy the process group. Safe to call twice."""
+    created it, destroy the process group (with an adopted one, the subgroups init() made).
+    The destroyed groups are released: their fusedist Groups' pg becomes None, and torch frees
+    them (a gloo group joins its threads) before this returns unless the program holds them.
+    Safe to call twice."""
     global _runtime
     rt = _runtime
     if rt is None:
@@ -242,8 +283,11 @@ def shutdown() -> None:
             hook()
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            _release_groups(rt, all)
         elif dist.is_initialized():
             # Adopted an engine's process group: leave it, but remove the subgroups fusedist
             # made, so repeated init()/shutdown() cycles do not pile them up in the engine.
+            made = set(rt.created_groups)
             for pg in rt.created_groups:
                 dist.destroy_process_group(pg)
+            _release_groups(rt, made)
