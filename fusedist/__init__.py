@@ -16,7 +16,8 @@ from ._version import __version__
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, NcclUnavailableError,
-                     NotInitializedError, PeerAccessError, RequestMismatchError)
+                     NotInitializedError, PeerAccessError, PeerLostError,
+                     RequestMismatchError)
 from .comm.streams import AsyncHandle, comm_stream
 from .distributed.groups import Group
 from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
@@ -36,4 +37,5 @@ __all__ = [
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
+    "PeerLostError",
 ]

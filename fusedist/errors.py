@@ -34,6 +34,11 @@ class CollectiveMismatchError(FusedistError):
     call (or values)."""
 
 
+class PeerLostError(FusedistError):
+    """A collective of a group failed because a peer is gone (its process exited: the message
+    names its rank) or stopped answering within the timeout. The group cannot be used again."""
+
+
 class CommunicatorClosedError(FusedistError):
     """The communicator was closed (or broke after a timeout) and cannot be used."""
 

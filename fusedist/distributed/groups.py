@@ -156,17 +156,18 @@ def validate_tp_size(world_size: int, tp_size: int, topology: Topology,
 
 def new_groups(kind: str, rank_lists: Sequence[tuple[int, ...]], world_size: int,
                device: torch.device, topology: Topology,
-               created: Optional[list] = None) -> Optional[Group]:
+               created: Optional[list] = None, timeout=None) -> Optional[Group]:
     """Create one torch group per rank list (every rank calls new_group for every list, in the
     same order, as torch requires) and return the one this rank belongs to. New groups are
-    appended to `created` (so shutdown() can destroy them)."""
+    appended to `created` (so shutdown() can destroy them). `timeout` (a timedelta) bounds
+    their collectives; None leaves torch's default (30 minutes for gloo)."""
     me = dist.get_rank()
     mine = None
     for i, ranks in enumerate(rank_lists):
         if len(ranks) == world_size:
             pg = dist.group.WORLD
         else:
-            pg = dist.new_group(list(ranks))
+            pg = dist.new_group(list(ranks), timeout=timeout)
             if created is not None:
                 created.append(pg)
         if me in ranks:

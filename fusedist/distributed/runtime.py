@@ -31,6 +31,7 @@ from .. import envs
 from ..errors import NotInitializedError
 from .groups import Group, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
+from .peers import process_identity
 from .topology import Topology
 
 # NVLink multicast (NVLS) stays off for NCCL, torch symmetric memory and NVSHMEM: fusedist
@@ -56,6 +57,10 @@ class Runtime:
     communicators: list = field(default_factory=list)
     adopted_groups: dict = field(default_factory=dict)  # torch ProcessGroup -> Group
     created_groups: list = field(default_factory=list)  # subgroups init() made (not WORLD)
+    # every rank's process identity (peers.process_identity()), by global rank
+    peers: tuple = ()
+    # timeout of the groups init() created (all of them when it owns the process group), s
+    timeout_s: Optional[float] = None
 
     @property
     def rank(self) -> int:
@@ -154,7 +159,9 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     tp_size: tensor-parallel size (default: ranks per node). backend: "nccl" or "gloo"
     (default: nccl when a GPU is visible). timeout_s bounds every bootstrap step and collective
     of the process groups (default FUSEDIST_INIT_TIMEOUT_S or 300 s). The launch arguments
-    (rank=, world_size=, ...) override what the launcher's environment says.
+    (rank=, world_size=, ...) override what the launcher's environment says. The subgroups
+    init() creates (tp, dp, intra- and inter-node) take the same timeout, also with an adopted
+    process group.
     """
     global _runtime, _generation, _atexit_registered
     if _runtime is not None:
@@ -210,7 +217,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         world = dist.get_world_size()
         me = dist.get_rank()
         world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
-        node_ids = tuple(world_group.all_gather_object(env.node_id))
+        facts = world_group.all_gather_object((env.node_id, process_identity()))
+        node_ids = tuple(f[0] for f in facts)
         topo = Topology(world_size=world, rank=me, node_ids=node_ids)
         world_group.topology = topo
 
@@ -220,7 +228,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         validate_tp_size(world, tp, topo, tp_spans_nodes)
         lists = build_rank_lists(world, tp, topo)
         created: list = []
-        groups = {k: new_groups(k, v, world, dev, topo, created) for k, v in lists.items()}
+        groups = {k: new_groups(k, v, world, dev, topo, created, timeout)
+                  for k, v in lists.items()}
     except BaseException:
         # Leave no half-initialized state: a process group created here would otherwise be
         # adopted (and never destroyed) by the next init().
@@ -230,7 +239,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     _runtime = Runtime(env=env, topology=topo, device=dev, backend=backend, world=world_group,
                        tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
                        inter_node=groups["inter_node"], owns_process_group=owns,
-                       created_groups=created)
+                       created_groups=created, peers=tuple(f[1] for f in facts),
+                       timeout_s=timeout.total_seconds())
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True

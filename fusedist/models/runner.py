@@ -33,6 +33,13 @@ value, when they differ (a request invalid on some ranks only raises its ValueEr
 the mismatch elsewhere). Different requests would otherwise give wrong ids, or ranks that
 stop at different steps and leave their peers in a collective.
 
+A rank that is lost during generate() (its process killed, its connection broken) ends the
+call on the others with fusedist.PeerLostError naming it (the group's ranks on this host are
+looked at; ranks on other hosts are listed as unchecked). Over gloo, generate()'s collectives
+after the request check are bounded by peer_timeout_s (default FUSEDIST_TIMEOUT_S, 30 s), so a
+peer that stops answering fails the call in that time rather than the process group's
+bootstrap timeout.
+
 max_seq_len may not exceed the model's positions (model.max_position, the rotary table's
 length); generate() holds every sequence to both. close() (or the end of a `with Runner(...)`
 block) releases the graphs, the KV cache and the buckets' decode plans, whose workspaces the
@@ -52,6 +59,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .. import envs
+from ..distributed import runtime as _runtime
+from ..distributed.peers import collective_timeout, is_peer_failure, peer_lost_error
 from ..errors import RequestMismatchError
 from .profiling import profile
 from .sampling import SamplingParams, sample
@@ -114,6 +124,10 @@ def _int(where: str, name: str, v, low: int) -> int:
     return v
 
 
+def _current_runtime():
+    return _runtime.get_runtime() if _runtime.is_initialized() else None
+
+
 def _close_plans(plans: list) -> None:
     """Close the decode plans a runner made (weakref.finalize's callback: it holds the list,
     never the runner)."""
@@ -134,7 +148,7 @@ class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, page_size: int = 16,
                  kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_chunk: int = 4096, compile_decode: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None):
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
@@ -146,6 +160,9 @@ class Runner:
                 f"{max_position}, or build the model with a larger max_position (build_model("
                 "..., max_position=), at most the config's max_position)")
         self.max_position = max_position
+        if peer_timeout_s is not None:
+            peer_timeout_s = _runtime.check_timeout_s("Runner", peer_timeout_s)
+        self.peer_timeout_s = peer_timeout_s
         self.closed = False
         self._plans: list = []       # decode plans of the buckets, closed by close()
         self._release = weakref.finalize(self, _close_plans, self._plans)
@@ -372,6 +389,19 @@ class Runner:
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
         self._check_open("Runner.generate")
+        group = self._tp_group()
+        try:
+            return self._generate(group, prompts, max_new_tokens, sampling, eos_ids,
+                                  context_fill, eos_check_every, progress)
+        except RuntimeError as e:
+            if group is None or group.size == 1 or not is_peer_failure(e):
+                raise
+            rt = _current_runtime()
+            raise peer_lost_error("Runner.generate", group, rt.peers if rt else None,
+                                  rt.rank if rt else -1, e) from e
+
+    def _generate(self, group, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                  eos_check_every, progress) -> GenerationResult:
         try:
             fields, exact = self._request(prompts, max_new_tokens, sampling, eos_ids,
                                           context_fill, eos_check_every)
@@ -387,6 +417,27 @@ class Runner:
         if bad is not None:
             raise bad
         prompts = exact                   # the ids as python ints
+        with collective_timeout(group, self._peer_timeout(), self._group_timeout(group)):
+            return self._run(prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                             eos_check_every, progress)
+
+    def _peer_timeout(self) -> float:
+        return self.peer_timeout_s if self.peer_timeout_s is not None else \
+            envs.get("FUSEDIST_TIMEOUT_S")
+
+    @staticmethod
+    def _group_timeout(group) -> Optional[float]:
+        """The timeout `group` was created with, when fusedist's runtime created it (an adopted
+        engine group's is not known, and is left alone)."""
+        rt = _current_runtime()
+        if group is None or rt is None or group.pg is None:
+            return None
+        if rt.owns_process_group or any(group.pg is pg for pg in rt.created_groups):
+            return rt.timeout_s
+        return None
+
+    def _run(self, prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every,
+             progress) -> GenerationResult:
         n = len(prompts)
         b = self.bucket(n)
         dev = self.device
