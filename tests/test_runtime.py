@@ -107,6 +107,11 @@ def test_shutdown_frees_the_process_groups():
     fusedist.shutdown()
     assert _gloo_threads() == before, "gloo threads outlived fusedist.shutdown()"
     assert rt.world.pg is None and rt.tp.pg is None and comm.group.pg is None
+    released = fusedist.Group("tp0", (0, 1), None, torch.device("cpu"))
+    with pytest.raises(fusedist.NotInitializedError, match="fusedist.shutdown.. released it"):
+        released.all_gather_object(1)
+    with pytest.raises(fusedist.NotInitializedError, match="group tp0 has no process group"):
+        released.check_same({"a": "1"}, where="w", what="x", fix="")
 
 
 def test_shutdown_registered_at_exit():

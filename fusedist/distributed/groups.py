@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, NotInitializedError
 from .topology import Topology
 
 
@@ -50,12 +50,19 @@ class Group:
     def single_node(self) -> bool:
         return self.topology is None or self.topology.same_node(self.ranks)
 
+    def _live_pg(self, where: str) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise NotInitializedError(
+                f"fusedist: {where}: group {self.name} has no process group (fusedist.shutdown() "
+                "released it); after fusedist.init(), build what used it again")
+        return self.pg
+
     def all_gather_object(self, obj) -> list:
         """Gather a picklable object from every member (host-side control plane)."""
         if self.size == 1:
             return [obj]
         out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
+        dist.all_gather_object(out, obj, group=self._live_pg("all_gather_object"))
         return out
 
     def barrier(self) -> None:
@@ -75,7 +82,7 @@ class Group:
         words = struct.unpack("<2q", hashlib.blake2b(blob, digest_size=16).digest())
         mine = torch.tensor(words, dtype=torch.int64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(every, mine, group=self.pg)
+        dist.all_gather(every, mine, group=self._live_pg(where))
         if all(torch.equal(d, every[0]) for d in every):
             return
         raise error(f"{where}: ranks of group {self.name} were given different {what}: "

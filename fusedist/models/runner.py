@@ -160,8 +160,11 @@ class Runner:
                 f"{max_position}, or build the model with a larger max_position (build_model("
                 "..., max_position=), at most the config's max_position)")
         self.max_position = max_position
-        if peer_timeout_s is not None:
-            peer_timeout_s = _runtime.check_timeout_s("Runner", peer_timeout_s)
+        if peer_timeout_s is not None and (
+                isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
+                or not math.isfinite(peer_timeout_s) or peer_timeout_s <= 0):
+            raise ValueError(f"Runner: peer_timeout_s must be a finite number of seconds > 0, "
+                             f"got {peer_timeout_s!r}; omit it for FUSEDIST_TIMEOUT_S")
         self.peer_timeout_s = peer_timeout_s
         self.closed = False
         self._plans: list = []       # decode plans of the buckets, closed by close()
@@ -489,8 +492,10 @@ class Runner:
         return the request's fields as the mismatch message shows them, and the prompts' ids
         (which long prompts' fields abbreviate)."""
         where = "Runner.generate"
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or \
-                len(prompts) == 0:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__len__") or \
+                not hasattr(prompts, "__iter__") or len(prompts) == 0:
             raise ValueError(f"{where}: prompts must be a non-empty list of token-id lists, got "
                              f"{type(prompts).__name__}")
         vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)

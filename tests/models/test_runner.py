@@ -297,9 +297,13 @@ def test_generate_argument_checks(rt):
         args = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw}
         with pytest.raises(exc, match=match):
             r.generate(**args)
-    # Token ids given as tensors or numpy-like ints are taken as their values.
+    # Token ids given as tensors are taken as their values.
     want = r.generate([[1, 2, 3]], 4).ids
     assert r.generate([torch.tensor([1, 2, 3])], 4).ids == want
+    assert r.generate(torch.tensor([[1, 2, 3]]), 4).ids == want
+    for bad in (0, -1.0, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match="peer_timeout_s must be a finite number"):
+            Runner(m, max_batch=1, max_seq_len=64, peer_timeout_s=bad)
 
 
 def test_describe_differences():
