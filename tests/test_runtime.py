@@ -125,7 +125,7 @@ def test_shutdown_registered_at_exit():
             "fusedist.is_initialized(), flush=True))\n"
             "rt = fusedist.init(rank=0, world_size=1, backend='gloo')\n"
             "fusedist.all_reduce(torch.ones(3))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pg after exit hook: None False" in out.stdout, out.stdout + out.stderr[-3000:]
