@@ -228,7 +228,7 @@ class Runner:
         if self.closed:
             return
         self.closed = True
-        self.graphs.clear()          # the graphs replay into the plans' workspaces: first
+        self.graphs.clear()          # before the plans: the graphs replay into their workspaces
         self._metas.clear()
         self.pool = None
         self.cache = None
