@@ -16,7 +16,8 @@ from ._version import __version__
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
-                     NotInitializedError, PeerAccessError)
+                     NotInitializedError, PeerAccessError, PeerLostError,
+                     RequestMismatchError)
 from .comm.streams import AsyncHandle, comm_stream
 from .distributed.groups import Group
 from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
@@ -36,6 +37,6 @@ __all__ = [
     "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
-    "CommunicatorClosedError", "CollectiveMismatchError", "MetadataError", "check_device_errors",
-    "clear_device_errors",
+    "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
+    "PeerLostError", "MetadataError", "check_device_errors", "clear_device_errors",
 ]

@@ -56,13 +56,16 @@ _register(
         "Node identity of this rank. Ranks with equal ids are treated as one node, which is how "
         "several nodes are emulated on one host. `init(node_id=)` takes precedence.",
         default_doc="hostname (`SLURM_NODEID` under srun)"),
-    Var("FUSEDIST_TIMEOUT_S", "float", 30.0, "when a Communicator is created",
+    Var("FUSEDIST_TIMEOUT_S", "float", 30.0,
+        "when a Communicator is created; by Runner.generate() (each call)",
         "Bounded device-side wait for a peer inside symmetric kernels, in seconds (> 0). "
-        "`Communicator(timeout_s=)` overrides it.", positive=True),
+        "`Communicator(timeout_s=)` overrides it. Also bounds Runner.generate()'s gloo "
+        "collectives after its request check (a peer that stops answering raises "
+        "PeerLostError); `Runner(peer_timeout_s=)` overrides that.", positive=True),
     Var("FUSEDIST_INIT_TIMEOUT_S", "float", 300.0, "by fusedist.init()",
-        "Timeout of the process group that `init()` creates (bootstrap and its collectives), in "
-        "seconds (> 0). `init(timeout_s=)` overrides it. Not applied to an adopted group.",
-        positive=True),
+        "Timeout of the process groups that `init()` creates (bootstrap and their collectives), "
+        "in seconds (> 0). `init(timeout_s=)` overrides it. Not applied to an adopted group "
+        "(the subgroups `init()` makes beside it take it).", positive=True),
     Var("FUSEDIST_ALLREDUCE_ALGO", "choice", "auto", "when a Communicator is created",
         "Forces the algorithm of `algo=\"auto\"` all-reduce calls; the capacity fallbacks "
         "(one-shot -> two-shot -> NCCL) still apply. Rank 0's value is used on every rank.",

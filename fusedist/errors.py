@@ -34,6 +34,11 @@ class CollectiveMismatchError(FusedistError):
     call (or values)."""
 
 
+class PeerLostError(FusedistError):
+    """A collective of a group failed because a peer is gone (its process exited: the message
+    names its rank) or stopped answering within the timeout. The group cannot be used again."""
+
+
 class CommunicatorClosedError(FusedistError):
     """The communicator was closed (or broke after a timeout) and cannot be used."""
 
@@ -44,3 +49,9 @@ class MetadataError(FusedistError, ValueError):
     outside its tensors and poisoned the affected outputs with NaN; the message names the op,
     the row and the value. Raised at the next check after the kernel ran; the record stays set
     until fusedist.clear_device_errors()."""
+
+
+class RequestMismatchError(CollectiveMismatchError, ValueError):
+    """Ranks of a tensor-parallel group were handed different requests (Runner.generate: other
+    prompts, sampling parameters, limits or stop ids). The message names each differing field
+    and every rank's value. Also a ValueError: the input is what is wrong."""

@@ -80,6 +80,57 @@ def test_shutdown_destroys_owned_group_and_is_idempotent(rt):
     fusedist.shutdown()
 
 
+def _gloo_threads() -> int:
+    import os
+
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += "gloo" in f.read()
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"),
+                    reason="counts threads through /proc")
+def test_shutdown_frees_the_process_groups():
+    """shutdown() releases the groups it destroyed (their Group.pg becomes None), so torch
+    frees them at once and no gloo thread outlives it: one left for the interpreter's exit can
+    abort the process (its work's tensors need the GIL while the interpreter finalizes)."""
+    before = _gloo_threads()
+    rt = fusedist.init(rank=0, world_size=1, backend="gloo")
+    comm = fusedist.get_communicator()
+    fusedist.all_reduce(torch.randn(5))
+    assert _gloo_threads() > before
+    fusedist.shutdown()
+    assert _gloo_threads() == before, "gloo threads outlived fusedist.shutdown()"
+    assert rt.world.pg is None and rt.tp.pg is None and comm.group.pg is None
+    released = fusedist.Group("tp0", (0, 1), None, torch.device("cpu"))
+    with pytest.raises(fusedist.NotInitializedError, match="fusedist.shutdown.. released it"):
+        released.all_gather_object(1)
+    with pytest.raises(fusedist.NotInitializedError, match="group tp0 has no process group"):
+        released.check_same({"a": "1"}, where="w", what="x", fix="")
+
+
+def test_shutdown_registered_at_exit():
+    """A gloo runtime still initialized when the interpreter exits is shut down by an atexit
+    hook (the same release as shutdown(), while the interpreter is whole)."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, fusedist, torch\n"      # exit hooks run last-registered first
+            "atexit.register(lambda: print('pg after exit hook:', rt.world.pg, "
+            "fusedist.is_initialized(), flush=True))\n"
+            "rt = fusedist.init(rank=0, world_size=1, backend='gloo')\n"
+            "fusedist.all_reduce(torch.ones(3))\n")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pg after exit hook: None False" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
 def test_use_after_shutdown_raises_not_initialized(rt):
     fusedist.shutdown()
     with pytest.raises(fusedist.NotInitializedError, match="fusedist.init"):

@@ -6,12 +6,15 @@ inference engine that already owns its groups."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveMismatchError, NotInitializedError
 from .topology import Topology
 
 
@@ -19,7 +22,8 @@ from .topology import Topology
 class Group:
     name: str                       # identical on every member; keys torch.library ops
     ranks: tuple[int, ...]          # global ranks, in group-rank order
-    pg: Optional[dist.ProcessGroup]  # None on ranks outside the group
+    pg: Optional[dist.ProcessGroup]  # None on ranks outside the group, and once shutdown()
+    #                                  destroyed and released it
     device: torch.device
     topology: Optional[Topology] = None
     _communicator: Any = field(default=None, repr=False)
@@ -53,17 +57,44 @@ class Group:
     def single_node(self) -> bool:
         return self.topology is None or self.topology.same_node(self.ranks)
 
+    def _live_pg(self, where: str) -> dist.ProcessGroup:
+        if self.pg is None:
+            raise NotInitializedError(
+                f"fusedist: {where}: group {self.name} has no process group (fusedist.shutdown() "
+                "released it); after fusedist.init(), build what used it again")
+        return self.pg
+
     def all_gather_object(self, obj) -> list:
         """Gather a picklable object from every member (host-side control plane)."""
         if self.size == 1:
             return [obj]
         out: list = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
+        dist.all_gather_object(out, obj, group=self._live_pg("all_gather_object"))
         return out
 
     def barrier(self) -> None:
         if self.size > 1:
             self.all_gather_object(None)
+
+    def check_same(self, fields: Mapping[str, str], *, where: str, what: str, fix: str,
+                   exact=None, error: type = CollectiveMismatchError) -> None:
+        """Collective: raise `error` on every member unless every member passed equal `fields`
+        (field name -> the value as shown in the message) and `exact` (any repr-able value the
+        fields abbreviate, e.g. long id lists). One all-gather of a 16-byte digest (on the
+        group's device, so it runs on gloo and NCCL); the fields are gathered only when the
+        digests differ. The message names each differing field and every rank's value."""
+        if self.size == 1:
+            return
+        blob = repr((sorted(fields.items()), exact)).encode()
+        words = struct.unpack("<2q", hashlib.blake2b(blob, digest_size=16).digest())
+        mine = torch.tensor(words, dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self._live_pg(where))
+        if all(torch.equal(d, every[0]) for d in every):
+            return
+        raise error(f"{where}: ranks of group {self.name} were given different {what}: "
+                    f"{describe_differences(self.ranks, self.all_gather_object(dict(fields)))}"
+                    f". {fix}")
 
     @classmethod
     def from_process_group(cls, pg: dist.ProcessGroup, name: Optional[str] = None,
@@ -78,6 +109,30 @@ class Group:
                       if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
         gname = name or f"pg:{getattr(pg, 'group_name', None) or ','.join(map(str, ranks))}"
         return cls(gname, ranks, pg, device, topology)
+
+
+def describe_differences(ranks: Sequence[int], fields: Sequence[Mapping[str, str]]) -> str:
+    """The fields whose values differ between ranks (fields[i] is global rank ranks[i]'s), each
+    as "name: rank 0: a; rank 1: b" (ranks with equal values listed together). Fields that only
+    some ranks have are named only when no common field differs."""
+    common = [k for k in fields[0] if all(k in f for f in fields)]
+    keys = [k for k in common if len({f[k] for f in fields}) > 1]
+    if not keys:
+        seen: dict = {}
+        for f in fields:
+            seen.update(dict.fromkeys(k for k in f if k not in common))
+        keys = list(seen)
+    if not keys:
+        return "(the fields agree; what they abbreviate differs)"
+    out = []
+    for k in keys:
+        by: dict = {}
+        for r, f in zip(ranks, fields):
+            by.setdefault(f.get(k, "(absent)"), []).append(r)
+        out.append(f"{k}: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v}"
+            for v, rs in by.items()))
+    return " | ".join(out)
 
 
 def build_rank_lists(world_size: int, tp_size: int, topology: Topology
@@ -115,17 +170,18 @@ def validate_tp_size(world_size: int, tp_size: int, topology: Topology,
 
 def new_groups(kind: str, rank_lists: Sequence[tuple[int, ...]], world_size: int,
                device: torch.device, topology: Topology,
-               created: Optional[list] = None) -> Optional[Group]:
+               created: Optional[list] = None, timeout=None) -> Optional[Group]:
     """Create one torch group per rank list (every rank calls new_group for every list, in the
     same order, as torch requires) and return the one this rank belongs to. New groups are
-    appended to `created` (so shutdown() can destroy them)."""
+    appended to `created` (so shutdown() can destroy them). `timeout` (a timedelta) bounds
+    their collectives; None leaves torch's default (30 minutes for gloo)."""
     me = dist.get_rank()
     mine = None
     for i, ranks in enumerate(rank_lists):
         if len(ranks) == world_size:
             pg = dist.group.WORLD
         else:
-            pg = dist.new_group(list(ranks))
+            pg = dist.new_group(list(ranks), timeout=timeout)
             if created is not None:
                 created.append(pg)
         if me in ranks:

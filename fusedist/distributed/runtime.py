@@ -6,10 +6,18 @@ CUDA, starts torch.distributed (nccl on GPU, gloo on CPU; under mpirun without M
 address is bootstrapped through mpi4py), gathers the topology and creates the world,
 tensor-parallel, data-parallel, intra-node and inter-node groups. An engine that already
 initialized torch.distributed keeps its process group: init() adopts it.
+
+shutdown() destroys the process groups init() created and drops fusedist's references to them,
+so torch frees them there and then: a gloo group's destructor joins its worker threads. Left
+for the interpreter's exit, a worker thread could still hold the last collective's work and
+need the GIL to free its tensors while the interpreter finalizes, which ends the process with
+"terminate called without an active exception" (SIGABRT). A gloo runtime still initialized
+at exit is shut down by an atexit hook for the same reason.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -25,6 +33,7 @@ from .. import envs
 from ..errors import NotInitializedError
 from .groups import Group, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
+from .peers import process_identity
 from .topology import Topology
 
 # NVLink multicast (NVLS) stays off for NCCL, torch symmetric memory and NVSHMEM: fusedist
@@ -50,6 +59,10 @@ class Runtime:
     communicators: list = field(default_factory=list)
     adopted_groups: dict = field(default_factory=dict)  # torch ProcessGroup -> Group
     created_groups: list = field(default_factory=list)  # subgroups init() made (not WORLD)
+    # every rank's process identity (peers.process_identity()), by global rank
+    peers: tuple = ()
+    # timeout of the groups init() created (all of them when it owns the process group), s
+    timeout_s: Optional[float] = None
 
     @property
     def rank(self) -> int:
@@ -74,6 +87,7 @@ def on_shutdown(fn) -> None:
     if fn not in _shutdown_hooks:
         _shutdown_hooks.append(fn)
 _generation = 0  # process groups init() created in this process; names their store keys
+_atexit_registered = False
 
 
 def thread_runtime() -> Optional[Runtime]:
@@ -176,9 +190,11 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     tp_size: tensor-parallel size (default: ranks per node). backend: "nccl" or "gloo"
     (default: nccl when a GPU is visible). timeout_s bounds every bootstrap step and collective
     of the process groups (default FUSEDIST_INIT_TIMEOUT_S or 300 s). The launch arguments
-    (rank=, world_size=, ...) override what the launcher's environment says.
+    (rank=, world_size=, ...) override what the launcher's environment says. The subgroups
+    init() creates (tp, dp, intra- and inter-node) take the same timeout, also with an adopted
+    process group.
     """
-    global _runtime, _generation
+    global _runtime, _generation, _atexit_registered
     _not_in_a_rank_thread("fusedist.init")
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
@@ -233,7 +249,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         world = dist.get_world_size()
         me = dist.get_rank()
         world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
-        node_ids = tuple(world_group.all_gather_object(env.node_id))
+        facts = world_group.all_gather_object((env.node_id, process_identity()))
+        node_ids = tuple(f[0] for f in facts)
         topo = Topology(world_size=world, rank=me, node_ids=node_ids)
         world_group.topology = topo
 
@@ -243,7 +260,8 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         validate_tp_size(world, tp, topo, tp_spans_nodes)
         lists = build_rank_lists(world, tp, topo)
         created: list = []
-        groups = {k: new_groups(k, v, world, dev, topo, created) for k, v in lists.items()}
+        groups = {k: new_groups(k, v, world, dev, topo, created, timeout)
+                  for k, v in lists.items()}
     except BaseException:
         # Leave no half-initialized state: a process group created here would otherwise be
         # adopted (and never destroyed) by the next init().
@@ -253,13 +271,46 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     _runtime = Runtime(env=env, topology=topo, device=dev, backend=backend, world=world_group,
                        tp=groups["tp"], dp=groups["dp"], intra_node=groups["intra_node"],
                        inter_node=groups["inter_node"], owns_process_group=owns,
-                       created_groups=created)
+                       created_groups=created, peers=tuple(f[1] for f in facts),
+                       timeout_s=timeout.total_seconds())
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
     return _runtime
+
+
+def _shutdown_at_exit() -> None:
+    """atexit: shut down a gloo runtime the program left initialized, while the interpreter is
+    whole (see the module docstring). With NCCL, closing communicators is collective, so an
+    exit that skipped shutdown() is left as it is."""
+    rt = _runtime
+    if rt is None or rt.backend != "gloo":
+        return
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - an exit hook reports, never raises
+        import sys
+        print(f"fusedist: shutdown at exit failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+
+
+def _release_groups(rt: Runtime, destroyed) -> None:
+    """Drop fusedist's references to the destroyed process groups (`destroyed`: all of them,
+    or a set of torch ProcessGroups), so torch frees them now, not at interpreter exit."""
+    groups = [rt.world, rt.tp, rt.dp, rt.intra_node, rt.inter_node,
+              *rt.adopted_groups.values()]
+    for g in groups:
+        if g is not None and g.pg is not None and (destroyed is all or g.pg in destroyed):
+            g.pg = None
+    rt.created_groups.clear()
 
 
 def shutdown() -> None:
     """Free every communicator (symmetric buffers, IPC mappings, NCCL comms) and, if init()
-    created it, destroy the process group. Safe to call twice."""
+    created it, destroy the process group (with an adopted one, the subgroups init() made).
+    The destroyed groups are released: their fusedist Groups' pg becomes None, and torch frees
+    them (a gloo group joins its threads) before this returns unless the program holds them.
+    Safe to call twice."""
     global _runtime
     _not_in_a_rank_thread("fusedist.shutdown")
     rt = _runtime
@@ -275,8 +326,11 @@ def shutdown() -> None:
             hook()
         if rt.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            _release_groups(rt, all)
         elif dist.is_initialized():
             # Adopted an engine's process group: leave it, but remove the subgroups fusedist
             # made, so repeated init()/shutdown() cycles do not pile them up in the engine.
+            made = set(rt.created_groups)
             for pg in rt.created_groups:
                 dist.destroy_process_group(pg)
+            _release_groups(rt, made)

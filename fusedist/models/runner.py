@@ -24,17 +24,45 @@ dynamic=False) (mode default: inductor fuses the elementwise work, GEMMs stay cu
 it is captured into the same CUDA graphs; each bucket compiles once, at its capture. Prefill
 stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
 the profiler's classes are profiling.py's).
+
+At TP > 1 every rank must call generate() with the same request (prompts, max_new_tokens,
+sampling parameters with the seed, eos_ids, context_fill, eos_check_every): each call first
+all-gathers a 16-byte digest of it over the model's tensor-parallel group and raises
+fusedist.RequestMismatchError on every rank, naming each differing field and every rank's
+value, when they differ (a request invalid on some ranks only raises its ValueError there and
+the mismatch elsewhere). Different requests would otherwise give wrong ids, or ranks that
+stop at different steps and leave their peers in a collective.
+
+A rank that is lost during generate() (its process killed, its connection broken) ends the
+call on the others with fusedist.PeerLostError naming it (the group's ranks on this host are
+looked at; ranks on other hosts are listed as unchecked). Over gloo, generate()'s collectives
+after the request check are bounded by peer_timeout_s (default FUSEDIST_TIMEOUT_S, 30 s), so a
+peer that stops answering fails the call in that time rather than the process group's
+bootstrap timeout.
+
+max_seq_len may not exceed the model's positions (model.max_position, the rotary table's
+length); generate() holds every sequence to both. close() (or the end of a `with Runner(...)`
+block) releases the graphs, the KV cache and the buckets' decode plans, whose workspaces the
+attention op keeps registered until they are closed; a runner that is dropped without close()
+closes its plans when it is collected.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import time
+import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from .. import envs
+from ..distributed import runtime as _runtime
+from ..distributed.peers import collective_timeout, is_peer_failure, peer_lost_error
+from ..errors import RequestMismatchError
 from .profiling import profile
 from .sampling import SamplingParams, sample
 
@@ -81,6 +109,32 @@ class GenerationResult:
         return self.batch * self.steps / (self.decode_ms / 1e3) if self.steps else float("nan")
 
 
+def _show_ids(ids: list) -> str:
+    """A prompt as the mismatch message shows it: short ones whole, long ones by their head,
+    length and CRC-32."""
+    if len(ids) <= 16:
+        return f"{len(ids)} ids {ids}"
+    crc = zlib.crc32(repr(ids).encode())
+    return f"{len(ids)} ids [{', '.join(map(str, ids[:8]))}, ...] crc32 {crc:08x}"
+
+
+def _int(where: str, name: str, v, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{where}: {name} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def _current_runtime():
+    return _runtime.get_runtime() if _runtime.is_initialized() else None
+
+
+def _close_plans(plans: list) -> None:
+    """Close the decode plans a runner made (weakref.finalize's callback: it holds the list,
+    never the runner)."""
+    while plans:
+        plans.pop().close()
+
+
 def buckets_for(max_batch: int) -> list[int]:
     out, b = [], 1
     while True:
@@ -94,10 +148,27 @@ class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, page_size: int = 16,
                  kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_chunk: int = 4096, compile_decode: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None):
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
+        max_position = getattr(model, "max_position", None)
+        if max_position is not None and max_seq_len > max_position:
+            raise ValueError(
+                f"Runner: max_seq_len={max_seq_len} exceeds the model's max_position "
+                f"{max_position} (the positions its rotary table holds); pass max_seq_len <= "
+                f"{max_position}, or build the model with a larger max_position (build_model("
+                "..., max_position=), at most the config's max_position)")
+        self.max_position = max_position
+        if peer_timeout_s is not None and (
+                isinstance(peer_timeout_s, bool) or not isinstance(peer_timeout_s, (int, float))
+                or not math.isfinite(peer_timeout_s) or peer_timeout_s <= 0):
+            raise ValueError(f"Runner: peer_timeout_s must be a finite number of seconds > 0, "
+                             f"got {peer_timeout_s!r}; omit it for FUSEDIST_TIMEOUT_S")
+        self.peer_timeout_s = peer_timeout_s
+        self.closed = False
+        self._plans: list = []       # decode plans of the buckets, closed by close()
+        self._release = weakref.finalize(self, _close_plans, self._plans)
         self.model, self.device = model, model.device
         self.page_size = page_size
         self.buckets = buckets_for(max_batch)
@@ -150,10 +221,37 @@ class Runner:
                                        backend=compile_backend)
         self.compile_s: dict[int, float] = {}    # bucket -> seconds of its first (compiling) call
 
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the CUDA graphs, the KV cache and the buckets' decode plans (their
+        workspaces). The runner cannot be used afterwards; calling close() again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.graphs.clear()          # before the plans: the graphs replay into their workspaces
+        self._metas.clear()
+        self.pool = None
+        self.cache = None
+        self._release()
+
+    def __enter__(self) -> "Runner":
+        self._check_open("Runner")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, where: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{where}: the runner is closed (close() or the end of its "
+                               "with-block released its cache and plans); build a new Runner")
+
     # ---- decode --------------------------------------------------------------------------
     def _meta(self, b: int):
         if b not in self._metas:
             plan = self.model.decode_plan(b, self.page_size, self.max_seq_len)
+            if plan is not None:
+                self._plans.append(plan)
             self._metas[b] = _metadata(mode="decode", block_table=self.bt[:b],
                                        seq_lens=self.seq_lens[:b], slot_mapping=self.slots[:b],
                                        plan=plan)
@@ -185,6 +283,7 @@ class Runner:
     def capture(self, b: int) -> None:
         """Capture the batch-b decode step (the live batch rows' cache slots at position
         seq_lens - 1 are written by the warm-up: call before prefill)."""
+        self._check_open("Runner.capture")
         if b in self.graphs or not self.cuda_graphs:
             return
         s = torch.cuda.Stream(self.device)
@@ -204,6 +303,7 @@ class Runner:
     @torch.no_grad()
     def decode_step(self, b: int) -> torch.Tensor:
         """One decode step of bucket b over the static buffers; logits [b, vocab]."""
+        self._check_open("Runner.decode_step")
         if b in self.graphs:
             g, out = self.graphs[b]
             g.replay()
@@ -224,6 +324,7 @@ class Runner:
         start..start+len-1 after `start` tokens already in the cache); returns the last
         token's logits [len(prompts), vocab], or with all_logits a list of [len, vocab], one
         per prompt (every position's logits)."""
+        self._check_open("Runner.prefill")
         P, dev = self.page_size, self.device
         last = [None] * len(prompts)
         every = [[] for _ in prompts]
@@ -277,6 +378,7 @@ class Runner:
     def fill_context(self, tokens: int, seed: int = 0) -> None:
         """Benchmarks: make every row's first `tokens` cache positions random keys / values
         (N(0, 1)), as if a prompt of that length had been prefilled."""
+        self._check_open("Runner.fill_context")
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         for kv in (self.cache.k, self.cache.v):
@@ -289,16 +391,57 @@ class Runner:
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
+        self._check_open("Runner.generate")
+        group = self._tp_group()
+        try:
+            return self._generate(group, prompts, max_new_tokens, sampling, eos_ids,
+                                  context_fill, eos_check_every, progress)
+        except RuntimeError as e:
+            if group is None or group.size == 1 or not is_peer_failure(e):
+                raise
+            rt = _current_runtime()
+            raise peer_lost_error("Runner.generate", group, rt.peers if rt else None,
+                                  rt.rank if rt else -1, e) from e
+
+    def _generate(self, group, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                  eos_check_every, progress) -> GenerationResult:
+        try:
+            fields, exact = self._request(prompts, max_new_tokens, sampling, eos_ids,
+                                          context_fill, eos_check_every)
+            bad = None
+        except (ValueError, TypeError) as e:
+            bad, fields, exact = e, {"request": f"invalid: {type(e).__name__}: {e}"}, None
+        try:
+            self._check_same_request(fields, exact)
+        except RequestMismatchError as e:
+            if bad is None:
+                raise
+            raise bad from e              # this rank's own error says what to fix here
+        if bad is not None:
+            raise bad
+        prompts = exact                   # the ids as python ints
+        with collective_timeout(group, self._peer_timeout(), self._group_timeout(group)):
+            return self._run(prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                             eos_check_every, progress)
+
+    def _peer_timeout(self) -> float:
+        return self.peer_timeout_s if self.peer_timeout_s is not None else \
+            envs.get("FUSEDIST_TIMEOUT_S")
+
+    @staticmethod
+    def _group_timeout(group) -> Optional[float]:
+        """The timeout `group` was created with, when fusedist's runtime created it (an adopted
+        engine group's is not known, and is left alone)."""
+        rt = _current_runtime()
+        if group is None or rt is None or group.pg is None:
+            return None
+        if rt.owns_process_group or any(group.pg is pg for pg in rt.created_groups):
+            return rt.timeout_s
+        return None
+
+    def _run(self, prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every,
+             progress) -> GenerationResult:
         n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("Runner.generate: pass at least one prompt, each of >= 1 token")
-        if max_new_tokens < 1:
-            raise ValueError(f"Runner.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
-        longest = context_fill + max(len(p) for p in prompts) + max_new_tokens
-        if longest > self.max_seq_len:
-            raise ValueError(f"Runner.generate: {longest} tokens (context + prompt + new) exceed "
-                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
-                             "with a larger max_seq_len")
         b = self.bucket(n)
         dev = self.device
         self.seq_lens.fill_(1)
@@ -342,6 +485,83 @@ class Runner:
                                 steps=steps, batch=n,
                                 prompt_tokens=sum(len(p) for p in prompts),
                                 timings={"bucket": b, "graphs": b in self.graphs})
+
+    def _request(self, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                 eos_check_every) -> tuple[dict, list]:
+        """Check generate()'s arguments here (a ValueError or TypeError naming the argument);
+        return the request's fields as the mismatch message shows them, and the prompts' ids
+        (which long prompts' fields abbreviate)."""
+        where = "Runner.generate"
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__len__") or \
+                not hasattr(prompts, "__iter__") or len(prompts) == 0:
+            raise ValueError(f"{where}: prompts must be a non-empty list of token-id lists, got "
+                             f"{type(prompts).__name__}")
+        vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                row = [operator.index(t) for t in p]
+            except TypeError:
+                raise TypeError(f"{where}: prompts[{i}] must be a sequence of int token ids, "
+                                f"got {p!r:.80}") from None
+            if not row:
+                raise ValueError(f"{where}: prompts[{i}] is empty; every prompt needs >= 1 "
+                                 "token")
+            if vocab is not None and not all(0 <= t < vocab for t in row):
+                bad = next(t for t in row if not 0 <= t < vocab)
+                raise ValueError(f"{where}: prompts[{i}] holds token id {bad}, outside the "
+                                 f"model's vocabulary [0, {vocab})")
+            ids.append(row)
+        _int(where, "max_new_tokens", max_new_tokens, 1)
+        _int(where, "context_fill", context_fill, 0)
+        _int(where, "eos_check_every", eos_check_every, 1)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"{where}: sampling must be a fusedist.models.SamplingParams, got "
+                            f"{type(sampling).__name__}")
+        try:
+            stop = sorted({operator.index(t) for t in eos_ids})
+        except TypeError:
+            raise TypeError(f"{where}: eos_ids must be a sequence of int token ids, got "
+                            f"{eos_ids!r:.80}") from None
+        longest = context_fill + max(len(p) for p in ids) + max_new_tokens
+        if longest > self.max_seq_len:
+            raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
+                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
+                             "with a larger max_seq_len")
+        if self.max_position is not None and longest > self.max_position:
+            raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
+                             f"the model's max_position {self.max_position}; lower "
+                             "max_new_tokens or the prompt, or build the model with a larger "
+                             "max_position")
+        self.bucket(len(ids))
+        fields = {"request": "valid", "prompts": f"{len(ids)} prompts"}
+        fields.update((f"prompts[{i}]", _show_ids(row)) for i, row in enumerate(ids))
+        fields["max_new_tokens"] = repr(max_new_tokens)
+        for f in ("greedy", "temperature", "top_k", "top_p", "seed"):
+            fields[f"sampling.{f}"] = repr(getattr(sampling, f))
+        fields["eos_ids"] = repr(stop)
+        fields["context_fill"] = repr(context_fill)
+        fields["eos_check_every"] = repr(eos_check_every)
+        return fields, ids
+
+    def _tp_group(self):
+        """The model's tensor-parallel fusedist Group (None for a model without one)."""
+        comm = getattr(self.model, "comm", None)
+        return getattr(comm, "group", None)
+
+    def _check_same_request(self, fields: dict, exact) -> None:
+        group = self._tp_group()
+        if group is None or group.size == 1:
+            return
+        group.check_same(
+            fields, exact=exact, where="Runner.generate", what="requests",
+            error=RequestMismatchError,
+            fix="Every rank of the tensor-parallel group must call generate() with the same "
+                "prompts, max_new_tokens, sampling parameters (seed included), eos_ids, "
+                "context_fill and eos_check_every: build the request on one rank and send it "
+                "to the others (e.g. torch.distributed.broadcast_object_list)")
 
     @torch.no_grad()
     def time_step(self, n: int, iters: int = 20) -> float:

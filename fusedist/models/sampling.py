@@ -4,6 +4,8 @@ for a seed, and identical on every rank that holds the same logits and generator
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,13 +21,26 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams: top_k must be >= 0, got {self.top_k}")
+        if not isinstance(self.greedy, bool):
+            raise ValueError(f"SamplingParams: greedy must be a bool, got {self.greedy!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or \
+                t < 0:
+            raise ValueError(f"SamplingParams: temperature must be a finite number >= 0 (0: "
+                             f"greedy), got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 < p <= 1.0:
+            raise ValueError(f"SamplingParams: top_p must be in (0, 1] (1.0: off), got {p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_k must be an int >= 0 (0: off), got "
+                             f"{self.top_k!r}")
+        if not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64:
+            raise ValueError(f"SamplingParams: seed must be an int in [-2**63, 2**64), got "
+                             f"{self.seed!r}")
 
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -22,12 +22,20 @@ import torch
 from .._dtypes import FP8
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(where: str, name: str, v) -> None:
+    if not _is_int(v) or v <= 0:
+        raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+
+
 class PageAllocator:
     """Free list of page ids 0 .. num_pages-1; allocate(n) hands out the lowest free ids."""
 
     def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise ValueError(f"PageAllocator: num_pages must be > 0, got {num_pages}")
+        _positive_int("PageAllocator", "num_pages", num_pages)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))   # a stack: pop() gives the lowest id
         self._used = set()
@@ -37,8 +45,8 @@ class PageAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"PageAllocator.allocate: n must be >= 0, got {n}")
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"PageAllocator.allocate: n must be an int >= 0, got {n!r}")
         if n > len(self._free):
             raise RuntimeError(f"PageAllocator: {n} pages requested, {len(self._free)} of "
                                f"{self.num_pages} free; free finished sequences or size the "
@@ -49,7 +57,12 @@ class PageAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         pages = list(pages)
+        seen = set()
         for p in pages:
+            if p in seen:
+                raise ValueError(f"PageAllocator.free: page {p} is listed twice; free each page "
+                                 "once")
+            seen.add(p)
             if p not in self._used:
                 raise ValueError(f"PageAllocator.free: page {p} is not allocated")
         for p in pages:
@@ -124,6 +137,9 @@ class PagedKVCache:
 
     def layer(self, i: int):
         """(k, v, k_scale, v_scale) of layer i."""
+        if not _is_int(i) or not 0 <= i < self.num_layers:
+            raise ValueError(f"PagedKVCache.layer: layer index must be an int in [0, "
+                             f"{self.num_layers}), got {i!r}")
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
@@ -147,8 +163,11 @@ def slot_mapping(block_table_row: Sequence[int] | torch.Tensor, positions, page_
                  device=None) -> torch.Tensor:
     """int64 slots of token positions in one sequence: row[pos // page_size] * page_size +
     pos % page_size."""
+    _positive_int("slot_mapping", "page_size", page_size)
     row = torch.as_tensor(block_table_row, dtype=torch.int64)
     pos = torch.as_tensor(positions, dtype=torch.int64).to(row.device)
+    if pos.numel() and int(pos.min()) < 0:
+        raise ValueError(f"slot_mapping: positions must be >= 0, got {int(pos.min())}")
     if pos.numel() and int(pos.max()) // page_size >= row.numel():
         raise ValueError(f"slot_mapping: position {int(pos.max())} needs page "
                          f"{int(pos.max()) // page_size} but the row has {row.numel()} pages")
@@ -161,6 +180,8 @@ def build_block_table(pages_per_seq: Sequence[Sequence[int]], max_pages: Optiona
     """int32 [len(pages_per_seq), max_pages] with each row's pages first, `pad` after."""
     width = max((len(p) for p in pages_per_seq), default=0)
     max_pages = width if max_pages is None else max_pages
+    if not _is_int(max_pages) or max_pages < 0:
+        raise ValueError(f"build_block_table: max_pages must be >= 0, got {max_pages!r}")
     if width > max_pages:
         raise ValueError(f"build_block_table: a sequence has {width} pages, more than "
                          f"max_pages={max_pages}")
@@ -178,6 +199,12 @@ class BlockTable:
 
     def __init__(self, allocator: PageAllocator, page_size: int, max_batch: int,
                  max_pages_per_seq: int):
+        if not isinstance(allocator, PageAllocator):
+            raise TypeError(f"BlockTable: allocator must be a PageAllocator (e.g. "
+                            f"PagedKVCache.allocator), got {type(allocator).__name__}")
+        for name, v in (("page_size", page_size), ("max_batch", max_batch),
+                        ("max_pages_per_seq", max_pages_per_seq)):
+            _positive_int("BlockTable", name, v)
         self.allocator, self.page_size = allocator, page_size
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.pages: dict = {}     # seq id -> list of page ids
@@ -192,14 +219,36 @@ class BlockTable:
         self.pages[seq_id], self.lengths[seq_id] = [], 0
         self.order.append(seq_id)
 
+    def _known(self, op: str, seq_id) -> None:
+        if seq_id not in self.lengths:
+            raise ValueError(f"BlockTable.{op}: sequence {seq_id!r} is not in the table (present: "
+                             f"{self.order[:8]!r}{' ...' if len(self.order) > 8 else ''}); "
+                             "add() it first")
+
+    def _rows(self, op: str, rows: Optional[int]) -> int:
+        rows = self.max_batch if rows is None else rows
+        if not _is_int(rows) or rows < len(self.order):
+            raise ValueError(f"BlockTable.{op}: rows={rows!r} is fewer than the "
+                             f"{len(self.order)} sequences in the table; pass rows >= "
+                             f"{len(self.order)} (default max_batch={self.max_batch})")
+        return rows
+
     def append(self, seq_id, n: int) -> list[int]:
-        """Reserve n more tokens for seq_id; returns their slots (page * page_size + offset)."""
+        """Reserve n more tokens for seq_id; returns their slots (page * page_size + offset).
+        A call that raises leaves the table as it was."""
+        self._known("append", seq_id)
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"BlockTable.append: n must be an int >= 0 (tokens to add), got "
+                             f"{n!r}; remove() a finished sequence instead of shrinking it")
         start = self.lengths[seq_id]
         need = -(-(start + n) // self.page_size)
         have = self.pages[seq_id]
         if need > self.max_pages_per_seq:
-            raise RuntimeError(f"BlockTable.append: {start + n} tokens need {need} pages, more "
-                               f"than max_pages_per_seq={self.max_pages_per_seq}")
+            raise ValueError(f"BlockTable.append: sequence {seq_id!r} holds {start} tokens; "
+                             f"n={n} more make {start + n}, which needs {need} pages, more than "
+                             f"max_pages_per_seq={self.max_pages_per_seq} "
+                             f"({self.max_pages_per_seq * self.page_size} tokens); build the "
+                             "table with more pages per sequence")
         if need > len(have):
             have.extend(self.allocator.allocate(need - len(have)))
         self.lengths[seq_id] = start + n
@@ -207,22 +256,24 @@ class BlockTable:
         return [have[t // ps] * ps + t % ps for t in range(start, start + n)]
 
     def remove(self, seq_id) -> None:
+        self._known("remove", seq_id)
         self.allocator.free(self.pages.pop(seq_id))
         del self.lengths[seq_id]
         self.order.remove(seq_id)
 
     def seq_len(self, seq_id) -> int:
+        self._known("seq_len", seq_id)
         return self.lengths[seq_id]
 
     def tensor(self, device=None, rows: Optional[int] = None) -> torch.Tensor:
         """int32 [rows (default max_batch), max_pages_per_seq], sequences in add() order."""
-        rows = self.max_batch if rows is None else rows
+        rows = self._rows("tensor", rows)
         t = build_block_table([self.pages[s] for s in self.order], self.max_pages_per_seq)
         if t.shape[0] < rows:
             t = torch.cat([t, torch.zeros(rows - t.shape[0], t.shape[1], dtype=torch.int32)])
         return t.to(device) if device is not None else t
 
     def seq_lens(self, device=None, rows: Optional[int] = None) -> torch.Tensor:
-        rows = self.max_batch if rows is None else rows
+        rows = self._rows("seq_lens", rows)
         lens = [self.lengths[s] for s in self.order] + [0] * (rows - len(self.order))
         return torch.tensor(lens, dtype=torch.int32, device=device)

@@ -24,6 +24,7 @@ from fusedist.models.llama import RandomWeights  # noqa: E402
 from fusedist.models.profiling import kernel_breakdown  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
+from launch import assert_passed, torchrun  # noqa: E402
 
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
 
@@ -199,3 +200,139 @@ def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch, monkeypatch):
     sdpa = [n for n in names if any(k in n for k in ("cudnn", "flash", "fmha", "attention"))]
     assert sdpa and not any("fmha_cutlassf" in n or "memeff" in n for n in sdpa), names
     assert any("cudnn" in n for n in sdpa), names
+
+
+# ---- construction limits and lifetime ------------------------------------------------------
+def test_max_seq_len_beyond_the_models_positions(rt):
+    """max_seq_len past the model's rotary table (model.max_position) is refused at
+    construction; a generate whose tokens would pass it (the page-rounded cache is longer)
+    raises before any step."""
+    m = _tiny("fusedist")
+    with pytest.raises(ValueError, match=r"max_seq_len=2049 exceeds the model's max_position "
+                                         r"2048"):
+        Runner(m, max_batch=1, max_seq_len=m.max_position + 1)
+    cfg = LlamaConfig.named("tiny")
+    short = build_model(cfg, RandomWeights(cfg, seed=3), dtype=torch.float32, device="cpu",
+                        max_position=40)
+    r = Runner(short, max_batch=1, max_seq_len=40)       # 3 pages of 16: a 48-token cache
+    assert r.max_seq_len == 48
+    with pytest.raises(ValueError, match="exceed the model's max_position 40"):
+        r.generate([list(range(1, 31))], 15)
+    assert len(r.generate([list(range(1, 31))], 10).ids[0]) == 10
+
+
+def _plan_count():
+    from fusedist.ops.attention import _decode
+    return len(_decode._plans)
+
+
+def test_decode_plans_are_released(rt):
+    """Each bucket's decode plan (and its workspace) is registered by the attention op; the
+    runner closes them at close(), at the end of a with-block, and when it is dropped."""
+    import gc
+
+    m = _tiny("fusedist")
+    prompts = _prompts(m.cfg.vocab_size, (5, 7, 4), 8)
+    gc.collect()                        # runners of earlier tests
+    n0 = _plan_count()
+    r = Runner(m, max_batch=3, max_seq_len=64)
+    want = r.generate(prompts, 3).ids                    # bucket 4
+    r.generate(prompts[:1], 3)                           # bucket 1
+    assert _plan_count() == n0 + 2
+    del r
+    gc.collect()
+    assert _plan_count() == n0, "a dropped Runner left its decode plans registered"
+
+    with Runner(m, max_batch=3, max_seq_len=64) as r:
+        assert r.generate(prompts, 3).ids == want
+        plans = [meta.plan for meta in r._metas.values()]
+        assert _plan_count() == n0 + 1
+    assert plans and all(p.closed for p in plans) and _plan_count() == n0
+    with pytest.raises(RuntimeError, match="Runner.generate: the runner is closed"):
+        r.generate(prompts, 3)
+    r.close()                                            # twice is fine
+
+    r = Runner(m, max_batch=1, max_seq_len=64)
+    r.generate(prompts[:1], 2)
+    r.close()
+    assert _plan_count() == n0
+    # The torch backend makes no plans; close() still works.
+    with Runner(_tiny("torch"), max_batch=1, max_seq_len=64) as t:
+        t.generate(prompts[:1], 2)
+    assert _plan_count() == n0
+
+
+# ---- TP 2 over gloo: ranks given different requests ---------------------------------------
+@pytest.mark.timeout(300)
+def test_request_mismatch_tp2_cpu():
+    """tests/dist/worker_runner.py: different prompt ids, seeds, max_new_tokens, EOS ids on one
+    rank, sampling modes, context fills, and a request invalid on one rank only."""
+    assert_passed(torchrun("worker_runner.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=240), 2)
+
+
+def test_generate_argument_checks(rt):
+    """generate() names the bad argument (before: an IndexError deep in the embedding for an
+    id past the vocabulary, ZeroDivisionError for eos_check_every=0, a str taken as a prompt)."""
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    for kw, exc, match in [
+        ({"prompts": [[1, 512]]}, ValueError, r"prompts\[0\] holds token id 512, outside the "
+                                               r"model's vocabulary \[0, 512\)"),
+        ({"prompts": [[1, -1]]}, ValueError, "token id -1"),
+        ({"prompts": ["hello"]}, TypeError, r"prompts\[0\] must be a sequence of int token ids"),
+        ({"prompts": [[1.0, 2.0]]}, TypeError, r"prompts\[0\] must be a sequence of int"),
+        ({"prompts": "12"}, ValueError, "prompts must be a non-empty list"),
+        ({"prompts": []}, ValueError, "prompts must be a non-empty list"),
+        ({"prompts": [[1], []]}, ValueError, r"prompts\[1\] is empty"),
+        ({"prompts": [[1]] * 3}, ValueError, "batch 3 exceeds max_batch 2"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an int >= 1, got 0"),
+        ({"max_new_tokens": 2.0}, ValueError, "max_new_tokens must be an int >= 1"),
+        ({"eos_ids": (3,), "eos_check_every": 0}, ValueError,
+         "eos_check_every must be an int >= 1, got 0"),
+        ({"context_fill": -1}, ValueError, "context_fill must be an int >= 0"),
+        ({"eos_ids": ("a",)}, TypeError, "eos_ids must be a sequence of int token ids"),
+        ({"sampling": {"greedy": True}}, TypeError, "sampling must be a fusedist.models."
+                                                     "SamplingParams"),
+    ]:
+        args = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kw}
+        with pytest.raises(exc, match=match):
+            r.generate(**args)
+    # Token ids given as tensors are taken as their values.
+    want = r.generate([[1, 2, 3]], 4).ids
+    assert r.generate([torch.tensor([1, 2, 3])], 4).ids == want
+    assert r.generate(torch.tensor([[1, 2, 3]]), 4).ids == want
+    for bad in (0, -1.0, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match="peer_timeout_s must be a finite number"):
+            Runner(m, max_batch=1, max_seq_len=64, peer_timeout_s=bad)
+
+
+def test_describe_differences():
+    from fusedist.distributed.groups import describe_differences
+    from fusedist.models.runner import _show_ids
+
+    fields = [{"a": "1", "b": "x", "only0": "z"}, {"a": "2", "b": "x"}, {"a": "1", "b": "y"}]
+    assert describe_differences((0, 1, 2), fields) == \
+        "a: ranks 0, 2: 1; rank 1: 2 | b: ranks 0, 1: x; rank 2: y"
+    assert describe_differences((4, 5), [{"k": "1", "extra": "e"}, {"k": "1"}]) == \
+        "extra: rank 4: e; rank 5: (absent)"
+    long = list(range(40))
+    assert _show_ids(long).startswith("40 ids [0, 1, 2, 3, 4, 5, 6, 7, ...] crc32 ")
+    assert _show_ids(long) != _show_ids(long[:-1] + [99]) and _show_ids([3, 4]) == "2 ids [3, 4]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp2_sessions_exit_cleanly_cpu():
+    """tests/dist/worker_runner_exit.py 12 times at TP 2 over gloo (sampled generate calls, a
+    caught CollectiveMismatchError, more generate calls; then fusedist.shutdown() and no gloo
+    thread left, or the exit with fusedist initialized, or that exit with an all-gather left in
+    flight): every rank exits with status 0 every time (before, a gloo worker thread alive at
+    interpreter teardown aborted some runs with SIGABRT)."""
+    bad = []
+    for i in range(12):
+        mode = ("shutdown", "exit", "pending")[i % 3]
+        p = torchrun("worker_runner_exit.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+                     args=(mode,))
+        if p.returncode != 0 or p.stdout.count("all checks passed") != 2:
+            bad.append(f"run {i} ({mode}): exit {p.returncode}\n{p.stdout[-2500:]}")
+    assert not bad, f"{len(bad)} of 12 runs did not exit cleanly:\n" + "\n".join(bad)

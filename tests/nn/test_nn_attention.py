@@ -125,7 +125,7 @@ def test_paged_cache_and_helpers():
     assert table.append("a", 1) == [5]
     assert table.tensor().tolist() == [[0, 1, 0], [2, 0, 0], [0, 0, 0]]
     assert table.seq_lens().tolist() == [6, 1, 0]
-    with pytest.raises(RuntimeError, match="max_pages_per_seq"):
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
         table.append("b", 12)
     table.remove("a")
     assert table.tensor(rows=1).tolist() == [[2, 0, 0]]
