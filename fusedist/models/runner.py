@@ -63,6 +63,7 @@ from .. import envs
 from ..distributed import runtime as _runtime
 from ..distributed.peers import collective_timeout, is_peer_failure, peer_lost_error
 from ..errors import RequestMismatchError
+from ..ops.device_errors import check_device_errors
 from .profiling import profile
 from .sampling import SamplingParams, sample
 
@@ -452,11 +453,13 @@ class Runner:
         gen.manual_seed(sampling.seed)
         eos = torch.tensor(list(eos_ids) or [-1], device=dev)
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        check_errors = (lambda: check_device_errors(dev)) if dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         nxt = sample(self.prefill(prompts, start=context_fill), sampling, gen)
         sync()
         t1 = time.perf_counter()
+        check_errors()   # bad metadata a kernel recorded (the engine's tables), at the sync
         outs = [nxt]
         done = torch.isin(nxt, eos)
         lens = torch.tensor([context_fill + len(p) + 1 for p in prompts], dtype=torch.int32)
@@ -476,6 +479,7 @@ class Runner:
                 progress(step + 1, max_new_tokens)
         sync()
         t2 = time.perf_counter()
+        check_errors()
         ids = torch.stack(outs, dim=1).tolist()
         if eos_ids:
             stop = set(eos_ids)

@@ -9,7 +9,8 @@ record, one per device. The host reads it without a copy or a synchronization:
     fusedist.clear_device_errors()      # after handling it
 
 The attention ops check it before each eager launch on the device (an error of an earlier
-call raises there), and the model runner after every step. The record is allocated outside
+call raises there), and the model runner after the prefill and after the decode loop, where it
+synchronizes anyway. The record is allocated outside
 CUDA graphs (decode_plan, the first eager call); a graph captured before it exists runs
 without recording (still safe, still poisoned).
 """
