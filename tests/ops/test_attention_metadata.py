@@ -192,7 +192,8 @@ def test_decode_next_eager_call_raises_the_recorded_error(clean_record):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bad", ["slot", "pos_neg", "pos_high"])
 @pytest.mark.parametrize("cache_dtype", ["bf16", "fp8"])
-def test_rope_append_kernel_poisons_and_records(bad, cache_dtype, clean_record):
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_rope_append_kernel_poisons_and_records(bad, cache_dtype, graph, clean_record):
     q, k, v, pos, cos_sin, kc, vc, slots = _rope_inputs("cuda")
     ks = vs = None
     if cache_dtype == "fp8":
@@ -211,7 +212,18 @@ def test_rope_append_kernel_poisons_and_records(bad, cache_dtype, clean_record):
         match = rf"positions\[2\] = {1 << 40} is outside"
     kc0, vc0 = kc.clone(), vc.clone()
     q_in, k_in = q.clone(), k.clone()
-    A.rope_append(q, k, v, pos, cos_sin, kc, vc, slots, k_scale=ks, v_scale=vs)
+    if graph:   # the record exists (an eager call made it); the captured kernel records too
+        A.rope_append(q.clone(), k.clone(), v, pos.clamp(0, 63), cos_sin, kc.clone(), vc.clone(),
+                      slots.clamp(max=0), k_scale=None if ks is None else ks.clone(),
+                      v_scale=None if vs is None else vs.clone())
+        torch.cuda.synchronize()
+        fusedist.check_device_errors()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            A.rope_append(q, k, v, pos, cos_sin, kc, vc, slots, k_scale=ks, v_scale=vs)
+        g.replay()
+    else:
+        A.rope_append(q, k, v, pos, cos_sin, kc, vc, slots, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
     assert torch.isnan(q[t].float()).all() and torch.isnan(k[t].float()).all()
     good = [i for i in range(q.shape[0]) if i != t]
