@@ -264,3 +264,27 @@ def test_decode_reference_path_on_cuda_checks_too(clean_record):
     lens = torch.tensor([5, 30], dtype=torch.int32, device="cuda")
     with pytest.raises(MetadataError, match=r"block_table\[1, 1\] = 40"):
         A.decode(q, kc, kc, bt, lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_decode_reference_path_in_a_graph_poisons_and_records(clean_record):
+    # head_dim 96 (no kernel instance): inside a graph the paged_check kernel flags the row,
+    # the gather reads clamped pages, the row is NaN and the record names it
+    kc = torch.randn((12, PS, Hkv, 96), device="cuda", dtype=torch.bfloat16)
+    q = torch.randn((2, Hq, 96), device="cuda", dtype=torch.bfloat16)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([5, 30], dtype=torch.int32, device="cuda")
+    plan = A.decode_plan(2, Hq, Hkv, 96, PS, 32, "cuda", torch.bfloat16)
+    assert plan.backend == "reference"
+    out = A.decode(q, kc, kc, bt, lens, plan).clone()
+    good = out[0].clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        A.decode(q, kc, kc, bt, lens, plan, out=out)
+    bt[1, 1] = 40
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1].float()).all() and torch.equal(out[0], good)
+    _expect_recorded(r"fusedist.decode: sequence 1 reads block_table\[1, 1\] = 40")
+    plan.close()
