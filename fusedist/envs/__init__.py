@@ -134,7 +134,7 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     not registered."""
     v = VARS.get(name)
     if v is None:
-        raise KeyError(f"fusedist: {name} is not a registered variable (fusedist/envs.py)")
+        raise KeyError(f"fusedist: {name} is not a registered variable (fusedist/envs/)")
     env = os.environ if environ is None else environ
     raw = env.get(name)
     if raw is None or not raw.strip():  # blank counts as unset
@@ -144,7 +144,7 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
 
 def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
     if name not in VARS:
-        raise KeyError(f"fusedist: {name} is not a registered variable (fusedist/envs.py)")
+        raise KeyError(f"fusedist: {name} is not a registered variable (fusedist/envs/)")
     raw = (os.environ if environ is None else environ).get(name)
     return raw is not None and bool(raw.strip())
 
@@ -174,6 +174,3 @@ def main(argv=None) -> int:
     print(markdown())
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
