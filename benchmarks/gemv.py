@@ -5,6 +5,7 @@ torch._scaled_mm (FP8) in the same run, on the same data.
     python3 benchmarks/gemv.py --quick        # 3 shapes, M = 1 and 16 (under a minute)
     python3 benchmarks/gemv.py --ms 1,8 --models 8b --formats bf16,fp8_channel
     python3 benchmarks/gemv.py --ctas-per-sm 1,2   # + the kernel with its grid capped (diagnostic)
+    python3 benchmarks/gemv.py --stages 0,2,6      # + other weight pipelines (diagnostic)
 
 Shapes (K x N of the weight W [N, K], an nn.Linear): Llama-3-8B and -70B's qkv, o, gate|up
 and down projections at TP 1, and at TP 2 (N halved for the column-parallel ones, K for the
@@ -190,16 +191,16 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
         if fmt == "bf16":
             def call(i, c=None):
                 return gemv(x, sh.w[i % sh.ring_bf16], out=outs[i % 2])
-            capped = lambda c: lambda i: G.launch(outs[i % 2], x, sh.w[i % sh.ring_bf16],  # noqa: E731
-                                                  None, None, max_ctas=c)
+            capped = lambda c, st=-1: lambda i: G.launch(  # noqa: E731
+                outs[i % 2], x, sh.w[i % sh.ring_bf16], None, None, max_ctas=c, stages=st)
             info[fmt] = G.plan(x, sh.w[0])
         else:
             s = sh.s[fmt]
 
             def call(i, s=s):
                 return gemv(x, sh.w8[i % sh.ring_fp8], scale=s, out=outs[i % 2])
-            capped = (lambda s: lambda c: lambda i: G.launch(  # noqa: E731
-                outs[i % 2], x, sh.w8[i % sh.ring_fp8], s, None, max_ctas=c))(s)
+            capped = (lambda s: lambda c, st=-1: lambda i: G.launch(  # noqa: E731
+                outs[i % 2], x, sh.w8[i % sh.ring_fp8], s, None, max_ctas=c, stages=st))(s)
             info[fmt] = G.plan(x, sh.w8[0], s)
         if check(f"fusedist:{fmt}", call, ref):
             steps[f"fusedist:{fmt}"] = call
@@ -207,6 +208,10 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
             label = f"fusedist:{fmt}:cps{cps}"
             if check(label, capped(sms * cps), ref):
                 steps[label] = capped(sms * cps)
+        for st in args.stages:
+            label = f"fusedist:{fmt}:st{st}"
+            if check(label, capped(0, st), ref):
+                steps[label] = capped(0, st)
     baselines = {}
     if sh.w8 and args.scaled_mm:
         for bname, (call, meta) in _scaled_mm_calls(x, sh, args.fast_accum).items():
@@ -236,6 +241,8 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
         row["time_us"]["fusedist"] = fd
         for cps in args.ctas_per_sm:
             row["time_us"][f"cps{cps}"] = t.get(f"fusedist:{fmt}:cps{cps}")
+        for st in args.stages:
+            row["time_us"][f"st{st}"] = t.get(f"fusedist:{fmt}:st{st}")
         base = ["cublas"] if fmt == "bf16" else \
             {"fp8_tensor": ["scaled_mm_tensor"], "fp8_channel": ["scaled_mm_rowwise"],
              "fp8_block": ["scaled_mm_rowwise"]}[fmt]
@@ -272,8 +279,9 @@ def markdown(rows, args) -> str:
            "TB/s fp8.", "",
            "| shape | K | N | M | format | fusedist us | TB/s | % ceil | baseline | baseline us "
            "| baseline TB/s | **vs baseline** | vs bf16 cuBLAS |" +
-           "".join(f" cps{c} us |" for c in args.ctas_per_sm),
-           "|" + "---|" * (13 + len(args.ctas_per_sm))]
+           "".join(f" cps{c} us |" for c in args.ctas_per_sm) +
+           "".join(f" stages {st} us |" for st in args.stages),
+           "|" + "---|" * (13 + len(args.ctas_per_sm) + len(args.stages))]
     for r in rows:
         base = "cublas" if r["format"] == "bf16" else \
             {"fp8_tensor": "scaled_mm_tensor", "fp8_channel": "scaled_mm_rowwise",
@@ -285,7 +293,8 @@ def markdown(rows, args) -> str:
             f"{fmt_v(r.get('pct_ceiling'), 1)} | {base} | {fmt_v(bt)} | "
             f"{fmt_v(r.get('base_tbs', {}).get(base))} | **{fmt_v(r['vs'].get(base))}** | "
             f"{fmt_v(r['vs'].get('bf16'))} |" +
-            "".join(f" {fmt_v(r['time_us'].get(f'cps{c}'))} |" for c in args.ctas_per_sm))
+            "".join(f" {fmt_v(r['time_us'].get(f'cps{c}'))} |" for c in args.ctas_per_sm) +
+            "".join(f" {fmt_v(r['time_us'].get(f'st{st}'))} |" for st in args.stages))
     # Summary: the worst row of each (format, M), and how many rows met the target.
     out += ["", "| format | M | rows | min TB/s (shape) | rows >= target | min vs baseline "
             "(shape) |", "|---|---|---|---|---|---|"]
@@ -315,6 +324,9 @@ def main():
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--ctas-per-sm", default="",
                     help="also time the kernel with its grid capped at SMs x c (diagnostic)")
+    ap.add_argument("--stages", default="",
+                    help="also time these weight pipelines: 0 (registers) or 1-6 ring stages "
+                         "(diagnostic; the headline is the default)")
     ap.add_argument("--no-scaled-mm", dest="scaled_mm", action="store_false")
     ap.add_argument("--fast-accum", action="store_true",
                     help="_scaled_mm with use_fast_accum=True (default False)")
@@ -329,6 +341,7 @@ def main():
             raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMATS)}")
     args.ms = [int(v) for v in (args.ms or ("1,16" if args.quick else "1,4,16")).split(",")]
     args.ctas_per_sm = [int(v) for v in args.ctas_per_sm.split(",") if v]
+    args.stages = [int(v) for v in args.stages.split(",") if v]
     args.rounds = args.rounds or (2 if args.quick else 3)
     if not torch.cuda.is_available():
         print("benchmarks/gemv.py needs a GPU")

@@ -66,6 +66,7 @@ void register_gemm(py::module_& m) {
       .def_readwrite("workspace_floats", &GemvArgs::workspace_floats)
       .def_readwrite("counters_len", &GemvArgs::counters_len)
       .def_readwrite("max_ctas", &GemvArgs::max_ctas)
+      .def_readwrite("stages", &GemvArgs::stages)
       .def_property(
           "dtype", [](const GemvArgs& a) { return int(a.dtype); },
           [](GemvArgs& a, int v) { a.dtype = DType(v); })
@@ -78,10 +79,13 @@ void register_gemm(py::module_& m) {
       .def_readonly("counters", &GemvPlan::counters)
       .def_readonly("strip_rows", &GemvPlan::strip_rows)
       .def_readonly("ctas_per_sm", &GemvPlan::ctas_per_sm)
-      .def_readonly("units", &GemvPlan::units);
+      .def_readonly("units", &GemvPlan::units)
+      .def_readonly("stages", &GemvPlan::stages)
+      .def_readonly("smem_bytes", &GemvPlan::smem_bytes);
   m.def("gemv_plan", &gemv_plan, py::arg("args"));
   m.def("gemv", &gemv, py::arg("args"), py::arg("stream"));
   m.attr("GEMV_MAX_M") = kGemvMaxM;
+  m.attr("GEMV_MAX_STAGES") = kGemvMaxStages;
   m.attr("GEMV_SCALE_BLOCK") = kGemvScaleBlockSize;
   py::dict scale_modes;  // GemvArgs.scale_mode values (api.h, GemvScale)
   scale_modes["none"] = int(kGemvScaleNone);

@@ -30,7 +30,8 @@ need every part but the last to have a multiple of 128 rows.
 fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
   * CUDA, M <= 16 rows, bf16 x: fusedist.ops.gemv (the decode GEMV, all three layouts; x stays
     bf16, the weight is dequantized in the kernel) when that op is present in this build and
-    its kernel runs on the device;
+    its kernel runs on the device; except 9-16 rows of a wide, shallow per-tensor or
+    per-channel projection (N >= 14336, K <= 4096), where row-wise _scaled_mm measured faster;
   * CUDA, else, per-tensor and per-channel weights with K, N multiples of 16: torch._scaled_mm
     with dynamic activation scales (x quantized to e4m3 at run time). Row-wise on sm_90+ for
     bf16 x: one scale per token (row of x) and the weight's scale of each output channel (a
@@ -385,13 +386,23 @@ def device_capability(device: torch.device) -> tuple:
     return _device_facts(device)[0]
 
 
+def _rowwise_wins(m: int, n: int, k: int, layout: str, capability: tuple) -> bool:
+    """Where row-wise torch._scaled_mm beats the GEMV inside its rows (one H200,
+    benchmarks/results/h200-w1/gemv.md): 9-16 rows of a wide, shallow projection (the
+    gate|up of Llama-3-8B at TP 1 and 2, N >= 14336 at K = 4096: 0.90-0.92x), where the GEMV's
+    two MMAs per k step meet a short K per strip. Everywhere else in 1-16 rows the GEMV is
+    1.0-2.0x faster."""
+    return (m > 8 and layout != "block" and k <= 4096 and n >= 14336 and n % 16 == 0 and
+            k % 16 == 0 and capability >= (9, 0))
+
+
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
                 bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool) -> str:
     """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
     "scaled_mm_tensor", "scaled_mm_rowwise" or "dequantize". `gemv`: the GEMV op and its
     kernel are there for the device; `capability`: the device's (major, minor)."""
     if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
-            bias_dtype in (None, x_dtype):
+            bias_dtype in (None, x_dtype) and not _rowwise_wins(m, n, k, layout, capability):
         return "gemv"
     if m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
             x_dtype in (torch.bfloat16, torch.float16):

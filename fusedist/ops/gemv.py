@@ -38,6 +38,8 @@ from .. import _align, _dtypes, _ext
 from ._rows import overlaps
 
 MAX_M = 16          # the kernel's rows (fusedist._C.GEMV_MAX_M)
+STAGES_AUTO = -1    # launch(stages=): the default weight pipeline (registers)
+MAX_STAGES = 6      # the deepest ring (fusedist._C.GEMV_MAX_STAGES)
 SCALE_BLOCK = 128   # block scales cover 128 x 128 weights
 SCALE_MODES = ("none", "tensor", "channel", "block")
 
@@ -177,28 +179,33 @@ def _why_not_kernel(device: torch.device) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device: int, m: int, n: int, k: int, w_code: int, mode: int, max_ctas: int):
-    """gemv_plan (grid, workspace floats, counters, strip rows, CTAs per SM) of one call
-    shape: a property of the build and the GPU, computed once."""
+def _plan(device: int, m: int, n: int, k: int, w_code: int, mode: int, max_ctas: int,
+          stages: int = STAGES_AUTO):
+    """gemv_plan (grid, workspace floats, counters, strip rows, CTAs per SM, ring stages,
+    shared memory bytes) of one call shape: a property of the build and the GPU, computed
+    once."""
     C = _ext.load()
     a = C.GemvArgs()
     a.m, a.n, a.k = m, n, k
     a.dtype, a.w_dtype = _dtypes.BFLOAT16, w_code
-    a.scale_mode, a.max_ctas = mode, max_ctas
+    a.scale_mode, a.max_ctas, a.stages = mode, max_ctas, stages
     with torch.cuda.device(device):
         p = C.gemv_plan(a)
-    return p.grid, p.workspace_floats, p.counters, p.strip_rows, p.ctas_per_sm
+    return (p.grid, p.workspace_floats, p.counters, p.strip_rows, p.ctas_per_sm, p.stages,
+            p.smem_bytes)
 
 
 def plan(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
-         max_ctas: int = 0) -> dict:
+         max_ctas: int = 0, stages: int = STAGES_AUTO) -> dict:
     """The kernel's plan for these arguments: grid, workspace_floats, counters, strip_rows,
-    ctas_per_sm (benchmarks and tests read it)."""
+    ctas_per_sm, stages (0: the register pipeline), smem_bytes (benchmarks and tests read
+    it)."""
     mode = SCALE_MODES.index(scale_mode(w, scale))
-    g, f, c, rows, occ = _plan(x.device.index or 0, x.shape[0], w.shape[0], w.shape[1],
-                               _dtypes.code(w.dtype), mode, max_ctas)
+    g, f, c, rows, occ, st, smem = _plan(x.device.index or 0, x.shape[0], w.shape[0],
+                                         w.shape[1], _dtypes.code(w.dtype), mode, max_ctas,
+                                         stages)
     return {"grid": g, "workspace_floats": f, "counters": c, "strip_rows": rows,
-            "ctas_per_sm": occ}
+            "ctas_per_sm": occ, "stages": st, "smem_bytes": smem}
 
 
 class _Workspace:
@@ -246,9 +253,12 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor],
-           bias: Optional[torch.Tensor], max_ctas: int = 0) -> torch.Tensor:
+           bias: Optional[torch.Tensor], max_ctas: int = 0, stages: int = STAGES_AUTO
+           ) -> torch.Tensor:
     """The kernel on validated arguments (1 <= M <= 16, a Hopper GPU), on the current stream;
-    max_ctas > 0 caps the grid (tests force split strips with it; benchmarks sweep it)."""
+    max_ctas > 0 caps the grid (tests force split strips with it; benchmarks sweep it);
+    stages picks the weight pipeline (STAGES_AUTO: the default ring; 0: registers; 1 ..
+    MAX_STAGES: a shared-memory ring of that many units)."""
     C = _ext.load()
     dev = x.device
     m, k = x.shape
@@ -272,9 +282,9 @@ def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[
         b = bias.contiguous()
         keep.append(b)
         a.bias = b.data_ptr()
-    a.max_ctas = max_ctas
-    _, floats, counters, _, _ = _plan(dev.index or 0, m, n, k, a.w_dtype, a.scale_mode,
-                                      max_ctas)
+    a.max_ctas, a.stages = max_ctas, stages
+    _, floats, counters, _, _, _, _ = _plan(dev.index or 0, m, n, k, a.w_dtype, a.scale_mode,
+                                            max_ctas, stages)
     stream = torch.cuda.current_stream(dev)
     if floats:
         partial, cnt = workspace(dev, stream).get(floats, counters)

@@ -266,6 +266,10 @@ BF, HF = torch.bfloat16, torch.float16
 @pytest.mark.parametrize("args,want", [
     ((1, 4096, 4096, "block", BF, None, (9, 0), True), "gemv"),
     ((16, 4096, 4096, "channel", BF, BF, (9, 0), True), "gemv"),
+    ((16, 28672, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),  # measured
+    ((8, 28672, 4096, "channel", BF, None, (9, 0), True), "gemv"),
+    ((16, 28672, 4096, "block", BF, None, (9, 0), True), "gemv"),           # no row-wise form
+    ((16, 28672, 8192, "channel", BF, None, (9, 0), True), "gemv"),
     ((17, 4096, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),
     ((1, 4096, 4096, "channel", BF, None, (9, 0), False), "scaled_mm_rowwise"),   # no GEMV
     ((64, 4096, 4096, "tensor", BF, None, (9, 0), True), "scaled_mm_rowwise"),   # per token

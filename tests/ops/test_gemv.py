@@ -197,6 +197,7 @@ def test_gemv_launcher_checks_its_arguments():
         pytest.skip("fusedist._C is not built here")
     C = _ext.load()
     assert C.GEMV_MAX_M == G.MAX_M and C.GEMV_SCALE_BLOCK == G.SCALE_BLOCK
+    assert C.GEMV_MAX_STAGES == G.MAX_STAGES
     assert dict(C.GEMV_SCALE_MODES) == {m: i for i, m in enumerate(G.SCALE_MODES)}
 
     def args(**kw):
@@ -222,7 +223,9 @@ def test_gemv_launcher_checks_its_arguments():
              (dict(ldo=39), "ldo"),
              (dict(w_dtype=3, scale_mode=2), "scale must be a non-null"),
              (dict(w_dtype=3, scale_mode=3, scale=4 << 20, scale_ld=0), "scale_ld"),
-             (dict(max_ctas=-1), "max_ctas")]
+             (dict(max_ctas=-1), "max_ctas"),
+             (dict(stages=-2), "stages must be -1 \\(auto\\), 0"),
+             (dict(stages=C.GEMV_MAX_STAGES + 1), "stages must be")]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             C.gemv(args(**kw), 0)
@@ -322,6 +325,39 @@ def test_gemv_split_strips_match_float64(wdt, mode):
                 torch.cuda.synchronize()
                 _check(out, _ref64(x, w, s, mode, b), f"{wdt} {mode} M={m} N={n} K={k} "
                        f"max_ctas={cap} grid={p['grid']}")
+    _counters_zero()
+
+
+@hopper_gpu
+@pytest.mark.parametrize("wdt,mode", [("bf16", "none"),
+                                      pytest.param("fp8", "channel", marks=needs_fp8),
+                                      pytest.param("fp8", "block", marks=needs_fp8)])
+def test_gemv_pipelines_agree_bitwise(wdt, mode):
+    """The register pipeline (stages=0) and shared-memory rings of 1 .. MAX_STAGES units
+    (deeper than a CTA's units, shallower, at ragged N and K) give the float64 result, and at
+    one grid (max_ctas below every occupancy: the same split points) the same bits."""
+    _need_kernel()
+    gen = _gen("cuda")
+    for m, n, k in ((1, 4096, 4096), (5, 300, 2064), (16, 129, 8200), (9, 1000, 14336)):
+        kk = k - k % (16 if wdt == "fp8" else 8)
+        x = _randn((m, kk), gen, "cuda").to(BF)
+        w, s = _weight(n, kk, wdt, mode, gen, "cuda")
+        ref = _ref64(x, w, s, mode)
+        for cap in (3, 100):
+            first = None
+            for stages in (0, 1, 2, 3, G.MAX_STAGES, G.STAGES_AUTO):
+                p = G.plan(x, w, s, max_ctas=cap, stages=stages)
+                if stages != G.STAGES_AUTO:
+                    assert (p["stages"] == 0) == (stages == 0) and p["stages"] <= stages, p
+                out = torch.full((m, n), float("nan"), dtype=BF, device="cuda")
+                G.launch(out, x, w, s, None, max_ctas=cap, stages=stages)
+                torch.cuda.synchronize()
+                what = f"{wdt} {mode} M={m} N={n} K={kk} max_ctas={cap} stages={stages}"
+                _check(out, ref, what)
+                if first is None:
+                    first = out
+                else:
+                    assert torch.equal(out, first), what + ": bits differ from stages=0"
     _counters_zero()
 
 

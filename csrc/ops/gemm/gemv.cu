@@ -14,28 +14,46 @@ namespace {
 
 static_assert(kGemvMaxM == gemvk::kMaxM, "api.h and gemv.cuh agree on the largest M");
 static_assert(kGemvScaleBlockSize == gemvk::kScaleBlock, "api.h and gemv.cuh agree on blocks");
+static_assert(kGemvMaxStages == gemvk::kMaxStages, "api.h and gemv.cuh agree on ring stages");
 
 using Kernel = void (*)(gemvk::Params);
 
-// One instantiation: the kernel and its strip geometry.
+// One instantiation: the kernel, its strip geometry and the bytes of one ring stage.
 struct Variant {
   Kernel kernel;
-  int strip_rows, kunit;
+  int strip_rows, kunit, stage_bytes;
 };
 
 template <bool kFp8, int kMp, bool kBlock>
-Variant variant() {
+Variant variant(bool ring) {
   using C = gemvk::Cfg<kFp8, kMp>;
-  return {gemvk::gemv_kernel<kFp8, kMp, kBlock>, C::kBN, C::kKUnit};
+  return {ring ? gemvk::gemv_kernel<kFp8, kMp, kBlock, true>
+               : gemvk::gemv_kernel<kFp8, kMp, kBlock, false>,
+          C::kBN, C::kKUnit, gemvk::Ring<kFp8, kMp>::kStageBytes};
 }
 
-Variant pick(bool fp8, int m, int scale_mode) {
+Variant pick(bool fp8, int m, int scale_mode, bool ring) {
   const bool wide = m > 8;
-  if (!fp8) return wide ? variant<false, 16, false>() : variant<false, 8, false>();
+  if (!fp8) return wide ? variant<false, 16, false>(ring) : variant<false, 8, false>(ring);
   if (scale_mode == kGemvScaleBlock)
-    return wide ? variant<true, 16, true>() : variant<true, 8, true>();
-  return wide ? variant<true, 16, false>() : variant<true, 8, false>();
+    return wide ? variant<true, 16, true>(ring) : variant<true, 8, true>(ring);
+  return wide ? variant<true, 16, false>(ring) : variant<true, 8, false>(ring);
 }
+
+// Shared memory a gemv CTA declares statically (the flush buffer, barriers): kept free of the
+// ring.
+constexpr int kStaticSmemReserve = 10 * 1024;
+
+// The largest dynamic shared memory one CTA may opt into on the current device.
+int max_dynamic_smem() {
+  int dev = 0, v = 0;
+  FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  FUSEDIST_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return v;
+}
+
+// Ring stages of a call: args.stages, or the default for kGemvStagesAuto.
+int stages_of(const GemvArgs& a) { return a.stages == kGemvStagesAuto ? kGemvDefaultStages : a.stages; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -66,21 +84,33 @@ void check_call(const GemvArgs& a) {
   FUSEDIST_CHECK_ARG(fp8 || a.scale_mode == kGemvScaleNone,
                      w + "scale_mode: scales are for float8_e4m3fn weights only");
   FUSEDIST_CHECK_ARG(a.max_ctas >= 0, w + "max_ctas must be >= 0 (0: all resident CTAs)");
+  FUSEDIST_CHECK_ARG(a.stages == kGemvStagesAuto || (a.stages >= 0 && a.stages <= kGemvMaxStages),
+                     w + "stages must be -1 (auto), 0 (register pipeline) or 1.." +
+                         std::to_string(kGemvMaxStages) + " (shared-memory ring), got " +
+                         std::to_string(a.stages));
 }
 
 }  // namespace
 
 GemvPlan gemv_plan(const GemvArgs& a) {
   check_call(a);
-  const Variant v = pick(a.w_dtype == DType::kFloat8E4M3, a.m, a.scale_mode);
+  int stages = stages_of(a);
+  const Variant v = pick(a.w_dtype == DType::kFloat8E4M3, a.m, a.scale_mode, stages > 0);
+  if (stages > 0) {  // as deep as asked, as far as one CTA's shared memory allows
+    const int most = std::max(1, (max_dynamic_smem() - kStaticSmemReserve) / v.stage_bytes);
+    stages = std::min(stages, most);
+  }
   GemvPlan plan;
   plan.strip_rows = v.strip_rows;
+  plan.stages = stages;
+  plan.smem_bytes = stages * v.stage_bytes;
   const int64_t strips = ceil_div(a.n, v.strip_rows);
   const int64_t kunits = ceil_div(a.k, v.kunit);
   FUSEDIST_CHECK_ARG(strips * kunits < (int64_t(1) << 30),
                      "gemv: n x k is too large (more than 2^30 units)");
   const int units = int(strips * kunits);
-  plan.ctas_per_sm = blocks_per_sm(reinterpret_cast<const void*>(v.kernel), gemvk::kThreads, 0);
+  plan.ctas_per_sm = blocks_per_sm(reinterpret_cast<const void*>(v.kernel), gemvk::kThreads,
+                                   plan.smem_bytes);
   int64_t grid = int64_t(current_device_sm_count()) * plan.ctas_per_sm;
   if (a.max_ctas > 0) grid = std::min<int64_t>(grid, a.max_ctas);
   grid = std::min<int64_t>(grid, units);
@@ -148,12 +178,13 @@ void gemv(const GemvArgs& a, uintptr_t stream) {
                : a.scale_mode == kGemvScaleBlock ? a.scale_ld
                                                  : 0;
   p.m = a.m, p.n = a.n, p.k = a.k;
-  const Variant v = pick(fp8, a.m, a.scale_mode);
+  const Variant v = pick(fp8, a.m, a.scale_mode, plan.stages > 0);
+  p.stages = plan.stages;
   p.kunits = int(ceil_div(a.k, v.kunit));
   p.units = plan.units;
   p.epi_scale = a.scale_mode == kGemvScaleTensor || a.scale_mode == kGemvScaleChannel;
-  launch_kernel("gemv_kernel", v.kernel, dim3(unsigned(plan.grid)),
-                dim3(gemvk::kThreads), reinterpret_cast<cudaStream_t>(stream), p);
+  launch_kernel_smem("gemv_kernel", v.kernel, dim3(unsigned(plan.grid)), dim3(gemvk::kThreads),
+                     size_t(plan.smem_bytes), reinterpret_cast<cudaStream_t>(stream), p);
 }
 
 }  // namespace fusedist

@@ -45,7 +45,7 @@ inline int current_device_sm_count() {
 
 // Resident blocks per SM of `kernel` at `threads` threads and `smem_bytes` of dynamic shared
 // memory on the current device, after raising the kernel's dynamic shared-memory limit to
-// `smem_bytes`. Cached per (kernel, device): a property of the build and the GPU model, so
+// at least `smem_bytes`. Cached per (kernel, device): a property of the build and the GPU model, so
 // identical on every rank of a homogeneous group.
 inline int blocks_per_sm(const void* kernel, int threads, int smem_bytes) {
   static std::mutex mu;
@@ -56,9 +56,16 @@ inline int blocks_per_sm(const void* kernel, int threads, int smem_bytes) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  if (smem_bytes > 48 * 1024)
+  // Any dynamic size is set explicitly (the default limit is 48 KB minus the kernel's static
+  // shared memory), and the limit only ever grows (a smaller request after a larger one must
+  // not lower it under a size whose answer is cached and launched with).
+  static std::map<std::pair<const void*, int>, int> raised;
+  int& limit = raised[std::make_pair(kernel, dev)];
+  if (smem_bytes > limit) {
     FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
+    limit = smem_bytes;
+  }
   int o = 0;
   FUSEDIST_CUDA_CHECK(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kernel, threads, smem_bytes));

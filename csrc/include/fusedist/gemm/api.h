@@ -80,6 +80,12 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
 // call and left zero by every call; calls sharing them run one at a time (stream order).
 constexpr int kGemvMaxM = 16;
 constexpr int kGemvScaleBlockSize = 128;
+// Weight pipelines: 0 streams through registers (two units per thread in flight); 1..8 through
+// a ring of that many units (~35 KB each) in shared memory filled by the copy engine; auto: the
+// default.
+constexpr int kGemvStagesAuto = -1;
+constexpr int kGemvMaxStages = 6;
+constexpr int kGemvDefaultStages = 0;
 enum GemvScale : int {
   kGemvScaleNone = 0,
   kGemvScaleTensor = 1,
@@ -98,6 +104,7 @@ struct GemvArgs {
   int64_t workspace_floats = 0;       // capacities, checked against the plan
   int64_t counters_len = 0;
   int max_ctas = 0;                   // 0: every resident CTA; else at most this many
+  int stages = -1;                    // kGemvStagesAuto, 0 (register pipeline) or ring stages
 };
 // Grid and workspace of a call: grid CTAs, `workspace_floats` floats of partial sums and
 // `counters` strip counters (both 0: no strip is split), strip_rows rows per strip, at
@@ -109,6 +116,8 @@ struct GemvPlan {
   int strip_rows = 0;
   int ctas_per_sm = 0;
   int units = 0;
+  int stages = 0;      // 0: register pipeline; else shared-memory ring stages
+  int smem_bytes = 0;  // dynamic shared memory per CTA
 };
 GemvPlan gemv_plan(const GemvArgs& args);
 void gemv(const GemvArgs& args, uintptr_t stream);

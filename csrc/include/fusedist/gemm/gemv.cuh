@@ -21,8 +21,14 @@
 // flight. The first unit is requested before griddepcontrol.wait: weights never depend on the
 // previous kernel, so under PDL (launch.h) their loads overlap that kernel's tail, and this
 // kernel lets the next one be scheduled at once (its CTAs take SMs as ours leave). x is read
-// as 16-byte vectors through L1, next to the MMAs that use them (the two N-warps of a K slice
-// share them).
+// as 16-byte vectors through L1 with ordinary loads the compiler schedules ahead of the MMAs
+// (the two N-warps of a K slice share them).
+//
+// The other pipeline (stages > 0, "ring"): the copy engine streams each unit's weight rows and
+// x rows (cp.async.bulk, one copy per row) into a ring of `stages` units in shared memory,
+// `stages` units ahead of the math; the math reads them from there. It is correct and tested,
+// and slower than the register pipeline on H200 (benchmarks/NOTES.md): registers are the
+// default.
 //
 // Math (tensor cores, "swap AB"). mma.m16n8k16 with A = 16 weight rows x 16 k and B = 16 k x 8
 // rows of x (M <= 8: one MMA per k step; M <= 16: two). The order of k inside a k step is
@@ -104,6 +110,23 @@ struct Params {
   int kunits;                // units per strip: ceil(k / kKUnit)
   int units;                 // strips * kunits
   int epi_scale;             // 1: the epilogue multiplies by scale[n * scale_ld]
+  int stages;                // kRing kernels: units in the shared-memory ring (<= kMaxStages)
+};
+
+constexpr int kMaxStages = 6;
+// The shared-memory ring (kRing kernels): a stage holds one unit, kBN rows of kKUnit weights,
+// each row padded by 64 bytes so that the 16-byte reads of 8 lanes (two rows x 64 bytes) hit
+// 32 distinct banks.
+// After the weights, the stage holds the unit's k of the kMp rows of x (bf16; rows >= m are
+// not copied and read as zeros), padded the same way.
+template <bool kFp8, int kMp>
+struct Ring {
+  using C = Cfg<kFp8, kMp>;
+  static constexpr int kRowBytes = C::kKUnit * C::kWBytes;
+  static constexpr int kPitch = kRowBytes + 64;
+  static constexpr int kXPitch = C::kKUnit * 2 + 64;
+  static constexpr int kXOffset = C::kBN * kPitch;
+  static constexpr int kStageBytes = kXOffset + kMp * kXPitch;
 };
 
 __device__ __forceinline__ uint64_t evict_first_policy() {
@@ -123,14 +146,38 @@ __device__ __forceinline__ uint4 ld_weights(const uint8_t* p, uint64_t pol) {
   return v;
 }
 
-// One 16-byte vector of x: a plain (L1-cached, coherent) load, kept in program order by
-// `volatile` so that it is issued next to the MMAs that use it (and after pdl_wait).
-__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) {
+// One row segment of a unit, global -> shared by the copy engine (cp.async.bulk), completing
+// `bytes` (a multiple of 16) on the stage's mbarrier; weights first out of L2.
+__device__ __forceinline__ void bulk_copy_weights(uint32_t dst, const uint8_t* src,
+                                                  uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
+}
+
+// One row of x's k of a unit, global -> shared, completing on the stage's mbarrier (x stays in L2).
+__device__ __forceinline__ void bulk_copy_x(uint32_t dst, const __nv_bfloat16* src, uint32_t bytes,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "r"(addr));
   return v;
+}
+
+// One 16-byte vector of x: an ordinary (coherent) load, which the compiler may schedule ahead
+// of the MMAs, but never above pdl_wait (its asm clobbers memory).
+__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const uint4*>(p);
 }
 
 template <int i>
@@ -190,7 +237,7 @@ __device__ __forceinline__ void b_regs(const uint4& xv, uint32_t& b0, uint32_t& 
   }
 }
 
-template <bool kFp8, int kMp, bool kBlock>
+template <bool kFp8, int kMp, bool kBlock, bool kRing>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     gemv_kernel(const __grid_constant__ Params p) {
   using C = Cfg<kFp8, kMp>;
@@ -252,7 +299,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   zero(acc);
 
   // ---- one unit: x vectors through L1, MMAs into acc (block scales: via blk) --------------
-  auto compute = [&](const uint4 (&r)[kG][2][kJ], int strip, int ku) {
+  // xs: the x stage of the unit in shared memory (kRing), or 0: x from global memory.
+  auto compute = [&](const uint4 (&r)[kG][2][kJ], int strip, int ku, uint32_t xs) {
     float blk[kG][kMH][4];
     float (&dst)[kG][kMH][4] = kBlock ? blk : acc;
 #pragma unroll
@@ -269,7 +317,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         for (int mh = 0; mh < kMH; ++mh) {
           const int m = 8 * mh + g;
           xv[mh] = make_uint4(0u, 0u, 0u, 0u);
-          if (m < p.m && k < p.k) xv[mh] = ld_x(p.x + int64_t(m) * p.ldx + k + 8 * q);
+          if (m < p.m && k < p.k) {
+            if constexpr (kRing)
+              xv[mh] = lds128(xs + m * Ring<kFp8, kMp>::kXPitch + (k + 8 * q - ku * C::kKUnit) * 2);
+            else
+              xv[mh] = ld_x(p.x + int64_t(m) * p.ldx + k + 8 * q);
+          }
         }
         auto kstep = [&](auto s_const) {
           constexpr int s = decltype(s_const)::value;
@@ -403,14 +456,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   };
 
   // ---- the stream ---------------------------------------------------------------------------
-  uint4 ra[kG][2][kJ], rb[kG][2][kJ];
   int strip = ld_strip, ku = ld_ku;  // the unit being consumed
-  load(ra);    // the first unit's weights: before the wait (PDL)
-  pdl_wait();  // x, out and the workspace may belong to the previous kernel
-  pdl_trigger();
   int seg_ku = ku;  // where this CTA's part of the current strip began
-  auto step = [&](const uint4 (&r)[kG][2][kJ], int u) {
-    compute(r, strip, ku);
+  auto step = [&](const uint4 (&r)[kG][2][kJ], int u, uint32_t xs) {
+    compute(r, strip, ku, xs);
     const bool strip_end = ku == KU - 1;
     if (strip_end || u == u1 - 1) {
       flush(strip, seg_ku == 0 && strip_end);
@@ -419,12 +468,100 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if (strip_end) ku = 0, ++strip;
     else ++ku;
   };
-  for (int u = u0; u < u1; u += 2) {  // unit u + 1 is requested before unit u is consumed
-    if (u + 1 < u1) load(rb);
-    step(ra, u);
-    if (u + 1 >= u1) break;
-    if (u + 2 < u1) load(ra);
-    step(rb, u + 1);
+  if constexpr (!kRing) {
+    uint4 ra[kG][2][kJ], rb[kG][2][kJ];
+    load(ra);    // the first unit's weights: before the wait (PDL)
+    pdl_wait();  // x, out and the workspace may belong to the previous kernel
+    pdl_trigger();
+    for (int u = u0; u < u1; u += 2) {  // unit u + 1 is requested before unit u is consumed
+      if (u + 1 < u1) load(rb);
+      step(ra, u, 0u);
+      if (u + 1 >= u1) break;
+      if (u + 2 < u1) load(ra);
+      step(rb, u + 1, 0u);
+    }
+  } else {
+    // The ring: warp 0 hands unit i to the copy engine into stage i % S (one bulk copy per
+    // weight row and per x row, completing on the stage's mbarrier) S units ahead of its use;
+    // every warp waits for the stage, reads its weight vectors into registers and its x
+    // vectors next to the MMAs (shared memory: no L2 round trip in the math), and after a
+    // block barrier (the stage is free) warp 0 refills it with unit i + S.
+    using R = Ring<kFp8, kMp>;
+    extern __shared__ __align__(128) uint8_t ring[];
+    __shared__ __align__(8) uint64_t bars[kMaxStages];
+    const int S = p.stages, nu = u1 - u0;
+    const uint32_t ring0 = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+    const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+    if (tid == 0) {
+      for (int i = 0; i < S; ++i) mbar_init(bar0 + 8 * i, 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+    // Unit ld_i into stage ld_i % S: its weights (issue_w, which also arms the stage's
+    // barrier for the weights and x) and its k of x (issue_x; x may be written by the previous
+    // kernel, so the prologue's x copies wait for pdl_wait).
+    auto unit_bytes = [&](int ku_) {
+      return uint32_t(min(C::kKUnit, p.k - ku_ * C::kKUnit));  // elements along k
+    };
+    int ld_i = 0, lx_i = 0, lx_ku = ld_ku;
+    auto issue_w = [&]() {  // warp 0
+      const int slot = ld_i % S;
+      const uint32_t bar = bar0 + 8 * slot, dst = ring0 + slot * R::kStageBytes;
+      const int k0 = ld_ku * C::kKUnit, n0 = ld_strip * kBN;
+      const uint32_t kel = unit_bytes(ld_ku), bytes = kel * C::kWBytes;
+      const int rows = min(kBN, p.n - n0);
+      if (lane == 0) mbar_arrive_expect_tx(bar, uint32_t(rows) * bytes + uint32_t(p.m) * kel * 2u);
+      __syncwarp();
+      for (int r = lane; r < rows; r += 32)
+        bulk_copy_weights(dst + r * R::kPitch,
+                          p.w + int64_t(n0 + r) * p.ldw_bytes + int64_t(k0) * C::kWBytes, bytes,
+                          bar, pol);
+      if (++ld_ku == KU) ld_ku = 0, ++ld_strip;
+      ++ld_i;
+    };
+    auto issue_x = [&]() {  // warp 0, after issue_w of the same unit
+      const int slot = lx_i % S;
+      const uint32_t bar = bar0 + 8 * slot, dst = ring0 + slot * R::kStageBytes + R::kXOffset;
+      const int k0 = lx_ku * C::kKUnit;
+      const uint32_t bytes = unit_bytes(lx_ku) * 2u;
+      for (int m = lane; m < p.m; m += 32)
+        bulk_copy_x(dst + m * R::kXPitch, p.x + int64_t(m) * p.ldx + k0, bytes, bar);
+      if (++lx_ku == KU) lx_ku = 0;
+      ++lx_i;
+    };
+    const int pro = S < nu ? S : nu;
+    if (warp == 0)
+      for (int i = 0; i < pro; ++i) issue_w();  // weights before the wait (PDL), as above
+    pdl_wait();
+    pdl_trigger();
+    if (warp == 0)
+      for (int i = 0; i < pro; ++i) issue_x();
+    uint4 r[kG][2][kJ];
+    for (int i = 0; i < nu; ++i) {
+      const int slot = i % S;
+      mbar_wait(bar0 + 8 * slot, uint32_t(i / S) & 1u);
+      const uint32_t base = ring0 + slot * R::kStageBytes;
+      const int k0 = ku * C::kKUnit + kwarp;
+#pragma unroll
+      for (int gi = 0; gi < kG; ++gi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rl = row0 + 16 * gi + 8 * h;
+          const bool row_ok = strip * kBN + rl < p.n;
+#pragma unroll
+          for (int j = 0; j < kJ; ++j) {
+            r[gi][h][j] = make_uint4(0u, 0u, 0u, 0u);  // rows >= n, k >= k: zeros
+            if (row_ok && k0 + 4 * j * kE < p.k)
+              r[gi][h][j] = lds128(base + rl * R::kPitch + (kwarp + 4 * j * kE) * C::kWBytes);
+          }
+        }
+      step(r, u0 + i, base + R::kXOffset);  // x from the stage
+      __syncthreads();  // stage `slot` (weights and x) is read by every warp: refill it
+      if (warp == 0 && i + S < nu) {
+        issue_w();
+        issue_x();
+      }
+    }
   }
 }
 
