@@ -38,8 +38,12 @@ fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
     per-tensor scale broadcast to them), so a token's error depends on its own amax only and a
     NaN in one token stays in that token's row. Per-tensor weights with fp16 x, or on sm_89:
     one scale for all of x (a NaN anywhere in x makes the whole output NaN);
-  * everything else (block scales past 16 rows, fp16 / fp32 x, odd sizes, older GPUs):
-    the weight dequantized to x's dtype and F.linear;
+  * CUDA, block scales past 16 rows (or without the GEMV), bf16 x, K % 512 == 0, N % 128 == 0,
+    on sm_90 where torch's block-scaled scaled_mm runs (probed once per device against
+    float64): that GEMM (cuBLASLt), x quantized per token and 128 k (1 x 128 scales) against
+    the weight's 128 x 128 scales;
+  * everything else (block scales elsewhere, fp16 / fp32 x, odd sizes, older GPUs): the
+    weight dequantized to x's dtype and F.linear;
   * CPU: fp8_linear_reference: dequantize in fp32, fp32 matmul, rounded once to x's dtype.
 So the GEMV and the reference multiply the exact dequantized weight by x (weight-only
 quantization), and the _scaled_mm paths also round x to e4m3 (per element |x_q - x| <= 2^-4
@@ -334,6 +338,18 @@ def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _to_fp8(x.float() / s), s
 
 
+def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token, per-`group`-k activation quantization (the 1 x 128 form that pairs
+    with 128 x 128 weight blocks): x [M, K] with K % group == 0 -> (e4m3 [M, K], float32
+    scale [M, K / group]), x ~= x_q * scale of its group. A NaN stays in its group."""
+    m, k = x.shape
+    if k % group:
+        _fail(f"quantize_groups: K = {k} must be a multiple of the group size {group}")
+    xf = x.float().view(m, k // group, group)
+    s = _scale_of(xf.abs().amax(-1))
+    return _to_fp8(xf / s[..., None]).view(m, k), s
+
+
 # ---- the GEMM ------------------------------------------------------------------------------
 def fp8_linear_reference(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None
                          ) -> torch.Tensor:
@@ -364,8 +380,63 @@ def scaled_mm_tensorwise(x: torch.Tensor, data: torch.Tensor, scale: torch.Tenso
     return y if bias is None else y + bias
 
 
-# Per CUDA device index: (compute capability, the gemv kernel runs there), read once, so that
-# a compiled or captured step (whose first call came after an eager one) only looks them up.
+def _blockwise_api():
+    """torch's scaled_mm with block recipes (torch.nn.functional.scaled_mm, ScalingType
+    BlockWise1x128 / BlockWise128x128), or None in a torch without them."""
+    fn = getattr(F, "scaled_mm", None)
+    types = getattr(F, "ScalingType", None)
+    if fn is None or types is None or not hasattr(types, "BlockWise128x128") or \
+            not hasattr(types, "BlockWise1x128"):
+        return None
+    return fn, types
+
+
+def scaled_mm_blockwise(x: torch.Tensor, w: "FP8Weight",
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch's block-scaled FP8 GEMM (cuBLASLt on sm_90): x [M, K] bf16 quantized per token
+    and 128 k (quantize_groups), w a "block" FP8Weight (128 x 128 scales); bf16 [M, N] (+ bias,
+    added after). Needs K % 512 == 0 and N % 128 == 0 (scale operands without padding)."""
+    api = _blockwise_api()
+    if api is None:
+        _fail("scaled_mm_blockwise: this torch has no block-scaled scaled_mm", RuntimeError)
+    fn, types = api
+    xq, sx = quantize_groups(x)
+    sa = sx.t().contiguous().t()          # [M, K / 128], M fastest (the operand's layout)
+    sb = w.scale.t()                      # [K / 128, N / 128], K / 128 fastest
+    y = fn(xq, w.data.t(), sa, types.BlockWise1x128, sb, types.BlockWise128x128,
+           output_dtype=torch.bfloat16)
+    return y if bias is None else y + bias
+
+
+def blockwise_shape_ok(n: int, k: int) -> bool:
+    """The shapes scaled_mm_blockwise serves: K a multiple of 512, N of 128."""
+    return k % (4 * BLOCK) == 0 and n % BLOCK == 0 and k > 0 and n > 0
+
+
+def _probe_blockwise(idx: int) -> bool:
+    """Whether the block-scaled scaled_mm runs on CUDA device idx and gives the float64 result
+    (a 17 x 512 x 256 call against the dequantized operands): once per device, never inside a
+    capture. A torch or cuBLAS without it answers False (the dequantized weight is used)."""
+    if _blockwise_api() is None:
+        return False
+    dev = torch.device("cuda", idx)
+    try:
+        g = torch.Generator().manual_seed(7)
+        w = quantize_fp8(torch.randn(256, 512, generator=g) * 0.05, "block").to(dev)
+        x = torch.randn(17, 512, generator=g).to(torch.bfloat16).to(dev)
+        y = scaled_mm_blockwise(x, w).double()
+        xq, sx = quantize_groups(x)
+        xd = (xq.double().view(17, 4, BLOCK) * sx.double()[..., None]).view(17, 512)
+        ref = xd @ w.dequantize(torch.float64).t()
+        err = (y - ref).abs().max().item()
+        return err <= 2.0 ** -7 * ref.abs().max().item() + 1e-6
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
+# Per CUDA device index: (compute capability, the gemv kernel runs there, the block-scaled
+# scaled_mm runs there), read once, so that a compiled or captured step (whose first call came
+# after an eager one) only looks them up.
 _DEVICE: dict = {}
 
 
@@ -377,7 +448,9 @@ def _device_facts(device: torch.device) -> tuple:
         gemv = _gemv is not None
         if gemv and _gemv_kernel_available is not None:
             gemv = bool(_gemv_kernel_available(torch.device("cuda", idx)))
-        facts = _DEVICE[idx] = (cap, gemv)
+        if torch.cuda.is_current_stream_capturing():
+            return cap, gemv, False   # no probe inside a capture; looked up again later
+        facts = _DEVICE[idx] = (cap, gemv, cap == (9, 0) and _probe_blockwise(idx))
     return facts
 
 
@@ -397,13 +470,18 @@ def _rowwise_wins(m: int, n: int, k: int, layout: str, capability: tuple) -> boo
 
 
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
-                bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool) -> str:
+                bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool,
+                blockwise: bool = False) -> str:
     """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
-    "scaled_mm_tensor", "scaled_mm_rowwise" or "dequantize". `gemv`: the GEMV op and its
-    kernel are there for the device; `capability`: the device's (major, minor)."""
+    "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize". `gemv`: the
+    GEMV op and its kernel are there for the device; `blockwise`: torch's block-scaled
+    scaled_mm runs there; `capability`: the device's (major, minor)."""
     if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
             bias_dtype in (None, x_dtype) and not _rowwise_wins(m, n, k, layout, capability):
         return "gemv"
+    if blockwise and m > 0 and layout == "block" and x_dtype == torch.bfloat16 and \
+            blockwise_shape_ok(n, k) and bias_dtype in (None, x_dtype):
+        return "scaled_mm_block"
     if m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
             x_dtype in (torch.bfloat16, torch.float16):
         if x_dtype == torch.bfloat16 and capability >= (9, 0):
@@ -418,9 +496,9 @@ def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None)
     "reference" on the CPU."""
     if not x.is_cuda:
         return "reference"
-    cap, gemv = _device_facts(x.device)
+    cap, gemv, blockwise = _device_facts(x.device)
     return choose_path(x.shape[0], w.shape[0], w.shape[1], w.layout, x.dtype,
-                       None if bias is None else bias.dtype, cap, gemv)
+                       None if bias is None else bias.dtype, cap, gemv, blockwise)
 
 
 def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None, *,
@@ -443,6 +521,8 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
         y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
     elif path == "scaled_mm_tensor":
         y = scaled_mm_tensorwise(x2, w.data, w.scale, bias)
+    elif path == "scaled_mm_block":
+        y = scaled_mm_blockwise(x2, w, bias)
     elif path == "dequantize":
         y = F.linear(x2, w.dequantize(x2.dtype), bias)
     elif path == "reference":
@@ -452,7 +532,7 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
     return y.reshape(*lead, y.shape[-1])
 
 
-__all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "fp8_linear",
-           "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
-           "scaled_mm_tensorwise",
+__all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "quantize_groups",
+           "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
+           "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
            "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]

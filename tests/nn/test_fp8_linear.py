@@ -290,6 +290,47 @@ def test_choose_path(args, want):
     assert choose_path(*args) == want
 
 
+@pytest.mark.parametrize("args,want", [
+    ((17, 4096, 4096, "block", BF, None, (9, 0), True), "scaled_mm_block"),
+    ((4096, 28672, 4096, "block", BF, BF, (9, 0), True), "scaled_mm_block"),
+    ((1, 4096, 4096, "block", BF, None, (9, 0), True), "gemv"),              # the GEMV first
+    ((1, 4096, 4096, "block", BF, None, (9, 0), False), "scaled_mm_block"),  # no GEMV
+    ((64, 4096, 4224, "block", BF, None, (9, 0), True), "dequantize"),       # K % 512
+    ((64, 4160, 4096, "block", BF, None, (9, 0), True), "dequantize"),       # N % 128
+    ((64, 4096, 4096, "block", HF, None, (9, 0), True), "dequantize"),       # bf16 x only
+    ((64, 4096, 4096, "block", BF, torch.float32, (9, 0), True), "dequantize"),
+    ((64, 4096, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),
+])
+def test_choose_path_blockwise(args, want):
+    """With torch's block-scaled scaled_mm on the device (the last argument of choose_path)."""
+    assert choose_path(*args, blockwise=True) == want
+    assert choose_path(*args, blockwise=False) != "scaled_mm_block"
+
+
+def test_quantize_groups_float64():
+    """Per token and 128 k: each group's amax maps to 448, every value within e4m3's
+    rounding of x / scale, zeros and NaN stay in their group, K must be whole groups."""
+    g = _gen(3)
+    x = torch.randn(5, 384, generator=g) * torch.logspace(-4, 2, 5)[:, None]
+    x[1, 128:256] = 0
+    x[3, 300] = float("nan")
+    q, s = quant.quantize_groups(x.to(torch.bfloat16))
+    assert q.dtype == FP8 and q.shape == (5, 384) and s.shape == (5, 3)
+    xd = x.to(torch.bfloat16).double().view(5, 3, 128)
+    amax = xd.abs().amax(-1)
+    ok = ~torch.isnan(amax)
+    assert torch.allclose(s.double()[ok & (amax > 0)], (amax / 448)[ok & (amax > 0)],
+                          rtol=1e-6)
+    assert float(s[1, 1]) == 1.0 and bool((q.view(5, 3, 128)[1, 1].float() == 0).all())
+    back = q.double().view(5, 3, 128) * s.double()[..., None]
+    err = (back - xd).abs()
+    bound = 2.0 ** -4 * xd.abs() + 2.0 ** -10 * s.double()[..., None]
+    assert bool((err[ok] <= bound[ok]).all())
+    assert bool(torch.isnan(back[3, 2]).any()) and not bool(torch.isnan(back[3, :2]).any())
+    with pytest.raises(ValueError, match="multiple of the group size 128"):
+        quant.quantize_groups(torch.zeros(2, 200))
+
+
 def test_cpu_path_is_reference():
     x, w = torch.randn(3, 16), quantize_fp8(torch.randn(8, 16))
     assert quant.fp8_path(x, w) == "reference"
@@ -487,3 +528,37 @@ def test_gpu_paths_against_float64(layout, m):
             bound = gemm_bound(x, w64, ref, torch.bfloat16, b)
         for got in (y, out):
             assert_within(got.cpu(), ref, bound, f"{p} m={m} {layout}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("m", [1, 17, 300])
+def test_gpu_blockwise_scaled_mm_against_float64(m):
+    """torch's block-scaled scaled_mm (1 x 128 activations x 128 x 128 weights) within the
+    W8A8 bound of float64 on the dequantized weight, eager and in a CUDA graph; fp8_path takes
+    it for block weights past the GEMV's rows when the device probe found it."""
+    dev = torch.device("cuda")
+    if not quant._device_facts(dev)[2]:
+        pytest.skip("torch's block-scaled scaled_mm does not run on this GPU / torch "
+                    f"(capability {torch.cuda.get_device_capability()}, torch {torch.__version__})")
+    n, k = 4096 + 128, 2048 + 512
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.02, "block").to(dev)
+    w64 = deq64(w.to("cpu"))
+    x = (torch.randn(m, k, generator=_gen(m + 1)) * 2).to(torch.bfloat16)
+    b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
+    ref = x.double() @ w64.t() + b.double()
+    if m > quant.GEMV_MAX_M:
+        assert quant.fp8_path(x.to(dev), w, b.to(dev)) == "scaled_mm_block"
+    xd, bd = x.to(dev), b.to(dev)
+    y = fp8_linear(xd, w, bd, path="scaled_mm_block")
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fp8_linear(xd, w, bd, path="scaled_mm_block"))
+    graph.replay()
+    torch.cuda.synchronize()
+    sx = x.float().abs().view(m, -1, 128).amax(-1).repeat_interleave(128, 1) / 448
+    bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
+        2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
+    for got in (y, out):
+        assert_within(got.cpu(), ref, bound, f"scaled_mm_block m={m}")
