@@ -16,6 +16,7 @@ dequantized weight for block scales past 16 rows), eager and in a CUDA graph."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -562,3 +563,16 @@ def test_gpu_blockwise_scaled_mm_against_float64(m):
         2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
     for got in (y, out):
         assert_within(got.cpu(), ref, bound, f"scaled_mm_block m={m}")
+
+
+def test_benchmark_shapes():
+    """benchmarks/fp8_linear.py: the Llama-3-8B / 70B TP-1 projections as (name, K, N)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8_linear", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got = {name: (k, n) for name, k, n in mod.shapes()}
+    assert got == {"8b/qkv": (4096, 6144), "8b/o": (4096, 4096), "8b/gate_up": (4096, 28672),
+                   "8b/down": (14336, 4096), "70b/qkv": (8192, 10240), "70b/o": (8192, 8192),
+                   "70b/gate_up": (8192, 57344), "70b/down": (28672, 8192)}
+    assert all(quant.blockwise_shape_ok(n, k) for k, n in got.values())

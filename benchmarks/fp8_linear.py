@@ -1,0 +1,145 @@
+"""FP8 projections at prefill sizes on one GPU: fusedist.nn.quant.fp8_linear (what the model
+runs for FP8 weights past the GEMV's 16 rows) beside cuBLAS bf16 on the same shapes, in the
+same run.
+
+    python3 benchmarks/fp8_linear.py              # Llama-3-8B / 70B (TP 1) projections, M = 128 .. 16384
+    python3 benchmarks/fp8_linear.py --quick      # 8B projections, M = 4096
+    python3 benchmarks/fp8_linear.py --ms 1024,8192 --models 70b
+
+Per shape (K x N of W [N, K], an nn.Linear weight) and M, each timed in CUDA graphs,
+interleaved (benchmarks/_harness.py), x [M, K] bf16:
+  bf16         torch.matmul(x, w.t())                       (cuBLAS, the reference speed)
+  channel      fp8_linear with per-channel scales: x quantized per token (its own kernels,
+               counted) + row-wise torch._scaled_mm
+  block        fp8_linear with 128 x 128 block scales: x quantized per token and 128 k
+               (counted) + torch's block-scaled scaled_mm where the device runs it, else the
+               weight dequantized at every call (the "path" column says which)
+  channel_gemm row-wise torch._scaled_mm alone, x already quantized (the GEMM's own speed)
+TFLOP/s = 2 M N K / time; "vs bf16" = bf16 time / this time (> 1: FP8 faster). Every output
+is checked against float64 on the dequantized weight (rel_err, the largest error over the
+largest reference value) before it is timed. Results: benchmarks/results/<gpu>-w1/
+fp8_linear.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
+import _harness as H  # noqa: E402
+
+# (model, hidden, intermediate, heads, kv_heads, head_dim)
+LLAMA = (("8b", 4096, 14336, 32, 8, 128), ("70b", 8192, 28672, 64, 8, 128))
+MS = (128, 1024, 4096, 16384)
+TARGET = 1.5   # FP8 at M >= 4096: >= 1.5x bf16 cuBLAS
+
+
+def shapes(models=("8b", "70b")) -> list:
+    """(name, K, N) of each TP-1 projection: qkv, o, gate_up, down."""
+    out = []
+    for name, h, inter, heads, kv, d in LLAMA:
+        if name not in models:
+            continue
+        out += [(f"{name}/qkv", h, (heads + 2 * kv) * d), (f"{name}/o", heads * d, h),
+                (f"{name}/gate_up", h, 2 * inter), (f"{name}/down", inter, h)]
+    return out
+
+
+def run_shape(name, k, n, m, args, Q):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(k * 7 + n + m)
+    x = (torch.randn(m, k, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    weights = {lay: Q.quantize_fp8(w, lay) for lay in ("channel", "block")}
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    xq, sx = Q.quantize_rows(x)
+    cw = weights["channel"]
+    steps = {
+        "bf16": lambda i: torch.matmul(x, w.t(), out=out),
+        "channel": lambda i: Q.fp8_linear(x, cw),
+        "block": lambda i: Q.fp8_linear(x, weights["block"]),
+        "channel_gemm": lambda i: torch._scaled_mm(xq, cw.data.t(), scale_a=sx,
+                                                   scale_b=cw.channel_scale.view(1, -1),
+                                                   out_dtype=torch.bfloat16),
+    }
+    errs = {}
+    x64 = x.double()
+    for nm, step in steps.items():
+        ref = x64 @ (w.double() if nm == "bf16" else
+                     weights["block" if nm == "block" else "channel"].dequantize(torch.float64)).t()
+        got = step(0).double()
+        errs[nm] = float((got - ref).abs().max() / ref.abs().max())
+    paths = {lay: Q.fp8_path(x, weights[lay]) for lay in weights}
+    med, _, status = H.time_graphs_interleaved(steps, args.ops, args.rounds, args.reps,
+                                               pacer="bf16")
+    flops = 2.0 * m * n * k
+    row = {"shape": name, "K": k, "N": n, "M": m, "paths": paths, "rel_err": errs,
+           "time_us": {nm: med.get(nm) for nm in steps}, "status": status,
+           "tflops": {nm: flops / med[nm] / 1e6 for nm in med},
+           "vs_bf16": {nm: med["bf16"] / med[nm] for nm in med if "bf16" in med}}
+    return row
+
+
+def markdown(rows) -> str:
+    cols = ("bf16", "channel", "block", "channel_gemm")
+    out = ["fusedist.nn.quant.fp8_linear at prefill sizes beside cuBLAS bf16, one GPU, CUDA "
+           "graphs, same run. us per call (TFLOP/s); vs bf16 = bf16 time / this time. channel "
+           "and block include the activation quantization; channel_gemm is row-wise "
+           f"torch._scaled_mm alone. Target at M >= 4096: >= {TARGET}x bf16.", "",
+           "| shape | M | " + " | ".join(f"{c} us (TFLOP/s)" for c in cols) +
+           " | channel vs bf16 | block vs bf16 | block path | max rel_err |",
+           "|---|---|" + "---|" * (len(cols) + 4)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            t = r["time_us"].get(c)
+            cells.append("-" if t is None else f"{t:.1f} ({r['tflops'][c]:.0f})")
+        vs = r["vs_bf16"]
+        out.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) +
+                   f" | **{vs.get('channel', float('nan')):.2f}** | "
+                   f"**{vs.get('block', float('nan')):.2f}** | {r['paths']['block']} | "
+                   f"{max(r['rel_err'].values()):.1e} |")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8B projections at M = 4096")
+    ap.add_argument("--ms", default=None, help="comma-separated M (default 128,1024,4096,16384)")
+    ap.add_argument("--models", default="8b,70b")
+    ap.add_argument("--ops", type=int, default=3, help="calls per graph")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    ms = [int(v) for v in (args.ms or ("4096" if args.quick else ",".join(map(str, MS)))).split(",")]
+    models = ("8b",) if args.quick else tuple(args.models.split(","))
+    if not torch.cuda.is_available():
+        print("benchmarks/fp8_linear.py needs a GPU")
+        return
+    if not hasattr(torch, "float8_e4m3fn"):
+        print("benchmarks/fp8_linear.py needs a torch with float8_e4m3fn")
+        return
+    import fusedist.nn.quant as Q
+    torch.cuda.set_device(0)
+    rows = []
+    for name, k, n in shapes(models):
+        for m in ms:
+            rows.append(run_shape(name, k, n, m, args, Q))
+            r = rows[-1]
+            print(f"{name} M={m}: " + ", ".join(f"{c} {t:.1f} us" for c, t in r["time_us"].items()
+                                               if t is not None), flush=True)
+    meta = H.metadata(1)
+    meta.update(quick=args.quick, ms=ms, models=list(models))
+    md = markdown(rows)
+    print(md)
+    paths = H.write_results("fp8_linear", meta, rows, md)
+    print("results:", ", ".join(str(p) for p in paths))
+
+
+if __name__ == "__main__":
+    main()
