@@ -198,6 +198,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     _not_in_a_rank_thread("fusedist.init")
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
+    envs.check_all()
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
 
