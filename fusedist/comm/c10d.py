@@ -125,6 +125,8 @@ class FusedistProcessGroup(dist.ProcessGroup):
         return self._gloo
 
     def _communicator(self, device: torch.device) -> Optional[Communicator]:
+        if not runtime.is_initialized():
+            self._groups.clear()         # of an earlier runtime (fusedist.shutdown() since)
         g = self._groups.get(device.type)
         if g is None:
             if not runtime.is_initialized():

@@ -23,6 +23,14 @@ def test_registered_on_import_without_becoming_a_default():
     assert dist.Backend.default_device_backend_map.get("cuda", "nccl") == "nccl"
 
 
+def test_backend_device_without_a_gpu(monkeypatch):
+    from fusedist.distributed.groups import backend_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for b in ("gloo", "nccl", "fusedist", "cpu:gloo,cuda:fusedist"):
+        assert backend_device(b) == torch.device("cpu"), b
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nproc,backend", [(2, "fusedist"), (3, "fusedist"),
                                            (2, "cpu:gloo,cuda:fusedist")])

@@ -213,6 +213,18 @@ def tensor_parallel_mlp_unmodified(c: Ctx, seed):
 
 
 @check
+def all_reduce_after_fusedist_shutdown(c: Ctx, seed):
+    fusedist.shutdown()              # e.g. the program's own; the backend starts it again
+    x = c.inputs((seed, "again"), 77, torch.float32)[c.rank]
+    y, want = x.clone(), x.clone()
+    before = dist.group.WORLD.routed
+    dist.all_reduce(y)
+    dist.all_reduce(want, group=c.ref)
+    assert dist.group.WORLD.routed == before + 1 and fusedist.is_initialized()
+    assert_bitwise(y, want, "all_reduce after fusedist.shutdown()")
+
+
+@check
 def cuda_graph_capture(c: Ctx, seed):
     if not c.cuda:
         raise Skip("CUDA graphs need a GPU")
