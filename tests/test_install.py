@@ -50,9 +50,10 @@ def test_pip_install_without_build(tmp_path):
     assert (target / "fusedist" / "tuning_default.json").is_file()
 
 
-def _configure(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+def _configure(tmp_path: Path, keep: bool = False, **env) -> subprocess.CompletedProcess:
     build = tmp_path / "build"
-    shutil.rmtree(build, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(build, ignore_errors=True)
     return subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build),
                            f"-DPython_EXECUTABLE={sys.executable}"],
                           env=_env(**env), capture_output=True, text=True, timeout=180)
@@ -85,6 +86,19 @@ def test_cmake_without_nvcc_installs_python_only(tmp_path, fake_cutlass):
                    CUDACXX=str(tmp_path / "no-such-nvcc"))
     assert r.returncode == 0, r.stderr
     assert "fusedist._C not built (nvcc was not found" in r.stderr
+
+
+@needs_cmake
+def test_cmake_looks_again_in_a_reused_build_tree(tmp_path, fake_cutlass):
+    r = _configure(tmp_path, FUSEDIST_CUTLASS_INCLUDE=str(tmp_path / "missing"))
+    assert "the CUTLASS headers were not found" in r.stderr
+    # The headers installed since: the same build tree finds them (and then misses nvcc).
+    r = _configure(tmp_path, keep=True, FUSEDIST_CUTLASS_INCLUDE=fake_cutlass,
+                   CUDACXX=str(tmp_path / "no-such-nvcc"))
+    assert r.returncode == 0 and "nvcc was not found" in r.stderr, r.stderr
+    r = _configure(tmp_path, keep=True, FUSEDIST_CUTLASS_INCLUDE=fake_cutlass,
+                   CUDACXX=str(tmp_path / "no-such-nvcc"), FUSEDIST_BUILD="1")
+    assert r.returncode != 0 and "FUSEDIST_BUILD=1 but nvcc was not found" in r.stderr
 
 
 @needs_cmake
