@@ -301,6 +301,34 @@ def slowest(t_us: float) -> float:
     return max(out)
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(text: str, flag: str = "--sizes") -> int:
+    """A byte count as nccl-tests writes it: 4096, 4K, 4M, 1G (binary multiples; KB / KiB /
+    MB / MiB / GB / GiB spell the same). ValueError naming `flag` otherwise."""
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in ("K", "M", "G") else ""
+    digits = t[:len(t) - len(unit)]
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"{flag}: {text!r} is not a size; use bytes or a K / M / G suffix, e.g. "
+                         "4096, 4K, 4M, 1G")
+    return int(digits) * _UNITS[unit]
+
+
+def size_range(begin: str, end: str, factor: int) -> list:
+    """nccl-tests' -b / -e / -f: begin, begin * factor, ... up to end (both included)."""
+    b, e = parse_bytes(begin, "-b/--begin"), parse_bytes(end, "-e/--end")
+    if e < b:
+        raise ValueError(f"-e/--end ({end}) is below -b/--begin ({begin})")
+    if not isinstance(factor, int) or factor < 2:
+        raise ValueError(f"-f/--factor must be an int >= 2, got {factor!r}")
+    out = [b]
+    while out[-1] * factor <= e:
+        out.append(out[-1] * factor)
+    return out
+
+
 def fmt_bytes(n: int) -> str:
     for unit, k in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= k and n % k == 0:

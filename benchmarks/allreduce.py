@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fusedist  # noqa: E402
-from _harness import (fmt_bytes, metadata, slowest, time_eager, time_graph,  # noqa: E402
-                      time_graphs_interleaved, write_results)
+from _harness import (fmt_bytes, metadata, parse_bytes, size_range, slowest,  # noqa: E402
+                      time_eager, time_graph, time_graphs_interleaved, write_results)
 from fusedist import tuning  # noqa: E402
 
 BASELINES = ("nccl_torch", "nccl4py", "symm_one_shot", "symm_two_shot")
@@ -265,18 +265,31 @@ def tune_table(rows, world) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few sizes only")
-    ap.add_argument("--sizes", type=str, default=None, help="comma-separated byte sizes")
+    ap.add_argument("--sizes", type=str, default=None,
+                    help="comma-separated sizes: bytes or K / M / G, e.g. 4K,64K,4M")
+    ap.add_argument("-b", "--begin", help="first size of a sweep (nccl-tests' -b), e.g. 8K")
+    ap.add_argument("-e", "--end", help="last size of the sweep (-e), e.g. 256M")
+    ap.add_argument("-f", "--factor", type=int, default=2, help="sweep step factor (-f)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--fused", action="store_true", help="also benchmark all_reduce_add_rmsnorm")
     ap.add_argument("--tune", action="store_true", help="write the measured dispatch table")
     ap.add_argument("--max-bytes", type=int, default=None, help="fusedist symmetric capacity")
     args = ap.parse_args()
+    try:
+        if args.sizes and (args.begin or args.end):
+            raise ValueError("give --sizes or -b/-e, not both")
+        if bool(args.begin) != bool(args.end):
+            raise ValueError("-b/--begin and -e/--end go together")
+        chosen = [parse_bytes(s) for s in args.sizes.split(",")] if args.sizes else \
+            size_range(args.begin, args.end, args.factor) if args.begin else None
+    except ValueError as e:
+        ap.error(str(e))
 
     rt = fusedist.init()
     dtype = getattr(torch, args.dtype)
     gpu = rt.device.type == "cuda"
-    if args.sizes:
-        sizes = [int(s) for s in args.sizes.split(",")]
+    if chosen:
+        sizes = chosen
     else:
         sizes = (QUICK_SIZES if args.quick else FULL_SIZES) if gpu else CPU_SIZES
     max_bytes = args.max_bytes or (max(sizes) if gpu else 1 << 20)

@@ -13,6 +13,7 @@ tensors take the plain-torch reference path over gloo.
 
 from . import _moved
 from ._version import __version__
+from .comm import c10d as _c10d  # registers the torch.distributed backend "fusedist"
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,

@@ -66,8 +66,9 @@ def parse_args(argv=None):
     src.add_argument("--random-weights", action="store_true", help="seeded random weights")
     src.add_argument("--weights-seed", type=int, default=0)
     src.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
-    src.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                     help="default bfloat16 on GPU, float32 on CPU")
+    src.add_argument("--dtype", default="auto", choices=["auto"] + sorted(DTYPES),
+                     help="auto (default): the checkpoint's torch_dtype on GPU (bfloat16 when "
+                     "it names float32 or none), float32 on CPU")
     src.add_argument("--quantize", default="none", choices=("none",) + QUANTIZE_CHOICES,
                      help="FP8 (e4m3) projection weights, quantized at load: fp8 (one scale per "
                      "output channel), fp8-tensor, fp8-block (128 x 128); FP8 checkpoints are "
@@ -77,18 +78,23 @@ def parse_args(argv=None):
     inp.add_argument("--batch", type=int, default=1)
     inp.add_argument("--prompt-len", type=int, help="random prompt ids of this length")
     inp.add_argument("--prompt-ids", help="comma-separated prompt ids, e.g. 1,2,3")
-    inp.add_argument("--prompt", help="prompt text (needs tokenizer.json in --model)")
+    inp.add_argument("--prompt", help="prompt text (needs the tokenizer files in --model)")
+    inp.add_argument("--chat", metavar="MESSAGE",
+                     help="a user message, turned into the prompt by the checkpoint's chat "
+                     "template (needs transformers and a chat_template in --model)")
     inp.add_argument("--context-fill", type=int, default=0,
                      help="benchmark: this many random KV-cache tokens before the prompt")
     gen = p.add_argument_group("generation")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless "
-                     "--temperature / --top-k / --top-p is given)")
+                     "--temperature / --top-k / --top-p is given or --model's "
+                     "generation_config.json sets do_sample)")
     gen.add_argument("--temperature", type=float)
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int, default=0, help="sampling and random-prompt seed")
-    gen.add_argument("--ignore-eos", action="store_true", help="always generate max tokens")
+    gen.add_argument("--ignore-eos", action="store_true", help="always generate max tokens "
+                     "(default: stop at generation_config.json's or config.json's EOS ids)")
     run = p.add_argument_group("runner")
     run.add_argument("--kv-budget-gb", type=float, help="KV-cache memory (default: what the "
                      "batch and length need)")
@@ -109,7 +115,9 @@ def parse_args(argv=None):
     out.add_argument("--profile", action="store_true",
                      help="break one decode step and one prefill down into GEMM / attention / "
                      "communication / other kernel time")
-    out.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    out.add_argument("--json", action="store_true", help="one JSON object on stdout (without "
+                     "it, the first sequence's text streams to stdout as it decodes when the "
+                     "model has a tokenizer)")
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p.parse_args(argv)
 
@@ -183,6 +191,10 @@ def _check_flags(args) -> None:
         _fail(f"--temperature must be a finite number >= 0, got {t}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         _fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    given = [f for f in ("prompt", "prompt_ids", "prompt_len", "chat")
+             if getattr(args, f) is not None]
+    if len(given) > 1:
+        _fail(f"give one prompt source, got {' and '.join('--' + f.replace('_', '-') for f in given)}")
     gb = args.kv_budget_gb
     if gb is not None and not (math.isfinite(gb) and gb > 0):
         _fail(f"--kv-budget-gb must be a finite number > 0, got {gb}")
@@ -210,7 +222,8 @@ def _defaults(args, cuda: bool):
     args.baselines = parse_baselines(args.baseline)
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if cuda else 32
-    if args.prompt_len is None and args.prompt_ids is None and args.prompt is None:
+    if args.prompt_len is None and args.prompt_ids is None and args.prompt is None and \
+            args.chat is None:
         args.prompt_len = 128 if cuda else 16
     return args
 
@@ -239,6 +252,17 @@ def _load(args, tp: int):
     except (ValueError, KeyError, OSError) as e:
         _fail(_message(e))
     return cfg, src, _tokenizer(args.model)
+
+
+def _generation_defaults(args, cfg):
+    """generation_config.json's EOS ids and sampling (config.json's EOS without it)."""
+    from .models.hf import GenerationDefaults
+
+    try:
+        return GenerationDefaults.from_dir(None if args.random_weights else args.model,
+                                           cfg.eos_token_ids)
+    except ValueError as e:
+        _fail(_message(e))
 
 
 def _check_positions(args, cfg, prompts) -> int:
@@ -344,11 +368,16 @@ def _size(n: float) -> str:
 
 
 def _prompts(args, cfg, tokenizer):
-    if args.prompt is not None:
+    if args.prompt is not None or args.chat is not None:
         if tokenizer is None:
-            raise SystemExit("fusedist.generate: --prompt needs tokenizer.json in --model; pass "
+            flag = "--prompt" if args.prompt is not None else "--chat"
+            raise SystemExit(f"fusedist.generate: {flag} needs tokenizer files in --model; pass "
                              "--prompt-ids or --prompt-len instead")
-        ids = tokenizer.encode(args.prompt).ids
+        try:
+            ids = tokenizer.encode(args.prompt) if args.prompt is not None else \
+                tokenizer.chat([{"role": "user", "content": args.chat}])
+        except ValueError as e:
+            _fail(_message(e))
     elif args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -367,18 +396,14 @@ def _prompts(args, cfg, tokenizer):
 
 
 def _tokenizer(model_dir):
-    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return None
+    """The checkpoint's tokenizer (AutoTokenizer when transformers is installed, else
+    tokenizer.json through `tokenizers`); None without tokenizer files."""
+    from .models.hf import load_tokenizer
+
     try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    path = os.path.join(model_dir, "tokenizer.json")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception types
-        _fail(f"{path} is not a readable tokenizer ({e}); fix it, or pass --prompt-ids or "
-              "--prompt-len instead of --prompt")
+        return load_tokenizer(model_dir)
+    except ValueError as e:
+        _fail(f"{_message(e)}; or pass --prompt-ids or --prompt-len instead of --prompt")
 
 
 def prefill_flops(cfg, prompt_lens, context: int) -> float:
@@ -430,7 +455,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                  graphs):
     from statistics import median
 
-    from .models import Runner, SamplingParams, build_model
+    from .models import Runner, build_model
 
     compiled = backend == "torch-compile"
     longest = args.context_fill + max(len(p) for p in prompts) + args.max_new_tokens
@@ -448,13 +473,10 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                     cuda_graphs=False if args.no_graphs else graphs,
                     prefill_chunk=args.prefill_chunk, compile_decode=compiled,
                     compile_backend=args.compile_backend)
-    sampling_on = not args.greedy and any(v is not None for v in (args.temperature, args.top_k,
-                                                                  args.top_p))
-    sp = SamplingParams(greedy=not sampling_on,
-                        temperature=1.0 if args.temperature is None else args.temperature,
-                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
-                        seed=args.seed)
-    eos = () if args.ignore_eos or args.random_weights else cfg.eos_token_ids
+    sp = args.defaults.sampling(greedy=True if args.greedy else None,
+                                temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
+    eos = () if args.ignore_eos or args.random_weights else args.defaults.eos_token_ids
     try:
         # Warm-up outside the timed run, at the timed run's shapes: graph capture (and the
         # decode step's compilation), and the first calls of cuBLAS / cuDNN SDPA / the
@@ -466,9 +488,14 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
         runner.generate(prompts, min(2, args.max_new_tokens), sp, context_fill=args.context_fill)
         warm_s = time.perf_counter() - t0
         prefill = runner.time_prefill(prompts, start=args.context_fill, reps=args.prefill_reps)
-        res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
-                              context_fill=args.context_fill,
-                              progress=prog.stage(f"[{backend}] decoding"))
+        streamed = backend == "fusedist" and args.stream_text is not None
+        if streamed:
+            res = _stream(runner, prompts, args.max_new_tokens, sp, eos, args.context_fill,
+                          args.stream_text)
+        else:
+            res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
+                                  context_fill=args.context_fill,
+                                  progress=prog.stage(f"[{backend}] decoding"))
         prog.close()
         prefill_ms = median(prefill)
         flops = prefill_flops(cfg, [len(p) for p in prompts], args.context_fill)
@@ -479,6 +506,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                "ms_per_token": round(res.ms_per_step, 4),
                "tokens_per_s": round(res.tokens_per_s, 2),
                "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
+               "streamed": streamed,
                "decode": "torch.compile" if compiled else "eager ops", "prefill": "eager",
                "prefill_tflops_per_gpu": round(flops / rt.tp.size / (prefill_ms / 1e3) / 1e12,
                                                2),
@@ -509,6 +537,27 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
     return out
 
 
+def _stream(runner, prompts, max_new_tokens, sp, eos, context_fill, on_token):
+    """runner.stream() on every rank, on_token(id) for each new id of the first sequence;
+    returns the GenerationResult."""
+    steps = runner.stream(prompts, max_new_tokens, sp, eos_ids=eos, context_fill=context_fill)
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as done:
+            return done.value
+        if step[0] is not None:
+            on_token(step[0])
+
+
+def _text_printer(tok):
+    """on_token for the stream: rank 0 prints the first sequence's text as it decodes."""
+    from .models.hf import TextStream
+
+    text = TextStream(tok)
+    return lambda t: print(text.push(t), end="", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import fusedist
@@ -523,10 +572,13 @@ def main(argv=None) -> int:
     if world % tp:
         raise SystemExit(f"fusedist.generate: --tp {tp} does not divide the world size {world}")
     cfg, src, tok = _load(args, tp)
+    args.defaults = _generation_defaults(args, cfg)
     prompts = _prompts(args, cfg, tok)
     longest = _check_positions(args, cfg, prompts)
     max_position = min(max(longest, 16), cfg.position_limit()[0])
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    from .models.llm import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda" if cuda else "cpu"))
     rt = fusedist.init(tp_size=tp, backend="nccl" if cuda else "gloo")
     # Every rank's verdict, so that all of them stop when one cannot hold the run.
     problem = _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position)
@@ -536,6 +588,10 @@ def main(argv=None) -> int:
         _fail(problem)
     rank0 = rt.rank == 0
     prog = Progress(rank0 and not args.quiet)
+    # Every rank streams (its collectives), rank 0 prints: the first sequence's text.
+    args.stream_text = None
+    if tok is not None and not args.json:
+        args.stream_text = _text_printer(tok) if rank0 else (lambda t: None)
     device = rt.device
     try:
         results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
@@ -546,6 +602,8 @@ def main(argv=None) -> int:
     finally:
         prog.close()
     if rank0:
+        if args.stream_text is not None:
+            print(flush=True)            # ends the streamed text's line
         report(args, cfg, rt, dtype, prompts, results, tok)
         # The report stands; a backend's failure is also an error line and exit status 1.
         for line in failures(results):
@@ -600,7 +658,7 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
     summary = {"model": args.model or args.config, "tp": rt.tp.size, "world": rt.world_size,
                "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
                "weights": weight_format(getattr(args, "quant", None), dtype),
-               "batch": len(prompts), "prompt_len": len(prompts[0]),
+               "batch": len(prompts), "prompt_len": len(prompts[0]), "prompt_ids": prompts[0],
                "context_fill": args.context_fill, "max_new_tokens": args.max_new_tokens,
                "baselines": list(args.baselines), "ids": fd.get("ids"),
                "timings": {k: {kk: vv for kk, vv in v.items() if kk != "ids"}
@@ -628,7 +686,7 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
     if w["format"] == "fp8":
         print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
               f"{w['source']})")
-    if "text" in summary:
+    if "text" in summary and not fd.get("streamed"):
         print(f"text: {summary['text'][0]!r}")
     elif "ids" in fd:
         print(f"ids[0]: {fd['ids'][0]}")
@@ -642,6 +700,9 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
             continue
         print(f"{name:<{w}}" + "".join(f"{r[k]:>21}" for k in keys))
     print(f"prefill ms: the median of {args.prefill_reps} warm prefills of the prompts")
+    if fd.get("streamed"):
+        print("fusedist streamed its text: its ms/token includes reading each token back and "
+              "decoding it (--json times the loop without)")
     if "compile_s" in results.get("torch-compile", {}):
         print(f"torch-compile: decode step under torch.compile ({args.compile_backend}; its "
               f"first, compiling call {results['torch-compile']['compile_s']} s), prefill eager")

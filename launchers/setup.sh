@@ -167,7 +167,8 @@ fd_build() {  # compile every CUDA source and install fusedist with its _C (incr
   local log=${FUSEDIST_BUILD_LOG:-${TMPDIR:-/tmp}/fusedist-build-$(id -u).log}
   local t0=$SECONDS
   echo "== build fusedist._C with $CMAKE_BUILD_PARALLEL_LEVEL jobs ($CUDACXX; log: $log)"
-  if ! "$PY" -m pip install --no-build-isolation --no-deps -v . >"$log" 2>&1; then
+  # FUSEDIST_BUILD=1: a missing nvcc or CUTLASS is an error here, never a pure-Python install.
+  if ! FUSEDIST_BUILD=1 "$PY" -m pip install --no-build-isolation --no-deps -v . >"$log" 2>&1; then
     grep -E "error|Error" "$log" | grep -v "^ *--" | head -20 >&2
     tail -30 "$log" >&2
     fd_die "the build of fusedist._C failed (above; the whole log is $log)"

@@ -21,7 +21,7 @@ fd_gpus
 fd_torch
 fd_install numpy pytest timeout mpi hf lint
 build=${FUSEDIST_BUILD:-}
-if [[ -z $build ]]; then
+if [[ -z $build || $build == auto ]]; then
   build=0
   (( NGPU > 0 )) && build=1
   [[ ${CI:-} == true || ${CI:-} == 1 ]] && build=1

@@ -96,3 +96,26 @@ def test_safe_env_defined_once_and_used_by_the_tests():
     conftest = (ROOT / "tests" / "conftest.py").read_text()
     assert "from fusedist.distributed.runtime import SAFE_ENV" in conftest
     assert "NCCL_NVLS_ENABLE" not in conftest, "conftest keeps its own copy of the defaults"
+
+
+def test_check_all_names_every_malformed_variable():
+    envs.check_all({"FUSEDIST_ALLREDUCE_ALGO": "one_shot", "FUSEDIST_TIMEOUT_S": "5"})
+    with pytest.raises(ValueError) as e:
+        envs.check_all({"FUSEDIST_ALLREDUCE_ALGO": "bogus", "FUSEDIST_TIMEOUT_S": "-1"})
+    msg = str(e.value)
+    assert "FUSEDIST_ALLREDUCE_ALGO must be one of auto, one_shot, two_shot, nccl, got 'bogus'" \
+        in msg
+    assert "FUSEDIST_TIMEOUT_S='-1' must be > 0" in msg
+
+
+@pytest.mark.parametrize("name,value", [("FUSEDIST_ALLREDUCE_ALGO", "bogus"),
+                                        ("FUSEDIST_TIMEOUT_S", "-1")])
+def test_init_on_cpu_refuses_a_malformed_variable(monkeypatch, name, value):
+    import fusedist
+
+    if fusedist.is_initialized():
+        pytest.skip("a runtime of another test module is alive in this process")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        fusedist.init(backend="gloo", rank=0, world_size=1, local_rank=0, local_world_size=1)
+    assert not fusedist.is_initialized()

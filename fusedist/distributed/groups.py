@@ -105,10 +105,19 @@ class Group:
                             f"ProcessGroup, got {type(pg).__name__}")
         ranks = tuple(dist.get_process_group_ranks(pg))
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
+            device = backend_device(dist.get_backend(pg))
         gname = name or f"pg:{getattr(pg, 'group_name', None) or ','.join(map(str, ranks))}"
         return cls(gname, ranks, pg, device, topology)
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a process group of torch backend string `backend` works on: this rank's
+    GPU for "nccl", for "fusedist" (fusedist/comm/c10d.py) and for any "cuda:..." mapping
+    when a GPU is visible; the CPU otherwise."""
+    cuda = backend in ("nccl", "fusedist") or "cuda:" in backend
+    if cuda and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def describe_differences(ranks: Sequence[int], fields: Sequence[Mapping[str, str]]) -> str:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import envs
 from ..errors import NotInitializedError
-from .groups import Group, build_rank_lists, new_groups, validate_tp_size
+from .groups import Group, backend_device, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
 from .peers import process_identity
 from .topology import Topology
@@ -198,6 +198,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     _not_in_a_rank_thread("fusedist.init")
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
+    envs.check_all()
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
 
@@ -242,8 +243,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         env = detect_launch_env(rank=dist.get_rank(), world_size=dist.get_world_size(),
                                 local_rank=local_rank, local_world_size=local_world_size,
                                 node_id=node_id)
-        dev = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-               else torch.device("cpu")) if device is None else torch.device(device)
+        dev = backend_device(backend) if device is None else torch.device(device)
 
     try:
         world = dist.get_world_size()

@@ -95,6 +95,11 @@ _register(
         "`0`: the overlap engine shares the communicator's NCCL communicator. `n > 0`: a second "
         "NCCL communicator (nccl4py only) limited to `n` CTAs, for the overlap engine.",
         minimum=0),
+    Var("FUSEDIST_BUILD", "choice", "auto", "at install time, by CMake (pip install .)",
+        "`auto` builds fusedist._C when nvcc and the CUTLASS headers are present and otherwise "
+        "installs the pure-Python package; `1` builds it and fails when either is missing; `0` "
+        "installs the pure-Python package without running CMake (docs/install.md).",
+        choices=("auto", "0", "1")),
     Var("FUSEDIST_CUDA_ARCHS", "str", "90a", "at build time, by CMake",
         "CUDA architectures the extension is built for (e.g. `90a;100a`)."),
     Var("FUSEDIST_CUTLASS_INCLUDE", "path", None, "at build time, by CMake",
@@ -140,6 +145,20 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
     if raw is None or not raw.strip():  # blank counts as unset
         return v.default
     return _parse(v, raw)
+
+
+def check_all(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every registered variable that is set, so a malformed value fails at once (by
+    fusedist.init()) on every path, also where nothing reads it yet (a CPU run reads
+    FUSEDIST_ALLREDUCE_ALGO nowhere). Raises one ValueError naming every malformed variable."""
+    errors = []
+    for v in VARS.values():
+        try:
+            get(v.name, environ)
+        except ValueError as e:
+            errors.append(str(e).removeprefix("fusedist: "))
+    if errors:
+        raise ValueError("fusedist: " + "; ".join(errors))
 
 
 def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:

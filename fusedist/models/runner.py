@@ -25,7 +25,10 @@ it is captured into the same CUDA graphs; each bucket compiles once, at its capt
 stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
 the profiler's classes are profiling.py's).
 
-At TP > 1 every rank must call generate() with the same request (prompts, max_new_tokens,
+stream() is generate() as it decodes: it yields every step's new ids (the same ids as
+generate() for the same request) and returns the GenerationResult.
+
+At TP > 1 every rank must call generate() (or stream()) with the same request (prompts, max_new_tokens,
 sampling parameters with the seed, eos_ids, context_fill, eos_check_every): each call first
 all-gathers a 16-byte digest of it over the model's tensor-parallel group and raises
 fusedist.RequestMismatchError on every rank, naming each differing field and every rank's
@@ -55,7 +58,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -392,20 +395,61 @@ class Runner:
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
-        self._check_open("Runner.generate")
+        steps = self._steps_checked("Runner.generate", prompts, max_new_tokens, sampling,
+                                    eos_ids, context_fill, eos_check_every, progress)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+               sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
+               context_fill: int = 0) -> Iterator[list]:
+        """generate() as it decodes: yields, after the prefill and after every decode step,
+        each sequence's new token id (None for a sequence that already ended with an EOS);
+        the generator's return value (StopIteration.value) is the GenerationResult, with the
+        same ids as generate() for the same request. Each step reads its ids back to the host
+        (one synchronization a step that generate() does not make). Every rank of the group
+        iterates it to the end, or closes it at the same step."""
+        steps = self._steps_checked("Runner.stream", prompts, max_new_tokens, sampling,
+                                    eos_ids, context_fill, 1, None)
+        stop = set(eos_ids)
+        ended: Optional[list] = None
+        while True:
+            try:
+                nxt = next(steps)
+            except StopIteration as done:
+                return done.value
+            ids = nxt.tolist()
+            if ended is None:
+                ended = [False] * len(ids)
+            out = [None if e else t for t, e in zip(ids, ended)]
+            ended = [e or t in stop for t, e in zip(ids, ended)]
+            yield out
+
+    def _steps_checked(self, where, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                       eos_check_every, progress):
+        """The request checked on every rank of the group, then _steps under the group's
+        peer timeout; a collective that fails because a peer is gone raises PeerLostError."""
+        self._check_open(where)
         group = self._tp_group()
         try:
-            return self._generate(group, prompts, max_new_tokens, sampling, eos_ids,
-                                  context_fill, eos_check_every, progress)
+            prompts = self._checked_request(prompts, max_new_tokens, sampling, eos_ids,
+                                            context_fill, eos_check_every)
+            with collective_timeout(group, self._peer_timeout(), self._group_timeout(group)):
+                result = yield from self._steps(prompts, max_new_tokens, sampling, eos_ids,
+                                                context_fill, eos_check_every, progress)
+            return result
         except RuntimeError as e:
             if group is None or group.size == 1 or not is_peer_failure(e):
                 raise
             rt = _current_runtime()
-            raise peer_lost_error("Runner.generate", group, rt.peers if rt else None,
+            raise peer_lost_error(where, group, rt.peers if rt else None,
                                   rt.rank if rt else -1, e) from e
 
-    def _generate(self, group, prompts, max_new_tokens, sampling, eos_ids, context_fill,
-                  eos_check_every, progress) -> GenerationResult:
+    def _checked_request(self, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                         eos_check_every) -> list:
         try:
             fields, exact = self._request(prompts, max_new_tokens, sampling, eos_ids,
                                           context_fill, eos_check_every)
@@ -420,10 +464,7 @@ class Runner:
             raise bad from e              # this rank's own error says what to fix here
         if bad is not None:
             raise bad
-        prompts = exact                   # the ids as python ints
-        with collective_timeout(group, self._peer_timeout(), self._group_timeout(group)):
-            return self._run(prompts, max_new_tokens, sampling, eos_ids, context_fill,
-                             eos_check_every, progress)
+        return exact                      # the ids as python ints
 
     def _peer_timeout(self) -> float:
         return self.peer_timeout_s if self.peer_timeout_s is not None else \
@@ -440,8 +481,10 @@ class Runner:
             return rt.timeout_s
         return None
 
-    def _run(self, prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every,
-             progress) -> GenerationResult:
+    def _steps(self, prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every,
+               progress):
+        """The prefill and the decode loop as a generator: yields each step's sampled ids (a
+        device tensor [n]) and returns the GenerationResult."""
         n = len(prompts)
         b = self.bucket(n)
         dev = self.device
@@ -461,6 +504,7 @@ class Runner:
         t1 = time.perf_counter()
         check_errors()   # bad metadata a kernel recorded (the engine's tables), at the sync
         outs = [nxt]
+        yield nxt
         done = torch.isin(nxt, eos)
         lens = torch.tensor([context_fill + len(p) + 1 for p in prompts], dtype=torch.int32)
         self.seq_lens[:n].copy_(lens.to(dev))
@@ -472,6 +516,7 @@ class Runner:
             nxt = sample(self.decode_step(b)[:n], sampling, gen)
             self.seq_lens[:n] += 1
             outs.append(nxt)
+            yield nxt
             if eos_ids:
                 done |= torch.isin(nxt, eos)
             steps += 1

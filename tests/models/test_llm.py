@@ -1,0 +1,285 @@
+"""fusedist.models.LLM and the Hugging Face conventions it follows (fusedist/models/hf.py), on
+tiny checkpoints written by save_pretrained with a tokenizer that has a chat template:
+generation_config.json (EOS lists, default sampling, overrides), AutoTokenizer and its chat
+template, the `tokenizers` fallback, dtype "auto" from torch_dtype, streaming (the same ids as
+generate, text deltas that add up to the text), TP 2 under torchrun; the CLI's streamed text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fusedist  # noqa: E402
+from fusedist.models import LLM, GenerationDefaults, LlamaConfig, Runner, SamplingParams  # noqa: E402
+from fusedist.models.hf import checkpoint_dtype, load_tokenizer  # noqa: E402
+from fusedist.models.llm import resolve_dtype  # noqa: E402
+from hf_tiny import load_hf, make_checkpoint  # noqa: E402
+from launch import assert_passed, torchrun  # noqa: E402
+from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = ["<unk>", "<s>", "</s>", "<|end|>"] + [f"w{i}" for i in range(252)]   # vocab 256
+CHAT = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<s> assistant {% endif %}")
+
+
+def write_tokenizer(path: str, chat_template: str = CHAT) -> None:
+    """A word-level tokenizer over WORDS (ids = positions) with special tokens and a chat
+    template, saved as transformers saves it (tokenizer.json + tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>", additional_special_tokens=["<|end|>"])
+    tok.chat_template = chat_template
+    tok.save_pretrained(path)
+
+
+def write_generation_config(path: str, **kw) -> None:
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(kw, f)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("llm") / "llama3")
+    make_checkpoint("llama3", d, seed=7)
+    write_tokenizer(d)
+    return d
+
+
+def _prompt(n, seed):
+    return torch.randint(4, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_generate_matches_hf_greedy(rt, ckpt):
+    llm = LLM(ckpt, max_batch=2, max_seq_len=64)
+    assert llm.dtype == torch.float32 and llm.tokenizer.kind == "transformers"
+    prompts = [_prompt(7, 1), _prompt(12, 2)]
+    outs = llm.generate(prompts, 10, greedy=True, ignore_eos=True)
+    hf = load_hf(ckpt)
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert out.ids == ref and out.prompt_ids == p and out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(ref)
+    llm.close()
+
+
+def test_stream_yields_generates_ids_and_text(rt, ckpt):
+    llm = LLM(ckpt, max_batch=3, max_seq_len=64)
+    prompts = [_prompt(5, 3), _prompt(9, 4), _prompt(2, 5)]
+    for kw in ({"greedy": True}, {"temperature": 0.9, "top_k": 20, "seed": 11}):
+        want = llm.generate(prompts, 12, eos_ids=(), **kw)
+        steps = list(llm.stream(prompts, 12, eos_ids=(), **kw))
+        assert len(steps) == 12
+        for i, w in enumerate(want):
+            assert [s[i].id for s in steps] == w.ids, kw
+        one = list(llm.stream("w3 w9 w27", 12, eos_ids=(), **kw))
+        whole = llm.generate("w3 w9 w27", 12, eos_ids=(), **kw)
+        assert [t.id for t in one] == whole.ids
+        assert "".join(t.text for t in one) == whole.text
+    llm.close()
+
+
+def test_stream_ends_each_sequence_at_its_eos(rt, ckpt):
+    llm = LLM(ckpt, max_batch=2, max_seq_len=64)
+    prompts = [_prompt(6, 8), _prompt(4, 9)]
+    free = llm.generate(prompts, 10, greedy=True, ignore_eos=True)
+    eos = free[0].ids[3]                 # the first sequence's fourth token ends it
+    want = llm.generate(prompts, 10, greedy=True, eos_ids=(eos,))
+    assert want[0].ids == free[0].ids[:free[0].ids.index(eos) + 1]
+    assert want[0].finish_reason == "eos"
+    steps = list(llm.stream(prompts, 10, greedy=True, eos_ids=(eos,)))
+    for i, w in enumerate(want):
+        got = [s[i].id for s in steps if s[i] is not None]
+        assert got == w.ids
+    llm.close()
+
+
+def test_generation_config_eos_list_ends_the_turn(rt, ckpt, tmp_path):
+    d = tmp_path / "eos"
+    d.mkdir()
+    for f in os.listdir(ckpt):
+        os.symlink(os.path.join(ckpt, f), d / f)
+    with LLM(str(d), max_batch=1, max_seq_len=64) as llm:
+        free = llm.generate(_prompt(6, 12), 12, greedy=True, ignore_eos=True).ids
+    end_of_turn = free[4]
+    first = free.index(end_of_turn)
+    write_generation_config(str(d), eos_token_id=[2, end_of_turn], do_sample=False)
+    with LLM(str(d), max_batch=1, max_seq_len=64) as llm:
+        assert llm.defaults.eos_token_ids == (2, end_of_turn)
+        out = llm.generate(_prompt(6, 12), 12)
+        assert out.ids == free[:first + 1] and out.finish_reason == "eos"
+        # ignore_eos and explicit eos_ids override the file
+        assert llm.generate(_prompt(6, 12), 12, ignore_eos=True).ids == free
+        assert llm.generate(_prompt(6, 12), 12, eos_ids=()).ids == free
+
+
+def test_generation_config_sampling_defaults(rt, ckpt, tmp_path):
+    d = tmp_path / "gc"
+    d.mkdir()
+    write_generation_config(str(d), do_sample=True, temperature=0.7, top_p=0.9,
+                            eos_token_id=5)
+    g = GenerationDefaults.from_dir(str(d), (1,))
+    assert g.eos_token_ids == (5,)
+    assert g.sampling(seed=3) == SamplingParams(greedy=False, temperature=0.7, top_k=50,
+                                                top_p=0.9, seed=3)   # transformers' top_k 50
+    assert g.sampling(greedy=True).greedy
+    assert g.sampling(top_k=4) == SamplingParams(greedy=False, temperature=0.7, top_k=4,
+                                                 top_p=0.9)
+    write_generation_config(str(d), do_sample=False, temperature=0.7)
+    g = GenerationDefaults.from_dir(str(d), (1,))
+    assert g.eos_token_ids == (1,) and g.sampling().greedy     # do_sample false: greedy
+    assert g.sampling(temperature=1.3) == SamplingParams(greedy=False, temperature=1.3)
+    assert GenerationDefaults.from_dir(str(tmp_path / "none"), (7, 8)).sampling().greedy
+    # generate() with the file's sampling equals the runner with the same parameters
+    for f in os.listdir(ckpt):
+        if f != "generation_config.json":
+            os.symlink(os.path.join(ckpt, f), d / f)
+    write_generation_config(str(d), do_sample=True, temperature=0.8, top_k=7)
+    with LLM(str(d), max_batch=1, max_seq_len=64) as llm:
+        got = llm.generate(_prompt(5, 13), 9, seed=4, ignore_eos=True).ids
+        sp = SamplingParams(greedy=False, temperature=0.8, top_k=7, seed=4)
+        assert got == llm.runner.generate([_prompt(5, 13)], 9, sp).ids[0]
+
+
+@pytest.mark.parametrize("content,err", [
+    ({"eos_token_id": "x"}, "eos_token_id must be a token id or a list of token ids"),
+    ({"do_sample": "yes"}, "do_sample must be true or false"),
+    ({"top_p": 0}, "top_p must be a number in (0, 1]"),
+    ({"top_k": -1}, "top_k must be an int >= 0"),
+])
+def test_bad_generation_config_names_the_field(tmp_path, content, err):
+    write_generation_config(str(tmp_path), **content)
+    with pytest.raises(ValueError, match="generation_config.json") as e:
+        GenerationDefaults.from_dir(str(tmp_path))
+    assert err in str(e.value)
+
+
+def test_chat_template_round_trip(rt, ckpt):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w7 w8 w9"}]
+    with LLM(ckpt, max_batch=1, max_seq_len=64) as llm:
+        ids = llm.chat_prompt(messages)
+        want = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True)
+        want = want["input_ids"] if not isinstance(want, list) else want
+        assert ids == list(want)
+        assert llm.tokenizer.impl.convert_ids_to_tokens(ids) == [
+            "<s>", "<unk>", "w1", "w2", "<|end|>", "<s>", "<unk>", "w7", "w8", "w9", "<|end|>",
+            "<s>", "<unk>"]   # roles are not in the vocabulary
+        assert llm.decode(ids) == "w1 w2 w7 w8 w9"
+        out = llm.generate(ids, 4, greedy=True)
+        assert out.ids == llm.generate(ids, 4, greedy=True).ids and len(out.ids) >= 1
+
+
+def test_tokenizers_fallback_without_transformers(ckpt, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)    # import transformers fails
+    tok = load_tokenizer(ckpt)
+    assert tok.kind == "tokenizers"
+    assert tok.encode("w1 w2 </s>") == [5, 6, 2]
+    assert tok.decode([5, 6, 2]) == "w1 w2"
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="pip install transformers"):
+        tok.chat([{"role": "user", "content": "w1"}])
+    (tmp_path / "tokenizer.model").write_bytes(b"\0")         # sentencepiece only
+    with pytest.raises(ValueError, match="pip install transformers sentencepiece"):
+        load_tokenizer(str(tmp_path))
+    assert load_tokenizer(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("saved,cuda_dtype", [(torch.bfloat16, torch.bfloat16),
+                                              (torch.float16, torch.float16),
+                                              (None, torch.bfloat16)])
+def test_dtype_auto_from_torch_dtype(tmp_path, saved, cuda_dtype):
+    d = make_checkpoint("mistral", str(tmp_path / "m"), dtype=saved)
+    cfg = LlamaConfig.from_dir(d)
+    assert checkpoint_dtype(cfg) == (saved or torch.float32)
+    assert resolve_dtype("auto", cfg, torch.device("cuda", 0)) == cuda_dtype
+    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32
+    assert resolve_dtype("float16", cfg, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be 'auto'"):
+        resolve_dtype("half", cfg, torch.device("cpu"))
+
+
+def test_llm_argument_errors(rt, ckpt):
+    with pytest.raises(ValueError, match="exactly one of model"):
+        LLM(ckpt, config="tiny")
+    with pytest.raises(ValueError, match="random_weights=True"):
+        LLM(config="tiny")
+    with LLM(config="tiny", random_weights=True, max_batch=1, max_seq_len=32) as llm:
+        assert llm.tokenizer is None
+        out = llm.generate([1, 2, 3], 4)
+        assert out.text is None and len(out.ids) == 4
+        with pytest.raises(ValueError, match="has no tokenizer"):
+            llm.generate("hello", 4)
+        with pytest.raises(TypeError, match="a prompt is a str or a non-empty list"):
+            llm.stream([[1, 2], []], 4)
+
+
+def test_llm_initializes_and_shuts_down_fusedist(ckpt):
+    p = subprocess.run(
+        [sys.executable, "-P", "-c",
+         "import fusedist; from fusedist.models import LLM; "
+         f"llm = LLM({ckpt!r}, max_batch=1, max_seq_len=32); "
+         "assert fusedist.is_initialized(); print(llm.generate('w1 w2', 3, greedy=True).ids); "
+         "llm.close(); assert not fusedist.is_initialized(); print('closed')"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"),
+        capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "closed"
+
+
+@pytest.mark.timeout(300)
+def test_llm_tp2_cpu(ckpt):
+    assert_passed(torchrun("worker_llm.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=280,
+                           args=(ckpt,)), 2)
+
+
+def test_cli_streams_text_and_chat(ckpt, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    base = [sys.executable, "-P", "-m", "fusedist.generate", "--model", ckpt, "--quiet",
+            "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
+    p = subprocess.run(base + ["--prompt", "w3 w4 w5", "--json"], env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    p = subprocess.run(base + ["--prompt", "w3 w4 w5"], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = p.stdout.splitlines()[0]
+    assert first == out["text"][0], (first, out["text"])        # streamed, then the report
+    p = subprocess.run(base + ["--chat", "w7 w8", "--json"], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    chat = json.loads(p.stdout.strip().splitlines()[-1])
+    tok = load_tokenizer(ckpt)
+    assert chat["prompt_ids"] == tok.chat([{"role": "user", "content": "w7 w8"}])
+
+
+@pytest.mark.gpu
+def test_gpu_llm_stream_equals_generate(ckpt):
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    with LLM(ckpt, max_batch=2, max_seq_len=64) as llm:
+        assert llm.device.type == "cuda" and llm.dtype == torch.bfloat16
+        prompts = [_prompt(5, 21), _prompt(11, 22)]
+        want = llm.generate(prompts, 16, greedy=True, eos_ids=())
+        steps = list(llm.stream(prompts, 16, greedy=True, eos_ids=()))
+        for i, w in enumerate(want):
+            assert [s[i].id for s in steps] == w.ids
