@@ -18,6 +18,8 @@ from .errors import (CollectiveMismatchError, CommunicatorClosedError, Communica
                      ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
                      NotInitializedError, PeerAccessError, PeerLostError,
                      RequestMismatchError)
+from .comm.fp8 import Fp8Communicator, fp8_all_gather, fp8_all_reduce
+from .comm.hierarchical import HierarchicalCommunicator
 from .comm.streams import AsyncHandle, comm_stream
 from .distributed.groups import Group
 from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
@@ -33,7 +35,8 @@ __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
     "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
     "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "add_rmsnorm", "rmsnorm",
-    "silu_mul", "AsyncHandle",
+    "silu_mul", "AsyncHandle", "HierarchicalCommunicator", "Fp8Communicator",
+    "fp8_all_reduce", "fp8_all_gather",
     "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",

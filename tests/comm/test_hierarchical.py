@@ -1,0 +1,28 @@
+"""Multi-process CPU tests of fusedist.comm.hierarchical and fusedist.comm.fp8 (gloo):
+tests/dist/worker_hierarchical.py on 4 ranks as 2 emulated nodes x 2 (torchrun and mpirun),
+tests/dist/worker_fp8_comm.py on 2, 3 and 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import assert_passed, mpirun, mpirun_available, torchrun
+
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_INIT_TIMEOUT_S": "60"}
+
+
+@pytest.mark.timeout(300)
+def test_hierarchical_2_nodes_x_2_torchrun():
+    assert_passed(torchrun("worker_hierarchical.py", 4, CPU_ENV, timeout=280), 4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not mpirun_available(), reason="mpirun not installed")
+def test_hierarchical_2_nodes_x_2_mpirun():
+    assert_passed(mpirun("worker_hierarchical.py", 4, CPU_ENV, timeout=280), 4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fp8_collectives(world):
+    assert_passed(torchrun("worker_fp8_comm.py", world, CPU_ENV, timeout=280), world)
