@@ -16,7 +16,7 @@ from ._version import __version__
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
-                     NotInitializedError, PeerAccessError, PeerLostError,
+                     NotInitializedError, PeerAccessError, PeerLostError, RendezvousError,
                      RequestMismatchError)
 from .comm.fp8 import Fp8Communicator, fp8_all_gather, fp8_all_reduce
 from .comm.hierarchical import HierarchicalCommunicator
@@ -41,5 +41,5 @@ __all__ = [
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
-    "PeerLostError", "MetadataError", "check_device_errors", "clear_device_errors",
+    "PeerLostError", "RendezvousError", "MetadataError", "check_device_errors", "clear_device_errors",
 ]

@@ -46,6 +46,13 @@ class Link:
     protocols: tuple[Protocol, ...]
     step_us: float = 0.0
     source: str = ""
+    # The transport runs a reduce-scatter as an all-reduce of the whole buffer (gloo does),
+    # so it costs one.
+    reduce_scatter_as_all_reduce: bool = False
+
+    def op(self, op: str) -> str:
+        return "all_reduce" if op == "reduce_scatter" and self.reduce_scatter_as_all_reduce \
+            else op
 
     def time_us(self, factor_bytes: float, steps: int) -> float:
         return min(p.alpha_us + steps * self.step_us + factor_bytes / (p.gbps * 1e3)
@@ -55,12 +62,13 @@ class Link:
     def from_dict(d: dict) -> "Link":
         return Link(tuple(Protocol(float(p["alpha_us"]), float(p["gbps"]))
                           for p in d["protocols"]), float(d.get("step_us", 0.0)),
-                    str(d.get("source", "")))
+                    str(d.get("source", "")), bool(d.get("reduce_scatter_as_all_reduce", False)))
 
     def to_dict(self) -> dict:
         return {"protocols": [{"alpha_us": round(p.alpha_us, 4), "gbps": round(p.gbps, 4)}
                               for p in self.protocols],
-                "step_us": self.step_us, "source": self.source}
+                "step_us": self.step_us, "source": self.source,
+                "reduce_scatter_as_all_reduce": self.reduce_scatter_as_all_reduce}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,10 @@ class Machine:
     nic_efficiency: float = 1.0
     codec_gbps: float = 0.0   # FP8 encode + decode throughput (0: not modelled, free)
     notes: tuple = field(default=())
+    # Whether collectives on different groups run at the same time (GPUs: separate NCCL
+    # streams and links). False where they share the cores that drive them: chunks then
+    # add up instead of overlapping.
+    overlap: bool = True
 
     @staticmethod
     def load(name_or_path) -> "Machine":
@@ -91,7 +103,7 @@ class Machine:
         return Machine(d["name"], int(d["gpus_per_node"]),
                        {k: Link.from_dict(v) for k, v in d["links"].items()},
                        float(d.get("nic_efficiency", 1.0)), float(d.get("codec_gbps", 0.0)),
-                       tuple(d.get("notes", ())))
+                       tuple(d.get("notes", ())), bool(d.get("overlap", True)))
 
     def link(self, level: str) -> Link:
         if level not in self.links:
@@ -122,7 +134,7 @@ def bus_factor(op: str, p: int) -> tuple[float, int]:
 def ring(link: Link, op: str, p: int, nbytes: float, gbps_cap: Optional[float] = None) -> float:
     """A ring collective of `op` over p ranks on one link level (0 for p == 1). gbps_cap
     limits every protocol's bandwidth (a slower link the ring also crosses)."""
-    factor, steps = bus_factor(op, p)
+    factor, steps = bus_factor(link.op(op), p)
     if p <= 1:
         return 0.0
     if gbps_cap is not None:
@@ -145,6 +157,7 @@ def flat(m: Machine, op: str, nodes: int, gpus: int, nbytes: float) -> float:
         return ring(m.link("intra"), op, p, nbytes)
     intra, inter = m.link("intra"), m.link("inter")
     cap = max(q.gbps for q in intra.protocols)
+    op = inter.op(op)
     factor, steps = bus_factor(op, p)
     # NCCL's ring latency: the steps that cross a node boundary pay the network's latency,
     # the others NVLink's (2 (nodes - 1) of the 2 (p - 1) all-reduce steps cross).
@@ -183,7 +196,8 @@ def hierarchical(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
     (gpus inter-node groups in parallel, one NIC each), all-gather inside. all_gather: the
     inside all-gather, then across. reduce_scatter: inside, then across. A chunk of c bytes
     takes stage times s_i(c); k chunks take sum_i s_i(c) + (k - 1) max_i s_i(c) (levels
-    overlap: a chunk's inter-node stage runs while the next chunk's intra-node stage does)."""
+    overlap: a chunk's inter-node stage runs while the next chunk's intra-node stage does);
+    on a machine without overlap (Machine.overlap False) k chunks take k sum_i s_i(c)."""
     _check(op, nodes, gpus, nbytes)
     if chunks < 1:
         raise ValueError(f"cost_model: chunks must be >= 1, got {chunks!r}")
@@ -199,6 +213,8 @@ def hierarchical(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
     else:                      # reduce_scatter, c: the full input
         stages = [ring(intra, "reduce_scatter", gpus, c),
                   ring(inter, "reduce_scatter", nodes, c / gpus)]
+    if not m.overlap:
+        return chunks * sum(stages)
     return sum(stages) + (chunks - 1) * max(stages)
 
 
@@ -306,14 +322,27 @@ def _fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def fit_link(points: Iterable[tuple[float, float]], *, factor: float, steps: int,
-             step_us: float = 0.0, max_protocols: int = 2, source: str = "") -> Link:
+             step_us: float = 0.0, max_protocols: int = 2, source: str = "",
+             latency: str = "alpha") -> Link:
     """A Link fitted to measured (bytes S, time_us) points of one collective whose per-rank
     traffic is factor * S in `steps` steps. With max_protocols=2 the sizes are split where a
     two-piece fit (small-message protocol below, large-message above; the link's time is the
-    faster) has the smallest worst relative error, as NCCL's LL / Simple protocols split."""
+    faster) has the smallest worst relative error, as NCCL's LL / Simple protocols split.
+
+    latency="step" puts the whole fixed cost into the per-step latency (alpha 0, one
+    protocol): for transports where every ring step is a round of messages with its own
+    wake-up (gloo's rings), so that a collective of more ranks (more steps) costs more."""
     pts = sorted((factor * s, t) for s, t in points)
     if len(pts) < 2:
         raise ValueError("cost_model.fit_link: need at least 2 points")
+    if latency == "step":
+        if steps < 1:
+            raise ValueError("cost_model.fit_link: latency='step' needs steps >= 1")
+        a, b = _fit_line(pts)
+        return Link((Protocol(0.0, 1e-3 / b if b > 0 else 1e9),), a / steps, source)
+    if latency != "alpha":
+        raise ValueError(f"cost_model.fit_link: latency must be 'alpha' or 'step', got "
+                         f"{latency!r}")
 
     def proto(sub):
         a, b = _fit_line(sub)
