@@ -131,6 +131,23 @@ def prediction_table(m: cm.Machine, gpus: int, nodes, sizes) -> str:
     return "\n".join(lines)
 
 
+def decode_table(m: cm.Machine, gpus: int, nodes) -> str:
+    """The Llama-3-8B decode step (32 layers, hidden 4096, bf16) predicted from the TP-1 step
+    measured in results/h200-w1/model.json, at batch 1 and 64."""
+    rows = json.loads((RESULTS / "h200-w1" / "model.json").read_text())["rows"]
+    steps = {r["batch"]: r["step_ms"] * 1e3 for r in rows if r["backend"] == "fusedist"}
+    lines = ["| nodes x GPUs | batch | TP-1 step us (measured) | compute us | all-reduce us "
+             "(algo) | 64 all-reduces us | step us |", "|---|---|---|---|---|---|---|"]
+    for n in nodes:
+        for batch, t1 in sorted(steps.items()):
+            d = cm.decode_step_us(m, n, gpus, step_us_tp1=t1, layers=32, hidden=4096,
+                                  batch=batch)
+            lines.append(f"| {n} x {gpus} | {batch} | {t1:.0f} | {d['compute_us']:.1f} | "
+                         f"{d['all_reduce_us']:.1f} ({d['algo']}) | {d['comm_us']:.0f} | "
+                         f"{d['total_us']:.0f} |")
+    return "\n".join(lines)
+
+
 def _fmt(n: int) -> str:
     for unit, k in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= k:
@@ -148,8 +165,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.predict:
         m = cm.Machine.load(a.predict)
-        print(prediction_table(m, a.gpus, [int(n) for n in a.nodes.split(",")],
-                               (4 << 10, 256 << 10, 16 << 20, 256 << 20)))
+        nodes = [int(n) for n in a.nodes.split(",")]
+        print(prediction_table(m, a.gpus, nodes, (4 << 10, 256 << 10, 16 << 20, 256 << 20)))
+        print()
+        print(decode_table(m, a.gpus, nodes))
         return 0
     if a.machine is None:
         ap.error("name a machine to fit (h200, cpu) or --predict NAME")
