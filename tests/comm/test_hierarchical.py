@@ -26,3 +26,24 @@ def test_hierarchical_2_nodes_x_2_mpirun():
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fp8_collectives(world):
     assert_passed(torchrun("worker_fp8_comm.py", world, CPU_ENV, timeout=280), world)
+
+
+# GPU tiers: the same workers over NCCL. 2 GPUs: one node of 2 (the flat paths, FP8 at world
+# 2); 4 GPUs: 2 emulated nodes x 2 (NCCL_HOSTID per node, over loopback).
+@pytest.mark.gpu2
+@pytest.mark.timeout(600)
+def test_hierarchical_gpu2():
+    assert_passed(torchrun("worker_hierarchical.py", 2, timeout=580), 2)
+
+
+@pytest.mark.gpu2
+@pytest.mark.timeout(600)
+def test_fp8_collectives_gpu2():
+    assert_passed(torchrun("worker_fp8_comm.py", 2, timeout=580), 2)
+
+
+@pytest.mark.gpu4
+@pytest.mark.timeout(600)
+def test_hierarchical_2_nodes_x_2_gpu4():
+    assert_passed(torchrun("worker_hierarchical.py", 4, {"NCCL_SOCKET_IFNAME": "lo"},
+                           timeout=580), 4)

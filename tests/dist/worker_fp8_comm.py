@@ -1,4 +1,4 @@
-"""fusedist.comm.fp8 on CPU ranks (gloo): FP8 all-reduce (two_shot, one_shot) and all-gather
+"""fusedist.comm.fp8 on CPU ranks (gloo) or GPUs (NCCL): FP8 all-reduce (two_shot, one_shot) and all-gather
 bitwise equal to the same algorithm replayed in one process on every rank's input (rebuilt
 from the seed), bitwise identical on every rank, within the error model against the bf16
 result, with block sizes that do not divide the size; errors name the argument."""
@@ -23,8 +23,8 @@ REL_BOUND = {"one_shot": 3.5e-2, "two_shot": 5.0e-2}
 
 
 def replay_all_reduce(xs, block, algo):
-    """The FP8 all-reduce of inputs xs (rank order), done in one process."""
-    p, n = len(xs), xs[0].numel()
+    """The FP8 all-reduce of inputs xs (rank order), done in one process (on xs' device)."""
+    p, n, dev = len(xs), xs[0].numel(), xs[0].device
     if algo == "one_shot":
         acc = None
         for x in xs:
@@ -35,12 +35,12 @@ def replay_all_reduce(xs, block, algo):
     per = -(-(-(-n // block)) // p)
     pads = []
     for x in xs:
-        t = torch.zeros(p * per * block, dtype=x.dtype)
+        t = torch.zeros(p * per * block, dtype=x.dtype, device=dev)
         t[:n] = x
         pads.append(fp8.dequantize(*fp8.quantize(t, block), None, block).view(p, -1))
     outs = []
     for r in range(p):
-        acc = torch.zeros(per * block)
+        acc = torch.zeros(per * block, device=dev)
         for pad in pads:
             acc += pad[r]
         outs.append(fp8.dequantize(*fp8.quantize(acc, block), None, block))
@@ -86,17 +86,18 @@ def fp8_all_gather_replays(rt, seed):
 
 @check
 def fp8_bad_arguments_are_named(rt, seed):
-    x = torch.ones(8)
+    dev = rt.device
+    x = torch.ones(8, device=dev)
     expect_errors(((lambda: fp8.fp8_all_reduce(x, rt.world, block_size=0), "block_size"),
                    (lambda: fp8.fp8_all_reduce(x, rt.world, algo="ring"), "algo must be"),
-                   (lambda: fp8.fp8_all_reduce(torch.ones(2, 2).t(), rt.world),
+                   (lambda: fp8.fp8_all_reduce(torch.ones(2, 2, device=dev).t(), rt.world),
                     "non-contiguous"),
                    (lambda: fp8.Fp8Communicator(rt.world, block_size=-3), "block_size")))
 
 
 @check
 def fp8_mismatched_calls_fail_on_every_rank(rt, seed):
-    x = torch.ones(8 + (rt.rank == 0))
+    x = torch.ones(8 + (rt.rank == 0), device=rt.device)
     try:
         fp8.fp8_all_reduce(x, rt.world)
     except fp8.CollectiveMismatchError as e:

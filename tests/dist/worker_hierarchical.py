@@ -1,5 +1,5 @@
-"""fusedist.comm.hierarchical on CPU ranks emulating nodes of 2 (FUSEDIST_NODE_ID from the
-rank: node<rank // 2>): all-reduce, all-gather and reduce-scatter, flat and two-level (chunked
+"""fusedist.comm.hierarchical on ranks emulating nodes of 2 (FUSEDIST_NODE_ID and NCCL_HOSTID
+node<rank // 2>; CPU ranks with gloo, or GPUs with NCCL): all-reduce, all-gather and reduce-scatter, flat and two-level (chunked
 and not), against float64 references on fresh random inputs of odd sizes; results bitwise
 identical on every rank; bad arguments named."""
 
@@ -25,7 +25,7 @@ VARIANTS = (("flat", None), ("hierarchical", 1), ("hierarchical", 3), ("hierarch
 
 
 def identical_on_every_rank(rt, y: torch.Tensor, what: str) -> None:
-    bits = y.reshape(-1).contiguous().view(torch.uint8)
+    bits = y.reshape(-1).contiguous().view(torch.uint8).cpu()
     digest = (bits.numel(), int(bits.long().sum()),
               int((bits.long() * torch.arange(bits.numel()) % 1000003).sum()))
     got = rt.world.all_gather_object(digest)
@@ -38,7 +38,7 @@ def inputs(rt, seed, what, n, dtype):
 
 
 @check
-def topology_is_two_nodes(rt, seed):
+def topology_is_nodes_of_two(rt, seed):
     hc = HierarchicalCommunicator()
     assert (hc.nodes, hc.gpus) == (rt.world_size // 2, 2), (hc.nodes, hc.gpus)
     assert hc.node_major
@@ -105,14 +105,16 @@ def reduce_scatter_matches_float64(rt, seed):
 @check
 def bad_arguments_are_named(rt, seed):
     hc = HierarchicalCommunicator()
-    x = torch.ones(10)
+    dev = rt.device
+    x = torch.ones(10, device=dev)
     expect_errors((
             (lambda: hc.all_reduce(x, algo="ring"), "algo must be one of"),
             (lambda: hc.all_reduce(x, chunks=0), "chunks must be an int in 1..64"),
-            (lambda: hc.all_reduce(torch.ones(4, 4).t()), "non-contiguous"),
-            (lambda: hc.all_reduce(torch.ones(3, dtype=torch.int32)), "dtype torch.int32"),
-            (lambda: hc.all_reduce(x, out=torch.empty(3)), "out must be a contiguous"),
-            (lambda: hc.reduce_scatter(torch.ones(rt.world_size * 3 + 1)),
+            (lambda: hc.all_reduce(torch.ones(4, 4, device=dev).t()), "non-contiguous"),
+            (lambda: hc.all_reduce(torch.ones(3, dtype=torch.int32, device=dev)),
+             "dtype torch.int32"),
+            (lambda: hc.all_reduce(x, out=torch.empty(3, device=dev)), "out must be a contiguous"),
+            (lambda: hc.reduce_scatter(torch.ones(rt.world_size * 3 + 1, device=dev)),
              "not a multiple of the world size")))
 
 
@@ -131,4 +133,6 @@ def auto_follows_the_cost_model(rt, seed):
 
 if __name__ == "__main__":
     emulate_nodes()
+    # NCCL must see the emulated nodes as separate hosts too (its network path between them).
+    os.environ.setdefault("NCCL_HOSTID", os.environ["FUSEDIST_NODE_ID"])
     main()
