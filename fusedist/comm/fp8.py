@@ -29,8 +29,10 @@ quantization brings it to ~3.7%. The per-block scales keep outlier channels (100
 flushing the rest of the data to zero: without them (one scale per tensor) values 2^17
 below the largest become subnormal or zero.
 
-This is the reference implementation: torch ops on the group's device (CPU with gloo, CUDA
-with NCCL), the codec in plain torch.
+The collectives run on torch.distributed (CPU with gloo, CUDA with NCCL). The codec is plain
+torch on CPUs and, on CUDA tensors, the kernels of csrc/include/fusedist/comm/fp8_codec.cuh
+when the extension is built (the plain-torch path otherwise, with a warning): the same bytes
+and sums, bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _dtypes, _ext
 from ..distributed.groups import Group
 from ..errors import CollectiveMismatchError  # noqa: F401  (raised by Group.check_same)
 from ._args import check_input
@@ -56,14 +59,42 @@ def _check_block(where: str, block_size) -> int:
     return block_size
 
 
-def quantize(x: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def _codec(t: torch.Tensor, use_kernel: Optional[bool]):
+    """fusedist._C when the codec kernels should run on t (a CUDA tensor, the extension built
+    with them; use_kernel=False forces the torch path), else None."""
+    if use_kernel is False or t.device.type != "cuda":
+        return None
+    if not _ext.available() or not hasattr(_ext.load(), "fp8_encode"):
+        if use_kernel:
+            _ext.load()  # raises ExtensionMissingError with the build instructions
+            raise RuntimeError("fusedist.fp8: this fusedist._C has no fp8_encode; rebuild it")
+        _ext.warn_reference("fp8", "the extension with the FP8 codec is not built")
+        return None
+    return _ext.load()
+
+
+def quantize(x: torch.Tensor, block_size: int = 128, *, use_kernel: Optional[bool] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): x flattened, zero-padded to whole blocks, as e4m3 bytes (uint8, one per
-    element) and one fp32 scale per block."""
+    element) and one fp32 scale per block. CUDA tensors run the codec kernel
+    (csrc/include/fusedist/comm/fp8_codec.cuh) when it is built; its bytes are this torch
+    code's, bit for bit."""
     _check_block("fp8.quantize", block_size)
+    numel = x.numel()
+    nblocks = -(-numel // block_size)
+    C = _codec(x, use_kernel)
+    if C is not None and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        src = x.reshape(-1).contiguous()
+        q = torch.empty(nblocks * block_size, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+        a = C.Fp8EncodeArgs()
+        a.x, a.q, a.scales = src.data_ptr(), q.data_ptr(), scales.data_ptr()
+        a.numel, a.block, a.dtype = numel, block_size, _dtypes.code(x.dtype)
+        C.fp8_encode(a, torch.cuda.current_stream(x.device).cuda_stream)
+        return q, scales
     flat = x.reshape(-1).to(torch.float32)
-    nblocks = -(-flat.numel() // block_size)
     padded = torch.zeros(nblocks * block_size, dtype=torch.float32, device=x.device)
-    padded[:flat.numel()] = flat
+    padded[:numel] = flat
     blocks = padded.view(nblocks, block_size)
     amax = blocks.abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
@@ -77,6 +108,28 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, numel: Optional[int] = Non
     v = q.view(torch.float8_e4m3fn).to(torch.float32).view(-1, block_size) * scales[:, None]
     v = v.view(-1)
     return v if numel is None else v[:numel]
+
+
+def decode_sum(qs: torch.Tensor, ss: torch.Tensor, numel: int, block_size: int, *,
+               use_kernel: Optional[bool] = None) -> torch.Tensor:
+    """The fp32 sum, in row order, of the payloads qs[r] (bytes) / ss[r] (scales): the first
+    row's values, then each later row's added (one rounding per product and per sum), the
+    first `numel` elements. CUDA tensors run the decode kernel when it is built."""
+    qs, ss = qs.reshape(qs.shape[0], -1), ss.reshape(ss.shape[0], -1)
+    C = _codec(qs, use_kernel)
+    if C is not None:
+        out = torch.empty(numel, dtype=torch.float32, device=qs.device)
+        qs, ss = qs.contiguous(), ss.contiguous()
+        a = C.Fp8DecodeSumArgs()
+        a.q, a.scales, a.out = qs.data_ptr(), ss.data_ptr(), out.data_ptr()
+        a.numel, a.q_stride, a.scale_stride = numel, qs.shape[1], ss.shape[1]
+        a.block, a.payloads = block_size, qs.shape[0]
+        C.fp8_decode_sum(a, torch.cuda.current_stream(qs.device).cuda_stream)
+        return out
+    acc = dequantize(qs[0], ss[0], None, block_size)
+    for r in range(1, qs.shape[0]):
+        acc = acc + dequantize(qs[r], ss[r], None, block_size)
+    return acc[:numel]
 
 
 def _gather(t: torch.Tensor, group: Group) -> torch.Tensor:
@@ -107,14 +160,12 @@ def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int 
     n, p = x.numel(), g.size
     if p == 1:
         q, s = quantize(x, block_size)
-        return dequantize(q, s, n, block_size).to(x.dtype).view_as(x)
+        return decode_sum(q[None], s[None], n, block_size).to(x.dtype).view_as(x)
     if algo == "one_shot":
         q, s = quantize(x, block_size)
         qs, ss = _gather(q, g), _gather(s, g)
-        acc = torch.zeros(q.numel(), dtype=torch.float32, device=x.device)
-        for r in range(p):  # rank order: the same sum on every rank
-            acc += dequantize(qs[r], ss[r], None, block_size)
-        return acc[:n].to(x.dtype).view_as(x)
+        # rank order: the same sum on every rank
+        return decode_sum(qs, ss, n, block_size).to(x.dtype).view_as(x)
     # two_shot: shards of whole blocks, the same count for every rank (padded with zeros).
     nblocks = -(-n // block_size)
     per = -(-nblocks // p)
@@ -124,14 +175,10 @@ def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int 
     q_in, s_in = torch.empty_like(q), torch.empty_like(s)
     dist.all_to_all_single(q_in, q, group=g.pg)      # shard r of every rank's payload -> r
     dist.all_to_all_single(s_in, s, group=g.pg)
-    q_in, s_in = q_in.view(p, -1), s_in.view(p, -1)
-    acc = torch.zeros(per * block_size, dtype=torch.float32, device=x.device)
-    for r in range(p):
-        acc += dequantize(q_in[r], s_in[r], None, block_size)
+    acc = decode_sum(q_in.view(p, -1), s_in.view(p, -1), per * block_size, block_size)
     q_sum, s_sum = quantize(acc, block_size)         # the second (and last) quantization
     qs, ss = _gather(q_sum, g), _gather(s_sum, g)
-    out = dequantize(qs.reshape(-1), ss.reshape(-1), None, block_size)
-    return out[:n].to(x.dtype).view_as(x)
+    return decode_sum(qs.reshape(1, -1), ss.reshape(1, -1), n, block_size).to(x.dtype).view_as(x)
 
 
 def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
@@ -146,8 +193,8 @@ def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int 
     n = x.numel()
     q, s = quantize(x, block_size)
     qs, ss = _gather(q, g), _gather(s, g)
-    return torch.cat([dequantize(qs[r], ss[r], n, block_size) for r in range(g.size)]
-                     ).to(x.dtype)
+    return torch.cat([decode_sum(qs[r][None], ss[r][None], n, block_size)
+                      for r in range(g.size)]).to(x.dtype)
 
 
 class Fp8Communicator:

@@ -97,3 +97,45 @@ def test_codec_round_trip():
 def test_bad_block_size():
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         fp8.quantize(torch.ones(4), 0)
+
+
+# ---- the CUDA codec kernels against the torch path (one GPU) ---------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,block", [(1, 128), (127, 32), (1000, 100), (4099, 128),
+                                     (70001, 4096), (33, 1)])
+def test_codec_kernels_are_the_torch_path_bitwise(dtype, n, block):
+    from fusedist import _ext
+
+    if not hasattr(_ext.load(), "fp8_encode"):
+        pytest.fail("fusedist._C lacks fp8_encode: rebuild the extension")
+    g = torch.Generator(device="cuda").manual_seed(n * 7 + block)
+    x = (torch.randn(n, generator=g, device="cuda") *
+         torch.logspace(-4, 4, n, device="cuda")).to(dtype)
+    x[:: max(1, n // 5)] = 0.0
+    q_k, s_k = fp8.quantize(x, block, use_kernel=True)
+    q_t, s_t = fp8.quantize(x, block, use_kernel=False)
+    assert torch.equal(s_k, s_t) and torch.equal(q_k, q_t)
+    # decode_sum of 3 payloads in order, and of one (its values, signed zeros kept)
+    ys = [(torch.randn(n, generator=g, device="cuda") * 3).to(dtype) for _ in range(3)]
+    enc = [fp8.quantize(y, block, use_kernel=False) for y in ys]
+    qs = torch.stack([e[0] for e in enc])
+    ss = torch.stack([e[1] for e in enc])
+    for rows in (3, 1):
+        k = fp8.decode_sum(qs[:rows], ss[:rows], n, block, use_kernel=True)
+        t = fp8.decode_sum(qs[:rows], ss[:rows], n, block, use_kernel=False)
+        assert torch.equal(k.view(torch.int32), t.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_codec_kernel_nan_and_inf_follow_the_torch_path():
+    x = torch.randn(300, device="cuda")
+    x[5], x[200] = float("nan"), float("inf")
+    q_k, s_k = fp8.quantize(x, 128, use_kernel=True)
+    q_t, s_t = fp8.quantize(x, 128, use_kernel=False)
+    assert torch.equal(s_k.isnan(), s_t.isnan()) and torch.equal(s_k[~s_k.isnan()],
+                                                                  s_t[~s_t.isnan()])
+    d_k = fp8.dequantize(q_k, s_k, 300, 128)
+    d_t = fp8.dequantize(q_t, s_t, 300, 128)
+    assert torch.equal(d_k.isnan(), d_t.isnan())
+    assert torch.equal(d_k[~d_k.isnan()], d_t[~d_t.isnan()])
