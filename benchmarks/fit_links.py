@@ -92,14 +92,49 @@ def fit_cpu(path: Path):
     return {"intra": link, "inter": link}, fitted, measured
 
 
+def fit_cpu_netns(path: Path):
+    """Two namespaces joined by a tc-shaped veth (launchers/netns_nodes.sh): intra fitted on
+    the intra-node group's all-reduce (every other size; latency per step); inter keeps the
+    bandwidth tc sets (the link file's) and fits only its step latency on the inter-node
+    groups' all-reduce (every other size): no delay was shaped, so it is not known."""
+    d = json.loads(path.read_text())
+    rows = d["rows"]
+    rel = str(path.relative_to(RESULTS.parent.parent))
+    measured, fitted, out = {}, {}, {}
+    for group in ("intra", "inter"):
+        pts = sorted((r["size"], r["time_us"], r["ranks"]) for r in rows
+                     if r["group"] == group and r["op"] == "all_reduce" and r["algo"] == "flat"
+                     and r["placement"] == "out-of-place")
+        measured[group], fitted[group] = pts, {s for s, _, _ in pts[0::2]}
+    factor, steps = cm.bus_factor("all_reduce", measured["intra"][0][2])
+    link = cm.fit_link([(s, t) for s, t, _ in measured["intra"][0::2]], factor=factor,
+                       steps=steps, max_protocols=1, latency="step",
+                       source=f"{rel} intra all_reduce: fitted on "
+                              f"{len(fitted['intra'])} sizes, "
+                              f"{len(measured['intra']) - len(fitted['intra'])} held out")
+    out["intra"] = cm.Link(link.protocols, link.step_us, link.source,
+                           reduce_scatter_as_all_reduce=True)
+    m = cm.Machine.load("cpu-netns")
+    inter = m.link("inter")
+    gbps = inter.protocols[0].gbps
+    factor, steps = cm.bus_factor("all_reduce", measured["inter"][0][2])
+    est = sorted((t - factor * s / (gbps * 1e3)) / steps for s, t, _ in measured["inter"][0::2])
+    step = max(est[len(est) // 2], 0.0)
+    out["inter"] = cm.Link(inter.protocols, step,
+                           f"tc: {gbps * 1e3:g} MB/s per rank (the 200 Mbit/s link shared by 2 "
+                           f"ranks); step latency fitted on {len(fitted['inter'])} sizes of "
+                           f"{rel} inter all_reduce", reduce_scatter_as_all_reduce=True)
+    return out, fitted, measured
+
+
 def error_table(m: cm.Machine, fitted, measured, gpus: int) -> str:
     lines = ["| level | size | measured us | model us | error | point |", "|---|---|---|---|---|---|"]
     for level, pts in measured.items():
         link = m.link(level if level in m.links else "inter")
         for pt in sorted(pts):
             s, t = pt[0], pt[1]
-            if len(pt) == 3:   # (size, time, ranks): the cpu fit's groups
-                nodes = 2 if level in ("inter", "world") else 1
+            if len(pt) == 3:   # (size, time, ranks): the cpu fits' groups
+                nodes = {"intra": 1, "inter": pt[2], "world": 2}[level]
                 pred = cm.flat(m, "all_reduce", nodes, pt[2] // nodes, s)
             elif level.startswith("fusedist_one_shot"):
                 pred = link.time_us((gpus - 1) * s, 0)
@@ -157,7 +192,7 @@ def _fmt(n: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("machine", nargs="?", choices=("h200", "cpu"))
+    ap.add_argument("machine", nargs="?", choices=("h200", "cpu", "cpu-netns"))
     ap.add_argument("--check", action="store_true", help="print errors, keep the link file")
     ap.add_argument("--predict", help="a link file's machine name: print predictions")
     ap.add_argument("--gpus", type=int, default=8)
@@ -174,8 +209,10 @@ def main(argv=None) -> int:
         ap.error("name a machine to fit (h200, cpu) or --predict NAME")
     if a.machine == "h200":
         src, gpus, links = RESULTS / "h200-w2" / "allreduce.json", 2, fit_h200
-    else:
+    elif a.machine == "cpu":
         src, gpus, links = RESULTS / "cpu-w4" / "scaling.json", 2, fit_cpu
+    else:
+        src, gpus, links = RESULTS / "cpu-w4" / "scaling-netns-200mbit.json", 2, fit_cpu_netns
     fitted_links, fitted, measured = links(src)
     path = cm.LINKS_DIR / f"{a.machine}.json"
     d = json.loads(path.read_text())

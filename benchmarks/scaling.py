@@ -217,7 +217,10 @@ def run(args) -> None:
                  "machine_file": f"fusedist/comm/links/{hc.machine_name}.json",
                  "emulated_nodes": bool(args.emulate_nodes), "block_size": args.block_size})
     if rt.rank == 0:
-        paths = write_results("scaling", meta, b.rows, markdown(b.rows, N, G),
+        if os.environ.get("FUSEDIST_NETNS_LINK"):   # launchers/netns_nodes.sh's shaped link
+            meta["netns_link"] = os.environ["FUSEDIST_NETNS_LINK"]
+        stem = f"scaling-{args.tag}" if args.tag else "scaling"
+        paths = write_results(stem, meta, b.rows, markdown(b.rows, N, G),
                               plot=lambda p: plot(b.rows, p))
         print("wrote " + ", ".join(str(p) for p in paths), flush=True)
     fusedist.shutdown()
@@ -272,6 +275,8 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=128, help="FP8 elements per scale")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--machine", help="cost model link file (fusedist/comm/links/NAME.json)")
+    ap.add_argument("--tag", help="results as scaling-TAG.{json,md} (a setup of the same "
+                    "machine and world size, e.g. a shaped link)")
     ap.add_argument("--emulate-nodes", type=int, default=0,
                     help="act as this many nodes on one host (FUSEDIST_NODE_ID per rank)")
     a = ap.parse_args(argv)

@@ -193,8 +193,9 @@ def hierarchical(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
     """The two-level form (fusedist.comm.hierarchical), `chunks` pipelined chunks.
 
     all_reduce: reduce-scatter inside each node, all-reduce of the 1/gpus shard across nodes
-    (gpus inter-node groups in parallel, one NIC each), all-gather inside. all_gather: the
-    inside all-gather, then across. reduce_scatter: inside, then across. A chunk of c bytes
+    (gpus inter-node groups in parallel, one NIC each), all-gather inside. all_gather: across
+    (each local rank with its counterparts), then inside. reduce_scatter: inside, then
+    across. A chunk of c bytes
     takes stage times s_i(c); k chunks take sum_i s_i(c) + (k - 1) max_i s_i(c) (levels
     overlap: a chunk's inter-node stage runs while the next chunk's intra-node stage does);
     on a machine without overlap (Machine.overlap False) k chunks take k sum_i s_i(c)."""
@@ -207,9 +208,9 @@ def hierarchical(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
         stages = [ring(intra, "reduce_scatter", gpus, c),
                   ring(inter, "all_reduce", nodes, c / gpus),
                   ring(intra, "all_gather", gpus, c)]
-    elif op == "all_gather":   # c: the full output; the inside gather's output is c / nodes
-        stages = [ring(intra, "all_gather", gpus, c / nodes),
-                  ring(inter, "all_gather", nodes, c / gpus)]
+    elif op == "all_gather":   # c: the full output; across first (output c / gpus per rank)
+        stages = [ring(inter, "all_gather", nodes, c / gpus),
+                  ring(intra, "all_gather", gpus, c)]
     else:                      # reduce_scatter, c: the full input
         stages = [ring(intra, "reduce_scatter", gpus, c),
                   ring(inter, "reduce_scatter", nodes, c / gpus)]

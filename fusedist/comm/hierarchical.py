@@ -12,8 +12,8 @@ local rank: each carries 1/G of the bytes over its own NIC), an all-gather insid
 The buffer is cut into `chunks` chunks and the levels are pipelined: chunk i's inter-node
 all-reduce runs while chunk i+1's reduce-scatter does (the levels are different process
 groups, so their collectives run concurrently: separate NCCL streams on GPUs, separate gloo
-threads on CPUs). all_gather: inside, then across, then (if ranks are not numbered node by
-node) a permutation into global rank order. reduce_scatter: the input permuted so each local
+threads on CPUs). all_gather: across (each local rank with its counterparts on the other
+nodes), then inside, then a permutation into global rank order. reduce_scatter: the input permuted so each local
 rank's segments are contiguous, a reduce-scatter inside, then across.
 
 Every collective runs through torch.distributed on the runtime's intra_node and inter_node
@@ -77,8 +77,6 @@ class HierarchicalCommunicator:
         # rank_at[j][i]: the global rank of local index i on node j. The inter-node group of
         # local index i lists node 0's rank first (groups.build_rank_lists).
         self.rank_at = [topo.ranks_on_node(j) for j in range(self.nodes)]
-        self.node_major = all(self.rank_at[j][i] == j * self.gpus + i
-                              for j in range(self.nodes) for i in range(self.gpus))
         self.world.check_same({"machine": self.machine_name, "accum": str(accum_dtype)},
                               where="fusedist.HierarchicalCommunicator", what="settings",
                               fix="pass the same machine= and accum_dtype= on every rank")
@@ -174,26 +172,28 @@ class HierarchicalCommunicator:
         N, G = self.nodes, self.gpus
         k = max(1, min(k, n))
         bounds = [n * i // k for i in range(k + 1)]
-        inside, across = [], []
+        across, inside = [], []
         res_v = res.view(world, n)
-        for i in range(k):   # all issued at once: inside gathers overlap earlier crossings
+        # Across first: each local rank gathers its counterparts' pieces (every byte crosses
+        # the network once: N - 1 pieces per rank, the G inter-node groups at once), then
+        # inside the node. Gathering inside first would send each node's block over every
+        # local rank's link: G times the bytes.
+        for i in range(k):
             lo, hi = bounds[i], bounds[i + 1]
-            b1 = torch.empty(G * (hi - lo), dtype=x.dtype, device=x.device)
-            inside.append((b1, dist.all_gather_into_tensor(b1, flat_x[lo:hi].contiguous(),
-                                                           group=self.intra.pg, async_op=True)))
-        for i, (b1, w) in enumerate(inside):
+            b1 = torch.empty(N * (hi - lo), dtype=x.dtype, device=x.device)
+            across.append((b1, dist.all_gather_into_tensor(b1, flat_x[lo:hi].contiguous(),
+                                                           group=self.inter.pg, async_op=True)))
+        for i, (b1, w) in enumerate(across):
             w.wait()
-            b2 = torch.empty(N * b1.numel(), dtype=x.dtype, device=x.device)
-            across.append((b2, dist.all_gather_into_tensor(b2, b1, group=self.inter.pg,
+            b2 = torch.empty(G * b1.numel(), dtype=x.dtype, device=x.device)
+            inside.append((b2, dist.all_gather_into_tensor(b2, b1, group=self.intra.pg,
                                                            async_op=True)))
-        for i, (b2, w) in enumerate(across):
+        index = self._rank_index(x.device).view(N, G).t().reshape(-1)
+        for i, (b2, w) in enumerate(inside):
             w.wait()
             lo, hi = bounds[i], bounds[i + 1]
-            blocks = b2.view(N * G, hi - lo)     # row j * G + l: node j, local index l
-            if self.node_major:
-                res_v[:, lo:hi].copy_(blocks)
-            else:
-                res_v[:, lo:hi].index_copy_(0, self._rank_index(x.device), blocks)
+            # row l * N + j: local index l, node j -> global rank rank_at[j][l]
+            res_v[:, lo:hi].index_copy_(0, index, b2.view(G * N, hi - lo))
         return res
 
     def _rank_index(self, device) -> torch.Tensor:
