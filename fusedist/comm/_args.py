@@ -1,11 +1,17 @@
-"""Argument checks shared by the collectives that run through torch.distributed
-(hierarchical, fp8): one message per mistake, naming the argument and the fix."""
+"""What the collectives that run through torch.distributed (hierarchical, fp8) share: the
+argument checks (one message per mistake, naming the argument and the fix) and the guard that
+turns a failed collective into PeerLostError naming the lost rank."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from .. import _dtypes
+from ..distributed.peers import peer_lost_error
+from ..distributed.runtime import get_runtime
+from ..errors import FusedistError
 
 
 def check_input(where: str, x, device: torch.device) -> None:
@@ -21,3 +27,17 @@ def check_input(where: str, x, device: torch.device) -> None:
     if not x.is_contiguous():
         raise ValueError(f"fusedist.{where}: x is non-contiguous (stride {tuple(x.stride())}); "
                          "call .contiguous() first")
+
+
+@contextlib.contextmanager
+def peers_guard(where: str, group):
+    """Inside the block, a collective of `group` that fails (a peer's process exited, or it
+    stopped answering within the group's timeout) raises PeerLostError naming the lost ranks
+    it can check (those on this host) instead of the backend's error."""
+    try:
+        yield
+    except FusedistError:
+        raise
+    except RuntimeError as e:   # torch.distributed's DistBackendError and gloo's errors
+        rt = get_runtime()
+        raise peer_lost_error(where, group, rt.peers, rt.rank, e) from e

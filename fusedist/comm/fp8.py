@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .. import _dtypes, _ext
 from ..distributed.groups import Group
 from ..errors import CollectiveMismatchError  # noqa: F401  (raised by Group.check_same)
-from ._args import check_input
+from ._args import check_input, peers_guard
 from .communicator import GroupLike, resolve_group
 
 E4M3_MAX = 448.0
@@ -146,10 +146,8 @@ def _check_same(group: Group, where: str, x: torch.Tensor, block_size: int, algo
                          "algo)")
 
 
-def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
-                   algo: str = "two_shot", check: bool = True) -> torch.Tensor:
-    """The sum of x over `group` (tensor-parallel group when None) with an e4m3 payload;
-    x's shape and dtype. check=False skips the call check (one small all-gather)."""
+def _fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
+                    algo: str = "two_shot", check: bool = True) -> torch.Tensor:
     g = resolve_group(group)
     check_input("fp8_all_reduce", x, g.device)
     _check_block("fp8_all_reduce", block_size)
@@ -181,10 +179,8 @@ def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int 
     return decode_sum(qs.reshape(1, -1), ss.reshape(1, -1), n, block_size).to(x.dtype).view_as(x)
 
 
-def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
-                   check: bool = True) -> torch.Tensor:
-    """Every rank's x, flattened and concatenated in group-rank order ((size * numel,), x's
-    dtype), sent as an e4m3 payload: each rank's values quantized once, by that rank."""
+def _fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
+                    check: bool = True) -> torch.Tensor:
     g = resolve_group(group)
     check_input("fp8_all_gather", x, g.device)
     _check_block("fp8_all_gather", block_size)
@@ -195,6 +191,26 @@ def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int 
     qs, ss = _gather(q, g), _gather(s, g)
     return torch.cat([decode_sum(qs[r][None], ss[r][None], n, block_size)
                       for r in range(g.size)]).to(x.dtype)
+
+
+def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
+                   algo: str = "two_shot", check: bool = True) -> torch.Tensor:
+    """The sum of x over `group` (tensor-parallel group when None) with an e4m3 payload;
+    x's shape and dtype. check=False skips the call check (one small all-gather). A lost
+    peer raises PeerLostError."""
+    g = resolve_group(group)
+    with peers_guard("fusedist.fp8_all_reduce", g):
+        return _fp8_all_reduce(x, g, block_size=block_size, algo=algo, check=check)
+
+
+def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
+                   check: bool = True) -> torch.Tensor:
+    """Every rank's x, flattened and concatenated in group-rank order ((size * numel,), x's
+    dtype), sent as an e4m3 payload: each rank's values quantized once, by that rank. A lost
+    peer raises PeerLostError."""
+    g = resolve_group(group)
+    with peers_guard("fusedist.fp8_all_gather", g):
+        return _fp8_all_gather(x, g, block_size=block_size, check=check)
 
 
 class Fp8Communicator:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..distributed.groups import Group
 from ..distributed.runtime import get_runtime
 from . import cost_model
-from ._args import check_input
+from ._args import check_input, peers_guard
 
 ALGOS = ("auto", "flat", "hierarchical")
 # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns there); older
@@ -50,7 +50,8 @@ class HierarchicalCommunicator:
     """Flat and two-level all-reduce, all-gather and reduce-scatter over every rank of the
     runtime (the world), split into its intra-node and inter-node groups.
 
-    Needs the same number of ranks on every node (else ValueError). machine: a link file
+    Needs the same number of ranks on every node (else ValueError). A collective whose peer
+    is lost raises PeerLostError naming it (where it runs on this host). machine: a link file
     name or path for the cost model (see fusedist/comm/links/). accum_dtype: the dtype the
     sums are formed in (torch.float32; pass the input dtype to reduce in it)."""
 
@@ -80,6 +81,28 @@ class HierarchicalCommunicator:
         self.world.check_same({"machine": self.machine_name, "accum": str(accum_dtype)},
                               where="fusedist.HierarchicalCommunicator", what="settings",
                               fix="pass the same machine= and accum_dtype= on every rank")
+
+    # ---- the collectives -----------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum of x over every rank, in x's shape and dtype (out=x for in place)."""
+        with peers_guard("fusedist.HierarchicalCommunicator.all_reduce", self.world):
+            return self._all_reduce(x, algo=algo, chunks=chunks, out=out)
+
+    def all_gather(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Every rank's x, flattened and concatenated in global rank order:
+        (world * x.numel(),)."""
+        with peers_guard("fusedist.HierarchicalCommunicator.all_gather", self.world):
+            return self._all_gather(x, algo=algo, chunks=chunks, out=out)
+
+    def reduce_scatter(self, x: torch.Tensor, *, algo: str = "auto",
+                       chunks: Optional[int] = None,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The sum over every rank of segment `rank` of x (x.numel() a multiple of the world
+        size): (x.numel() // world,) on each rank."""
+        with peers_guard("fusedist.HierarchicalCommunicator.reduce_scatter", self.world):
+            return self._reduce_scatter(x, algo=algo, chunks=chunks, out=out)
 
     # ---- choice ----------------------------------------------------------------------------
     def choose(self, op: str, nbytes: int, algo: str = "auto",
@@ -120,9 +143,8 @@ class HierarchicalCommunicator:
         return out
 
     # ---- all-reduce --------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The sum of x over every rank, in x's shape and dtype (out=x for in place)."""
+    def _all_reduce(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         res = self._check("all_reduce", x, out, x.numel())
         how, k = self.choose("all_reduce", x.numel() * x.element_size(), algo, chunks)
         acc = x.reshape(-1).to(self.accum_dtype, copy=True)
@@ -158,10 +180,8 @@ class HierarchicalCommunicator:
         return out if out is not None else res.view_as(x)
 
     # ---- all-gather --------------------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Every rank's x, flattened and concatenated in global rank order:
-        (world * x.numel(),)."""
+    def _all_gather(self, x: torch.Tensor, *, algo: str = "auto", chunks: Optional[int] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         n, world = x.numel(), self.world.size
         res = self._check("all_gather", x, out, world * n).view(-1)
         how, k = self.choose("all_gather", world * n * x.element_size(), algo, chunks)
@@ -201,11 +221,9 @@ class HierarchicalCommunicator:
                              for i in range(self.gpus)], dtype=torch.long, device=device)
 
     # ---- reduce-scatter ----------------------------------------------------------------------
-    def reduce_scatter(self, x: torch.Tensor, *, algo: str = "auto",
-                       chunks: Optional[int] = None,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The sum over every rank of segment `rank` of x (x.numel() a multiple of the world
-        size): (x.numel() // world,) on each rank."""
+    def _reduce_scatter(self, x: torch.Tensor, *, algo: str = "auto",
+                        chunks: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
         world = self.world.size
         if isinstance(x, torch.Tensor) and x.numel() % world:
             raise ValueError(f"fusedist.reduce_scatter: x has {x.numel()} elements, not a "

@@ -47,3 +47,15 @@ def test_fp8_collectives_gpu2():
 def test_hierarchical_2_nodes_x_2_gpu4():
     assert_passed(torchrun("worker_hierarchical.py", 4, {"NCCL_SOCKET_IFNAME": "lo"},
                            timeout=580), 4)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("what", ["hierarchical", "fp8"])
+def test_a_lost_node_ends_the_others_with_peer_lost_error(what):
+    """Rank 3 (of 2 emulated nodes x 2) leaves mid-run: the 3 others end with PeerLostError
+    naming it, within the groups' timeout (tests/dist/worker_node_lost.py)."""
+    p = torchrun("worker_node_lost.py", 4, {**CPU_ENV, "FUSEDIST_INIT_TIMEOUT_S": "20"},
+                 timeout=180, args=(what,))
+    assert_passed(p, 3)
+    assert p.stdout.count("[lost] rank") == 3 and "rank 3 of group world is lost" in p.stdout, \
+        p.stdout[-3000:]
