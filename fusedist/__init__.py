@@ -17,8 +17,10 @@ from .comm import c10d as _c10d  # registers the torch.distributed backend "fuse
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
-                     NotInitializedError, PeerAccessError, PeerLostError,
+                     NotInitializedError, PeerAccessError, PeerLostError, RendezvousError,
                      RequestMismatchError)
+from .comm.fp8 import Fp8Communicator, fp8_all_gather, fp8_all_reduce
+from .comm.hierarchical import HierarchicalCommunicator
 from .comm.streams import AsyncHandle, comm_stream
 from .distributed.groups import Group
 from .distributed.launch_env import LaunchEnv, LaunchEnvError, detect_launch_env
@@ -34,10 +36,11 @@ __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "get_runtime", "Runtime", "Topology",
     "Group", "Communicator", "get_communicator", "all_reduce", "all_reduce_",
     "all_reduce_add_rmsnorm", "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "add_rmsnorm", "rmsnorm",
-    "silu_mul", "AsyncHandle",
+    "silu_mul", "AsyncHandle", "HierarchicalCommunicator", "Fp8Communicator",
+    "fp8_all_reduce", "fp8_all_gather",
     "comm_stream", "LaunchEnv", "LaunchEnvError",
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
-    "PeerLostError", "MetadataError", "check_device_errors", "clear_device_errors",
+    "PeerLostError", "RendezvousError", "MetadataError", "check_device_errors", "clear_device_errors",
 ]

@@ -34,6 +34,11 @@ class CollectiveMismatchError(FusedistError):
     call (or values)."""
 
 
+class RendezvousError(FusedistError, TimeoutError):
+    """fusedist.init() could not bring the ranks together within its timeout: the rendezvous
+    address is unreachable or unresolvable, or some ranks never arrived."""
+
+
 class PeerLostError(FusedistError):
     """A collective of a group failed because a peer is gone (its process exited: the message
     names its rank) or stopped answering within the timeout. The group cannot be used again."""

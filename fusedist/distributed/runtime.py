@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import NotInitializedError
+from ..errors import NotInitializedError, RendezvousError
 from .groups import Group, backend_device, build_rank_lists, new_groups, validate_tp_size
 from .launch_env import LaunchEnv, detect_launch_env
 from .peers import process_identity
@@ -161,6 +161,26 @@ def _mpi_bootstrap_address(env: LaunchEnv) -> tuple[str, int]:
     return MPI.COMM_WORLD.bcast((addr, port), root=0)
 
 
+def _rendezvous(addr: str, port: int, env: LaunchEnv, timeout: datetime.timedelta):
+    """The TCP store of the rendezvous at addr:port, or RendezvousError within about the
+    timeout (torch's own errors carry C++ frames and name no fix)."""
+    try:
+        store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=env.rank,
+                                           world_size=env.world_size, timeout=timeout))
+        return store
+    except (RuntimeError, OSError, TimeoutError) as e:  # DistError is a RuntimeError
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        role = ("listened for the other ranks" if env.rank == 0 else
+                "tried to reach rank 0's rendezvous")
+        raise RendezvousError(
+            f"fusedist.init: rank {env.rank} of {env.world_size} {role} at {addr}:{port} for "
+            f"{timeout.total_seconds():g} s and gave up ({type(e).__name__}: {cause}). Check "
+            "that MASTER_ADDR / MASTER_PORT name rank 0's host and a free port reachable from "
+            "every node (firewall, network interface), that every rank was started with the "
+            "same world size, and raise FUSEDIST_INIT_TIMEOUT_S (or init(timeout_s=)) if "
+            "nodes start slowly") from None
+
+
 def _pick_device(env: LaunchEnv, backend: str, device) -> torch.device:
     if backend == "gloo" and device is None:
         return torch.device("cpu")
@@ -227,8 +247,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
             kwargs = {}
             if backend == "nccl":
                 kwargs["device_id"] = dev
-            store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank=env.rank,
-                                               world_size=env.world_size, timeout=timeout))
+            store = _rendezvous(addr, port, env, timeout)
             store.set_timeout(timeout)
             # torchrun's agent store outlives our process group: after shutdown(), a second
             # init() would read the first group's keys (stale peer addresses) without a fresh

@@ -168,6 +168,17 @@ def expect_mismatch(comm, call, timeout_s: float, *matches: str):
     return y, err
 
 
+def expect_errors(cases) -> None:
+    """Each (call, text): call() must raise ValueError or TypeError whose message has text."""
+    for call, text in cases:
+        try:
+            call()
+        except (ValueError, TypeError) as e:
+            assert text in str(e), f"{e!r} lacks {text!r}"
+        else:
+            raise AssertionError(f"no error for {text}")
+
+
 def assert_identical_across_ranks(rt, y, what):
     """Bitwise equality of `y` on every rank of the tp group (a positional digest)."""
     y = y.reshape(-1)

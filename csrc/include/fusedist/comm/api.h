@@ -1,5 +1,5 @@
 // fusedist/comm/api.h -- the host API of the comm area's launchers (symmetric.cu, call_check.cu,
-// allreduce.cu, allreduce_rmsnorm.cu): what the bindings expose of symmetric memory, the call
+// allreduce.cu, allreduce_rmsnorm.cu, fp8_codec.cu): what the bindings expose of symmetric memory, the call
 // check and the symmetric all-reduces; the GEMM area's host API (gemm/api.h) builds on its
 // SymmComm. Plain C++ (no torch, no device code): pointers travel as uintptr_t, streams as
 // cudaStream_t.
@@ -80,5 +80,25 @@ int64_t allreduce_max_numel(const SymmComm& comm, DType dtype, AllReduceAlgo alg
 void allreduce_rmsnorm(const SymmComm& comm, uintptr_t x, uintptr_t residual, uintptr_t weight,
                        uintptr_t normed, uintptr_t residual_out, uintptr_t scales, int tokens,
                        int hidden, float eps, DType dtype, DType out_dtype, uintptr_t stream);
+
+// ---- fp8_codec.cu: the FP8 payload codec of fusedist.comm.fp8 (fp8_codec.cuh) ---------------
+// x: numel elements of dtype (float32 / float16 / bfloat16); q: ceil(numel / block) * block
+// bytes; scales: ceil(numel / block) floats.
+struct Fp8EncodeArgs {
+  uintptr_t x = 0, q = 0, scales = 0;
+  int64_t numel = 0;
+  int block = 0;
+  DType dtype = DType::kFloat32;
+};
+void fp8_encode(const Fp8EncodeArgs& args, uintptr_t stream);
+// out[i] (float32, i < numel) = the sum over `payloads` payloads, in order, of q * scale;
+// payload r's bytes at q + r * q_stride, its scales at scales + r * scale_stride.
+struct Fp8DecodeSumArgs {
+  uintptr_t q = 0, scales = 0, out = 0;
+  int64_t numel = 0, q_stride = 0, scale_stride = 0;
+  int block = 0;
+  int payloads = 1;
+};
+void fp8_decode_sum(const Fp8DecodeSumArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

@@ -1,0 +1,110 @@
+"""fusedist.comm.fp8 on CPU ranks (gloo) or GPUs (NCCL): FP8 all-reduce (two_shot, one_shot) and all-gather
+bitwise equal to the same algorithm replayed in one process on every rank's input (rebuilt
+from the seed), bitwise identical on every rank, within the error model against the bf16
+result, with block sizes that do not divide the size; errors name the argument."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _checks import check, expect_errors, fresh, main, rank_seed  # noqa: E402
+
+import torch  # noqa: E402
+
+from fusedist.comm import fp8  # noqa: E402
+
+SIZES = (1, 129, 1000, 4099)
+BLOCKS = (32, 128, 100)
+# The error model's bounds (tests/comm/test_fp8.py measures them on more data).
+REL_BOUND = {"one_shot": 3.5e-2, "two_shot": 5.0e-2}
+
+
+def replay_all_reduce(xs, block, algo):
+    """The FP8 all-reduce of inputs xs (rank order), done in one process (on xs' device)."""
+    p, n, dev = len(xs), xs[0].numel(), xs[0].device
+    if algo == "one_shot":
+        acc = None
+        for x in xs:
+            q, s = fp8.quantize(x, block)
+            v = fp8.dequantize(q, s, None, block)
+            acc = v if acc is None else acc + v
+        return acc[:n].to(xs[0].dtype)
+    per = -(-(-(-n // block)) // p)
+    pads = []
+    for x in xs:
+        t = torch.zeros(p * per * block, dtype=x.dtype, device=dev)
+        t[:n] = x
+        pads.append(fp8.dequantize(*fp8.quantize(t, block), None, block).view(p, -1))
+    outs = []
+    for r in range(p):
+        acc = pads[0][r]              # the first payload's values, then the others added
+        for pad in pads[1:]:
+            acc = acc + pad[r]
+        outs.append(fp8.dequantize(*fp8.quantize(acc, block), None, block))
+    return torch.cat(outs)[:n].to(xs[0].dtype)
+
+
+def same_everywhere(rt, y, what):
+    got = rt.world.all_gather_object(y.contiguous().view(torch.uint8).tolist())
+    assert all(g == got[0] for g in got), f"{what}: results differ across ranks"
+
+
+@check
+def fp8_all_reduce_replays_and_agrees(rt, seed):
+    W = rt.world_size
+    for algo in fp8.ALGOS:
+        for block in BLOCKS:
+            for n in SIZES:
+                for dtype in (torch.bfloat16, torch.float32):
+                    what = f"fp8_all_reduce {algo} block {block} n={n} {dtype}"
+                    xs = [fresh((n,), dtype, rt.device, rank_seed(seed, "ar", n, r))
+                          for r in range(W)]
+                    y = fp8.fp8_all_reduce(xs[rt.rank], rt.world, block_size=block, algo=algo)
+                    assert y.shape == (n,) and y.dtype == dtype, what
+                    assert torch.equal(y, replay_all_reduce(xs, block, algo)), what
+                    same_everywhere(rt, y, what)
+                    ref = sum(x.double() for x in xs).to(torch.bfloat16).double()
+                    err = float((y.double() - ref).norm() / ref.norm())
+                    if n >= 1000:  # a few elements say little about a norm
+                        assert err <= REL_BOUND[algo], f"{what}: rel err {err:.3e}"
+
+
+@check
+def fp8_all_gather_replays(rt, seed):
+    W = rt.world_size
+    for block in BLOCKS:
+        for n in SIZES:
+            xs = [fresh((n,), torch.bfloat16, rt.device, rank_seed(seed, "ag", n, r))
+                  for r in range(W)]
+            y = fp8.Fp8Communicator(rt.world, block_size=block).all_gather(xs[rt.rank])
+            want = torch.cat([fp8.dequantize(*fp8.quantize(x, block), n, block) for x in xs])
+            assert torch.equal(y, want.to(torch.bfloat16)), f"block {block} n={n}"
+
+
+@check
+def fp8_bad_arguments_are_named(rt, seed):
+    dev = rt.device
+    x = torch.ones(8, device=dev)
+    expect_errors(((lambda: fp8.fp8_all_reduce(x, rt.world, block_size=0), "block_size"),
+                   (lambda: fp8.fp8_all_reduce(x, rt.world, algo="ring"), "algo must be"),
+                   (lambda: fp8.fp8_all_reduce(torch.ones(2, 2, device=dev).t(), rt.world),
+                    "non-contiguous"),
+                   (lambda: fp8.Fp8Communicator(rt.world, block_size=-3), "block_size")))
+
+
+@check
+def fp8_mismatched_calls_fail_on_every_rank(rt, seed):
+    x = torch.ones(8 + (rt.rank == 0), device=rt.device)
+    try:
+        fp8.fp8_all_reduce(x, rt.world)
+    except fp8.CollectiveMismatchError as e:
+        assert "numel" in str(e), str(e)
+    else:
+        raise AssertionError("no CollectiveMismatchError for different sizes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Two nodes on one host through the real launcher: launchers/netns_nodes.sh puts 2 ranks in
+each of two network namespaces joined by a tc-shaped veth, one `torchrun --nnodes 2` agent per
+namespace; the two-level and FP8 collectives' workers pass there against float64 references.
+Needs root, `ip` and `tc` (skipped otherwise)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from launch import DIST, ROOT, _env, _run, assert_passed, free_port
+
+
+def _netns_usable() -> str:
+    if os.geteuid() != 0:
+        return "needs root"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    name = f"fdprobe{os.getpid() % 100000}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return "" if ok else "ip netns add failed (no network-namespace support here)"
+
+
+WHY_NOT = _netns_usable()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "netns")
+@pytest.mark.parametrize("worker", ["worker_hierarchical.py", "worker_fp8_comm.py"])
+def test_two_nodes_in_network_namespaces(worker):
+    prefix = f"fdt{os.getpid() % 10000}"
+    cmd = ["bash", str(ROOT / "launchers" / "netns_nodes.sh"), "--nproc", "2", "--rate",
+           "400mbit", "--port", str(free_port()), "--prefix", prefix, "--timeout", "500", "--",
+           str(DIST / worker)]
+    p = _run(cmd, _env({"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_INIT_TIMEOUT_S": "60",
+                        "PYTHONPATH": str(ROOT)}), 560)
+    assert_passed(p, 4)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed, f"namespaces left behind: {listed}"
