@@ -11,7 +11,7 @@ import torch
 from .. import _align, _dtypes
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP8_MIN_AMAX = 1e-12   # the smallest amax a scale is made from (csrc/.../layers/fp8_rows.cuh)
+FP8_MIN_AMAX = 1e-12   # the smallest amax a scale is made from (layers/fp8_rows.cuh kFp8MinAmax)
 
 
 def fp8_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
