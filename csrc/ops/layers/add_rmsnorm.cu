@@ -27,8 +27,9 @@ template <typename T, int kVpt, bool kResidual>
 void launch_out(const AddRmsNormParams& p, const dim3& grid, int threads, bool fp8,
                 cudaStream_t s) {
   if (fp8)
-    launch_kernel("add_rmsnorm_row_kernel", layers::add_rmsnorm_row_kernel<T, kVpt, kResidual, true>,
-                  grid, dim3(threads), s, p);
+    launch_kernel("add_rmsnorm_row_kernel",
+                  layers::add_rmsnorm_row_kernel<T, kVpt, kResidual, true>, grid, dim3(threads),
+                  s, p);
   else
     launch_kernel("add_rmsnorm_row_kernel",
                   layers::add_rmsnorm_row_kernel<T, kVpt, kResidual, false>, grid, dim3(threads),
