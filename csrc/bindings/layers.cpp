@@ -9,12 +9,14 @@ using namespace fusedist;
 void register_layers(py::module_& m) {
   py::class_<AddRmsNormArgs>(m, "AddRmsNormArgs",
                              "One add_rmsnorm call: device pointers as integers, sizes, strides "
-                             "in elements, the dtype code")
+                             "in elements, the dtype code, fp8_out (+ scale)")
       .def(py::init<>())
       .def_readwrite("x", &AddRmsNormArgs::x)
       .def_readwrite("residual", &AddRmsNormArgs::residual)
       .def_readwrite("weight", &AddRmsNormArgs::weight)
       .def_readwrite("out", &AddRmsNormArgs::out)
+      .def_readwrite("scale", &AddRmsNormArgs::scale)
+      .def_readwrite("fp8_out", &AddRmsNormArgs::fp8_out)
       .def_readwrite("tokens", &AddRmsNormArgs::tokens)
       .def_readwrite("hidden", &AddRmsNormArgs::hidden)
       .def_readwrite("x_stride", &AddRmsNormArgs::x_stride)
@@ -30,10 +32,12 @@ void register_layers(py::module_& m) {
 
   py::class_<SiluMulArgs>(m, "SiluMulArgs",
                           "One silu_mul call: device pointers as integers, sizes, strides in "
-                          "elements, the dtype code")
+                          "elements, the dtype code, fp8_out (+ scale)")
       .def(py::init<>())
       .def_readwrite("gate_up", &SiluMulArgs::gate_up)
       .def_readwrite("out", &SiluMulArgs::out)
+      .def_readwrite("scale", &SiluMulArgs::scale)
+      .def_readwrite("fp8_out", &SiluMulArgs::fp8_out)
       .def_readwrite("tokens", &SiluMulArgs::tokens)
       .def_readwrite("inter", &SiluMulArgs::inter)
       .def_readwrite("in_stride", &SiluMulArgs::in_stride)

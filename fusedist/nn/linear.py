@@ -40,16 +40,21 @@ from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
 from .quant import FP8Weight, fp8_linear
 
 
-def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
+           x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] @ w^T (+ bias [out]) for a row-major nn.Linear weight w [out, in].
     CUDA bf16/fp16 with in and out multiples of 8 (16-byte TMA rows) go through
     fusedist.gemm(kernel="auto"): fusedist's decode or sm90 kernel where the tuning table's
     rules measured it faster than torch.matmul at that (M, K, N), torch.matmul (cuBLAS)
     everywhere else. Other calls (CPU, fp32, odd sizes) are F.linear. An FP8Weight goes
     through fusedist.nn.quant.fp8_linear (the GEMV to 16 rows, torch._scaled_mm, or its
-    dequantized weight; on CPU the fp32 reference), the output in x's dtype."""
+    dequantized weight; on CPU the fp32 reference), the output in x's dtype; x_scale=: x is
+    e4m3 with those per-token scales (fp8_linear's pre-quantized input, bf16 output)."""
     if isinstance(w, FP8Weight):
-        return fp8_linear(x, w, bias)
+        return fp8_linear(x, w, bias, x_scale=x_scale)
+    if x_scale is not None:
+        raise ValueError("fusedist.nn.linear: x_scale (an e4m3 x quantized per token) needs an "
+                         "FP8Weight; this weight is a tensor: pass x in its dtype")
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and \
             w.dim() == 2 and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and \
             w.stride(1) == 1 and w.stride(0) % 8 == 0:

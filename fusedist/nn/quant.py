@@ -2,6 +2,7 @@
 
     w8 = quantize_fp8(w, "channel")        # w [N, K] bf16 / fp16 / fp32 -> FP8Weight
     y = fp8_linear(x, w8, bias)            # x [..., K] @ dequantize(w8)^T (+ bias), x's dtype
+    y = fp8_linear(x_q, w8, x_scale=s)     # x_q e4m3 [..., K], s float32 [...]: bf16 output
     w8.dequantize()                        # float32 [N, K]: the values every path multiplies by
 
 FP8Weight holds data [N, K] torch.float8_e4m3fn (an nn.Linear weight, K contiguous) and scale,
@@ -48,6 +49,17 @@ fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
 So the GEMV and the reference multiply the exact dequantized weight by x (weight-only
 quantization), and the _scaled_mm paths also round x to e4m3 (per element |x_q - x| <= 2^-4
 |x| + 2^-10 s_x, s_x = amax(row) / 448).
+
+An activation that is already e4m3 with one float32 scale per token (x_q ~= x / x_scale: the
+FP8 output of fusedist.add_rmsnorm / rmsnorm / silu_mul, or quantize_rows') goes in as
+fp8_linear(x_q, w, x_scale=s), s of x_q's leading shape ([...] or [..., 1]); the output is
+bf16. On CUDA, per-tensor and per-channel weights with K, N multiples of 16 on sm_90+ take
+row-wise torch._scaled_mm on (x_q, s) as they are: no quantization pass. Everything else
+(block scales, odd sizes, older GPUs) dequantizes x_q * s to bf16 and takes the dequantize
+path; the CPU the reference on x_q * s in float32. The GEMV reads bf16 x only, so a
+pre-quantized x never takes it: takes_fp8_rows(m, w, device) says whether a bf16 x of m rows
+would go through the row-wise _scaled_mm (and be quantized per token there), which is where a
+producer writing e4m3 itself pays; at <= 16 rows the GEMV keeps bf16 x.
 """
 
 from __future__ import annotations
@@ -361,10 +373,12 @@ def fp8_linear_reference(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Ten
 
 
 def scaled_mm_rowwise(x: torch.Tensor, data: torch.Tensor, channel_scale: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """torch._scaled_mm with row-wise scales: x [M, K] bf16 quantized per token, data [N, K]
-    e4m3 with channel_scale float32 [N]; bf16 [M, N] (+ bias, added after)."""
-    xq, sx = quantize_rows(x)
+                      bias: Optional[torch.Tensor] = None, *,
+                      x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: x [M, K] bf16 quantized per token (or, with
+    x_scale float32 [M, 1], x already e4m3 with those per-token scales), data [N, K] e4m3 with
+    channel_scale float32 [N]; bf16 [M, N] (+ bias, added after)."""
+    xq, sx = quantize_rows(x) if x_scale is None else (x, x_scale)
     y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=channel_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
@@ -473,9 +487,14 @@ def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
                 bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool,
                 blockwise: bool = False) -> str:
     """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
-    "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize". `gemv`: the
-    GEMV op and its kernel are there for the device; `blockwise`: torch's block-scaled
-    scaled_mm runs there; `capability`: the device's (major, minor)."""
+    "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize" (x_dtype FP8:
+    a pre-quantized x, "scaled_mm_rowwise" or "dequantize"). `gemv`: the GEMV op and its kernel
+    are there for the device; `blockwise`: torch's block-scaled scaled_mm runs there;
+    `capability`: the device's (major, minor)."""
+    if FP8 is not None and x_dtype == FP8:   # a pre-quantized x with per-token scales
+        rowwise = m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
+            capability >= (9, 0)
+        return "scaled_mm_rowwise" if rowwise else "dequantize"
     if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
             bias_dtype in (None, x_dtype) and not _rowwise_wins(m, n, k, layout, capability):
         return "gemv"
@@ -501,20 +520,62 @@ def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None)
                        None if bias is None else bias.dtype, cap, gemv, blockwise)
 
 
+def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,
+                   x_dtype: torch.dtype = torch.bfloat16,
+                   bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether fp8_linear would quantize an [m, K] x_dtype x per token for row-wise
+    torch._scaled_mm here: where a producer that writes e4m3 + per-token scales itself
+    (fusedist.add_rmsnorm / rmsnorm / silu_mul out_dtype=FP8) saves that pass. False on the CPU,
+    at the GEMV's rows (it reads bf16 x) and wherever x stays in x_dtype."""
+    if device.type != "cuda" or FP8 is None:
+        return False
+    cap, gemv, blockwise = _device_facts(device)
+    return choose_path(m, w.shape[0], w.shape[1], w.layout, x_dtype,
+                       None if bias is None else bias.dtype, cap, gemv,
+                       blockwise) == "scaled_mm_rowwise"
+
+
+def _check_x_scale(x: torch.Tensor, x_scale: Optional[torch.Tensor]) -> bool:
+    """True for a pre-quantized x (e4m3 with x_scale); ValueErrors naming the fix."""
+    fp8 = FP8 is not None and x.dtype == FP8
+    if x_scale is None:
+        if fp8:
+            raise ValueError("fusedist.nn.fp8_linear: x is e4m3; pass its per-token scales as "
+                             "x_scale= (float32 of x's leading shape)")
+        return False
+    if not fp8:
+        raise ValueError(f"fusedist.nn.fp8_linear: x_scale goes with an e4m3 x (pre-quantized "
+                         f"per token); x is {x.dtype}: pass x_scale=None")
+    lead = tuple(x.shape[:-1])
+    if not isinstance(x_scale, torch.Tensor) or x_scale.dtype != torch.float32 or \
+            tuple(x_scale.shape) not in (lead, lead + (1,)) or x_scale.device != x.device:
+        raise ValueError(f"fusedist.nn.fp8_linear: x_scale must be float32 {list(lead)} (or "
+                         f"{list(lead + (1,))}) on {x.device}: one scale per token of x, got "
+                         f"{getattr(x_scale, 'dtype', type(x_scale).__name__)} "
+                         f"{list(getattr(x_scale, 'shape', ()))}")
+    return True
+
+
 def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None, *,
+               x_scale: Optional[torch.Tensor] = None,
                path: Optional[str] = None) -> torch.Tensor:
     """x [..., K] @ dequantize(w)^T (+ bias [N]) -> [..., N] in x's dtype, by fp8_path's
-    choice (or `path`, for tests)."""
+    choice (or `path`, for tests). x e4m3 with x_scale float32 [...] (per token): a
+    pre-quantized activation, x * x_scale @ dequantize(w)^T -> bf16 (module docstring)."""
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"fusedist.nn.linear: x has {x.shape[-1]} features, the FP8 weight "
                          f"{list(w.shape)} takes {w.shape[1]}")
+    pre = _check_x_scale(x, x_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
-        return x.new_empty((*lead, w.shape[0]))
+        return x.new_empty((*lead, w.shape[0]), dtype=torch.bfloat16 if pre else x.dtype)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     path = path or fp8_path(x2, w, bias)
+    if pre:
+        y = _fp8_linear_prequantized(x2, x_scale.reshape(-1, 1).contiguous(), w, bias, path)
+        return y.reshape(*lead, y.shape[-1])
     if path == "gemv":
         y = _gemv(x2, w.data, scale=w.scale, bias=bias)
     elif path == "scaled_mm_rowwise":
@@ -532,7 +593,26 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
     return y.reshape(*lead, y.shape[-1])
 
 
+def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
+                             bias: Optional[torch.Tensor], path: str) -> torch.Tensor:
+    """xq [M, K] e4m3 with sx float32 [M, 1] -> bf16 [M, N] by `path`."""
+    bf = torch.bfloat16
+    if path == "scaled_mm_rowwise":
+        if w.channel_scale is None:
+            raise ValueError("fusedist.nn.fp8_linear: path 'scaled_mm_rowwise' takes per-tensor "
+                             "or per-channel weights, not block scales")
+        return scaled_mm_rowwise(xq, w.data, w.channel_scale,
+                                 None if bias is None else bias.to(bf), x_scale=sx)
+    x = xq.float() * sx
+    if path == "dequantize":
+        return F.linear(x.to(bf), w.dequantize(bf), None if bias is None else bias.to(bf))
+    if path == "reference":
+        return fp8_linear_reference(x, w, bias).to(bf)
+    raise ValueError(f"fusedist.nn.fp8_linear: path {path!r} does not take a pre-quantized "
+                     "(e4m3) x; 'scaled_mm_rowwise', 'dequantize' or 'reference' do")
+
+
 __all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "quantize_groups",
            "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
-           "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
+           "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
            "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]

@@ -1,5 +1,6 @@
 """Row views shared by the single-GPU layer kernels (add_rmsnorm, silu_mul): the input check,
-the [T, n] view a kernel can address, and the overlap test for outputs."""
+the [T, n] view a kernel can address, the overlap test for outputs, and the per-token FP8
+output (fp8_rows, the references' form of the kernels' e4m3 + scale)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,31 @@ from typing import Optional
 
 import torch
 
-from .. import _align
+from .. import _align, _dtypes
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_MIN_AMAX = 1e-12   # the smallest amax a scale is made from (layers/fp8_rows.cuh kFp8MinAmax)
+
+
+def fp8_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 y [..., n] -> (e4m3 [..., n], float32 scale [...]): per row (token)
+    scale = max(amax |y|, 1e-12) / 448 and q = e4m3(y / scale), so y ~= q * scale. The fused
+    all-reduce + RMSNorm's convention; a NaN in a row makes its scale and all of its q NaN."""
+    scale = y.abs().amax(-1).clamp_min(FP8_MIN_AMAX) / _dtypes.FP8_MAX
+    return (y / scale.unsqueeze(-1)).to(_dtypes.FP8), scale
+
+
+def check_out_dtype(op: str, name: str, t: torch.Tensor, out_dtype) -> bool:
+    """out_dtype of a layer op on input t: True for FP8 (e4m3 + per-token scales), False for
+    None or t's dtype; else a ValueError naming op and the choices."""
+    if out_dtype is None or out_dtype == t.dtype:
+        return False
+    if _dtypes.FP8 is not None and out_dtype == _dtypes.FP8:
+        return True
+    fp8 = " or torch.float8_e4m3fn" if _dtypes.FP8 is not None else \
+        " (this torch has no torch.float8_e4m3fn)"
+    raise ValueError(f"fusedist.{op}: out_dtype must be None, {t.dtype} ({name}'s dtype)"
+                     f"{fp8}, got {out_dtype!r}")
 
 
 def check_rows_input(op: str, name: str, t, layout: str) -> None:

@@ -3,6 +3,9 @@
     normed, residual = fusedist.add_rmsnorm(x, residual, weight, eps)   # residual <- x + residual
     normed, x = fusedist.add_rmsnorm(x, None, weight, eps)              # plain RMSNorm (h = x)
     normed = fusedist.rmsnorm(x, weight, eps)                           # the same, normed only
+    q, residual, scale = fusedist.add_rmsnorm(x, residual, weight, eps,
+                                              out_dtype=torch.float8_e4m3fn)
+    q, scale = fusedist.rmsnorm(x, weight, eps, out_dtype=torch.float8_e4m3fn)
 
 h = x + residual is computed in x's dtype (an fp32 add rounded once: what `x + residual` gives
 in torch) and written into `residual` IN PLACE; the second result is that same tensor (as
@@ -10,6 +13,14 @@ vLLM's fused_add_rms_norm, this saves an allocation and a write). normed = h * r
 + eps) * weight in fp32, rounded once (F.rms_norm's result on h), into `out` (a new tensor when
 None; out may be x itself, never residual). Without a residual, h = x: nothing but normed is
 written, and the second result is x, the residual stream the block starts from.
+
+out_dtype=torch.float8_e4m3fn: normed as e4m3 with one float32 scale per token (row), the
+fused all-reduce + RMSNorm's convention (fusedist.all_reduce_add_rmsnorm): y = the fp32 normed
+row (not rounded to x's dtype), scale = max(amax |y|, 1e-12) / 448, q = e4m3(y / scale), so
+y ~= q * scale; scale has x's leading shape ([...]); a NaN in a row makes its scale and all of
+its q NaN. The residual is still written in x's dtype. The results are new tensors (out must
+be None). This is the operand row-wise torch._scaled_mm takes (fusedist.nn.quant.fp8_linear's
+x_scale=), so an FP8 GEMM after the norm needs no quantization pass of its own.
 
 x, residual: [..., hidden] of float32 / float16 / bfloat16, hidden a multiple of 8 (16-byte
 vectors) up to MAX_HIDDEN[dtype]; weight: [hidden] of x's dtype. CPU tensors take the
@@ -25,7 +36,8 @@ from typing import Optional
 import torch
 
 from .. import _align, _dtypes, _ext
-from ._rows import DTYPES, check_rows_input, overlaps, packed_rows, rows_view
+from ._rows import (DTYPES, check_out_dtype, check_rows_input, fp8_rows, overlaps, packed_rows,
+                    rows_view)
 
 # The widest row the kernel holds in registers: 4096 16-byte vectors (csrc/include/fusedist/
 # layers/api.h kAddRmsNormMaxVectors, exported as fusedist._C.ADD_RMSNORM_MAX_VECTORS).
@@ -43,21 +55,25 @@ def rmsnorm_reference(h: torch.Tensor, weight: torch.Tensor, eps: float,
     hf = h.float()
     y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     if out_dtype is not None and out_dtype == _dtypes.FP8:
-        scale = y.abs().amax(-1).clamp_min(1e-12) / _dtypes.FP8_MAX
-        return (y / scale.unsqueeze(-1)).to(_dtypes.FP8), scale
+        return fp8_rows(y)   # (e4m3, scale [...]): see the module docstring
     return y.to(h.dtype), None
 
 
 def add_rmsnorm_reference(x: torch.Tensor, residual: Optional[torch.Tensor],
-                          weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          weight: torch.Tensor, eps: float,
+                          out_dtype: Optional[torch.dtype] = None) -> tuple:
     """Plain torch, new tensors: (normed, h) with h = x + residual in x's dtype (x itself
-    without a residual) and normed = rmsnorm(h) in fp32, rounded once."""
+    without a residual) and normed = rmsnorm(h) in fp32, rounded once; for out_dtype FP8
+    (q, h, scale) with q, scale from the fp32 normed rows (module docstring)."""
     h = x if residual is None else x + residual
-    return rmsnorm_reference(h, weight, eps)[0], h
+    normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
+    return (normed, h) if scale is None else (normed, h, scale)
 
 
-def _validate(x, residual, weight, eps, out) -> None:
+def _validate(x, residual, weight, eps, out, out_dtype=None) -> bool:
+    """Checks the arguments; True when the output is FP8."""
     check_rows_input("add_rmsnorm", "x", x, "[..., hidden]")
+    fp8 = check_out_dtype("add_rmsnorm", "x", x, out_dtype)
     hidden = x.shape[-1]
     if hidden <= 0 or hidden % 8:
         _fail(f"hidden (x's last dimension) must be a positive multiple of 8 (16-byte vectors), "
@@ -74,18 +90,28 @@ def _validate(x, residual, weight, eps, out) -> None:
               f"{weight.dtype} on {weight.device}")
     if not isinstance(eps, float) or not eps > 0 or eps == float("inf"):
         _fail(f"eps must be a positive finite float, got {eps!r}")
+    if fp8 and out is not None:
+        _fail("out_dtype=torch.float8_e4m3fn returns new tensors (the e4m3 rows and their "
+              "scales); pass out=None")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or
                             out.device != x.device):
         _fail(f"out must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} "
               f"{out.dtype} on {out.device}")
+    return fp8
 
 
 def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                eps: float = 1e-6, *, out: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float = 1e-6, *, out: Optional[torch.Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None) -> tuple:
     """(normed, new residual): residual updated in place to x + residual (and returned), or
-    (normed, x) when residual is None. See the module docstring."""
-    _validate(x, residual, weight, eps, out)
+    (normed, x) when residual is None; with out_dtype=torch.float8_e4m3fn (q, new residual,
+    scale). See the module docstring."""
+    if _validate(x, residual, weight, eps, out, out_dtype):
+        if torch.compiler.is_compiling():
+            q, scale = torch.ops.fusedist.add_rmsnorm_fp8(x, residual, weight, eps)
+        else:
+            q, scale = _add_rmsnorm_fp8(x, residual, weight, eps)
+        return q, (x if residual is None else residual), scale
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if torch.compiler.is_compiling():
@@ -96,9 +122,19 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """rmsnorm(x) * weight (fp32 math, one rounding): add_rmsnorm without a residual."""
-    return add_rmsnorm(x, None, weight, eps, out=out)[0]
+            out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None):
+    """rmsnorm(x) * weight (fp32 math, one rounding): add_rmsnorm without a residual; with
+    out_dtype=torch.float8_e4m3fn (q, scale)."""
+    r = add_rmsnorm(x, None, weight, eps, out=out, out_dtype=out_dtype)
+    return r[0] if len(r) == 2 else (r[0], r[2])
+
+
+def _add_rmsnorm_fp8(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): new e4m3 [..., hidden] and float32 [...] tensors; residual in place."""
+    q = torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device)
+    scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    _add_rmsnorm_impl(q, x, residual, weight, eps, scale=scale)
+    return q, scale
 
 
 def _check_aliases(out, x, residual) -> None:
@@ -117,17 +153,22 @@ def _kernel_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "add_rmsnorm")
 
 
-def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0) -> None:
+def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0,
+                      scale: Optional[torch.Tensor] = None) -> None:
+    """out (x's dtype), or with scale (float32 [...]) out e4m3: a fresh contiguous tensor."""
     if x.numel() == 0:
         return
+    fp8 = scale is not None
     _check_aliases(out, x, residual)
     if not _kernel_ok(x):
         if x.device.type == "cuda":
             _ext.warn_reference("add_rmsnorm", "fusedist._C without the add_rmsnorm kernel")
-        normed, h = add_rmsnorm_reference(x, residual, weight, eps)
+        r = add_rmsnorm_reference(x, residual, weight, eps, out.dtype if fp8 else None)
         if residual is not None:
-            residual.copy_(h)
-        out.copy_(normed)
+            residual.copy_(r[1])
+        out.copy_(r[0])
+        if fp8:
+            scale.copy_(r[2])
         return
     hidden = x.shape[-1]
     xs = rows_view(x)
@@ -137,7 +178,9 @@ def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0
     r_copy = residual is not None and rs is None
     if r_copy:       # written in place: work on a copy, then copy back
         rs = packed_rows(residual)
-    o2 = rows_view(out)
+    # An FP8 out is fresh and contiguous: rows of hidden bytes (whole vectors of x's elements,
+    # which is what the kernel's e4m3 stores need; not always whole 16-byte vectors).
+    o2 = out.view(-1, hidden) if fp8 else rows_view(out)
     o_copy = o2 is None
     if o_copy:
         o2 = torch.empty((xs.shape[0], hidden), dtype=x.dtype, device=x.device)
@@ -152,6 +195,8 @@ def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0
     a.tokens, a.hidden, a.eps = xs.shape[0], hidden, eps
     a.dtype = _dtypes.code(x.dtype)
     a.vectors_per_thread = vectors_per_thread
+    if fp8:
+        a.fp8_out, a.scale = True, scale.data_ptr()
     C.add_rmsnorm(a, torch.cuda.current_stream(x.device).cuda_stream)
     if r_copy:
         residual.copy_(rs.view(residual.shape))
@@ -168,3 +213,15 @@ def _add_rmsnorm_op(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch
 @_add_rmsnorm_op.register_fake
 def _(out, x, residual, weight, eps):
     return None
+
+
+@torch.library.custom_op("fusedist::add_rmsnorm_fp8", mutates_args=("residual",))
+def _add_rmsnorm_fp8_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rmsnorm_fp8(x, residual, weight, eps)
+
+
+@_add_rmsnorm_fp8_op.register_fake
+def _(x, residual, weight, eps):
+    return (torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))

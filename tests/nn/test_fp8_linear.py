@@ -576,3 +576,216 @@ def test_benchmark_shapes():
                    "8b/down": (14336, 4096), "70b/qkv": (8192, 10240), "70b/o": (8192, 8192),
                    "70b/gate_up": (8192, 57344), "70b/down": (28672, 8192)}
     assert all(quant.blockwise_shape_ok(n, k) for k, n in got.values())
+
+
+# ---- a pre-quantized activation (e4m3 + per-token scales) ------------------------------------
+def _prequantized(m: int, k: int, seed: int):
+    """x_q, x_scale from fusedist.rmsnorm's FP8 output (the form the layer ops write), one row
+    of zeros; and x_q * x_scale in float64 (the exact activation the GEMM multiplies)."""
+    import fusedist
+
+    x = (torch.randn(m, k, generator=_gen(seed)) * 3).to(torch.bfloat16)
+    x[m // 2] = 0
+    xq, sx = fusedist.rmsnorm(x, torch.ones(k, dtype=torch.bfloat16), 1e-5,
+                              out_dtype=torch.float8_e4m3fn)
+    return xq, sx, xq.double() * sx.double()[:, None]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prequantized_x_on_the_cpu(layout):
+    """fp8_linear(x_q, w, x_scale=s) on the CPU: bf16, fp8_linear_reference on x_q * s in fp32
+    rounded once (bitwise), within the GEMM bound of float64 on the dequantized operands; s as
+    [M] or [M, 1], x as [B, M, K]; a bias; linear() passes x_scale through."""
+    for i, (n, k) in enumerate([(7, 16), (200, 136), (129, 264)]):
+        w = quantize_fp8(torch.randn(n, k, generator=_gen(10 + i)) * 0.05, layout)
+        xq, sx, x64 = _prequantized(9, k, 20 + i)
+        b = torch.randn(n, generator=_gen(30 + i)).to(torch.bfloat16)
+        for bias in (None, b):
+            y = fp8_linear(xq, w, bias, x_scale=sx)
+            assert y.dtype == torch.bfloat16 and y.shape == (9, n)
+            want = quant.fp8_linear_reference(xq.float() * sx[:, None], w, bias).to(torch.bfloat16)
+            assert torch.equal(y, want)
+            ref = x64 @ deq64(w).t() + (0 if bias is None else bias.double())
+            assert_within(y, ref, gemm_bound(x64, deq64(w), ref, torch.bfloat16, bias),
+                          f"{layout} {n}x{k}")
+            assert bool((y[4] == (0 if bias is None else bias)).all())
+            assert torch.equal(fp8_linear(xq, w, bias, x_scale=sx[:, None]), y)
+            assert torch.equal(fp8_linear(xq.view(1, 9, k), w, bias, x_scale=sx.view(1, 9)),
+                               y.view(1, 9, n))
+            assert torch.equal(linear(xq, w, bias, x_scale=sx), y)
+    y = fp8_linear(xq[:0], w, x_scale=sx[:0])
+    assert y.shape == (0, w.shape[0]) and y.dtype == torch.bfloat16
+
+
+def test_prequantized_x_nan_row_stays_in_its_row():
+    """A token whose FP8 rows are NaN (the layer ops' NaN convention) gives a NaN output row;
+    the other rows are untouched."""
+    import fusedist
+
+    x = torch.randn(4, 48).to(torch.bfloat16)
+    x[2, 5] = float("nan")
+    xq, sx = fusedist.rmsnorm(x, torch.ones(48, dtype=torch.bfloat16), 1e-5,
+                              out_dtype=torch.float8_e4m3fn)
+    w = quantize_fp8(torch.randn(40, 48), "channel")
+    for path in ("reference", "dequantize"):
+        y = fp8_linear(xq, w, x_scale=sx, path=path)
+        assert bool(y[2].isnan().all()) and not bool(y[[0, 1, 3]].isnan().any())
+
+
+def test_prequantized_x_errors():
+    w = quantize_fp8(torch.randn(16, 32), "channel")
+    xq, sx, _ = _prequantized(3, 32, 1)
+
+    def bad(match, *a, **k):
+        with pytest.raises(ValueError, match=match):
+            fp8_linear(*a, **k)
+
+    bad("x is e4m3; pass its per-token scales as x_scale=", xq, w)
+    bad("x_scale goes with an e4m3 x", xq.float(), w, x_scale=sx)
+    bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=sx.double())
+    bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=sx[:2])
+    bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=torch.ones(()))
+    bad("does not take a pre-quantized", xq, w, x_scale=sx, path="gemv")
+    bad("does not take a pre-quantized", xq, w, x_scale=sx, path="scaled_mm_tensor")
+    bad("not block scales", xq, quantize_fp8(torch.randn(16, 32), "block"), x_scale=sx,
+        path="scaled_mm_rowwise")
+    with pytest.raises(ValueError, match="needs an FP8Weight"):
+        linear(xq.float(), torch.randn(16, 32), x_scale=sx)
+
+
+@pytest.mark.parametrize("args,want", [
+    ((1, 4096, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),  # never gemv
+    ((64, 4096, 4096, "tensor", FP8, BF, (9, 0), True), "scaled_mm_rowwise"),
+    ((64, 4096, 4096, "block", FP8, None, (9, 0), True), "dequantize"),
+    ((64, 4096, 4104, "channel", FP8, None, (9, 0), True), "dequantize"),   # K % 16
+    ((64, 4104, 4096, "channel", FP8, None, (9, 0), True), "dequantize"),   # N % 16
+    ((64, 4096, 4096, "tensor", FP8, None, (8, 9), True), "dequantize"),    # row-wise: sm_90
+])
+def test_choose_path_prequantized(args, want):
+    assert choose_path(*args) == want
+
+
+def test_takes_fp8_rows(monkeypatch):
+    """Where a producer's FP8 output pays: the bf16 x would go through row-wise _scaled_mm
+    (device facts stood in for a CUDA device: sm_90 with the GEMV)."""
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    dev = torch.device("cuda", 0)
+    ch = FP8Weight.empty(4096, 4096, "channel")
+    assert quant.takes_fp8_rows(17, ch, dev) and quant.takes_fp8_rows(300, ch, dev)
+    assert not quant.takes_fp8_rows(16, ch, dev)                        # the GEMV: bf16 x
+    assert not quant.takes_fp8_rows(300, FP8Weight.empty(4096, 4096, "block"), dev)
+    assert not quant.takes_fp8_rows(300, ch, dev, torch.float16)
+    assert not quant.takes_fp8_rows(300, ch, torch.device("cpu"))
+    monkeypatch.setitem(quant._DEVICE, 0, ((8, 9), True, False))
+    assert not quant.takes_fp8_rows(300, ch, dev)
+
+
+@pytest.mark.skipif(not _scaled_mm_on_cpu(), reason="this torch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("layout", ["channel", "tensor"])
+def test_prequantized_rowwise_is_the_same_gemm(layout):
+    """Row-wise _scaled_mm on (x_q, s) as given is the GEMM the bf16 path runs after its own
+    quantize_rows: the same bits for the same (x_q, s)."""
+    w = quantize_fp8(torch.randn(48, 64, generator=_gen(3)) * 0.05, layout)
+    x = torch.randn(9, 64, generator=_gen(4)).to(torch.bfloat16)
+    xq, sx = quant.quantize_rows(x)
+    y_pre = fp8_linear(xq, w, x_scale=sx, path="scaled_mm_rowwise")
+    assert torch.equal(y_pre, fp8_linear(x, w, path="scaled_mm_rowwise"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("m", [17, 300])
+def test_gpu_prequantized_against_float64(layout, m):
+    """The layer ops' FP8 output into fp8_linear on CUDA (row-wise _scaled_mm on it as it is;
+    block scales: x_q * s and the weight dequantized to bf16): within the GEMM bound of
+    float64 on the dequantized operands, eager and replayed in a CUDA graph."""
+    import fusedist
+
+    dev = torch.device("cuda")
+    n, k = 4096 + 128, 2048 + 64
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.02, layout).to(dev)
+    w64 = deq64(w.to("cpu"))
+    gu = (torch.randn(m, 2 * k, generator=_gen(m + 1)) * 2).to(torch.bfloat16).to(dev)
+    xq, sx = fusedist.silu_mul(gu, out_dtype=FP8)
+    x64 = xq.cpu().double() * sx.cpu().double()[:, None]
+    b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
+    ref = x64 @ w64.t() + b.double()
+    path = quant.fp8_path(xq, w, b.to(dev))
+    assert path == ("dequantize" if layout == "block" else "scaled_mm_rowwise")
+    y = fp8_linear(xq, w, b.to(dev), x_scale=sx)
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fp8_linear(xq, w, b.to(dev), x_scale=sx))
+    graph.replay()
+    torch.cuda.synchronize()
+    bound = gemm_bound(x64, w64, ref, torch.bfloat16, b) + \
+        2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
+    if path == "dequantize":   # x_q * s and the weight rounded to bf16 first
+        bound = bound + 2 * 2.0 ** -9 * (x64.abs() @ w64.abs().t())
+    for got in (y, out):
+        assert_within(got.cpu(), ref, bound, f"{path} m={m} {layout}")
+
+
+def _fp8_mlp(h: int, inter: int, device, layout="channel"):
+    import types
+
+    from fusedist.models.llama.model import MLP
+
+    mlp = MLP(types.SimpleNamespace(hidden_size=h, intermediate_size=inter), 1, torch.bfloat16,
+              device, layout)
+    g = [torch.randn(r, c, generator=_gen(i)) * 0.05
+         for i, (r, c) in enumerate([(inter, h), (inter, h), (h, inter)])]
+    mlp.load_shard(*[quantize_fp8(t, layout).to(device) for t in g])
+    return mlp
+
+
+def test_llama_mlp_fp8_handoff_on_the_cpu(monkeypatch):
+    """The MLP's branch on the CPU, with the GPU's decisions stood in (kernel rows, row-wise
+    _scaled_mm for down): silu_mul's FP8 output goes to down_proj as (q, scale), bitwise the
+    chain spelled out; without the stand-in the bf16 chain runs."""
+    import fusedist
+    import fusedist.models.llama.model as model
+
+    mlp = _fp8_mlp(64, 96, "cpu")
+    x = torch.randn(20, 64, generator=_gen(5)).to(torch.bfloat16)
+    gu = linear(x, mlp.gate_up)
+    plain = mlp(x)                      # CPU: F.silu(g) * u, then down on bf16
+    calls = []
+    monkeypatch.setattr(model, "_kernel_rows", lambda t, width: True)
+    monkeypatch.setattr(model, "takes_fp8_rows",
+                        lambda m, w, device, dtype: calls.append((m, w, dtype)) or True)
+    y = mlp(x)
+    assert calls == [(20, mlp.down, torch.bfloat16)]
+    xq, sx = fusedist.silu_mul(gu, out_dtype=FP8)
+    assert torch.equal(y, fp8_linear(xq, mlp.down, x_scale=sx))
+    # the activations rounded to e4m3 (2^-4 relative at most) against the weight-only chain
+    assert (y.double() - plain.double()).norm() <= 2.0 ** -4 * plain.double().norm()
+    monkeypatch.setattr(model, "takes_fp8_rows", lambda m, w, device, dtype: False)
+    assert torch.equal(mlp(x), fp8_linear(fusedist.silu_mul(gu), mlp.down))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_llama_mlp_hands_silu_mul_fp8_to_down():
+    """The Llama MLP with FP8 weights past 16 rows on sm_90+: down_proj's GEMM takes
+    silu_mul's e4m3 rows + scales (the same bits as that chain spelled out), and the output
+    stays within the e4m3 activation error of the bf16-activation chain."""
+    import fusedist
+    from tolerances import gemm_rel_err
+
+    dev = torch.device("cuda")
+    h, inter, m = 512, 1024, 64
+    mlp = _fp8_mlp(h, inter, dev)
+    x = torch.randn(m, h, generator=_gen(9)).to(torch.bfloat16).to(dev)
+    if not quant.takes_fp8_rows(m, mlp.down, dev):
+        pytest.skip("this GPU takes no row-wise _scaled_mm (sm_90+ needed)")
+    y = mlp(x)
+    gu = linear(x, mlp.gate_up)
+    xq, sx = fusedist.silu_mul(gu, out_dtype=FP8)
+    assert torch.equal(y, fp8_linear(xq, mlp.down, x_scale=sx))
+    # the bf16 chain quantizes silu_mul's bf16-rounded values per token itself: both round
+    # the activations to e4m3 (2^-4 relative at most), from values 2^-9 apart
+    bf16_chain = fp8_linear(fusedist.silu_mul(gu), mlp.down)
+    assert gemm_rel_err(y, bf16_chain) <= 2.0 ** -4

@@ -231,19 +231,30 @@ def _block(x, r, w):
     return normed * 2, h + 1, fusedist.rmsnorm(h, w, EPS)
 
 
+def _block_fp8(x, r, w):
+    fp8 = torch.float8_e4m3fn
+    q, h, s = fusedist.add_rmsnorm(x, r, w, EPS, out_dtype=fp8)
+    q2, s2 = fusedist.rmsnorm(h, w, EPS, out_dtype=fp8)
+    return q.float() * s[:, None], h + 1, q2.float() * s2[:, None]
+
+
 @pytest.mark.parametrize("device,backend", [("cpu", "eager"), ("cpu", "aot_eager"),
                                             pytest.param("cuda", "inductor",
                                                          marks=pytest.mark.gpu)])
-def test_add_rmsnorm_under_torch_compile(device, backend):
-    """fullgraph=True through torch.ops.fusedist.add_rmsnorm: the eager results, and the
-    residual updated in place as in eager."""
-    _need_kernel(device)
+@pytest.mark.parametrize("fp8", [False, True], ids=["default", "fp8"])
+def test_add_rmsnorm_under_torch_compile(device, backend, fp8):
+    """fullgraph=True through torch.ops.fusedist.add_rmsnorm (and add_rmsnorm_fp8 for the FP8
+    output): the eager results, and the residual updated in place as in eager."""
+    if fp8 and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("torch without float8_e4m3fn")
+    (_need_fp8_kernel if fp8 else _need_kernel)(device)
     torch._dynamo.reset()
     gen = _gen(device)
     x, r, w = _inputs(9, 136, torch.bfloat16, device, gen)
     r_eager, r_compiled = r.clone(), r.clone()
-    want = _block(x, r_eager, w)
-    got = torch.compile(_block, fullgraph=True, backend=backend)(x, r_compiled, w)
+    block = _block_fp8 if fp8 else _block
+    want = block(x, r_eager, w)
+    got = torch.compile(block, fullgraph=True, backend=backend)(x, r_compiled, w)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert torch.equal(r_compiled, r_eager) and not torch.equal(r_compiled, r)
@@ -363,3 +374,240 @@ def test_launch_path_on_a_host_fake(monkeypatch):
     plain = fusedist.rmsnorm(x, w, EPS)
     assert fake.calls[-1][1]["residual"] == 0
     _check(plain, x, x, None, w, dt, "plain")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 output: e4m3 + one float32 scale per token (tests/ops/_fp8_rows.py states the checks)
+# ------------------------------------------------------------------------------------------------
+
+from _fp8_rows import (FP8, check_against_reference, check_fp8_64,  # noqa: E402
+                       fp8_rows_spelled_out)
+
+from fusedist.ops.add_rmsnorm import rmsnorm_reference  # noqa: E402
+
+needs_fp8 = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+
+
+def _need_fp8_kernel(device):
+    """On CUDA the kernel must run; a fusedist._C built before the FP8 outputs skips."""
+    _need_kernel(device)
+    if device == "cuda" and not hasattr(_ext.load().AddRmsNormArgs(), "fp8_out"):
+        pytest.skip("fusedist._C predates add_rmsnorm's FP8 output: rebuild fusedist")
+
+
+def _fp8_ref(x, r, w, eps=EPS):
+    """The reference semantics on the CPU: (q, h, scale) of add_rmsnorm_reference."""
+    xc, rc = x.cpu(), None if r is None else r.cpu()
+    return add_rmsnorm_reference(xc, rc, w.cpu(), eps, FP8)
+
+
+def _check_fp8(q, h, scale, x, r, w, device, what):
+    """h bitwise x + r (the residual stays in x's dtype); (q, scale) against float64, and on
+    CUDA within one e4m3 ulp of the reference semantics (bitwise on the CPU)."""
+    if r is not None:   # bitwise, NaN where x + r is NaN
+        want = x + r
+        assert torch.equal(h.isnan(), want.isnan()) and \
+            torch.equal(h.nan_to_num(), want.nan_to_num()), f"residual is not x + residual {what}"
+    check_fp8_64(q, scale, _rms64(h, w), what)
+    q_ref, _, s_ref = _fp8_ref(x, r, w)
+    check_against_reference(q, scale, q_ref, s_ref, device, what)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "plain"])
+def test_add_rmsnorm_fp8_odd_shapes(device, dtype, hidden, with_residual):
+    _need_fp8_kernel(device)
+    gen = _gen(device)
+    for T in TOKENS:
+        x, r, w = _inputs(T, hidden, dtype, device, gen)
+        x0, r0, w0 = x.clone(), r.clone(), w.clone()
+        res = r if with_residual else None
+        q, h, scale = fusedist.add_rmsnorm(x, res, w, EPS, out_dtype=FP8)
+        assert q.dtype == FP8 and q.shape == x.shape and scale.shape == (T,)
+        assert scale.dtype == torch.float32 and q.device == x.device
+        assert torch.equal(x, x0) and torch.equal(w, w0), "x or weight was written"
+        assert h is (r if with_residual else x)
+        _check_fp8(q, h, scale, x0, r0 if with_residual else None, w, device, f"T={T}")
+        q2, s2 = fusedist.rmsnorm(x, w, EPS, out_dtype=FP8)
+        _check_fp8(q2, x, s2, x, None, w, device, f"rmsnorm T={T}")
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_rmsnorm_fp8_special_rows(device, dtype):
+    """A row of zeros (scale = 1e-12 / 448, q = 0), a row with a NaN (all NaN, the others
+    untouched), normed values far above 448 (weight 1e4) and far below the 1e-12 floor
+    (weight 1e-14: q = y / (1e-12 / 448), not 448), a row already on e4m3 values."""
+    _need_fp8_kernel(device)
+    gen = _gen(device)
+    T, n = 6, 136
+    x, r, w = _inputs(T, n, dtype, device, gen)
+    r.zero_()
+    x[0] = 0
+    x[1, 7] = float("nan")
+    x[3] = torch.tensor([448.0, -448.0, 1.0, 0.0] * (n // 4), dtype=dtype)
+    for wscale in (1.0, 1e4, 1e-14):
+        ws = (w * wscale).to(dtype)
+        q, h, scale = fusedist.add_rmsnorm(x, r.clone(), ws, EPS, out_dtype=FP8)
+        _check_fp8(q, h, scale, x, r, ws, device, f"weight x{wscale}")
+        assert float(scale[0]) == float(torch.tensor(1e-12) / 448) and \
+            bool((q[0].float() == 0).all())
+        assert bool(q[1].float().isnan().all()) and bool(scale[1].isnan())
+        assert not bool(q[[0, 2, 3, 4, 5]].float().isnan().any())
+        if wscale == 1e-14:   # below the floor: the largest |q| stays under 448
+            assert bool((q[2:].float().abs().amax(-1) < 448).all()) and \
+                bool((scale[2:] == scale[0]).all())
+
+
+@needs_fp8
+def test_add_rmsnorm_fp8_cpu_is_the_convention_bitwise():
+    """The CPU path is rmsnorm_reference(h, out_dtype=FP8) (the fused all-reduce + RMSNorm's
+    epilogue) and the convention spelled out in torch ops, bitwise (q bytes and scales)."""
+    gen = _gen("cpu")
+    for dtype in DTYPES:
+        x, r, w = _inputs(17, 136, dtype, "cpu", gen)
+        q, h, scale = fusedist.add_rmsnorm(x.view(1, 17, 136), r.clone().view(1, 17, 136), w,
+                                           EPS, out_dtype=FP8)
+        assert q.shape == (1, 17, 136) and scale.shape == (1, 17)
+        q_ref, s_ref = rmsnorm_reference(x + r, w, EPS, FP8)
+        hf = (x + r).float()
+        y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()
+        q_sp, s_sp = fp8_rows_spelled_out(y)
+        for qq, ss in ((q_ref, s_ref), (q_sp, s_sp)):
+            assert torch.equal(q.view(17, 136).view(torch.uint8), qq.view(torch.uint8))
+            assert torch.equal(scale.view(17), ss)
+        # out_dtype = x's dtype is the default path
+        n1, h1 = fusedist.add_rmsnorm(x, r.clone(), w, EPS, out_dtype=dtype)
+        n0, h0 = fusedist.add_rmsnorm(x, r.clone(), w, EPS)
+        assert torch.equal(n1, n0) and torch.equal(h1, h0)
+
+
+@needs_fp8
+def test_add_rmsnorm_fp8_bad_out_dtype():
+    bf = torch.bfloat16
+    x, r, w = torch.randn(3, 64).to(bf), torch.randn(3, 64).to(bf), torch.ones(64, dtype=bf)
+    for od in (torch.float16, torch.float32, torch.int8, getattr(torch, "float8_e5m2", None)):
+        if od is None:
+            continue
+        with pytest.raises(ValueError, match="out_dtype must be None, torch.bfloat16 .x's dtype. "
+                                             "or torch.float8_e4m3fn"):
+            fusedist.add_rmsnorm(x, r, w, EPS, out_dtype=od)
+        with pytest.raises(ValueError, match="out_dtype must be"):
+            fusedist.rmsnorm(x, w, EPS, out_dtype=od)
+    with pytest.raises(ValueError, match="pass out=None"):
+        fusedist.add_rmsnorm(x, r, w, EPS, out=torch.empty_like(x), out_dtype=FP8)
+    with pytest.raises(ValueError, match="pass out=None"):
+        fusedist.rmsnorm(x, w, EPS, out=torch.empty(3, 64, dtype=FP8), out_dtype=FP8)
+
+
+@needs_fp8
+def test_add_rmsnorm_fp8_empty_batch():
+    x = torch.zeros(0, 64, dtype=torch.bfloat16)
+    q, h, scale = fusedist.add_rmsnorm(x, x.clone(), torch.ones(64, dtype=torch.bfloat16),
+                                       out_dtype=FP8)
+    assert q.shape == (0, 64) and q.dtype == FP8 and scale.shape == (0,)
+
+
+@needs_fp8
+def test_add_rmsnorm_fp8_registered():
+    gen = _gen("cpu")
+    x, r, w = _inputs(3, 64, torch.float32, "cpu", gen)
+    r0 = r.clone()
+    q, scale = torch.ops.fusedist.add_rmsnorm_fp8(x, r, w, EPS)
+    _check_fp8(q, r, scale, x, r0, w, "cpu", "torch.ops")
+
+
+@needs_fp8
+def test_launch_path_fp8_on_a_host_fake(monkeypatch):
+    """The FP8 launch path through the host stand-in: fp8_out and the scale pointer set, out
+    a fresh e4m3 [T, hidden] with its row stride in e4m3 elements (hidden: not always whole
+    16-byte vectors), the residual copied around when unaligned; bitwise the reference."""
+    from _fake_layers import install
+
+    fake = install(monkeypatch, importlib.import_module("fusedist.ops.add_rmsnorm"))
+    gen = _gen("cpu")
+    for dt, T, n in ((torch.bfloat16, 5, 136), (torch.float32, 3, 8200)):
+        x, r, w = _inputs(T, n, dt, "cpu", gen)
+        r0 = r.clone()
+        q, h, scale = fusedist.add_rmsnorm(x.view(1, T, n), r.view(1, T, n), w, EPS,
+                                           out_dtype=FP8)
+        _, a = fake.calls[-1]
+        assert a["fp8_out"] and a["scale"] == scale.data_ptr() and a["out"] == q.data_ptr()
+        assert (a["tokens"], a["hidden"], a["out_stride"], a["residual"]) == \
+            (T, n, n, r.data_ptr())
+        _check_fp8(q.view(T, n), r, scale.view(T), x, r0, w, "cpu", "fake")
+    flat_r = torch.zeros(T * n + 1, dtype=dt)
+    res = flat_r[1:].view(T, n)
+    res.copy_(r0)
+    q, h, scale = fusedist.add_rmsnorm(x, res, w, EPS, out_dtype=FP8)
+    assert h is res and fake.calls[-1][1]["residual"] != res.data_ptr()
+    _check_fp8(q, res, scale, x, r0, w, "cpu", "unaligned residual")
+    q, scale = fusedist.rmsnorm(x, w, EPS, out_dtype=FP8)
+    assert fake.calls[-1][1]["residual"] == 0 and fake.calls[-1][1]["fp8_out"]
+    _check_fp8(q, x, scale, x, None, w, "cpu", "plain")
+    # the default output leaves fp8_out off and scale 0
+    fusedist.rmsnorm(x, w, EPS)
+    assert not fake.calls[-1][1]["fp8_out"] and fake.calls[-1][1]["scale"] == 0
+
+
+@needs_fp8
+@pytest.mark.gpu
+def test_add_rmsnorm_fp8_cuda_graph():
+    """One capture of the FP8 outputs (add_rmsnorm and rmsnorm); replays with new inputs equal
+    eager calls bitwise and the reference within one e4m3 ulp."""
+    _need_fp8_kernel("cuda")
+    gen = _gen("cuda")
+    dt = torch.bfloat16
+    x, r, w = _inputs(64, 4096, dt, "cuda", gen)
+    fusedist.add_rmsnorm(x, r.clone(), w, EPS, out_dtype=FP8)    # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        q, _, scale = fusedist.add_rmsnorm(x, r, w, EPS, out_dtype=FP8)
+        q2, s2 = fusedist.rmsnorm(x, w, EPS, out_dtype=FP8)
+    for _ in range(3):
+        x0, r0, _ = _inputs(64, 4096, dt, "cuda", gen)
+        x.copy_(x0)
+        r.copy_(r0)
+        for t in (q, q2):
+            t.view(torch.uint8).fill_(0x7F)   # NaN
+        scale.fill_(float("nan"))
+        s2.fill_(float("nan"))
+        g.replay()
+        qe, he, se = fusedist.add_rmsnorm(x0, r0.clone(), w, EPS, out_dtype=FP8)
+        assert torch.equal(q.view(torch.uint8), qe.view(torch.uint8))
+        assert torch.equal(scale, se) and torch.equal(r, he)
+        qe2, se2 = fusedist.rmsnorm(x0, w, EPS, out_dtype=FP8)
+        assert torch.equal(q2.view(torch.uint8), qe2.view(torch.uint8)) and torch.equal(s2, se2)
+        _check_fp8(q, r, scale, x0, r0, w, "cuda", "graph replay")
+        _check_fp8(q2, x0, s2, x0, None, w, "cuda", "graph replay, plain")
+
+
+@needs_fp8
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rmsnorm_fp8_every_instantiation(dtype):
+    """Each vectors-per-thread instantiation with the FP8 output, with and without a residual,
+    on rows whose vectors do not fill the last warp, and the widest row."""
+    _need_fp8_kernel("cuda")
+    gen = _gen("cuda")
+    per = 16 // dtype.itemsize
+    for hidden in (8 * 257, 8 * 513, MAX_HIDDEN[dtype]):
+        hv = hidden // per
+        x, r, w = _inputs(17, hidden, dtype, "cuda", gen)
+        for vpt in (1, 2, 4, 8):
+            if -(-hv // vpt) > 512:
+                continue
+            for with_residual in (True, False):
+                res = r.clone() if with_residual else None
+                q = torch.empty(x.shape, dtype=FP8, device="cuda")
+                q.view(torch.uint8).fill_(0x7F)
+                scale = torch.full((17,), float("nan"), device="cuda")
+                _add_rmsnorm_impl(q, x, res, w, EPS, vectors_per_thread=vpt, scale=scale)
+                _check_fp8(q, x if res is None else res, scale, x,
+                           r if with_residual else None, w, "cuda",
+                           f"hidden={hidden} vpt={vpt} residual={with_residual}")

@@ -229,3 +229,186 @@ def test_launch_path_on_a_host_fake(monkeypatch):
     _, a = fake.calls[-1]
     assert a["gate_up"] != odd.data_ptr() and a["out"] != out.data_ptr()
     assert _bad(out, gu, dt) == 0 and torch.isnan(flat_o[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 output: e4m3 + one float32 scale per token (tests/ops/_fp8_rows.py states the checks)
+# ------------------------------------------------------------------------------------------------
+
+from _fp8_rows import (FP8, bitwise, check_against_reference, check_fp8_64,  # noqa: E402
+                       fp8_rows_spelled_out)
+
+needs_fp8 = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+
+
+def _need_fp8_kernel(device):
+    """On CUDA the kernel must run; a fusedist._C built before the FP8 output skips."""
+    _need_kernel(device)
+    if device == "cuda" and not hasattr(_ext.load().SiluMulArgs(), "fp8_out"):
+        pytest.skip("fusedist._C predates silu_mul's FP8 output: rebuild fusedist")
+
+
+def _check_fp8(q, scale, gu, device, what):
+    """(q, scale) against float64, and on CUDA within one e4m3 ulp of the reference semantics
+    (bitwise on the CPU)."""
+    check_fp8_64(q, scale, _ref64(gu), what)
+    check_against_reference(q, scale, *silu_mul_reference(gu.cpu(), FP8), device, what)
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", INTER)
+def test_silu_mul_fp8_odd_shapes(device, dtype, inter):
+    _need_fp8_kernel(device)
+    gen = _gen(device)
+    for T in TOKENS:
+        gu = _gate_up(T, inter, dtype, device, gen)
+        gu0 = gu.clone()
+        q, scale = fusedist.silu_mul(gu, out_dtype=FP8)
+        assert q.dtype == FP8 and q.shape == (T, inter) and q.device == gu.device
+        assert scale.dtype == torch.float32 and scale.shape == (T,)
+        assert torch.equal(gu, gu0), "gate_up was written"
+        _check_fp8(q, scale, gu, device, f"T={T}")
+
+
+@needs_fp8
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_mul_fp8_special_rows(device, dtype):
+    """A row of zeros (scale = 1e-12 / 448, q = 0); one NaN gate makes its whole row NaN (the
+    scale too: the kernel's amax keeps NaN) and no other; values far above 448 and below the
+    1e-12 floor; a gate|up product that overflows fp32 (inf): its scale is inf, that element
+    NaN (inf / inf) and the row's others 0, as torch gives."""
+    _need_fp8_kernel(device)
+    gen = _gen(device)
+    T, i = 7, 136
+    gu = _gate_up(T, i, dtype, device, gen)
+    gu[0] = 0
+    gu[1, 5] = float("nan")                 # a gate
+    gu[2, i + 3] = float("nan")             # an up
+    gu[3, i:] *= 1e4                        # |y| up to ~1e5
+    gu[4, i:] = (gu[4, i:].float() * 1e-15).to(dtype)    # |y| ~1e-14, under the floor
+    q, scale = fusedist.silu_mul(gu, out_dtype=FP8)
+    _check_fp8(q, scale, gu, device, "special")
+    assert float(scale[0]) == float(torch.tensor(1e-12) / 448) and bool((q[0].float() == 0).all())
+    for row in (1, 2):
+        assert bool(q[row].float().isnan().all()) and bool(scale[row].isnan())
+    assert not bool(q[[0, 3, 4, 5, 6]].float().isnan().any())
+    assert float(scale[4]) == float(scale[0]) and float(q[4].float().abs().max()) < 448
+    big = torch.zeros(2, 2 * i, dtype=dtype, device=device)
+    big[:, :i] = 1.0
+    big[0, 2], big[0, i + 2] = 1e38, 1e38   # silu(1e38) * 1e38 = inf in fp32
+    big[0, i + 4] = 2.0
+    q, scale = fusedist.silu_mul(big, out_dtype=FP8)
+    assert float(scale[0]) == float("inf") and bool(q[0, 2].float().isnan())
+    rest = torch.ones(i, dtype=torch.bool)
+    rest[2] = False
+    assert bool((q[0, rest].float() == 0).all())
+    assert float(scale[1]) == float(torch.tensor(1e-12) / 448) and \
+        bool((q[1].float() == 0).all())     # u = 0: a row of zeros
+    # (NaN places, not NaN bytes, on CUDA: the CPU's inf / inf is a negative NaN, 0xff in e4m3)
+    check_against_reference(q, scale, *silu_mul_reference(big.cpu(), FP8), device, "overflow")
+
+
+@needs_fp8
+def test_silu_mul_fp8_cpu_is_the_conventionbitwise():
+    """The CPU path is the convention spelled out in torch ops on fp32 F.silu(g) * u (the same
+    as fusedist.add_rmsnorm's and the fused all-reduce + RMSNorm's), bitwise."""
+    gen = _gen("cpu")
+    for dtype in DTYPES:
+        gu = _gate_up(17, 136, dtype, "cpu", gen)
+        q, scale = fusedist.silu_mul(gu.view(1, 17, 272), out_dtype=FP8)
+        assert q.shape == (1, 17, 136) and scale.shape == (1, 17)
+        y = F.silu(gu[:, :136].float()) * gu[:, 136:].float()
+        q_sp, s_sp = fp8_rows_spelled_out(y)
+        assert bitwise(q.view(17, 136), q_sp) and bitwise(scale.view(17), s_sp)
+        assert torch.equal(fusedist.silu_mul(gu, out_dtype=dtype), fusedist.silu_mul(gu))
+
+
+@needs_fp8
+def test_silu_mul_fp8_bad_out_dtype_and_empty():
+    gu = torch.randn(3, 32).to(torch.bfloat16)
+    for od in (torch.float16, torch.float32, torch.int8):
+        with pytest.raises(ValueError, match="out_dtype must be None, torch.bfloat16 "
+                                             ".gate_up's dtype. or torch.float8_e4m3fn"):
+            fusedist.silu_mul(gu, out_dtype=od)
+    with pytest.raises(ValueError, match="pass out=None"):
+        fusedist.silu_mul(gu, out=torch.empty(3, 16, dtype=FP8), out_dtype=FP8)
+    q, scale = fusedist.silu_mul(torch.zeros(2, 0, 32), out_dtype=FP8)
+    assert q.shape == (2, 0, 16) and q.dtype == FP8 and scale.shape == (2, 0)
+
+
+def _mlp_tail_fp8(gu):
+    q, s = fusedist.silu_mul(gu, out_dtype=FP8)
+    return q.float() * s[:, None]
+
+
+@needs_fp8
+@pytest.mark.parametrize("device,backend", [("cpu", "eager"), ("cpu", "aot_eager"),
+                                            pytest.param("cuda", "inductor",
+                                                         marks=pytest.mark.gpu)])
+def test_silu_mul_fp8_under_torch_compile(device, backend):
+    _need_fp8_kernel(device)
+    torch._dynamo.reset()
+    gu = _gate_up(9, 136, torch.bfloat16, device, _gen(device))
+    got = torch.compile(_mlp_tail_fp8, fullgraph=True, backend=backend)(gu)
+    assert torch.equal(got, _mlp_tail_fp8(gu))
+    q, s = torch.ops.fusedist.silu_mul_fp8(gu)
+    assert torch.equal(q.float() * s[:, None], got)
+    torch._dynamo.reset()
+
+
+@needs_fp8
+def test_launch_path_fp8_on_a_host_fake(monkeypatch):
+    """The FP8 launch path through the host stand-in: fp8_out and the scale pointer, out a
+    fresh e4m3 [T, I] with its row stride in e4m3 elements (I: not always whole 16-byte
+    vectors), an unaligned gate_up copied first; bitwise the reference."""
+    from _fake_layers import install
+
+    fake = install(monkeypatch, importlib.import_module("fusedist.ops.silu_mul"))
+    gen = _gen("cpu")
+    for dt, T, i in ((torch.bfloat16, 5, 136), (torch.float32, 3, 8200)):
+        gu = _gate_up(T, i, dt, "cpu", gen)
+        q, scale = fusedist.silu_mul(gu.view(1, T, 2 * i), out_dtype=FP8)
+        _, a = fake.calls[-1]
+        assert a["fp8_out"] and a["scale"] == scale.data_ptr() and a["out"] == q.data_ptr()
+        assert (a["tokens"], a["inter"], a["in_stride"], a["out_stride"]) == (T, i, 2 * i, i)
+        _check_fp8(q.view(T, i), scale.view(T), gu, "cpu", "fake")
+    flat = torch.zeros(T * 2 * i + 1, dtype=dt)
+    odd = flat[1:].view(T, 2 * i)
+    odd.copy_(gu)
+    q, scale = fusedist.silu_mul(odd, out_dtype=FP8)
+    assert fake.calls[-1][1]["gate_up"] != odd.data_ptr()
+    _check_fp8(q, scale, gu, "cpu", "unaligned gate_up")
+    fusedist.silu_mul(gu)
+    assert not fake.calls[-1][1]["fp8_out"] and fake.calls[-1][1]["scale"] == 0
+
+
+@needs_fp8
+@pytest.mark.gpu
+def test_silu_mul_fp8_cuda_graph_and_many_rows():
+    """One capture of the FP8 output; replays with new inputs equal eager calls bitwise and
+    the reference within one e4m3 ulp. Also more rows than the bf16 kernel's 65535 row
+    blocks (the FP8 kernel: one block a row)."""
+    _need_fp8_kernel("cuda")
+    gen = _gen("cuda")
+    dt = torch.bfloat16
+    gu = _gate_up(64, 14336, dt, "cuda", gen)
+    fusedist.silu_mul(gu, out_dtype=FP8)                 # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        q, scale = fusedist.silu_mul(gu, out_dtype=FP8)
+    for _ in range(3):
+        gu0 = _gate_up(64, 14336, dt, "cuda", gen)
+        gu.copy_(gu0)
+        q.view(torch.uint8).fill_(0x7F)
+        scale.fill_(float("nan"))
+        g.replay()
+        qe, se = fusedist.silu_mul(gu0, out_dtype=FP8)
+        assert bitwise(q, qe) and bitwise(scale, se)
+        _check_fp8(q, scale, gu0, "cuda", "graph replay")
+    many = _gate_up(65535 * 2 + 3, 8, dt, "cuda", gen)
+    q, scale = fusedist.silu_mul(many, out_dtype=FP8)
+    _check_fp8(q, scale, many, "cuda", "many rows")

@@ -26,7 +26,10 @@ stream in place.
 FP8 weights (quant=, a config.WeightQuant; build_model's quantize= or an FP8 checkpoint): q/k/v,
 o, gate|up and down are fusedist.nn.quant.FP8Weight, their GEMMs fusedist.nn.linear.linear's
 FP8 paths; embeddings, norms, the LM head, activations and the KV cache stay in the model
-dtype.
+dtype, except where down_proj's GEMM is row-wise torch._scaled_mm (more than 16 rows on sm_90+,
+per-tensor / per-channel scales: takes_fp8_rows): there silu_mul writes e4m3 + per-token scales
+and the GEMM takes them as they are. The norms before q/k/v and gate|up still hand bf16 rows to
+their GEMMs, which quantize them per token.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ...nn.attention import TPAttention, kv_head_range
 from ...nn.kv_cache import PagedKVCache
 from ...nn.linear import _gather_columns
 from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
-from ...nn.quant import FP8Weight
+from ...nn.quant import FP8, FP8Weight, takes_fp8_rows
 from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
 from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
 from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
@@ -97,6 +100,12 @@ class MLP(torch.nn.Module):
     def forward(self, x):
         gu = linear(x, self.gate_up)
         if _kernel_rows(gu, self.inter):
+            if isinstance(self.down, FP8Weight) and \
+                    takes_fp8_rows(gu.numel() // gu.shape[-1], self.down, gu.device, gu.dtype):
+                # down's row-wise _scaled_mm takes silu_mul's e4m3 rows + per-token scales as
+                # they are (no quantization pass of its own)
+                q, s = silu_mul(gu, out_dtype=FP8)
+                return linear(q, self.down, x_scale=s)
             return linear(silu_mul(gu), self.down)
         return linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], self.down)
 

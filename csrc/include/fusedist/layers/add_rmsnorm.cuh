@@ -3,6 +3,7 @@
 //   h      = round_T(x + residual)                            -> residual, in place
 //   normed = round_T(h * rsqrt(mean(h^2) + eps) * weight)     fp32 math
 //   (without a residual: h = x, nothing but normed is written)
+//   kFp8Out: normed as e4m3 + one float32 scale per row (fp8_rows.cuh) of the fp32 values
 //
 // The row stays in registers from its loads to its stores: thread i holds the row's 16-byte
 // vectors i, i + blockDim.x, ... (kVpt of them: coalesced accesses), so x, residual and
@@ -12,9 +13,12 @@
 // squared: the stored residual and the normalized value agree, as in the torch composite
 // `h = x + residual; F.rms_norm(h)`. Rows are independent: no inter-block communication.
 // Reads happen before the barrier and normed is stored after it, so normed may overwrite x.
+// kFp8Out: after the sum, a second block reduction (the row's amax) and a second pass over
+// the packed h and weight that recomputes the same fp32 values and stores e4m3 bytes.
 #pragma once
 #include "fusedist/common/signals.cuh"  // pdl_wait / pdl_trigger
 #include "fusedist/common/vec.cuh"
+#include "fusedist/layers/fp8_rows.cuh"
 
 namespace fusedist {
 namespace layers {
@@ -27,7 +31,10 @@ struct AddRmsNormParams {
   const Vec16* x;
   Vec16* residual;  // nullptr: plain RMSNorm (the kernel's kResidual = false)
   const Vec16* weight;
-  Vec16* out;
+  Vec16* out;          // T output (nullptr with kFp8Out)
+  uint8_t* out_fp8;    // kFp8Out: e4m3 [tokens, fp8_stride] and float32 scale [tokens]
+  float* scale;
+  int64_t fp8_stride;  // bytes between rows of out_fp8
   int hidden;                                      // elements; a whole number of vectors
   int64_t x_stride, residual_stride, out_stride;  // 16-byte vectors between rows
   float eps;
@@ -47,7 +54,7 @@ __device__ __forceinline__ float block_sum_once(float v) {
   return total;
 }
 
-template <typename T, int kVpt, bool kResidual>
+template <typename T, int kVpt, bool kResidual, bool kFp8Out>
 __global__ void __launch_bounds__(kRmsNormMaxThreads)
     add_rmsnorm_row_kernel(const __grid_constant__ AddRmsNormParams p) {
   constexpr int kPer = ElemTraits<T>::kPerVec;
@@ -105,17 +112,40 @@ __global__ void __launch_bounds__(kRmsNormMaxThreads)
   for (int u = 0; u < kVpt; ++u)
 #pragma unroll
     for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(xv[u].w[k]));
-  Vec16* out = p.out + row * p.out_stride;
+  // The fp32 normed values of the thread's vector u, unpacked again from the packed h.
+  auto normed = [&](int u, float* y) {
+    float w[kPer] = {};
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) y[e] = 0.f;
+    vec_accumulate<T>(y, xv[u]);
+    vec_accumulate<T>(w, wv[u]);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) y[e] = y[e] * rstd * w[e];
+  };
+  float scale = 0.f;
+  if constexpr (kFp8Out) {
+    float amax = 0.f;
+#pragma unroll
+    for (int u = 0; u < kVpt; ++u) {
+      if (threadIdx.x + u * blockDim.x >= hv) continue;
+      float y[kPer];
+      normed(u, y);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) amax = nan_max(amax, fabsf(y[e]));
+    }
+    scale = fp8_row_scale(block_max_once(amax));
+    if (threadIdx.x == 0) p.scale[row] = scale;
+  }
 #pragma unroll
   for (int u = 0; u < kVpt; ++u) {
     const int c = threadIdx.x + u * blockDim.x;
     if (c >= hv) continue;
-    float h[kPer] = {}, w[kPer] = {};
-    vec_accumulate<T>(h, xv[u]);
-    vec_accumulate<T>(w, wv[u]);
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) h[e] = h[e] * rstd * w[e];
-    out[c] = vec_from_floats<T>(h);
+    float y[kPer];
+    normed(u, y);
+    if constexpr (kFp8Out)
+      store_e4m3<kPer>(p.out_fp8 + row * p.fp8_stride + int64_t(c) * kPer, y, scale);
+    else
+      p.out[row * p.out_stride + c] = vec_from_floats<T>(y);
   }
 }
 

@@ -15,8 +15,13 @@ constexpr int kAddRmsNormMaxVectors = 4096;
 
 // h = x + residual (rounded to dtype) written back into residual; out = rmsnorm(h) * weight.
 // residual = 0: plain RMSNorm of x (nothing written but out). out may be x itself.
+// fp8_out: out is e4m3 [tokens, out_stride] (out_stride in e4m3 elements, a multiple of the
+// 16-byte vector's elements of dtype) and scale float32 [tokens]: per row scale = max(amax of
+// the fp32 normed row, 1e-12) / 448, out = e4m3(normed / scale) (layers/fp8_rows.cuh).
 struct AddRmsNormArgs {
   uintptr_t x = 0, residual = 0, weight = 0, out = 0;
+  uintptr_t scale = 0;  // fp8_out only
+  bool fp8_out = false;
   int64_t tokens = 0;
   int hidden = 0;
   int64_t x_stride = 0, residual_stride = 0, out_stride = 0;  // elements between rows
@@ -28,8 +33,11 @@ struct AddRmsNormArgs {
 void add_rmsnorm(const AddRmsNormArgs& args, uintptr_t stream);
 
 // out[t, :] = silu(gate_up[t, :inter]) * gate_up[t, inter:], fp32 math, one rounding.
+// fp8_out: out is e4m3 [tokens, out_stride] and scale float32 [tokens], as add_rmsnorm's.
 struct SiluMulArgs {
   uintptr_t gate_up = 0, out = 0;
+  uintptr_t scale = 0;  // fp8_out only
+  bool fp8_out = false;
   int64_t tokens = 0;
   int inter = 0;
   int64_t in_stride = 0, out_stride = 0;  // elements between rows
