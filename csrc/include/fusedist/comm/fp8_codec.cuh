@@ -2,7 +2,7 @@
 // fp32 scale per block of `block` elements.
 //
 //   encode:      amax_b = max |x[i]| over block b (elements at or past numel count as 0; a NaN
-//                makes it NaN), scale[b] = amax_b > 0 ? amax_b / 448 : 1,
+//                makes it NaN), scale[b] = amax_b > 0 ? amax_b * fp32(1 / 448) : 1,
 //                q[i] = e4m3(clamp(x[i] / scale[b], -448, 448)), round to nearest even
 //   decode_sum:  out[i] = ((v_0 + v_1) + v_2) + ...,  v_r = float(q_r[i]) * scale_r[i / block]
 //                (the payloads in order; one payload: out[i] = v_0)
@@ -85,7 +85,9 @@ __global__ void __launch_bounds__(kFp8CodecThreads)
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
       if (threadIdx.x == 0) {
-        const float s = v > 0.f ? __fdiv_rn(v, kE4M3Max) : 1.f;  // NaN > 0 is false: 1
+        // amax x (1 / 448) in fp32: torch divides a CUDA tensor by a scalar that way (a
+        // multiply by the scalar's fp32 reciprocal), and the torch path is the reference.
+        const float s = v > 0.f ? __fmul_rn(v, 1.f / kE4M3Max) : 1.f;  // NaN > 0 is false: 1
         block_scale = s;
         p.scales[b] = s;
       }
