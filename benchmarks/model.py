@@ -172,6 +172,43 @@ def merged(rows: list[dict], meta: dict, quantize: str = "none") -> list[dict]:
     return keep + rows
 
 
+def plot(rows: list[dict], path) -> None:
+    """Step time per backend and batch, stacked by kernel class where the row was profiled
+    (GEMM, attention, communication, other; the rest of the step, launch gaps included, on
+    top): one panel per (batch, context)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["batch"], r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(max(6.5, 4.2 * len(keys)), 3.8), squeeze=False)
+    colors = {"gemm": "#4c72b0", "attention": "#dd8452", "communication": "#55a868",
+              "other": "#8172b3", "rest": "#c7c7c7"}
+    for ax, (b, ctx) in zip(axes[0], keys):
+        rs = [r for r in rows if (r["batch"], r["context"]) == (b, ctx) and r.get("step_ms")]
+        for i, r in enumerate(rs):
+            prof, bottom = r.get("profile_us") or {}, 0.0
+            for cls in CLASSES:
+                v = prof.get(cls, 0.0) / 1e3
+                ax.bar(i, v, bottom=bottom, color=colors[cls], label=cls if i == 0 else None)
+                bottom += v
+            ax.bar(i, max(r["step_ms"] - bottom, 0.0), bottom=bottom, color=colors["rest"],
+                   label="rest of the step" if i == 0 else None)
+            ax.text(i, r["step_ms"], f"{r['step_ms']:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rs)), [r["backend"] for r in rs], fontsize=8)
+        ax.set_title(f"batch {b}, context {ctx}", fontsize=9)
+        ax.set_ylabel("ms per decode step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=len(labels))
+    w = {f"{r['weights'].get('format', '?')} ({r['weights'].get('scales', '?')})"
+         for r in rows if isinstance(r.get("weights"), dict)}
+    fig.suptitle("Llama-3-8B shape, TP 1" + (f", {', '.join(sorted(w))} weights" if w else "") +
+                 ":\none decode step (CUDA graphs) and its kernel time", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="llama-3-8b")
@@ -186,10 +223,18 @@ def main():
     ap.add_argument("--quantize", default="none",
                     choices=("none", "fp8", "fp8-channel", "fp8-tensor", "fp8-block"),
                     help="fusedist.generate --quantize: FP8 projection weights for every backend")
+    ap.add_argument("--plot-only", metavar="JSON",
+                    help="redraw the plot of a results file (results/<gpu>-w<N>/model*.json) "
+                         "beside it, without running anything")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
     args = ap.parse_args()
+    if args.plot_only:
+        src = Path(args.plot_only)
+        plot(json.loads(src.read_text())["rows"], src.with_suffix(".png"))
+        print(f"wrote {src.with_suffix('.png')}")
+        return
     bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     rows = []
     for spec in args.rows:
@@ -216,7 +261,8 @@ def main():
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
         "prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)
-    for p in write_results(stem(args.quantize), meta, rows, text):
+    for p in write_results(stem(args.quantize), meta, rows, text,
+                           plot=lambda path: plot(rows, path)):
         print(f"wrote {p}")
 
 
