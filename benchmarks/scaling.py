@@ -94,8 +94,10 @@ def count_wrong(y, ref, dtype, atol) -> int:
 
 
 def digest(y: torch.Tensor) -> tuple:
-    b = y.contiguous().view(-1).view(torch.uint8).cpu().long()
-    return int(b.sum()), int((b * torch.arange(b.numel()) % 1000003).sum())
+    """Two integer checksums of y's bytes, formed where y lives (exact integer sums: the same
+    on any device; a GEMM's output or a step's logits stay off the host)."""
+    b = y.contiguous().view(-1).view(torch.uint8).long()
+    return int(b.sum()), int((b * torch.arange(b.numel(), device=b.device) % 1000003).sum())
 
 
 class Bench:
@@ -263,6 +265,7 @@ def linear_rows(sc: Scale, cfg: LlamaConfig, tokens: list[int], dtype, args) -> 
 
 
 def linear_row(sc: Scale, g, p, module, fin, fout, M, dtype, seed, args) -> dict:
+    """One TP-linear row on the first p ranks (g: their group, None on the other ranks)."""
     dev = sc.rt.device
     wrong = comm_bytes = 0
     identical, calls = True, None
@@ -285,11 +288,12 @@ def linear_row(sc: Scale, g, p, module, fin, fout, M, dtype, seed, args) -> dict
         wrong = int((~ok).sum()) if y.shape == ref.shape else ref.numel()
         ds = g.all_gather_object(digest(y))
         identical = all(d == ds[0] for d in ds)
+        # the local GEMM's output: the column's shard of [M, out], the row's partial sums
         local = xin @ mod.weight.t()
-        buf = torch.empty((M, fout), dtype=dtype, device=dev)
+        buf = torch.empty_like(local)
         calls = {"call": lambda: mod(xin), "gemm": lambda: torch.matmul(xin, mod.weight.t()),
                  "comm": (lambda: _gather_columns(mod.comm, local)) if module == "column"
-                 else (lambda: mod.comm.all_reduce(buf, out=buf))}
+                 else (lambda: mod.comm.all_reduce(local, out=buf))}
         comm_bytes = M * fout * dtype.itemsize
     times = {k: sc.time_us(p, (lambda k=k: calls[k]()) if calls else None, args.ops, args.reps)
              for k in ("call", "gemm") + (("comm",) if p > 1 else ())}
