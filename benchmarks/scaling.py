@@ -30,7 +30,7 @@ the collective and its error, efficiency against one rank and #wrong against a f
 reference; the decode step's ms per step beside cost_model.decode_step_us from this run's
 TP-1 step, its logits against TP 1's. The plot: busbw vs size per configuration, efficiency
 vs ranks. Results: benchmarks/results/<machine>-w<N>/scaling.{json,md,png} (the JSON's
-"rows", "linear_rows", "decode_rows")
+"rows", "linear_rows", "decode_rows").
 
     torchrun --nproc-per-node 8 benchmarks/scaling.py --parts linears,decode   # llama-3-8b
 """
