@@ -355,18 +355,20 @@ def reproduce_command(meta: dict) -> str:
     return f"python3 {args}"
 
 
-def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=None) -> list[Path]:
+def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=None,
+                  tables: Optional[dict] = None) -> list[Path]:
     """benchmarks/results/<gpu>-w<N>/<stem>.{json,md,png}: one current set per benchmark and
     machine (git keeps the older ones). FUSEDIST_RESULTS_DIR replaces benchmarks/results (the
     <gpu>-w<N>/ folder stays, so benchmarks/compare.py pairs a new file with the committed
-    one by its relative path)."""
+    one by its relative path). `tables` ({key: rows}) go into the JSON beside "rows": row
+    lists of other columns, which readers of "rows" do not see."""
     meta = dict(meta)
     meta.setdefault("reproduce", reproduce_command(meta))
     out = os.environ.get("FUSEDIST_RESULTS_DIR")
     base = (Path(out) if out else RESULTS) / machine_dir(meta)
     base.mkdir(parents=True, exist_ok=True)
     paths = [base / f"{stem}.json", base / f"{stem}.md"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows, **(tables or {})}, indent=1))
     head = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths[1].write_text(f"# {stem}\n\n{head}\n\n{markdown}\n")
     if plot is not None:
