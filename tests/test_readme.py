@@ -42,7 +42,7 @@ def run_ranks(tmp_path, code: str, nproc: int):
 def test_usage_block_on_two_cpu_ranks(tmp_path):
     code = block_after("## Usage")
     assert "torch.cuda.CUDAGraph" in code      # the GPU-only lines are behind a device check
-    out = run_ranks(tmp_path, code + "\nprint('example done')\n", 2)
+    out = run_ranks(tmp_path, code + "\nimport sys\nsys.stdout.write('example done\\n')\n", 2)
     assert out.count("example done") == 2, out[-3000:]
 
 
@@ -50,7 +50,8 @@ def test_usage_block_on_two_cpu_ranks(tmp_path):
 def test_torch_distributed_block_on_two_cpu_ranks(tmp_path):
     code = block_after("### Under torch.distributed")
     check = ("\nassert dist.group.WORLD.routed >= 1, 'the row-parallel all-reduce skipped fusedist'"
-             "\nprint('example done', tuple(y.shape))\ndist.destroy_process_group()\n")
+             "\nimport sys\nsys.stdout.write(f'example done {tuple(y.shape)}\\n')"
+             "\nsys.stdout.flush()\ndist.destroy_process_group()\n")   # one write per rank
     out = run_ranks(tmp_path, code + check, 2)
     assert out.count("example done (8, 256)") == 2, out[-3000:]
 
