@@ -1,7 +1,8 @@
 // Host launcher of the decode GEMV (csrc/include/fusedist/gemm/gemv.cuh): argument checks, the
 // plan (one wave of resident CTAs over the stream-K units; the workspace the partial strips
-// need), the instantiation (weight dtype x x rows padded to 8 or 16 x block scales: six
-// kernels) and the launch (programmatic dependent launch, launch.h).
+// need, the ring's depth and shared memory), the instantiation (weight dtype x x rows padded to
+// 8 or 16 x block scales x register pipeline or ring: twelve kernels) and the launch
+// (programmatic dependent launch, launch.h).
 #include <algorithm>
 #include <string>
 
