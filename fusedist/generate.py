@@ -101,6 +101,9 @@ def parse_args(argv=None):
     run.add_argument("--page-size", type=int, default=16)
     run.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk")
     run.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    run.add_argument("--prefill-graph-tokens", type=int, default=0, metavar="N",
+                     help="replay prefill chunks of up to N tokens through CUDA graphs (token "
+                     "buckets; the paged prefill kernel; default 0: eager prefill)")
     run.add_argument("--prefill-reps", type=int, default=3,
                      help="warm prefills timed for prefill_ms (their median)")
     out = p.add_argument_group("output")
@@ -182,7 +185,7 @@ def _check_flags(args) -> None:
     """Every numeric flag in its range, and the model flags consistent."""
     for flag, lo in (("batch", 1), ("page_size", 1), ("prefill_chunk", 1), ("context_fill", 0),
                      ("max_new_tokens", 1), ("prompt_len", 1), ("top_k", 0), ("tp", 1),
-                     ("prefill_reps", 1)):
+                     ("prefill_reps", 1), ("prefill_graph_tokens", 0)):
         v = getattr(args, flag)
         if v is not None and v < lo:
             _fail(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
@@ -472,7 +475,8 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                     kv_budget_bytes=budget,
                     cuda_graphs=False if args.no_graphs else graphs,
                     prefill_chunk=args.prefill_chunk, compile_decode=compiled,
-                    compile_backend=args.compile_backend)
+                    compile_backend=args.compile_backend,
+                    prefill_graph_tokens=args.prefill_graph_tokens)
     sp = args.defaults.sampling(greedy=True if args.greedy else None,
                                 temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)

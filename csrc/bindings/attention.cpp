@@ -39,6 +39,43 @@ void register_attention(py::module_& m) {
           "kv_dtype", [](const DecodeArgs& a) { return int(a.kv_dtype); },
           [](DecodeArgs& a, int v) { a.kv_dtype = DType(v); });
   m.def("attention_decode", &attention_decode, py::arg("args"), py::arg("stream"));
+  py::class_<PrefillArgs>(m, "PrefillArgs",
+                          "One paged prefill call: device pointers as integers, sizes, dtype codes")
+      .def(py::init<>())
+      .def_readwrite("q", &PrefillArgs::q)
+      .def_readwrite("k_cache", &PrefillArgs::k_cache)
+      .def_readwrite("v_cache", &PrefillArgs::v_cache)
+      .def_readwrite("k_scale", &PrefillArgs::k_scale)
+      .def_readwrite("v_scale", &PrefillArgs::v_scale)
+      .def_readwrite("block_table", &PrefillArgs::block_table)
+      .def_readwrite("seq_lens", &PrefillArgs::seq_lens)
+      .def_readwrite("cu_seqlens_q", &PrefillArgs::cu_seqlens_q)
+      .def_readwrite("out", &PrefillArgs::out)
+      .def_readwrite("o_partial", &PrefillArgs::o_partial)
+      .def_readwrite("lse_partial", &PrefillArgs::lse_partial)
+      .def_readwrite("q_stride", &PrefillArgs::q_stride)
+      .def_readwrite("tokens", &PrefillArgs::tokens)
+      .def_readwrite("batch", &PrefillArgs::batch)
+      .def_readwrite("q_heads", &PrefillArgs::q_heads)
+      .def_readwrite("kv_heads", &PrefillArgs::kv_heads)
+      .def_readwrite("head_dim", &PrefillArgs::head_dim)
+      .def_readwrite("page_size", &PrefillArgs::page_size)
+      .def_readwrite("bt_stride", &PrefillArgs::bt_stride)
+      .def_readwrite("bt_cols", &PrefillArgs::bt_cols)
+      .def_readwrite("num_pages", &PrefillArgs::num_pages)
+      .def_readwrite("max_q_len", &PrefillArgs::max_q_len)
+      .def_readwrite("num_splits", &PrefillArgs::num_splits)
+      .def_readwrite("err", &PrefillArgs::err)
+      .def_readwrite("scale", &PrefillArgs::scale)
+      .def_property(
+          "q_dtype", [](const PrefillArgs& a) { return int(a.q_dtype); },
+          [](PrefillArgs& a, int v) { a.q_dtype = DType(v); })
+      .def_property(
+          "kv_dtype", [](const PrefillArgs& a) { return int(a.kv_dtype); },
+          [](PrefillArgs& a, int v) { a.kv_dtype = DType(v); });
+  m.def("attention_prefill", &attention_prefill, py::arg("args"), py::arg("stream"));
+  m.def("attention_prefill_tile_tokens", &attention_prefill_tile_tokens, py::arg("group"));
+  m.attr("ATTENTION_PREFILL_MAX_SPLITS") = kAttentionPrefillMaxSplits;
   py::class_<PagedCheckArgs>(m, "PagedCheckArgs",
                              "The paged-metadata check of the torch attention paths")
       .def(py::init<>())

@@ -19,11 +19,20 @@ graph, for the cache's full length, so one graph replays for every length. Sampl
 outside the graph from a seeded torch.Generator: reproducible for a seed, and identical on every
 rank because every rank holds the same gathered logits.
 
+prefill_graph_tokens=N (default 0: off) replays prefill chunks of up to N tokens through CUDA
+graphs too, one per (sequences in the chunk, token bucket): the chunk's tokens padded to the
+bucket (16, 32, 48, 64, 96, 128, 192, ...; padding tokens write no cache slot and their rows
+are dropped), lengths and tables in static buffers that the paged prefill kernel reads on the
+device. A short prompt then costs its kernels, not ~0.1 ms of host work per kernel. The first
+chunk of a shape captures (one eager pass, then the capture). The fusedist model on CUDA with
+the paged prefill kernel only; longer chunks, all_logits and the torch baseline run eagerly.
+The default stays off until the graphs' time to first token has been measured on the GPU.
+
 compile_decode=True wraps the decode step's body in torch.compile(fullgraph=True,
 dynamic=False) (mode default: inductor fuses the elementwise work, GEMMs stay cuBLAS) before
 it is captured into the same CUDA graphs; each bucket compiles once, at its capture. Prefill
-stays eager. time_prefill / profile_prefill measure the prefill alone (warm, synchronized;
-the profiler's classes are profiling.py's).
+is not compiled. time_prefill / profile_prefill measure the prefill alone (warm,
+synchronized; the profiler's classes are profiling.py's; profile_prefill runs eagerly).
 
 stream() is generate() as it decodes: it yields every step's new ids (the same ids as
 generate() for the same request) and returns the GenerationResult.
@@ -148,11 +157,37 @@ def buckets_for(max_batch: int) -> list[int]:
         b *= 2
 
 
+def prefill_token_bucket(n: int) -> int:
+    """The token count a prefill graph of n tokens is captured for: 16, 32, 48, 64, 96, 128,
+    192, 256, 384, 512, ... (powers of two and the midpoints between them, from 32 on)."""
+    b = 16
+    while b < n:
+        p = 1 << (b.bit_length() - 1)          # the power of two at or below b
+        b = p + p // 2 if b == p and p >= 32 else 2 * p
+    return b
+
+
+def _prefill_graphs_fit(model) -> bool:
+    """Prefill graphs need the fusedist model on CUDA whose attention takes the paged prefill
+    kernel (it reads lengths on the device)."""
+    if getattr(model, "backend", None) != "fusedist":
+        return False
+    try:
+        from ..ops.attention import _prefill
+    except ImportError:
+        return False
+    cfg = getattr(model, "cfg", None)
+    return _prefill.paged_available() and getattr(model, "dtype", None) in \
+        (torch.bfloat16, torch.float16) and getattr(cfg, "head_dim", 0) in (64, 128, 256) and \
+        getattr(model, "local_heads", 0) // max(1, getattr(model, "local_kv_heads", 1)) <= 64
+
+
 class Runner:
     def __init__(self, model, *, max_batch: int, max_seq_len: int, page_size: int = 16,
                  kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_chunk: int = 4096, compile_decode: bool = False,
-                 compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None):
+                 compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None,
+                 prefill_graph_tokens: int = 0):
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
@@ -180,8 +215,15 @@ class Runner:
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_chunk = prefill_chunk
+        if isinstance(prefill_graph_tokens, bool) or not isinstance(prefill_graph_tokens, int) \
+                or prefill_graph_tokens < 0:
+            raise ValueError(f"Runner: prefill_graph_tokens must be an int >= 0 (0: no prefill "
+                             f"graphs), got {prefill_graph_tokens!r}")
         # CUDA graphs on a GPU unless turned off; a CPU model always decodes eagerly.
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs is not False
+        self.prefill_graph_tokens = prefill_graph_tokens if self.cuda_graphs and \
+            _prefill_graphs_fit(model) else 0
+        self.prefill_graphs: dict[tuple[int, int], tuple] = {}
         page_bytes = model.kv_bytes_per_token() * page_size
         need = self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:
@@ -233,6 +275,7 @@ class Runner:
             return
         self.closed = True
         self.graphs.clear()          # before the plans: the graphs replay into their workspaces
+        self.prefill_graphs.clear()
         self._metas.clear()
         self.pool = None
         self.cache = None
@@ -356,6 +399,12 @@ class Runner:
                     out_rows.append(cu[-1] - 1)
                     out_seq.append(b)
             rows = [b for b, _, _ in chunk]
+            if not all_logits and 0 < len(toks) <= self.prefill_graph_tokens:
+                logits = self._prefill_graphed(toks, pos, cu, lens, rows)
+                for i, (b, done, n) in enumerate(chunk):   # row i: sequence i's last token
+                    if done + n == len(prompts[b]):
+                        last[b] = logits[i].clone()   # the next replay rewrites the graph's
+                continue
             pos_t = torch.tensor(pos, dtype=torch.int64)
             rows_t = torch.tensor(rows, dtype=torch.int64)
             seq_of_tok = torch.repeat_interleave(rows_t, torch.tensor([n for _, _, n in chunk]))
@@ -377,6 +426,62 @@ class Runner:
         if all_logits:
             return [torch.stack(e) for e in every]
         return torch.stack(last)
+
+    def _prefill_graphed(self, toks, pos, cu, lens, rows) -> torch.Tensor:
+        """One prefill chunk through the CUDA graph of its (sequences, token bucket), captured
+        on first use; returns the logits of each sequence's last token [len(rows), vocab] (the
+        graph's output buffer)."""
+        B, T = len(rows), len(toks)
+        Tb = prefill_token_bucket(T)
+        key = (B, Tb)
+        entry = self.prefill_graphs.get(key)
+        dev = self.device
+        if entry is None:
+            bufs = {"tokens": torch.zeros(Tb, dtype=torch.int64, device=dev),
+                    "positions": torch.zeros(Tb, dtype=torch.int64, device=dev),
+                    "slots": torch.full((Tb,), -1, dtype=torch.int64, device=dev),
+                    "bt": torch.zeros(B, self.pages_per_seq, dtype=torch.int32, device=dev),
+                    "seq_lens": torch.zeros(B, dtype=torch.int32, device=dev),
+                    "cu": torch.zeros(B + 1, dtype=torch.int32, device=dev),
+                    "last": torch.zeros(B, dtype=torch.int64, device=dev)}
+            meta = _metadata(mode="prefill", block_table=bufs["bt"], seq_lens=bufs["seq_lens"],
+                             slot_mapping=bufs["slots"], cu_seqlens_q=bufs["cu"], max_q_len=Tb)
+            body = lambda: self.model(bufs["tokens"], bufs["positions"], self.cache, meta,  # noqa
+                                      logits_rows=bufs["last"])
+            entry = (None, None, bufs, body)
+        g, out, bufs, body = entry
+        # One host tensor, one copy: [tokens | positions | slots | seq_lens | cu | last],
+        # padding tokens at slot -1 (no cache write); then the rows of the block table.
+        P = self.page_size
+        pad = Tb - T
+        page = self.block_table_host[torch.repeat_interleave(
+            torch.tensor(rows), torch.tensor([b - a for a, b in zip(cu, cu[1:])])),
+            torch.tensor(pos) // P].long()
+        slots = (page * P + torch.tensor(pos) % P).tolist()
+        host = torch.tensor(list(toks) + [0] * pad + list(pos) + [0] * pad + slots + [-1] * pad
+                            + list(lens) + list(cu) + [c - 1 for c in cu[1:]],
+                            dtype=torch.int64).to(dev)
+        o = 0
+        for name, n in (("tokens", Tb), ("positions", Tb), ("slots", Tb), ("seq_lens", B),
+                        ("cu", B + 1), ("last", B)):
+            bufs[name].copy_(host[o:o + n])
+            o += n
+        bufs["bt"].copy_(self.bt[torch.tensor(rows, device=dev)])
+        if g is None:   # first use: one eager pass (this chunk's prefill), then the capture
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                body()
+            torch.cuda.current_stream(dev).wait_stream(s)
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = body()
+            self.prefill_graphs[key] = (g, out, bufs, body)
+        g.replay()
+        return out
 
     @torch.no_grad()
     def fill_context(self, tokens: int, seed: int = 0) -> None:
@@ -670,5 +775,10 @@ class Runner:
         """One prefill of `prompts` after `start` cached tokens under torch.profiler: the
         classes and top kernels of profile_step, plus "wall_us", the profiled call's host
         wall time (profiler overhead included), and "kernels", the kernel count. Call after
-        a warm-up at the same shapes."""
-        return profile(lambda: self.prefill(prompts, start=start), self.device, top)
+        a warm-up at the same shapes. Runs eagerly (every kernel named; a graph replay's
+        kernels would show without their launches)."""
+        keep, self.prefill_graph_tokens = self.prefill_graph_tokens, 0
+        try:
+            return profile(lambda: self.prefill(prompts, start=start), self.device, top)
+        finally:
+            self.prefill_graph_tokens = keep

@@ -75,6 +75,9 @@ def _describe(r: _Record) -> str:
     if r.what == 4:
         return (f"fusedist.{op}: positions[{r.row}] = {r.value} is outside the RoPE table's "
                 f"[0, {r.limit}) positions")
+    if r.what == 5:
+        return (f"fusedist.{op}: sequence {r.row} has {r.value} new tokens (cu_seqlens_q) "
+                f"outside [0, {r.limit}] (its seq_lens, the q tokens and max_q_len bound it)")
     return f"fusedist.{op}: bad metadata (code {r.what}) at row {r.row}: {r.value}"
 
 

@@ -202,6 +202,40 @@ def test_gpu_torch_baseline_decode_attention_kernel(gpu_rt, batch, monkeypatch):
     assert any("cudnn" in n for n in sdpa), names
 
 
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_match_eager(gpu_rt):
+    """Prefill chunks through the token-bucket CUDA graphs give the eager prefill's logits
+    (bf16 tolerance: the padded bucket may tile the GEMMs differently), for fresh prompts, a
+    chunk behind a cached prefix (a small prefill_chunk splits the prompts) and a batch of two;
+    one graph per (sequences, bucket), replayed for every length in the bucket."""
+    m = _gpu_model("fusedist")
+    eager = Runner(m, max_batch=2, max_seq_len=512, prefill_graph_tokens=0, prefill_chunk=64)
+    graphed = Runner(m, max_batch=2, max_seq_len=512, prefill_chunk=64,
+                     prefill_graph_tokens=512)
+    if not graphed.prefill_graph_tokens:
+        pytest.skip("fusedist._C without the paged prefill kernel")
+    for lens, start in (((37,), 0), ((41,), 0), ((150,), 0), ((20, 33), 7), ((5,), 300)):
+        prompts = _prompts(m.cfg.vocab_size, lens, sum(lens) + start)
+        want = eager.prefill(prompts, start=start).float()
+        got = graphed.prefill(prompts, start=start).float()
+        err = gemm_rel_err(got, want)
+        assert err <= 2 * GEMM_REL[torch.bfloat16], f"{lens} after {start}: rel err {err:.2e}"
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{lens}: top-1 differs"
+    assert eager.prefill_graphs == {}
+    # (1, 48) serves 37 and 41 tokens; 150 tokens in chunks of 64, 64, 22 -> (1, 64), (1, 32)
+    assert set(graphed.prefill_graphs) == {(1, 48), (1, 64), (1, 32), (2, 64), (1, 16)}, \
+        sorted(graphed.prefill_graphs)
+    fusedist.check_device_errors()
+
+
+def test_prefill_token_buckets(rt):
+    from fusedist.models.runner import prefill_token_bucket as bucket
+    assert [bucket(n) for n in (1, 16, 17, 33, 48, 49, 65, 97, 129, 193, 257, 385, 513)] == \
+        [16, 16, 32, 48, 48, 64, 96, 128, 192, 256, 384, 512, 768]
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be an int >= 0"):
+        Runner(_tiny("fusedist"), max_batch=1, max_seq_len=16, prefill_graph_tokens=-1)
+
+
 # ---- construction limits and lifetime ------------------------------------------------------
 def test_max_seq_len_beyond_the_models_positions(rt):
     """max_seq_len past the model's rotary table (model.max_position) is refused at

@@ -492,6 +492,151 @@ def test_prefill_fp8(device):
         _prefill_case(device, MIXED, 16, 4, 128, 16, torch.bfloat16, FP8, backend, gen)
 
 
+# ---- the paged prefill kernel (CUDA) ----------------------------------------------------------
+PAGED_SHAPES = [(32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256), (28, 4, 128, 5),
+                (64, 1, 128, 32), (16, 16, 64, 48)]
+
+
+def _paged_kernel():
+    if not A._prefill.paged_available():
+        pytest.skip("fusedist._C without the paged prefill kernel")
+
+
+@pytest.mark.gpu
+def test_prefill_paged_kernel_mixed_chunks():
+    """Every GQA group (1, 4, 7, 64), head_dim, page size (odd ones too), bf16/fp16."""
+    _paged_kernel()
+    gen = _gen("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        for Hq, Hkv, D, ps in PAGED_SHAPES:
+            _prefill_case("cuda", MIXED, Hq, Hkv, D, ps, dtype, dtype, "paged", gen,
+                          host=Hq == 7)
+        _prefill_case("cuda", [(4097, 4097), (100, 4095)], 4, 1, 64, 16, dtype, dtype,
+                      "paged", gen)
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+@pytest.mark.gpu
+def test_prefill_paged_kernel_fp8():
+    _paged_kernel()
+    gen = _gen("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        for Hq, Hkv, D, ps in PAGED_SHAPES[:4]:
+            _prefill_case("cuda", MIXED, Hq, Hkv, D, ps, dtype, FP8, "paged", gen)
+
+
+def _paged_inputs(chunks, Hq, Hkv, D, ps, dtype, gen, cache_dtype=None, width_extra=2):
+    ks = [_randn((L, Hkv, D), torch.float32, "cuda", gen) for _, L in chunks]
+    vs = [_randn((L, Hkv, D), torch.float32, "cuda", gen) for _, L in chunks]
+    kc, vc, ksc, vsc, bt, sl, k_ref, v_ref = build_paged(ks, vs, ps, cache_dtype or dtype,
+                                                         "cuda", gen, width_extra=width_extra)
+    ns = [n for n, _ in chunks]
+    cu = torch.tensor([0] + list(torch.tensor(ns).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = _randn((sum(ns), Hq, D), dtype, "cuda", gen)
+    ref = torch.cat([naive_attention(q[int(cu[b]):int(cu[b + 1])], k_ref[b], v_ref[b],
+                                     1 / math.sqrt(D), L - n) for b, (n, L) in enumerate(chunks)])
+    return q, kc, vc, ksc, vsc, bt, sl, cu, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 64])
+def test_prefill_paged_kernel_key_splits(splits):
+    """Any split count gives the reference's result, bitwise the same on every run; a split
+    with no keys (64 splits of a short sequence) contributes nothing."""
+    _paged_kernel()
+    gen = _gen("cuda")
+    chunks = [(128, 4000), (1, 1), (33, 700)]
+    q, kc, vc, _, _, bt, sl, cu, ref = _paged_inputs(chunks, 32, 8, 128, 16, torch.bfloat16, gen)
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 128, 4000,
+                             num_splits=splits)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), "not reproducible"
+    assert bad_rows(outs[0], ref, torch.bfloat16) == 0
+
+
+@pytest.mark.gpu
+def test_prefill_paged_kernel_strided_q():
+    """q as TPAttention passes it: the q columns of a fused [T, q | k | v] projection."""
+    _paged_kernel()
+    gen = _gen("cuda")
+    chunks = [(19, 80), (5, 5)]
+    q, kc, vc, _, _, bt, sl, cu, ref = _paged_inputs(chunks, 16, 4, 128, 16, torch.bfloat16, gen)
+    T = q.shape[0]
+    qkv = torch.full((T, (16 + 8) * 128), float("nan"), dtype=q.dtype, device="cuda")
+    qkv[:, :16 * 128] = q.flatten(1)
+    qv = qkv[:, :16 * 128].view(T, 16, 128)
+    out = A.prefill(qv, kc, vc, bt, sl, cu, backend="paged")
+    assert torch.equal(out, A.prefill(q, kc, vc, bt, sl, cu, backend="paged"))
+    assert bad_rows(out, ref, torch.bfloat16) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+def test_prefill_paged_kernel_graph_replay_new_lengths(splits):
+    """One capture over a padded token bucket replays with new lengths, tables and queries:
+    equal to eager bitwise, to the reference, and the bucket's padding rows are zeros."""
+    _paged_kernel()
+    gen = _gen("cuda")
+    Hq, Hkv, D, ps, T = 16, 4, 128, 16, 96
+    cols = 40
+    kc = _randn((64, ps, Hkv, D), torch.bfloat16, "cuda", gen)
+    vc = _randn((64, ps, Hkv, D), torch.bfloat16, "cuda", gen)
+    q = torch.zeros(T, Hq, D, dtype=torch.bfloat16, device="cuda")
+    bt = torch.zeros(2, cols, dtype=torch.int32, device="cuda")
+    sl = torch.ones(2, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(D)
+    run = lambda: A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, scale, T, cols * ps,  # noqa
+                                       num_splits=splits)
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for chunks in ([(40, 300), (50, 50)], [(1, 600), (77, 90)], [(3, 3), (0, 10)]):
+        ns = [n for n, _ in chunks]
+        cu.copy_(torch.tensor([0, ns[0], sum(ns)], dtype=torch.int32))
+        sl.copy_(torch.tensor([L for _, L in chunks], dtype=torch.int32))
+        bt.copy_(torch.randint(0, 64, (2, cols), generator=torch.Generator().manual_seed(ns[0]),
+                               dtype=torch.int32))
+        q.copy_(_randn(q.shape, q.dtype, "cuda", gen))
+        out.fill_(float("nan"))
+        g.replay()
+        got = out.clone()
+        eager = A._prefill.run_paged(None, q[:sum(ns)], kc, vc, bt, sl, cu, scale, sum(ns),
+                                     cols * ps, num_splits=splits)
+        assert torch.equal(got[:sum(ns)], eager), f"graph != eager at {chunks}"
+        assert torch.equal(got[sum(ns):], torch.zeros_like(got[sum(ns):])), "padding rows"
+        for b, (n, L) in enumerate(chunks):
+            pages = bt[b, :-(-L // ps)].long()
+            kk = kc[pages].reshape(-1, Hkv, D)[:L]
+            vv = vc[pages].reshape(-1, Hkv, D)[:L]
+            a = int(cu[b])
+            ref = naive_attention(q[a:a + n], kk, vv, scale, L - n)
+            assert bad_rows(got[a:a + n], ref, torch.bfloat16) == 0, f"{chunks} seq {b}"
+
+
+def test_prefill_paged_backend_needs_cuda():
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    bt = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend='paged' is the CUDA kernel"):
+        A.prefill(q, kc, kc, bt, torch.tensor([5], dtype=torch.int32),
+                  torch.tensor([0, 5], dtype=torch.int32), backend="paged")
+
+
+def test_prefill_split_plan():
+    plan = A._prefill.plan_splits
+    assert plan(1000, 8, 1, 4096, 132) == 1              # the tiles fill the GPU
+    assert plan(8, 8, 1, 4096, 132) == 5                 # 64 CTAs -> 320 >= 2 per SM
+    assert plan(8, 8, 1, 700, 132) == 1                  # too few keys to split
+    assert plan(1, 1, 1, 1 << 20, 132) == A._prefill.PREFILL_MAX_SPLITS
+
+
 def test_prefill_bad_inputs():
     kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
     q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)

@@ -255,6 +255,45 @@ def test_prefill_cuda_poisons_and_records(page, clean_record):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["page", "len", "span"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_prefill_paged_kernel_poisons_and_records(bad, graph, clean_record):
+    """The paged kernel, lengths only on the device: sequence 1's rows are NaN, sequence 0's
+    are unchanged, the record names the row and the value."""
+    if not A._prefill.paged_available():
+        pytest.skip("fusedist._C without the paged prefill kernel")
+    kc, vc = _cache("cuda")
+    q = torch.randn((9, Hq, D), generator=torch.Generator().manual_seed(2)).to("cuda",
+                                                                              torch.bfloat16)
+    bt = torch.tensor([[3, 7, 1, 0], [5, 6, 2, 4]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([40, 50], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32, device="cuda")
+    ref = A.prefill(q, kc, vc, bt, lens, cu, backend="paged").clone()
+    torch.cuda.synchronize()
+    if bad == "page":
+        bt[1, 3] = 12
+        match = r"fusedist.prefill: sequence 1 reads block_table\[1, 3\] = 12"
+    elif bad == "len":
+        lens[1] = 65
+        match = r"fusedist.prefill: seq_lens\[1\] = 65 is outside \[0, 64\]"
+    else:
+        lens[1] = 3
+        match = r"fusedist.prefill: sequence 1 has 4 new tokens"
+    out = torch.full_like(q, 7.0)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            A.prefill(q, kc, vc, bt, lens, cu, out=out, backend="paged")
+        g.replay()
+    else:
+        A.prefill(q, kc, vc, bt, lens, cu, out=out, backend="paged")
+    torch.cuda.synchronize()
+    assert torch.isnan(out[5:].float()).all(), "the bad sequence's rows are not poisoned"
+    assert torch.equal(out[:5], ref[:5]), "rows with good metadata changed"
+    _expect_recorded(match)
+
+
+@pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_decode_reference_path_on_cuda_checks_too(clean_record):
     # head_dim 96: no kernel instance, the plain-torch path on CUDA (outside a graph: raises)

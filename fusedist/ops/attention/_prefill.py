@@ -1,6 +1,9 @@
 """Chunked prefill over the paged cache: each sequence's new tokens attend causally to its
-cached prefix and to themselves. On CUDA torch SDPA runs on the K/V gathered from the pages
-(one call per run of equal sequences); CPU tensors take the fp32 plain-torch path."""
+cached prefix and to themselves. On CUDA the paged prefill kernel
+(csrc/include/fusedist/attention/prefill.cuh) reads K/V straight from the pages, every
+sequence in one launch, lengths read on the device (CUDA-graph capturable); torch SDPA on the
+K/V gathered from the pages (one call per run of equal sequences) is the other CUDA backend;
+CPU tensors take the fp32 plain-torch path."""
 
 from __future__ import annotations
 
@@ -10,11 +13,19 @@ from typing import Optional, Sequence
 import torch
 
 from . import sdpa
+from ... import _dtypes, _ext
 from .. import device_errors
 from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs,
                     check_pages_device, check_pages_host, device_check_available)
 
-PREFILL_BACKENDS = ("auto", "sdpa", "reference")
+PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
+# auto on CUDA takes the paged kernel while a CUDA graph is being captured (the SDPA path needs
+# the lengths on the host) and, with AUTO_PAGED set, outside graphs too, except for a batch of
+# fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each, where SDPA
+# on the keys and values just appended needs no gather. AUTO_PAGED stays off until the
+# kernel's speed against SDPA has been measured on the GPU (benchmarks/attention_prefill.py).
+AUTO_PAGED = False
+PAGED_FRESH_MAX_TOKENS = 1024
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -30,10 +41,16 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] are the last n_b of its seq_lens[b] cached tokens;
     new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
     (with out=None and one sequence, SDPA's own output, no copy).
-    backend: "sdpa" (torch SDPA on the gathered KV), "reference" (fp32 plain torch), "auto"
-    (sdpa on CUDA, reference on CPU). The lengths are needed on the host: pass
+    backend: "paged" (the paged prefill kernel, CUDA), "sdpa" (torch SDPA on the gathered KV),
+    "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: SDPA, and the paged kernel
+    inside a CUDA-graph capture; the AUTO_PAGED comment).
+    The paged kernel reads lengths and tables on the device (one CUDA graph replays with new
+    ones): max_q_len (the longest new-token span; default the host lists' maximum, else every
+    token) sizes its grid. The sdpa and reference paths need the lengths on the host: pass
     seq_lens_host / cu_seqlens_q_host (the runner has them) to skip reading the device
-    tensors, which synchronizes with the GPU (prefill is not graph-captured).
+    tensors, which synchronizes with the GPU; with them the paged path also checks the
+    metadata on the host before launching (without them the kernel checks it: bad rows are
+    NaN and fusedist.check_device_errors() raises).
     k_new, v_new [T, Hkv, D] (optional, q's dtype): the keys and values rope_append just wrote
     for these tokens; a sequence whose cache holds only its new tokens (no prefix) then reads
     them instead of gathering its pages (bf16/fp16 caches, which hold the same values; FP8
@@ -99,6 +116,26 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     ps = k_cache.shape[1]
     if lens is not None and len(lens) != seq_lens.shape[0]:
         _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
+    if backend == "paged" and q.device.type != "cuda":
+        _fail("prefill", f"backend='paged' is the CUDA kernel; q is on {q.device} (use 'auto' "
+                         "or 'reference')")
+    if backend in ("auto", "paged") and q.device.type == "cuda":
+        why = paged_why_not(q, k_cache)
+        if backend == "paged" and why:
+            _fail("prefill", f"backend='paged' cannot take this call: {why}")
+        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new)):
+            if lens is not None and cu is not None:
+                cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
+                                           ps, lens, cu)
+                max_q_len = max(b - a for a, b in zip(cu, cu[1:])) if max_q_len < 0 else \
+                    max_q_len
+                max_keys = max(lens, default=0)
+            else:
+                max_keys = block_table.shape[1] * ps
+            device_errors.check_before_launch(q)
+            return run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                             scale, T if max_q_len < 0 else max_q_len, max_keys, k_scale,
+                             v_scale)
     cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
     P = k_cache.shape[0]
     bad = None   # CUDA: rows whose pages are out of range (recorded on the device, poisoned)
@@ -135,6 +172,107 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         if out is None:
             out = torch.empty_like(q)
         out[a:e].unflatten(0, (B, n)).copy_(o)
+    return out
+
+
+def paged_available() -> bool:
+    """The extension has the paged prefill kernel."""
+    return _ext.available() and hasattr(_ext.load(), "attention_prefill")
+
+
+def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """Why the paged kernel cannot take a (valid) prefill call; "" when it can."""
+    if not paged_available():
+        return "fusedist._C was built without the paged prefill kernel"
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q.dtype} (the kernel takes bfloat16 / float16)"
+    if D not in (64, 128, 256):
+        return f"head_dim {D} (the kernel takes 64, 128 or 256)"
+    if Hq // Hkv > 64:
+        return f"{Hq // Hkv} q heads per kv head (the kernel takes at most 64)"
+    if q.stride(2) != 1 or q.stride(1) != D or q.stride(0) % 8 or q.data_ptr() % 16:
+        return (f"q's strides {tuple(q.stride())} (the kernel takes [tokens, heads, head_dim] "
+                "rows of contiguous heads, a token stride that is a multiple of 8, 16-byte "
+                "alignment)")
+    return ""
+
+
+def _auto_paged(T, lens, cu, k_new) -> bool:
+    """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment)."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    if not AUTO_PAGED:
+        return False
+    if k_new is None or lens is None or cu is None:
+        return True
+    ns = [b - a for a, b in zip(cu, cu[1:])]
+    fresh = all(n == L for n, L in zip(ns, lens))
+    return not (fresh and min(ns, default=0) >= PAGED_FRESH_MAX_TOKENS)
+
+
+def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int) -> int:
+    """Key splits per query tile of the paged kernel: enough CTAs for two per SM when the
+    query tiles alone do not fill the GPU, at least 8 key blocks (512 keys) per split."""
+    ctas = max(1, q_tiles * kv_heads * batch)
+    if ctas >= 2 * sms:
+        return 1
+    want = -(-2 * sms // ctas)
+    by_keys = max(1, max_keys // 512)
+    return max(1, min(want, by_keys, PREFILL_MAX_SPLITS))
+
+
+PREFILL_MAX_SPLITS = 64   # csrc: kAttentionPrefillMaxSplits
+_SMS: dict = {}
+
+
+def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
+              max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None):
+    """Launch the paged prefill kernel on the current stream (arguments checked by prefill());
+    max_q_len bounds every sequence's new tokens (the grid), max_keys their cached tokens
+    (the split plan). Returns out."""
+    T, Hq, D = q.shape
+    P, ps, Hkv, _ = k_cache.shape
+    B = seq_lens.shape[0]
+    dev = q.device
+    if out is None:
+        out = torch.empty(T, Hq, D, dtype=q.dtype, device=dev)
+    elif not out.is_contiguous():
+        _fail("prefill", f"out must be contiguous for the paged kernel (stride {out.stride()})")
+    max_q_len = max(0, min(int(max_q_len), T))
+    if B == 0 or max_q_len == 0:
+        return out
+    C = _ext.load()
+    tt = C.attention_prefill_tile_tokens(Hq // Hkv)
+    q_tiles = -(-max_q_len // tt)
+    if num_splits is None:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _SMS:
+            _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        num_splits = plan_splits(q_tiles, Hkv, B, max_keys, _SMS[idx])
+    bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    sl = seq_lens.contiguous()
+    cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
+    cu = cu.contiguous()
+    a = C.PrefillArgs()
+    a.q, a.k_cache, a.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    if k_scale is not None:
+        a.k_scale, a.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+    a.block_table, a.seq_lens, a.cu_seqlens_q = bt.data_ptr(), sl.data_ptr(), cu.data_ptr()
+    a.out = out.data_ptr()
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, T, Hq, D, dtype=torch.float32, device=dev)
+        lse = torch.empty(num_splits, T, Hq, dtype=torch.float32, device=dev)
+        a.o_partial, a.lse_partial = o_part.data_ptr(), lse.data_ptr()
+    a.q_stride = q.stride(0)
+    a.tokens, a.batch, a.q_heads, a.kv_heads, a.head_dim = T, B, Hq, Hkv, D
+    a.page_size, a.bt_stride, a.bt_cols, a.num_pages = ps, bt.stride(0), bt.shape[1], P
+    a.max_q_len, a.num_splits = max_q_len, num_splits
+    a.err = device_errors.record_ptr(dev)
+    a.scale = float(scale)
+    a.q_dtype, a.kv_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
+    C.attention_prefill(a, torch.cuda.current_stream(dev).cuda_stream)
     return out
 
 

@@ -44,6 +44,31 @@ constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;
 
+// ---- prefill.cu --------------------------------------------------------------------------
+// One paged chunked-prefill call (csrc/include/fusedist/attention/prefill.cuh has the layouts).
+struct PrefillArgs {
+  uintptr_t q = 0, k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0;
+  uintptr_t block_table = 0, seq_lens = 0, cu_seqlens_q = 0, out = 0;
+  uintptr_t o_partial = 0, lse_partial = 0;  // workspace (num_splits > 1)
+  int64_t q_stride = 0;                      // elements between tokens of q
+  int tokens = 0, batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, page_size = 0;
+  int bt_stride = 0, bt_cols = 0, num_pages = 0;
+  int max_q_len = 0;   // the longest query span the grid covers
+  int num_splits = 1;  // key splits per tile (a merge kernel combines them)
+  uintptr_t err = 0;   // OpErrorRecord* (fusedist/common/op_error.h), or 0
+  float scale = 0.f;
+  DType q_dtype = DType::kBFloat16, kv_dtype = DType::kBFloat16;
+};
+
+// Launch on `stream`. The grid is (ceil(max_q_len / (64 / group)) * num_splits, kv_heads,
+// batch), fixed by the arguments, never by the lengths (one graph replays with new ones).
+void attention_prefill(const PrefillArgs& args, uintptr_t stream);
+
+// Query tokens per CTA tile for a GQA group (64 rows / group).
+int attention_prefill_tile_tokens(int group);
+
+constexpr int kAttentionPrefillMaxSplits = 64;
+
 // ---- rope_append.cu ----------------------------------------------------------------------
 // RoPE on q and k plus the paged-cache append, one kernel (csrc/include/fusedist/attention/
 // rope_append.cuh has the layouts).

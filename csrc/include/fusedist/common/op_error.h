@@ -30,6 +30,7 @@ enum OpErrorWhat : uint32_t {
   kOpErrSeqLen = 2,    // a sequence length outside [0, block-table columns * page_size]
   kOpErrSlot = 3,      // a slot_mapping entry >= num_pages * page_size
   kOpErrPosition = 4,  // a position outside [0, max_position)
+  kOpErrQuerySpan = 5, // a prefill query span (cu_seqlens_q) outside [0, seq_len] or the tokens
 };
 
 struct OpErrorRecord {

@@ -1,0 +1,444 @@
+// fusedist/attention/prefill.cuh -- paged chunked-prefill attention for sm_90 (flash-attention 2
+// style, tensor cores through mma.sync), reading K/V straight from the pages.
+//
+// Sequence b's n_b = cu_seqlens_q[b + 1] - cu_seqlens_q[b] new tokens are the last n_b of its
+// seq_lens[b] = L_b cached tokens: new token t attends causally to cached tokens
+// [0, L_b - n_b + t].
+//
+// Layouts (docs/design/attention.md):
+//   q            [tokens, q_heads, head_dim], token stride q_stride elements  bf16 / fp16
+//   out          [tokens, q_heads, head_dim] contiguous, q's dtype
+//   k/v_cache    [num_pages, page_size, kv_heads, head_dim]   q's dtype, or fp8 e4m3
+//   k/v_scale    [num_pages, page_size, kv_heads] float32      fp8 only: value = fp8 * scale
+//   block_table  int32 [batch, bt_stride], bt_cols columns used; seq_lens int32 [batch];
+//   cu_seqlens_q int32 [batch + 1], rising from 0 (rows of out past cu_seqlens_q[batch] that the
+//                last sequence's tiles cover are written with zeros: padded token buckets)
+//   o_partial    float32 [num_splits, tokens, q_heads, head_dim]   (num_splits > 1 only)
+//   lse_partial  float32 [num_splits, tokens, q_heads]   log2-domain LSE of a split's keys
+//
+// Protocol. Grid (q_tiles * num_splits, kv_heads, batch), 128 threads (4 warps x 16 rows). A
+// CTA takes one kv head and a tile of 64 query rows packed GQA-style: row r is token
+// tile_tokens * tile + r / group of q head kv_head * group + r % group (tile_tokens =
+// 64 / group), so each K/V block is read once for every q head that shares it. The CTA walks
+// its split's share of the 64-key blocks its rows can see (the causal bound of the tile's last
+// token), double-buffered through cp.async with each key's page looked up on the way (any page
+// size), zero-filled past the sequence. Per block: S = Q K^T (m16n8k16, fp32), the causal mask
+// on the blocks that need it, an online softmax in the exp2 domain, O += P V (P straight from
+// the S registers, V through ldmatrix.trans). With one split the CTA writes O / l; otherwise it
+// writes O / l and the LSE of its keys, and prefill_merge_kernel combines the splits in split
+// order. Lengths and tables are read on the device: one captured graph replays with new ones.
+//
+// FP8 KV: each block's e4m3 rows are converted to q's 16-bit type in shared memory (e4m3 is exact
+// in bf16 and fp16), k_scale multiplies each key's scores and v_scale its probabilities (after
+// the row sums, before P is rounded to 16 bits).
+//
+// Bad metadata (op_error.h): a length outside [0, bt_cols * page_size], a query span outside
+// [0, L_b] or past `tokens` or longer than the grid's q_tiles * tile_tokens, or a page id outside
+// [0, num_pages) is recorded in p.err; the affected rows are written NaN and pages read as page
+// 0 instead. No access leaves the tensors.
+#pragma once
+#include "fusedist/attention/decode.cuh"
+
+namespace fusedist {
+namespace attention {
+
+constexpr int kPrefillThreads = 128;
+constexpr int kPrefillRows = 64;   // query rows per CTA: 4 warps x 16
+constexpr int kPrefillKeys = 64;   // keys per block
+constexpr int kPrefillMaxSplits = 64;
+
+struct PrefillParams {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scale;
+  const float* v_scale;
+  const int* block_table;
+  const int* seq_lens;
+  const int* cu_seqlens_q;
+  void* out;
+  float* o_partial;
+  float* lse_partial;
+  int64_t q_stride;  // elements between tokens of q
+  int tokens, batch, q_heads, kv_heads, group, tile_tokens, q_tiles, num_splits;
+  int page_size, bt_stride, bt_cols, num_pages;
+  float scale_log2;
+  OpErrorRecord* err;
+};
+
+template <int D, typename QT, typename KVT>
+struct PrefillTraits {
+  static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
+  static constexpr int kRow16 = D * 2;                     // bytes of a 16-bit row
+  static constexpr int kRawRow = D * int(sizeof(KVT));     // bytes of a cache row
+  static constexpr int kQBytes = kPrefillRows * kRow16;
+  static constexpr int kBlock16 = kPrefillKeys * kRow16;   // one 16-bit K or V block
+  static constexpr int kRawBlock = kPrefillKeys * kRawRow; // one raw K or V block
+  // stage: K block, V block (raw), then for fp8 the 64 k and 64 v scales
+  static constexpr int kStageBytes = 2 * kRawBlock + (kFp8 ? 2 * kPrefillKeys * 4 : 0);
+  static constexpr int kConvBytes = kFp8 ? 2 * kBlock16 : 0;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kConvBytes;
+  // q in registers up to head_dim 128; at 256 the O accumulator alone holds 128 registers
+  static constexpr bool kQRegs = D <= 128;
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+  // Byte offset of 16-byte chunk c of row r of a 16-bit tile: c ^ (r & 7) within each group of
+  // eight chunks, so the eight rows an ldmatrix reads hit eight bank groups.
+  __device__ static int off16(int r, int c) {
+    return r * kRow16 + (((c & ~7) | ((c ^ r) & 7)) << 4);
+  }
+  // A raw stage row: swizzled like a 16-bit tile when the cache is 16-bit (the MMAs read the
+  // stage directly), plain for fp8 (the conversion reads it row by row).
+  __device__ static int raw_off(int r, int c) { return kFp8 ? r * kRawRow + c * 16 : off16(r, c); }
+};
+
+template <int D, typename QT, typename KVT>
+__global__ void __launch_bounds__(kPrefillThreads)
+    paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
+  using Tr = PrefillTraits<D, QT, KVT>;
+  constexpr bool kFp8 = Tr::kFp8;
+  constexpr int kKs = D / 16;              // k-steps of S = Q K^T
+  constexpr int kDn = D / 8;               // n-tiles of O
+  constexpr int kRawChunks = Tr::kRawRow / 16;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* sq = smem;
+  unsigned char* stages = smem + Tr::kQBytes;
+  unsigned char* conv = stages + 2 * Tr::kStageBytes;
+
+  const int tile = blockIdx.x / p.num_splits, split = blockIdx.x % p.num_splits;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int G = p.group, TT = p.tile_tokens;
+
+  pdl_wait();  // q, the cache and the tables may belong to the previous kernel
+  const int L_raw = __ldg(p.seq_lens + b);
+  const int c0 = __ldg(p.cu_seqlens_q + b), c1 = __ldg(p.cu_seqlens_q + b + 1);
+  const int max_len = p.bt_cols * p.page_size;
+  bool bad = false;
+  if (L_raw < 0 || L_raw > max_len) {
+    bad = true;
+    if (threadIdx.x == 0) record_op_error(p.err, kOpErrPrefill, kOpErrSeqLen, b, -1, L_raw, max_len);
+  }
+  const bool span_ok = c0 >= 0 && c1 >= c0 && c1 <= p.tokens;
+  const int n = span_ok ? c1 - c0 : 0;
+  const int L = bad ? 0 : L_raw;
+  if (span_ok && !bad && (n > L || n > p.q_tiles * TT)) {
+    bad = true;
+    if (threadIdx.x == 0)
+      record_op_error(p.err, kOpErrPrefill, kOpErrQuerySpan, b, -1, n, min(L, p.q_tiles * TT));
+  }
+  if (!span_ok) {  // rows unknown: nothing can be written for this sequence
+    if (threadIdx.x == 0 && blockIdx.x == 0 && kvh == 0)
+      record_op_error(p.err, kOpErrPrefill, kOpErrQuerySpan, b, -1, c1 - c0, p.tokens);
+    return;
+  }
+  const int t0 = tile * TT;  // first token of the tile (in the sequence)
+  const bool last_seq = b == p.batch - 1;
+  // Rows past the sequence: padding of the last sequence's bucket gets zeros, others nothing.
+  const int row_end = last_seq ? min(t0 + TT, p.tokens - c0) : min(t0 + TT, n);
+  if (t0 >= row_end) return;
+  // Keys the tile can see: [0, L - n + min(t0 + TT, n)); this split's share of their blocks.
+  const int kv_hi = t0 < n ? L - n + min(t0 + TT, n) : 0;
+  const int nblk = (kv_hi + kPrefillKeys - 1) / kPrefillKeys;
+  const int per = (nblk + p.num_splits - 1) / p.num_splits;
+  const int kb0 = min(split * per, nblk), kb1 = min(kb0 + per, nblk);
+  const int first_masked = (L - n + t0) / kPrefillKeys;  // blocks from here may need the mask
+
+  const int64_t tok_stride = int64_t(p.kv_heads) * D;  // elements between tokens of a page
+  const int* bt = p.block_table + int64_t(b) * p.bt_stride;
+  const char* kc = static_cast<const char*>(p.k_cache);
+  const char* vc = static_cast<const char*>(p.v_cache);
+
+  // ---- Q tile -> shared memory (rows past the sequence zero) ----
+  {
+    constexpr int kChunks = D * 2 / 16;
+    const QT* qbase = static_cast<const QT*>(p.q);
+    for (int c = threadIdx.x; c < kPrefillRows * kChunks; c += kPrefillThreads) {
+      const int r = c / kChunks, cc = c % kChunks;
+      const int t = t0 + r / G;
+      const bool ok = r < TT * G && t < n;
+      const QT* src = qbase + (int64_t(c0) + (ok ? t : 0)) * p.q_stride +
+                      int64_t(kvh * G + r % G) * D + cc * 8;
+      cp_async16_l2<0>(smem_addr(sq + Tr::off16(r, cc)), ok ? src : qbase, ok ? 16 : 0);
+    }
+    cp_async_commit();
+  }
+
+  // Issue the copies of key block kb into stage s (one commit group, possibly empty).
+  auto issue = [&](int kb, int s) {
+    if (kb < kb1) {
+      unsigned char* st = stages + s * Tr::kStageBytes;
+      const uint32_t kdst = smem_addr(st), vdst = smem_addr(st + Tr::kRawBlock);
+      for (int c = threadIdx.x; c < kPrefillKeys * kRawChunks; c += kPrefillThreads) {
+        const int r = c / kRawChunks, cc = c % kRawChunks;
+        const int key = kb * kPrefillKeys + r;
+        const bool ok = key < kv_hi;
+        int page = 0;
+        if (ok) {
+          const int col = key / p.page_size;
+          page = __ldg(bt + col);
+          if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
+            if (cc == 0) record_op_error(p.err, kOpErrPrefill, kOpErrPage, b, col, page, p.num_pages);
+            bad = true;
+            page = 0;
+          }
+        }
+        const int64_t off =
+            ((int64_t(page) * p.page_size + key % p.page_size) * tok_stride + int64_t(kvh) * D) *
+                int64_t(sizeof(KVT)) + cc * 16;
+        const uint32_t so = uint32_t(Tr::raw_off(r, cc));
+        cp_async16_l2<0>(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
+        cp_async16_l2<0>(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
+      }
+      if (kFp8) {
+        const int r = threadIdx.x & 63;
+        const int key = kb * kPrefillKeys + r;
+        const bool ok = key < kv_hi;
+        int page = ok ? __ldg(bt + key / p.page_size) : 0;
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) page = 0;
+        const float* sc = threadIdx.x < 64 ? p.k_scale : p.v_scale;
+        const int64_t off = (int64_t(page) * p.page_size + key % p.page_size) * p.kv_heads + kvh;
+        cp_async4(smem_addr(st + 2 * Tr::kRawBlock + threadIdx.x * 4), ok ? sc + off : sc,
+                  ok ? 4 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+  issue(kb0, 0);
+
+  // This warp's 16 rows: the causal limit (last key index it may see) of rows g and g + 8.
+  int lim[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = warp * 16 + g + 8 * h;
+    const int t = t0 + r / G;
+    lim[h] = (r < TT * G && t < n) ? L - n + t : -1;
+  }
+
+  float o[kDn][4];
+#pragma unroll
+  for (int j = 0; j < kDn; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  uint32_t qf[Tr::kQRegs ? kKs : 1][4];
+  const uint32_t sq_addr = smem_addr(sq);
+  const int qrow = warp * 16 + (lane & 15);
+  if (Tr::kQRegs) {
+    cp_async_wait<1>();  // the Q group (the first block's may still fly)
+    __syncthreads();
+#pragma unroll
+    for (int ks = 0; ks < (Tr::kQRegs ? kKs : 1); ++ks)
+      ldmatrix_x4(qf[ks], sq_addr + Tr::off16(qrow, 2 * ks + (lane >> 4)));
+  }
+
+  for (int kb = kb0; kb < kb1; ++kb) {
+    const int s = (kb - kb0) & 1;
+    issue(kb + 1, s ^ 1);
+    cp_async_wait<1>();
+    __syncthreads();
+    unsigned char* st = stages + s * Tr::kStageBytes;
+    const unsigned char* kbuf = st;
+    const unsigned char* vbuf = st + Tr::kRawBlock;
+    const float* ksc = reinterpret_cast<const float*>(st + 2 * Tr::kRawBlock);
+    if (kFp8) {  // e4m3 -> q's 16-bit type (exact), swizzled
+      for (int c = threadIdx.x; c < 2 * kPrefillKeys * kRawChunks; c += kPrefillThreads) {
+        const int kv = c / (kPrefillKeys * kRawChunks), cr = c % (kPrefillKeys * kRawChunks);
+        const int r = cr / kRawChunks, cc = cr % kRawChunks;
+        const uint4 w = *reinterpret_cast<const uint4*>((kv ? vbuf : kbuf) + r * Tr::kRawRow + cc * 16);
+        const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+        uint32_t h[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const uint32_t hh = fp8x2_to_half2(uint16_t(hf ? in[e] >> 16 : in[e] & 0xffff));
+            if (std::is_same<QT, __half>::value) {
+              h[2 * e + hf] = hh;
+            } else {
+              const float2 f = unpack2<__half>(hh);
+              h[2 * e + hf] = pack2<QT>(f.x, f.y);
+            }
+          }
+        }
+        unsigned char* dst = conv + kv * Tr::kBlock16;
+        *reinterpret_cast<uint4*>(dst + Tr::off16(r, 2 * cc)) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(dst + Tr::off16(r, 2 * cc + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+      }
+      __syncthreads();
+      kbuf = conv;
+      vbuf = conv + Tr::kBlock16;
+    }
+    const uint32_t kaddr = smem_addr(kbuf), vaddr = smem_addr(vbuf);
+
+    // ---- S = Q K^T: 16 rows x 64 keys per warp ----
+    float sc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKs; ++ks) {
+      uint32_t a[4];
+      if (Tr::kQRegs) {
+        a[0] = qf[Tr::kQRegs ? ks : 0][0], a[1] = qf[Tr::kQRegs ? ks : 0][1];
+        a[2] = qf[Tr::kQRegs ? ks : 0][2], a[3] = qf[Tr::kQRegs ? ks : 0][3];
+      } else {
+        ldmatrix_x4(a, sq_addr + Tr::off16(qrow, 2 * ks + (lane >> 4)));
+      }
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, kaddr + Tr::off16(16 * np + (lane & 7) + ((lane >> 4) << 3),
+                                          2 * ks + ((lane >> 3) & 1)));
+        mma_16816<QT>(sc[2 * np], a, bk[0], bk[1]);
+        mma_16816<QT>(sc[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+    // ---- scale, fp8 key scales, causal mask ----
+    const bool need_mask = kb >= first_masked;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key_in = 8 * j + 2 * q4 + (e & 1);
+        float f = p.scale_log2;
+        if (kFp8) f *= ksc[key_in];
+        float v = sc[j][e] * f;
+        if (need_mask && kb * kPrefillKeys + key_in > lim[e >> 1]) v = -INFINITY;
+        sc[j][e] = v;
+      }
+    // ---- online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3) ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(sc[j][2 * h], sc[j][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_run[h] - m_use);
+      m_run[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        sc[j][2 * h] = exp2f(sc[j][2 * h] - m_use);
+        sc[j][2 * h + 1] = exp2f(sc[j][2 * h + 1] - m_use);
+        sum += sc[j][2 * h] + sc[j][2 * h + 1];
+      }
+      l_run[h] = l_run[h] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < kDn; ++j) o[j][2 * h] *= alpha, o[j][2 * h + 1] *= alpha;
+    }
+    if (kFp8) {
+      const float* vsc = ksc + kPrefillKeys;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[j][e] *= vsc[8 * j + 2 * q4 + (e & 1)];
+    }
+    // ---- O += P V ----
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t a[4];
+      a[0] = pack2<QT>(sc[2 * kk][0], sc[2 * kk][1]);
+      a[1] = pack2<QT>(sc[2 * kk][2], sc[2 * kk][3]);
+      a[2] = pack2<QT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+      a[3] = pack2<QT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, vaddr + Tr::off16(16 * kk + (lane & 15), 2 * dn + (lane >> 4)));
+        mma_16816<QT>(o[2 * dn], a, bv[0], bv[1]);
+        mma_16816<QT>(o[2 * dn + 1], a, bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with stage s before block kb + 2 refills it
+  }
+  cp_async_wait<0>();
+  pdl_trigger();
+  const bool cta_bad = __syncthreads_or(bad);
+
+  // ---- epilogue: rows g, g + 8 of this warp ----
+  const float kNaN = __int_as_float(0x7fffffff);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = warp * 16 + g + 8 * h;
+    const int t = t0 + r / G;
+    if (r >= TT * G || t >= row_end) continue;
+    const bool valid = t < n;   // else a padding row: zeros
+    const int head = kvh * G + r % G;
+    const int64_t row = (int64_t(c0) + t) * p.q_heads + head;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const bool poison = valid && cta_bad;
+    if (p.num_splits == 1) {
+      QT* dst = static_cast<QT*>(p.out) + row * D + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < kDn; ++j) {
+        float x = valid ? o[j][2 * h] * inv : 0.f, y = valid ? o[j][2 * h + 1] * inv : 0.f;
+        if (poison) x = y = kNaN;
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<QT>(x, y);
+      }
+    } else {
+      float* dst = p.o_partial + (int64_t(split) * p.tokens * p.q_heads + row) * D + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < kDn; ++j) {
+        float x = valid ? o[j][2 * h] * inv : 0.f, y = valid ? o[j][2 * h + 1] * inv : 0.f;
+        if (poison) x = y = kNaN;
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(x, y);
+      }
+      if (q4 == 0)
+        p.lse_partial[int64_t(split) * p.tokens * p.q_heads + row] =
+            poison ? kNaN : (valid && l > 0.f ? m_run[h] + __log2f(l) : -INFINITY);
+    }
+  }
+}
+
+// Combines the splits of every (token, head) row: out = sum_s w_s O_s / sum_s w_s with
+// w_s = 2^(lse_s - max lse), in split order (bitwise reproducible); a NaN LSE poisons the row, a
+// row no split saw (every LSE -inf) gets zeros. One warp per row, each lane D / 32 columns.
+template <int D, typename QT>
+__global__ void __launch_bounds__(128) prefill_merge_kernel(const __grid_constant__ PrefillParams p) {
+  pdl_wait();
+  const int64_t rows = int64_t(p.tokens) * p.q_heads;
+  const int64_t row = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int S = p.num_splits;
+  const int64_t split_stride = rows;
+  float M = -INFINITY;
+  bool nan_lse = false;
+  for (int s = 0; s < S; ++s) {
+    const float v = p.lse_partial[s * split_stride + row];
+    nan_lse |= isnan(v);
+    M = fmaxf(M, v);
+  }
+  constexpr int kPer = D / 32;
+  float acc[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+  float W = 0.f;
+  if (M != -INFINITY && !nan_lse) {
+    for (int s = 0; s < S; ++s) {
+      const float w = exp2f(p.lse_partial[s * split_stride + row] - M);
+      W += w;
+      const float* src = p.o_partial + (s * split_stride + row) * D + lane * kPer;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += w * src[e];
+    }
+  }
+  const float inv = W > 0.f ? 1.f / W : 0.f;
+  QT* dst = static_cast<QT*>(p.out) + row * D + lane * kPer;
+#pragma unroll
+  for (int e = 0; e < kPer; e += 2) {
+    float x = acc[e] * inv, y = acc[e + 1] * inv;
+    if (nan_lse) x = y = __int_as_float(0x7fffffff);
+    *reinterpret_cast<uint32_t*>(dst + e) = pack2<QT>(x, y);
+  }
+  pdl_trigger();
+}
+
+}  // namespace attention
+}  // namespace fusedist

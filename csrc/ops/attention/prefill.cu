@@ -1,0 +1,134 @@
+// Launcher for the paged prefill kernel and its split merge: validates, picks the (head_dim,
+// q dtype, KV dtype) instantiation and launches (csrc/include/fusedist/attention/prefill.cuh).
+#include <climits>
+#include <string>
+
+#include "fusedist/attention/api.h"
+#include "fusedist/attention/prefill.cuh"
+#include "fusedist/common/launch.h"
+
+namespace fusedist {
+namespace {
+
+using attention::PrefillParams;
+using attention::PrefillTraits;
+
+static_assert(attention::kPrefillMaxSplits == kAttentionPrefillMaxSplits, "keep in sync");
+
+template <int D, typename QT, typename KVT>
+void launch(const PrefillParams& p, cudaStream_t stream) {
+  constexpr int kSmem = PrefillTraits<D, QT, KVT>::kSmemBytes;
+  static const bool once = [] {
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(attention::paged_prefill_kernel<D, QT, KVT>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    return true;
+  }();
+  (void)once;
+  const dim3 grid(p.q_tiles * p.num_splits, p.kv_heads, p.batch);
+  launch_kernel_smem("paged_prefill_kernel", attention::paged_prefill_kernel<D, QT, KVT>, grid,
+                     dim3(attention::kPrefillThreads), kSmem, stream, p);
+  if (p.num_splits > 1) {
+    const int64_t rows = int64_t(p.tokens) * p.q_heads;
+    launch_kernel("prefill_merge_kernel", attention::prefill_merge_kernel<D, QT>,
+                  dim3(unsigned((rows + 3) / 4)), dim3(128), stream, p);
+  }
+}
+
+void check_dtypes(int head_dim, DType q, DType kv) {
+  FUSEDIST_CHECK_ARG(q == DType::kBFloat16 || q == DType::kFloat16,
+                     std::string("attention_prefill: q must be bfloat16 or float16, got ") +
+                         dtype_name(q));
+  FUSEDIST_CHECK_ARG(kv == q || kv == DType::kFloat8E4M3,
+                     std::string("attention_prefill: the KV cache must have q's dtype (") +
+                         dtype_name(q) + ") or float8_e4m3fn, got " + dtype_name(kv));
+  FUSEDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256,
+                     "attention_prefill: head_dim must be 64, 128 or 256, got " +
+                         std::to_string(head_dim));
+}
+
+#define FUSEDIST_PREFILL_DTYPES(D_, CALL)                                             \
+  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16);                         \
+  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3);                             \
+  else if (!fp8_) CALL(D_, __half, __half);                                           \
+  else CALL(D_, __half, __nv_fp8_e4m3)
+
+}  // namespace
+
+int attention_prefill_tile_tokens(int group) {
+  FUSEDIST_CHECK_ARG(group >= 1 && group <= attention::kPrefillRows,
+                     "attention_prefill: q_heads / kv_heads must be in [1, 64], got " +
+                         std::to_string(group));
+  return attention::kPrefillRows / group;
+}
+
+void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
+  const std::string w = "attention_prefill: ";
+  check_dtypes(a.head_dim, a.q_dtype, a.kv_dtype);
+  FUSEDIST_CHECK_ARG(a.batch >= 0 && a.batch <= 65535,
+                     w + "batch must be in [0, 65535], got " + std::to_string(a.batch));
+  FUSEDIST_CHECK_ARG(a.kv_heads > 0 && a.kv_heads <= 65535 && a.q_heads > 0 &&
+                         a.q_heads % a.kv_heads == 0,
+                     w + "q_heads (" + std::to_string(a.q_heads) +
+                         ") must be a positive multiple of kv_heads (" +
+                         std::to_string(a.kv_heads) + ")");
+  const int group = a.q_heads / a.kv_heads;
+  const int tt = attention_prefill_tile_tokens(group);
+  FUSEDIST_CHECK_ARG(a.page_size > 0, w + "page_size must be > 0");
+  FUSEDIST_CHECK_ARG(a.tokens >= 0 && a.max_q_len >= 0 && a.max_q_len <= a.tokens,
+                     w + "max_q_len (" + std::to_string(a.max_q_len) + ") must be in [0, tokens = " +
+                         std::to_string(a.tokens) + "]");
+  FUSEDIST_CHECK_ARG(a.num_splits >= 1 && a.num_splits <= attention::kPrefillMaxSplits,
+                     w + "num_splits must be in [1, " +
+                         std::to_string(attention::kPrefillMaxSplits) + "], got " +
+                         std::to_string(a.num_splits));
+  FUSEDIST_CHECK_ARG(a.q && a.k_cache && a.v_cache && a.block_table && a.seq_lens &&
+                         a.cu_seqlens_q && a.out,
+                     w + "q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q and out must "
+                         "be non-null");
+  FUSEDIST_CHECK_ARG(a.num_splits == 1 || (a.o_partial && a.lse_partial),
+                     w + "num_splits > 1 needs the workspace (o_partial, lse_partial)");
+  FUSEDIST_CHECK_ARG(a.kv_dtype != DType::kFloat8E4M3 || (a.k_scale && a.v_scale),
+                     w + "an fp8 KV cache needs k_scale and v_scale");
+  FUSEDIST_CHECK_ARG(a.bt_cols >= 0 && a.bt_cols <= a.bt_stride,
+                     w + "bt_cols must be in [0, bt_stride]");
+  FUSEDIST_CHECK_ARG(a.num_pages > 0, w + "num_pages must be > 0");
+  FUSEDIST_CHECK_ARG(int64_t(a.bt_cols) * a.page_size <= INT32_MAX,
+                     w + "bt_cols * page_size must fit in int32");
+  FUSEDIST_CHECK_ARG(a.q_stride >= int64_t(a.q_heads) * a.head_dim && a.q_stride % 8 == 0,
+                     w + "q's token stride must be >= q_heads * head_dim and a multiple of 8");
+  FUSEDIST_CHECK_ARG((a.q | a.out | a.k_cache | a.v_cache) % 16 == 0,
+                     w + "q, out, k_cache and v_cache must be 16-byte aligned");
+  if (a.batch == 0 || a.tokens == 0 || a.max_q_len == 0) return;
+  const int64_t q_tiles = (int64_t(a.max_q_len) + tt - 1) / tt;
+  FUSEDIST_CHECK_ARG(q_tiles * a.num_splits <= INT32_MAX, w + "too many query tiles");
+  PrefillParams p{};
+  p.q = reinterpret_cast<const void*>(a.q);
+  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
+  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
+  p.k_scale = reinterpret_cast<const float*>(a.k_scale);
+  p.v_scale = reinterpret_cast<const float*>(a.v_scale);
+  p.block_table = reinterpret_cast<const int*>(a.block_table);
+  p.seq_lens = reinterpret_cast<const int*>(a.seq_lens);
+  p.cu_seqlens_q = reinterpret_cast<const int*>(a.cu_seqlens_q);
+  p.out = reinterpret_cast<void*>(a.out);
+  p.o_partial = reinterpret_cast<float*>(a.o_partial);
+  p.lse_partial = reinterpret_cast<float*>(a.lse_partial);
+  p.q_stride = a.q_stride;
+  p.tokens = a.tokens, p.batch = a.batch, p.q_heads = a.q_heads, p.kv_heads = a.kv_heads;
+  p.group = group, p.tile_tokens = tt, p.q_tiles = int(q_tiles), p.num_splits = a.num_splits;
+  p.page_size = a.page_size, p.bt_stride = a.bt_stride, p.bt_cols = a.bt_cols;
+  p.num_pages = a.num_pages;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.err = reinterpret_cast<OpErrorRecord*>(a.err);
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const bool fp8_ = a.kv_dtype == DType::kFloat8E4M3, bf16_ = a.q_dtype == DType::kBFloat16;
+#define FUSEDIST_PREFILL_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, s)
+  switch (a.head_dim) {
+    case 64: FUSEDIST_PREFILL_DTYPES(64, FUSEDIST_PREFILL_LAUNCH); break;
+    case 128: FUSEDIST_PREFILL_DTYPES(128, FUSEDIST_PREFILL_LAUNCH); break;
+    default: FUSEDIST_PREFILL_DTYPES(256, FUSEDIST_PREFILL_LAUNCH); break;
+  }
+#undef FUSEDIST_PREFILL_LAUNCH
+}
+
+}  // namespace fusedist
