@@ -409,12 +409,14 @@ class Runner:
             rows_t = torch.tensor(rows, dtype=torch.int64)
             seq_of_tok = torch.repeat_interleave(rows_t, torch.tensor([n for _, _, n in chunk]))
             page = self.block_table_host[seq_of_tok, pos_t // P].long()
-            meta = _metadata(mode="prefill", block_table=self.bt[rows_t.to(dev)],
-                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                             slot_mapping=(page * P + pos_t % P).to(dev),
-                             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            bt = self.bt[rows_t.to(dev)]
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
+            meta = _metadata(mode="prefill", block_table=bt, seq_lens=seq_lens,
+                             slot_mapping=(page * P + pos_t % P).to(dev), cu_seqlens_q=cu_t,
                              max_q_len=max(n for _, _, n in chunk),
-                             seq_lens_host=lens, cu_seqlens_q_host=cu)
+                             seq_lens_host=lens, cu_seqlens_q_host=cu,
+                             plan=self._prefill_plan(bt, seq_lens, cu_t, len(toks), lens, cu))
             # seq_rows stays on the host: the torch backend's static cache slices by it.
             logits = self.model(torch.tensor(toks, dtype=torch.int64, device=dev), pos_t.to(dev),
                                 self.cache, meta, seq_rows=rows_t,
@@ -426,6 +428,18 @@ class Runner:
         if all_logits:
             return [torch.stack(e) for e in every]
         return torch.stack(last)
+
+    def _prefill_plan(self, bt, seq_lens, cu_t, T, lens, cu):
+        """The step's PrefillPlan for the fusedist model (its metadata checked once for every
+        layer); None for the torch baseline, which reads the lengths itself."""
+        if getattr(self.model, "backend", None) != "fusedist":
+            return None
+        try:
+            from ..ops.attention import prefill_plan
+        except ImportError:
+            return None
+        return prefill_plan(bt, seq_lens, cu_t, tokens=T, page_size=self.page_size,
+                            num_pages=self.num_pages, seq_lens_host=lens, cu_seqlens_q_host=cu)
 
     def _prefill_graphed(self, toks, pos, cu, lens, rows) -> torch.Tensor:
         """One prefill chunk through the CUDA graph of its (sequences, token bucket), captured

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ..comm.communicator import Communicator, GroupLike, get_communicator, resolve_group
-from ..ops.attention import DecodePlan, decode, prefill, rope_append, rope_cos_sin
+from ..ops.attention import DecodePlan, PrefillPlan, decode, prefill, rope_append, rope_cos_sin
 from ..ops.allreduce import all_reduce
 from ..ops.gemm_comm import gemm_ar
 from ..distributed.runtime import is_initialized
@@ -53,14 +53,16 @@ class AttentionMetadata:
     """Per-step inputs shared by every layer, built by the runner outside CUDA graphs; the
     tensors are static buffers so a captured graph replays with new values.
     decode:  one token per sequence (T == batch), plan from fusedist.ops.decode_plan.
-    prefill: cu_seqlens_q int32/int64 [batch + 1] splits the T tokens into sequences."""
+    prefill: cu_seqlens_q int32/int64 [batch + 1] splits the T tokens into sequences; plan
+             (optional) from fusedist.ops.attention.prefill_plan, checked once for every
+             layer of the step."""
     mode: str
     block_table: torch.Tensor               # int32 [batch, max_pages]
     seq_lens: torch.Tensor                  # int32 [batch], including this step's tokens
     slot_mapping: torch.Tensor              # int64 [T]
     cu_seqlens_q: Optional[torch.Tensor] = None
     max_q_len: Optional[int] = None
-    plan: Optional[DecodePlan] = None
+    plan: Optional[Union[DecodePlan, PrefillPlan]] = None
     # prefill: the same lengths as host lists (the runner has them); without them prefill
     # reads seq_lens / cu_seqlens_q from the device, a synchronization per layer.
     seq_lens_host: Optional[Sequence[int]] = None
@@ -247,7 +249,8 @@ class TPAttention(torch.nn.Module):
             o = prefill(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                         scale=self.scale, max_q_len=meta.max_q_len, k_scale=k_scale,
                         v_scale=v_scale, seq_lens_host=meta.seq_lens_host,
-                        cu_seqlens_q_host=meta.cu_seqlens_q_host, k_new=k, v_new=v)
+                        cu_seqlens_q_host=meta.cu_seqlens_q_host, k_new=k, v_new=v,
+                        plan=meta.plan if isinstance(meta.plan, PrefillPlan) else None)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
             return linear(o, self.o_weight)   # T == 0 on every rank alike: nothing to reduce

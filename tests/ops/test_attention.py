@@ -492,6 +492,32 @@ def test_prefill_fp8(device):
         _prefill_case(device, MIXED, 16, 4, 128, 16, torch.bfloat16, FP8, backend, gen)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_plan_shared_by_calls(device):
+    """A step's PrefillPlan, made once, gives every call the result of an unplanned call; a plan
+    of another table or token count is refused."""
+    gen = _gen(device)
+    chunks = MIXED
+    Hq, Hkv, D, ps = 8, 2, 64, 16
+    ks = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
+    vs = [_randn((L, Hkv, D), torch.float32, device, gen) for _, L in chunks]
+    kc, vc, _, _, bt, sl, _, _ = build_paged(ks, vs, ps, torch.bfloat16, device, gen)
+    ns = [n for n, _ in chunks]
+    cu = torch.tensor([0] + list(torch.tensor(ns).cumsum(0)), dtype=torch.int32, device=device)
+    T = sum(ns)
+    plan = A.prefill_plan(bt, sl, cu, tokens=T, page_size=ps, num_pages=kc.shape[0],
+                          seq_lens_host=sl.tolist(), cu_seqlens_q_host=cu.tolist())
+    assert plan.runs == A.prefill_runs(cu.tolist(), sl.tolist())
+    for _ in range(2):   # as two layers of one step
+        q = _randn((T, Hq, D), torch.bfloat16, device, gen)
+        want = A.prefill(q, kc, vc, bt, sl, cu)
+        assert torch.equal(A.prefill(q, kc, vc, bt, sl, cu, plan=plan), want)
+    with pytest.raises(ValueError, match="plan was not made for this call"):
+        A.prefill(q, kc, vc, bt.clone(), sl, cu, plan=plan)
+    with pytest.raises(ValueError, match="plan was not made for this call"):
+        A.prefill(q[:-1], kc, vc, bt, sl, cu, plan=plan)
+
+
 # ---- the paged prefill kernel (CUDA) ----------------------------------------------------------
 PAGED_SHAPES = [(32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256), (28, 4, 128, 5),
                 (64, 1, 128, 32), (16, 16, 64, 48)]

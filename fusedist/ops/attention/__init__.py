@@ -5,6 +5,9 @@
     plan = decode_plan(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, device, dtype)
     out = decode(q, k_cache, v_cache, block_table, seq_lens, plan)      # one token per sequence
     out = prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    plan = prefill_plan(block_table, seq_lens, cu_seqlens_q, tokens=T, page_size=ps,
+                        num_pages=P)          # checked once per step; then every layer's
+    out = prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, plan=plan)
 
 Layout (docs/design/attention.md):
   k_cache, v_cache  [num_pages, page_size, kv_heads, head_dim], bf16/fp16, or float8_e4m3fn
@@ -33,14 +36,15 @@ package's public names `decode` and `prefill` are their functions.
 """
 
 from ._decode import DecodePlan, decode, decode_plan, decode_reference
-from ._prefill import PREFILL_BACKENDS, PREFILL_GATHER_TOKENS, prefill, prefill_reference, prefill_runs
+from ._prefill import (PREFILL_BACKENDS, PREFILL_GATHER_TOKENS, PrefillPlan, prefill,
+                       prefill_plan, prefill_reference, prefill_runs)
 from .paged import FP8, FP8_MAX, KV_DTYPES, gather_kv
 from .rope import (ROPE_STYLES, apply_rope_reference, quantize_fp8_reference, rope_append,
                    rope_append_reference, rope_cos_sin, rope_inv_freq)
 from .sdpa import SDPA_NAMES, sdpa_priority
 
 __all__ = ["DecodePlan", "decode", "decode_plan", "decode_reference", "prefill",
-           "prefill_reference", "prefill_runs", "rope_append", "rope_append_reference",
+           "prefill_reference", "prefill_runs", "PrefillPlan", "prefill_plan", "rope_append", "rope_append_reference",
            "rope_cos_sin", "rope_inv_freq", "apply_rope_reference", "quantize_fp8_reference",
            "gather_kv", "sdpa_priority", "KV_DTYPES", "ROPE_STYLES", "PREFILL_BACKENDS",
            "PREFILL_GATHER_TOKENS", "SDPA_NAMES", "FP8", "FP8_MAX"]

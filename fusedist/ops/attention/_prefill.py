@@ -8,6 +8,7 @@ CPU tensors take the fp32 plain-torch path."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -36,7 +37,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             seq_lens_host: Optional[Sequence[int]] = None,
             cu_seqlens_q_host: Optional[Sequence[int]] = None,
             k_new: Optional[torch.Tensor] = None,
-            v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+            v_new: Optional[torch.Tensor] = None,
+            plan: Optional["PrefillPlan"] = None) -> torch.Tensor:
     """Chunked prefill: sequence b's n_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens
     q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] are the last n_b of its seq_lens[b] cached tokens;
     new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
@@ -54,7 +56,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_new, v_new [T, Hkv, D] (optional, q's dtype): the keys and values rope_append just wrote
     for these tokens; a sequence whose cache holds only its new tokens (no prefix) then reads
     them instead of gathering its pages (bf16/fp16 caches, which hold the same values; FP8
-    caches always read the cache)."""
+    caches always read the cache).
+    plan: the step's PrefillPlan (prefill_plan(), made once for all layers): the lengths, runs
+    and page checks come from it instead of being redone per call."""
     op = "prefill"
     if backend not in PREFILL_BACKENDS:
         _fail(op, f"backend must be one of {PREFILL_BACKENDS}, got {backend!r}")
@@ -85,7 +89,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     return _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
                          mq, k_scale, v_scale, backend, seq_lens_host, cu_seqlens_q_host,
-                         k_new, v_new)
+                         k_new, v_new, plan)
 
 
 def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=None, cu=None):
@@ -107,13 +111,82 @@ def _prefill_bounds(op, cu_seqlens_q, seq_lens, T, block_table, page_size, lens=
     return cu, lens
 
 
+@dataclass
+class PrefillPlan:
+    """One prefill step's metadata, checked once and shared by every layer's prefill() call
+    (prefill_plan() builds it; TPAttention takes it from AttentionMetadata.plan): the host
+    lengths, the SDPA runs and their page indices, the rows whose metadata is bad (on CUDA a
+    device mask from one check kernel: those rows come out NaN), and the paged kernel's grid
+    bounds. Valid for the block_table tensor it was made for and that step's values."""
+    tokens: int
+    cu: list
+    lens: list
+    page_size: int
+    num_pages: int
+    block_table: torch.Tensor
+    runs: list
+    bad: Optional[torch.Tensor] = None
+    max_q_len: int = 0
+    max_keys: int = 0
+    _pages: dict = field(default_factory=dict)
+
+    def pages(self, i: int) -> torch.Tensor:
+        """long [sequences of run i, pages of its length], clamped into the cache when a
+        device check ran (never read outside it; bad rows are poisoned)."""
+        got = self._pages.get(i)
+        if got is None:
+            f, l = self.runs[i]
+            got = self.block_table[f:l, :-(-self.lens[f] // self.page_size)].long()
+            if self.bad is not None:
+                got.clamp_(0, self.num_pages - 1)
+            self._pages[i] = got
+        return got
+
+
+def prefill_plan(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, *, tokens: int, page_size: int, num_pages: int,
+                 seq_lens_host: Optional[Sequence[int]] = None,
+                 cu_seqlens_q_host: Optional[Sequence[int]] = None) -> PrefillPlan:
+    """Check a prefill step's metadata once (the lengths on the host: pass them, or they are
+    read from the device; the pages on the host for CPU tensors, else by one device check
+    kernel that records and masks instead of synchronizing). Pass the plan to every layer's
+    prefill(..., plan=) of that step."""
+    op = "prefill"
+    B = seq_lens.shape[0]
+    if seq_lens_host is not None and len(seq_lens_host) != B:
+        _fail(op, f"seq_lens_host has {len(seq_lens_host)} entries, seq_lens {B}")
+    cu, lens = _prefill_bounds(op, cu_seqlens_q, seq_lens, tokens, block_table, page_size,
+                               seq_lens_host, cu_seqlens_q_host)
+    bad = None
+    if block_table.device.type == "cpu" or not device_check_available():
+        check_pages_host(op, block_table, lens, num_pages, page_size)
+    else:
+        device_errors.check_before_launch(block_table)
+        bad = check_pages_device(op, block_table, seq_lens, num_pages, page_size)
+    return PrefillPlan(tokens=tokens, cu=cu, lens=lens, page_size=page_size,
+                       num_pages=num_pages, block_table=block_table, runs=prefill_runs(cu, lens),
+                       bad=bad, max_q_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+                       max_keys=max(lens, default=0))
+
+
+def _check_plan(plan: PrefillPlan, T, block_table, k_cache):
+    if not isinstance(plan, PrefillPlan) or plan.tokens != T or \
+            plan.block_table is not block_table or plan.page_size != k_cache.shape[1] or \
+            plan.num_pages != k_cache.shape[0]:
+        _fail("prefill", "plan was not made for this call (prefill_plan(block_table, ...) of "
+                         "this step: the same block_table tensor, tokens, page size and pages)")
+
+
 def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
                   max_q_len, k_scale, v_scale, backend, lens=None, cu=None, k_new=None,
-                  v_new=None) -> torch.Tensor:
+                  v_new=None, plan: Optional[PrefillPlan] = None) -> torch.Tensor:
     T = q.shape[0]
     if T == 0:
         return torch.empty_like(q) if out is None else out
-    ps = k_cache.shape[1]
+    ps, P = k_cache.shape[1], k_cache.shape[0]
+    if plan is not None:
+        _check_plan(plan, T, block_table, k_cache)
+        lens, cu = plan.lens, plan.cu
     if lens is not None and len(lens) != seq_lens.shape[0]:
         _fail("prefill", f"seq_lens_host has {len(lens)} entries, seq_lens {seq_lens.shape[0]}")
     if backend == "paged" and q.device.type != "cuda":
@@ -124,43 +197,39 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         if backend == "paged" and why:
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
         if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new)):
-            if lens is not None and cu is not None:
+            if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
-                max_q_len = max(b - a for a, b in zip(cu, cu[1:])) if max_q_len < 0 else \
-                    max_q_len
+            if cu is not None:
+                mq = max(b - a for a, b in zip(cu, cu[1:]))
                 max_keys = max(lens, default=0)
-            else:
-                max_keys = block_table.shape[1] * ps
+            else:   # lengths only on the device: the grid covers every token
+                mq, max_keys = T, block_table.shape[1] * ps
             device_errors.check_before_launch(q)
             return run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                             scale, T if max_q_len < 0 else max_q_len, max_keys, k_scale,
+                             scale, mq if max_q_len < 0 else max_q_len, max_keys, k_scale,
                              v_scale)
-    cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table, ps, lens, cu)
-    P = k_cache.shape[0]
-    bad = None   # CUDA: rows whose pages are out of range (recorded on the device, poisoned)
-    if q.device.type == "cpu" or not device_check_available():
-        check_pages_host("prefill", block_table, lens, P, ps)
-    else:
+    if plan is None:
+        plan = prefill_plan(block_table, seq_lens, cu_seqlens_q, tokens=T, page_size=ps,
+                            num_pages=P, seq_lens_host=lens, cu_seqlens_q_host=cu)
+    elif q.device.type == "cuda":
         device_errors.check_before_launch(q)
-        bad = check_pages_device("prefill", block_table, seq_lens, P, ps)
+    cu, lens, bad = plan.cu, plan.lens, plan.bad
     use_sdpa = backend == "sdpa" or (backend == "auto" and q.device.type == "cuda")
     # SDPA takes one dtype: q's for bf16/fp16 caches. FP8 caches dequantize to fp32 and SDPA
     # runs in fp32: rounding dequantized K/V to bf16 on top of the flash-style P rounding
     # costs up to ~0.8% relative per row, too close to the bf16 budget.
     fp8 = k_scale is not None
     kv_dtype = q.dtype if use_sdpa and not fp8 else torch.float32
-    runs = prefill_runs(cu, lens)
-    for f, l in runs:
+    runs = plan.runs
+    for i, (f, l) in enumerate(runs):
         B, n, L = l - f, cu[f + 1] - cu[f], lens[f]
         a, e = cu[f], cu[l]
         qb = q[a:e].unflatten(0, (B, n))                            # [B, n, Hq, D]
         if k_new is not None and n == L and not fp8:   # no prefix: the fresh K/V
             k, v = (t[a:e].unflatten(0, (B, n)).to(kv_dtype) for t in (k_new, v_new))
         else:
-            pages = block_table[f:l, :-(-L // ps)].long()
-            if bad is not None:
-                pages.clamp_(0, P - 1)   # never read outside the cache; bad rows are poisoned
+            pages = plan.pages(i)
             k = _gather_seqs(k_cache, pages, L, k_scale, kv_dtype)   # [B, L, Hkv, D]
             v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
         o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
