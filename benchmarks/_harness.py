@@ -274,6 +274,15 @@ def rate_columns(times: dict, nbytes: int, hbm_tbs: float, head: str = "fusedist
     return row
 
 
+def sync_quietly() -> None:
+    """Wait for the GPU after a failed call or capture, ignoring the error again (the caller
+    reports it)."""
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
 def time_eager(step: Callable[[int], None], ops: int, reps: int) -> float:
     for i in range(ops):
         step(i)
