@@ -136,6 +136,10 @@ def main():
     meta = H.metadata(1)
     meta.update(quick=args.quick, ms=ms, models=list(models))
     md = markdown(rows)
+    why = getattr(Q, "BLOCKWISE_PROBE", {}).get(0)   # why the block-scaled scaled_mm is not used
+    if why:
+        meta["blockwise_probe"] = why
+        md += f"\nBlock-scaled scaled_mm not used on this GPU: {why}\n"
     print(md)
     paths = H.write_results("fp8_linear", meta, rows, md)
     print("results:", ", ".join(str(p) for p in paths))

@@ -41,8 +41,9 @@ fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
     one scale for all of x (a NaN anywhere in x makes the whole output NaN);
   * CUDA, block scales past 16 rows (or without the GEMV), bf16 x, K % 512 == 0, N % 128 == 0,
     on sm_90 where torch's block-scaled scaled_mm runs (probed once per device against
-    float64): that GEMM (cuBLASLt), x quantized per token and 128 k (1 x 128 scales) against
-    the weight's 128 x 128 scales;
+    float64; why not, in BLOCKWISE_PROBE[device index]): that GEMM (cuBLASLt), x quantized
+    per token and 128 k (1 x 128 scales, x's rows padded to a multiple of 4 for cuBLASLt)
+    against the weight's 128 x 128 scales;
   * everything else (block scales elsewhere, fp16 / fp32 x, odd sizes, older GPUs): the
     weight dequantized to x's dtype and F.linear;
   * CPU: fp8_linear_reference: dequantize in fp32, fp32 matmul, rounded once to x's dtype.
@@ -405,20 +406,40 @@ def _blockwise_api():
     return fn, types
 
 
+def _blockwise_operands(xq: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation operand and its scales in the layout torch's block-scaled scaled_mm and
+    cuBLASLt take: xq [M, K] e4m3 with sx [M, K / 128] -> (xq [Mp, K], sa [Mp, K / 128] with
+    strides (1, Mp)), Mp = M rounded up to a multiple of 4. cuBLASLt's 1 x 128 scales are
+    M-major with M a multiple of 4 (16-byte columns), and torch takes the scales' column stride
+    only as mat_a's row count, so the rows themselves are padded: zero rows with scale 1,
+    their output rows dropped by the caller."""
+    m, k = xq.shape
+    mp = -(-m // 4) * 4
+    if mp != m:
+        xp = xq.new_zeros(mp, k)
+        xp[:m] = xq
+        xq = xp
+    sa = sx.new_ones(sx.shape[1], mp)     # one allocation of the padded size, M fastest
+    sa[:, :m] = sx.t()
+    return xq, sa.t()
+
+
 def scaled_mm_blockwise(x: torch.Tensor, w: "FP8Weight",
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """torch's block-scaled FP8 GEMM (cuBLASLt on sm_90): x [M, K] bf16 quantized per token
     and 128 k (quantize_groups), w a "block" FP8Weight (128 x 128 scales); bf16 [M, N] (+ bias,
-    added after). Needs K % 512 == 0 and N % 128 == 0 (scale operands without padding)."""
+    added after). Needs K % 512 == 0 and N % 128 == 0 (the weight's scales as they are: K / 128
+    a multiple of 4, as cuBLASLt's 128 x 128 scales want); any M (padded to a multiple of 4
+    inside, _blockwise_operands)."""
     api = _blockwise_api()
     if api is None:
         _fail("scaled_mm_blockwise: this torch has no block-scaled scaled_mm", RuntimeError)
     fn, types = api
-    xq, sx = quantize_groups(x)
-    sa = sx.t().contiguous().t()          # [M, K / 128], M fastest (the operand's layout)
+    m = x.shape[0]
+    xq, sa = _blockwise_operands(*quantize_groups(x))
     sb = w.scale.t()                      # [K / 128, N / 128], K / 128 fastest
     y = fn(xq, w.data.t(), sa, types.BlockWise1x128, sb, types.BlockWise128x128,
-           output_dtype=torch.bfloat16)
+           output_dtype=torch.bfloat16)[:m]
     return y if bias is None else y + bias
 
 
@@ -427,13 +448,33 @@ def blockwise_shape_ok(n: int, k: int) -> bool:
     return k % (4 * BLOCK) == 0 and n % BLOCK == 0 and k > 0 and n > 0
 
 
+# Per CUDA device index: why the block-scaled scaled_mm is not used there (the probe's
+# exception, its error against float64, or the reason it was not tried); no entry where it is.
+BLOCKWISE_PROBE: dict[int, str] = {}
+
+
 def _probe_blockwise(idx: int) -> bool:
     """Whether the block-scaled scaled_mm runs on CUDA device idx and gives the float64 result
-    (a 17 x 512 x 256 call against the dequantized operands): once per device, never inside a
-    capture. A torch or cuBLAS without it answers False (the dequantized weight is used)."""
+    (_blockwise_check): once per device, never inside a capture. A torch or cuBLAS without it
+    answers False (the dequantized weight is used) and leaves the reason in
+    BLOCKWISE_PROBE[idx]."""
+    ok, why = _blockwise_check(torch.device("cuda", idx))
+    if ok:
+        BLOCKWISE_PROBE.pop(idx, None)
+    else:
+        BLOCKWISE_PROBE[idx] = why
+    return ok
+
+
+def _blockwise_check(dev: torch.device) -> tuple[bool, str]:
+    """(scaled_mm_blockwise gives the float64 result on dev, why not): a 17 x 512 x 256 call
+    (17 rows take the padding to 4) against the dequantized operands, within 2^-7 of the
+    output's largest magnitude. The reason is the exception torch raised (its type and text)
+    or the error found, with torch's version and CUDA build."""
+    where = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
     if _blockwise_api() is None:
-        return False
-    dev = torch.device("cuda", idx)
+        return False, (f"{where}: no torch.nn.functional.scaled_mm with "
+                       "ScalingType.BlockWise1x128 / BlockWise128x128")
     try:
         g = torch.Generator().manual_seed(7)
         w = quantize_fp8(torch.randn(256, 512, generator=g) * 0.05, "block").to(dev)
@@ -443,9 +484,12 @@ def _probe_blockwise(idx: int) -> bool:
         xd = (xq.double().view(17, 4, BLOCK) * sx.double()[..., None]).view(17, 512)
         ref = xd @ w.dequantize(torch.float64).t()
         err = (y - ref).abs().max().item()
-        return err <= 2.0 ** -7 * ref.abs().max().item() + 1e-6
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):
-        return False
+        tol = 2.0 ** -7 * ref.abs().max().item() + 1e-6
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        return False, f"{where}: {type(e).__name__}: {e}"
+    if err <= tol:          # a NaN error fails here too
+        return True, ""
+    return False, f"{where}: wrong result, max |y - ref| = {err:.4g} > {tol:.4g} (17 x 512 x 256)"
 
 
 # Per CUDA device index: (compute capability, the gemv kernel runs there, the block-scaled
@@ -464,7 +508,13 @@ def _device_facts(device: torch.device) -> tuple:
             gemv = bool(_gemv_kernel_available(torch.device("cuda", idx)))
         if torch.cuda.is_current_stream_capturing():
             return cap, gemv, False   # no probe inside a capture; looked up again later
-        facts = _DEVICE[idx] = (cap, gemv, cap == (9, 0) and _probe_blockwise(idx))
+        if cap == (9, 0):
+            blockwise = _probe_blockwise(idx)
+        else:
+            blockwise = False
+            BLOCKWISE_PROBE[idx] = (f"compute capability {cap[0]}.{cap[1]}: cuBLASLt's 1 x 128 / "
+                                    "128 x 128 scaling is sm_90 only")
+        facts = _DEVICE[idx] = (cap, gemv, blockwise)
     return facts
 
 
@@ -615,4 +665,5 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
 __all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "quantize_groups",
            "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
            "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
-           "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]
+           "BLOCKWISE_PROBE", "scale_range", "scale_shape", "device_capability", "LAYOUTS",
+           "BLOCK", "FP8", "FP8_MAX"]

@@ -308,6 +308,89 @@ def test_choose_path_blockwise(args, want):
     assert choose_path(*args, blockwise=False) != "scaled_mm_block"
 
 
+def _fake_block_scaled_mm(calls):
+    """A stand-in for torch.nn.functional.scaled_mm's 1 x 128 / 128 x 128 recipe on the CPU:
+    the layout checks of torch's _scaled_block1x128_block128x128 (ScaledBlas.cpp) and of
+    cuBLASLt's scaling-factor layouts (M and N multiples of 4, 16-byte aligned scale starts),
+    then the block-scaled product in float64, rounded once to bf16."""
+    def fn(a, b, sa, ra, sb, rb, output_dtype=None):
+        calls.append((tuple(a.shape), tuple(sa.shape), sa.stride(), tuple(sb.shape), sb.stride()))
+        m, k = a.shape
+        n = b.shape[1]
+        kb, l4 = -(-k // 128), -(-k // 512) * 4
+        if (ra, rb) != ("1x128", "128x128") or output_dtype != torch.bfloat16:
+            raise ValueError("recipes")
+        if a.dtype != FP8 or not a.is_contiguous() or b.dtype != FP8 or b.stride() != (1, k):
+            raise ValueError("mat_a row-major e4m3, mat_b column-major e4m3")
+        if tuple(sa.shape) != (m, kb) or sa.stride(0) != 1 or (kb > 1 and sa.stride(1) != m):
+            raise ValueError(f"scale_a must have shape ({m}, {kb}), strides (1, {m})")
+        if tuple(sb.shape) != (l4, -(-n // 128)) or sb.stride(0) != 1 or sb.stride(1) != l4:
+            raise ValueError(f"scale_b must have shape ({l4}, {n // 128}), strides (1, {l4})")
+        if m % 4 or n % 4:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED: M and N must be multiples of 4")
+        if sa.storage_offset() % 4 or sb.storage_offset() % 4:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED: scales must start 16B aligned")
+        sa64 = sa.double().repeat_interleave(128, 1)[:, :k]
+        sb64 = sb.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:k, :n]
+        return ((a.double() * sa64) @ (b.double() * sb64)).to(torch.bfloat16)
+    return fn
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 17, 64])
+def test_blockwise_operands_on_the_cpu(monkeypatch, m):
+    """scaled_mm_blockwise hands torch's block-scaled scaled_mm the layouts it and cuBLASLt take
+    for any M (rows padded to a multiple of 4, scales M-major with that column stride, the
+    weight's scales [K / 128, N / 128] K-major) and returns x's M rows: the block-scaled
+    product of quantize_groups(x) and the dequantized weight, plus the bias."""
+    calls = []
+    types = type("Types", (), {"BlockWise1x128": "1x128", "BlockWise128x128": "128x128"})
+    monkeypatch.setattr(quant, "_blockwise_api", lambda: (_fake_block_scaled_mm(calls), types))
+    n, k = 256, 1024
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.05, "block")
+    x = (torch.randn(m, k, generator=_gen(m + 1)) * 2).to(torch.bfloat16)
+    b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
+    y = quant.scaled_mm_blockwise(x, w, b)
+    mp = -(-m // 4) * 4
+    assert calls == [((mp, k), (mp, k // 128), (1, mp), (k // 128, n // 128), (1, k // 128))]
+    xq, sx = quant.quantize_groups(x)
+    xd = (xq.double().view(m, -1, 128) * sx.double()[..., None]).view(m, k)
+    want = (xd @ deq64(w).t()).to(torch.bfloat16) + b
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=2.0 ** -7, atol=2.0 ** -7)
+
+
+def test_blockwise_probe_keeps_the_reason(monkeypatch):
+    """_blockwise_check answers (ok, why): the exception torch raised, a wrong result, or no
+    block-scaled scaled_mm in this torch; _probe_blockwise files the reason per device."""
+    types = type("Types", (), {"BlockWise1x128": "1x128", "BlockWise128x128": "128x128"})
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(quant, "_blockwise_api", lambda: (_fake_block_scaled_mm([]), types))
+    assert quant._blockwise_check(cpu) == (True, "")
+
+    def raises(*a, **kw):
+        raise NotImplementedError("DeepSeek style (1x128, 128x128) scaling requires "
+                                  "cublasLt >= 12.9")
+    monkeypatch.setattr(quant, "_blockwise_api", lambda: (raises, types))
+    ok, why = quant._blockwise_check(cpu)
+    assert not ok and "NotImplementedError: DeepSeek style" in why and torch.__version__ in why
+
+    def wrong(*a, **kw):
+        return _fake_block_scaled_mm([])(*a, **kw) * 1.5
+    monkeypatch.setattr(quant, "_blockwise_api", lambda: (wrong, types))
+    ok, why = quant._blockwise_check(cpu)
+    assert not ok and "wrong result" in why
+
+    monkeypatch.setattr(quant, "_blockwise_api", lambda: None)
+    ok, why = quant._blockwise_check(cpu)
+    assert not ok and "no torch.nn.functional.scaled_mm" in why
+
+    monkeypatch.setattr(quant, "_blockwise_check", lambda dev: (False, f"why {dev.index}"))
+    monkeypatch.setattr(quant, "BLOCKWISE_PROBE", {})
+    assert not quant._probe_blockwise(3) and quant.BLOCKWISE_PROBE == {3: "why 3"}
+    monkeypatch.setattr(quant, "_blockwise_check", lambda dev: (True, ""))
+    assert quant._probe_blockwise(3) and quant.BLOCKWISE_PROBE == {}
+
+
 def test_quantize_groups_float64():
     """Per token and 128 k: each group's amax maps to 448, every value within e4m3's
     rounding of x / scale, zeros and NaN stay in their group, K must be whole groups."""
@@ -540,8 +623,10 @@ def test_gpu_blockwise_scaled_mm_against_float64(m):
     it for block weights past the GEMV's rows when the device probe found it."""
     dev = torch.device("cuda")
     if not quant._device_facts(dev)[2]:
+        why = quant.BLOCKWISE_PROBE.get(torch.cuda.current_device(), "")
         pytest.skip("torch's block-scaled scaled_mm does not run on this GPU / torch "
-                    f"(capability {torch.cuda.get_device_capability()}, torch {torch.__version__})")
+                    f"(capability {torch.cuda.get_device_capability()}, torch {torch.__version__})"
+                    f": {why}")
     n, k = 4096 + 128, 2048 + 512
     w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.02, "block").to(dev)
     w64 = deq64(w.to("cpu"))
