@@ -5,6 +5,8 @@
     python benchmarks/model.py --rows 1:4096:0:64   # batch:prompt_len:context_fill:new_tokens
     python benchmarks/model.py --baselines torch    # without the compiled anchor
     python benchmarks/model.py --quantize fp8       # FP8 projections (fusedist and baselines)
+    python benchmarks/model.py --ttft               # time to first token: 1 / 128 / 4K tokens
+                                                    # behind 0 / 4000 cached, prefill graphs on
 
 Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
 ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
@@ -20,6 +22,11 @@ row's time_us is its step time, so benchmarks/compare.py --fusedist fusedist com
 --quantize (fusedist.generate --quantize: fp8, fp8-tensor, fp8-block) runs every backend with
 FP8 projection weights quantized at load; its rows name the weight format ("weights") and go to
 model-<quantize>.{json,md}.
+--ttft: rows of batch 1, prompts of 1, 128 and 4096 tokens behind 0 and 4000 cached tokens,
+beside the torch baseline, fusedist with --prefill-graph-tokens (default 512 there; 0 replays
+nothing); a table of prefill ms (the first token's forward: the median of 3 warm prefills,
+host included) and fusedist's ratio, to model-ttft[-<quantize>].{json,md}. Target: 128 tokens
+behind 4000 <= 6 ms and >= 1.5x torch.
 """
 
 from __future__ import annotations
@@ -36,17 +43,20 @@ from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  
                       write_results)
 
 TARGETS = {1: 3.7, 64: 11.0}
+TTFT_ROWS = ["1:1:0:2", "1:128:0:2", "1:4096:0:2", "1:1:4000:2", "1:128:4000:2", "1:4096:4000:2"]
+TTFT_TARGET = {"ms": 6.0, "vs_torch": 1.5}   # 128 tokens behind 4000
 PREFILL_TARGET = 550.0
 CLASSES = ("gemm", "attention", "communication", "other")
 
 
 def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend,
-            quantize="none"):
+            quantize="none", prefill_graph_tokens=0):
     cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
            "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
            "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
-                         else []) + (["--quantize", quantize] if quantize != "none" else [])
+                         else []) + (["--quantize", quantize] if quantize != "none" else []) + \
+        (["--prefill-graph-tokens", str(prefill_graph_tokens)] if prefill_graph_tokens else [])
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
@@ -146,17 +156,40 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
 SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
 
 
-def stem(quantize: str = "none") -> str:
-    """The results file's stem: model, or model-<quantize> for FP8 runs."""
-    return "model" if quantize == "none" else f"model-{quantize}"
+def stem(quantize: str = "none", ttft: bool = False) -> str:
+    """The results file's stem: model, model-<quantize> for FP8 runs; model-ttft[-<quantize>]
+    for the --ttft rows."""
+    base = "model-ttft" if ttft else "model"
+    return base if quantize == "none" else f"{base}-{quantize}"
 
 
-def merged(rows: list[dict], meta: dict, quantize: str = "none") -> list[dict]:
+def ttft_markdown(rows: list[dict]) -> str:
+    """Time to first token per (prompt, cached tokens): each backend's prefill ms and
+    fusedist's ratio to each baseline."""
+    by = {}
+    for r in rows:
+        if r.get("status") != "failed":
+            by.setdefault((r["prompt_len"], r["context_fill"]), {})[r["backend"]] = r
+    bases = sorted({b for v in by.values() for b in v if b != "fusedist"})
+    out = ["| prompt tokens | cached | fusedist ms | " + " | ".join(f"{b} ms" for b in bases) +
+           " | " + " | ".join(f"fusedist vs {b}" for b in bases) + " | prefill graphs |",
+           "|---" * (4 + 2 * len(bases)) + "|"]
+    for (L, fill), v in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        fd = v.get("fusedist", {}).get("prefill_ms")
+        ms = [v.get(b, {}).get("prefill_ms") for b in bases]
+        ratio = [f"{m / fd:.2f}x" if m and fd else "-" for m in ms]
+        out.append(f"| {L} | {fill} | {fd if fd is not None else '-'} | "
+                   + " | ".join(str(m) if m is not None else "-" for m in ms) + " | "
+                   + " | ".join(ratio) + f" | {v.get('fusedist', {}).get('prefill_graphs', '-')} |")
+    return "\n".join(out)
+
+
+def merged(rows: list[dict], meta: dict, quantize: str = "none", ttft: bool = False) -> list[dict]:
     """rows added to the current results file's rows of other specs (--merge): rows of one
     commit, measured by several commands (one row per command keeps each within a time
     limit). meta's command and reproduce name every command."""
     path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
-        f"{stem(quantize)}.json"
+        f"{stem(quantize, ttft)}.json"
     if not path.is_file():
         return rows
     doc = json.loads(path.read_text())
@@ -226,6 +259,11 @@ def main():
     ap.add_argument("--plot-only", metavar="JSON",
                     help="redraw the plot of a results file (results/<gpu>-w<N>/model*.json) "
                          "beside it, without running anything")
+    ap.add_argument("--ttft", action="store_true",
+                    help="the time-to-first-token rows (TTFT_ROWS) beside torch, to model-ttft")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
+                    help="fusedist.generate --prefill-graph-tokens (default 512 with --ttft, "
+                    "else 0)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
@@ -235,13 +273,21 @@ def main():
         plot(json.loads(src.read_text())["rows"], src.with_suffix(".png"))
         print(f"wrote {src.with_suffix('.png')}")
         return
+    graphs = args.prefill_graph_tokens
+    if args.ttft:
+        if args.rows == ap.get_default("rows"):
+            args.rows = TTFT_ROWS
+        if args.baselines == ap.get_default("baselines"):
+            args.baselines = "torch"   # torch-compile's prefill is the eager torch one
+        graphs = 512 if graphs is None else graphs
+    graphs = graphs or 0
     bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     rows = []
     for spec in args.rows:
         b, L, fill, new = map(int, spec.split(":"))
         try:
             cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.baselines,
-                               args.timeout, args.compile_backend, args.quantize)
+                               args.timeout, args.compile_backend, args.quantize, graphs)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             print(f"row {spec}: {e}", flush=True)
             continue
@@ -254,8 +300,21 @@ def main():
     meta = metadata(args.tp)
     meta["config"] = args.config
     meta["quantize"] = args.quantize
+    meta["prefill_graph_tokens"] = graphs
     if args.merge:
-        rows = merged(rows, meta, args.quantize)
+        rows = merged(rows, meta, args.quantize, args.ttft)
+    if args.ttft:
+        for r in rows:
+            if r["backend"] == "fusedist":
+                r["prefill_graphs"] = graphs
+        text = ttft_markdown(rows) + (
+            f"\n\nprefill ms: the first token's forward, the median of 3 warm prefills (host "
+            f"included); fusedist with --prefill-graph-tokens {graphs}. Target: 128 tokens "
+            f"behind 4000 <= {TTFT_TARGET['ms']} ms and >= {TTFT_TARGET['vs_torch']}x torch.")
+        print(text, flush=True)
+        for p in write_results(stem(args.quantize, ttft=True), meta, rows, text):
+            print(f"wrote {p}")
+        return
     text = markdown(rows, bases) + (
         f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= {TARGETS[64]}; prefill "
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "

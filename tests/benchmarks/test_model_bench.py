@@ -97,3 +97,23 @@ def test_merge(tmp_path, monkeypatch):
     assert new_meta["command"] == "python3 model.py --rows 1:16:0:8 && python3 model.py --rows 64"
     with pytest.raises(SystemExit, match="holds rows of commit abc"):
         model.merged(second, {"commit": "def", "world_size": 1, "command": "x"})
+
+
+def test_ttft_table():
+    rows = []
+    for L, fill, fd, tq in ((128, 4000, 5.0, 20.0), (1, 0, 2.0, 3.0)):
+        out = {"timings": {"fusedist": _backend(1.0, fd), "torch": _backend(2.0, tq)}}
+        rows += model.rows_of((1, L, fill, 2), "cmd", out)
+    for r in rows:
+        if r["backend"] == "fusedist":
+            r["prefill_graphs"] = 512
+    md = model.ttft_markdown(rows)
+    lines = md.splitlines()
+    assert lines[0] == "| prompt tokens | cached | fusedist ms | torch ms | fusedist vs torch " \
+                       "| prefill graphs |"
+    # sorted by cached tokens, then prompt length
+    assert lines[2] == "| 1 | 0 | 2.0 | 3.0 | 1.50x | 512 |"
+    assert lines[3] == "| 128 | 4000 | 5.0 | 20.0 | 4.00x | 512 |"
+    assert model.stem("none", ttft=True) == "model-ttft"
+    assert model.stem("fp8", ttft=True) == "model-ttft-fp8"
+    assert [tuple(map(int, s.split(":"))) for s in model.TTFT_ROWS][4] == (1, 128, 4000, 2)
