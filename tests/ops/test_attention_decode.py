@@ -133,11 +133,11 @@ class Case:
                 self.q_heads, self.D)
         return out
 
-    def plan(self, num_splits=None, max_seq_len=None):
+    def plan(self, num_splits=None, max_seq_len=None, stages=0):
         return ad.plan_kernel(self.B, self.q_heads, self.kv_heads, self.D, self.P,
                               max(self.lens) if max_seq_len is None else max_seq_len,
                               num_splits=num_splits, dtype=self.dtype,
-                              kv_dtype=self.kv_dtype)
+                              kv_dtype=self.kv_dtype, stages=stages)
 
     def run(self, plan, out=None):
         out = torch.full_like(self.q, float("nan")) if out is None else out
@@ -182,6 +182,28 @@ def test_decode_matches_float64_reference(lens, hq, hkv, d, ps, dtype, fp8):
         torch.cuda.synchronize()
         check(case, out, ref, f"num_splits={plan.num_splits}")
         assert int(plan.counters.abs().sum()) == 0 if plan.counters is not None else True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", [c for c in CASES if c[-1]])
+def test_decode_fp8_two_stage_ring(lens, hq, hkv, d, ps, dtype, fp8):
+    """The FP8 cache's 2-stage instantiation: the reference's result, bitwise the default's
+    (the ring depth changes when bytes arrive, not what is summed in which order)."""
+    if FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    case = Case(lens, hq, hkv, d, ps, dtype, FP8)
+    ref = case.reference()
+    for splits in (None, 1, 7):
+        out = case.run(case.plan(num_splits=splits, stages=2))
+        check(case, out, ref, f"stages=2 num_splits={splits}")
+        assert torch.equal(out, case.run(case.plan(num_splits=splits)))
+
+
+def test_decode_stages_argument():
+    with pytest.raises(ValueError, match="stages must be 0 .* or 2 .FP8 caches only."):
+        ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", stages=2)
+    with pytest.raises(ValueError, match="stages must be 0"):
+        ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", stages=3, kv_dtype=FP8)
 
 
 @pytest.mark.gpu

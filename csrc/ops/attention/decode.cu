@@ -18,34 +18,40 @@ static_assert(attention::kDecodeMaxSplits == kAttentionDecodeMaxSplits, "keep in
 static_assert(attention::kDecodeTileHeads == kAttentionDecodeTileHeads, "keep in sync");
 static_assert(attention::kDecodeSlab == kAttentionDecodeSlab, "keep in sync");
 
-template <int D, typename QT, typename KVT>
+template <int D, typename QT, typename KVT, int S>
 const void* prepared_kernel() {
   static const bool once = [] {
-    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, QT, KVT>,
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, QT, KVT, S>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             DecodeTraits<D, QT, KVT>::kSmemBytes));
+                                             DecodeTraits<D, QT, KVT, S>::kSmemBytes));
     return true;
   }();
   (void)once;
-  return reinterpret_cast<const void*>(paged_decode_kernel<D, QT, KVT>);
+  return reinterpret_cast<const void*>(paged_decode_kernel<D, QT, KVT, S>);
 }
 
-template <int D, typename QT, typename KVT>
+template <int D, typename QT, typename KVT, int S>
 void launch(const DecodeParams& p, cudaStream_t stream) {
-  prepared_kernel<D, QT, KVT>();
+  prepared_kernel<D, QT, KVT, S>();
   const dim3 grid(p.num_splits, p.kv_heads * p.q_tiles, p.batch);
-  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT>, grid,
-                     dim3(attention::kDecodeThreads), DecodeTraits<D, QT, KVT>::kSmemBytes, stream,
-                     p);
+  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S>, grid,
+                     dim3(attention::kDecodeThreads), DecodeTraits<D, QT, KVT, S>::kSmemBytes,
+                     stream, p);
 }
 
-template <int D, typename QT, typename KVT>
+template <int D, typename QT, typename KVT, int S>
 int occupancy() {
-  const void* k = prepared_kernel<D, QT, KVT>();
+  const void* k = prepared_kernel<D, QT, KVT, S>();
   int n = 0;
   FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, k, attention::kDecodeThreads, DecodeTraits<D, QT, KVT>::kSmemBytes));
+      &n, k, attention::kDecodeThreads, DecodeTraits<D, QT, KVT, S>::kSmemBytes));
   return n;
+}
+
+void check_stages(DType kv, int stages) {
+  FUSEDIST_CHECK_ARG(stages == 0 || (stages == 2 && kv == DType::kFloat8E4M3),
+                     "attention_decode: stages must be 0 (the default ring) or 2 (FP8 caches "
+                     "only), got " + std::to_string(stages));
 }
 
 void check_dtypes(int head_dim, DType q, DType kv) {
@@ -60,11 +66,14 @@ void check_dtypes(int head_dim, DType q, DType kv) {
                          std::to_string(head_dim));
 }
 
-// Runs CALL<D, QT, KVT> for the instantiation of (head_dim, q, kv): the table of instances.
-#define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, CALL)                               \
+// Runs CALL(D, QT, KVT, S) for the instantiation of (head_dim, q, kv, stages): the table of
+// instances (every (head_dim, q, kv) at the default ring; FP8 caches also at 2 stages).
+#define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, stages, CALL)                       \
   do {                                                                                \
     check_dtypes(head_dim, q, kv);                                                    \
+    check_stages(kv, stages);                                                         \
     const bool fp8_ = (kv) == DType::kFloat8E4M3, bf16_ = (q) == DType::kBFloat16;    \
+    const bool two_ = (stages) == 2;                                                  \
     switch (head_dim) {                                                               \
       case 64: FUSEDIST_DECODE_DTYPES(64, CALL); break;                               \
       case 128: FUSEDIST_DECODE_DTYPES(128, CALL); break;                             \
@@ -72,10 +81,12 @@ void check_dtypes(int head_dim, DType q, DType kv) {
     }                                                                                 \
   } while (0)
 #define FUSEDIST_DECODE_DTYPES(D_, CALL)                                              \
-  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16);                         \
-  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3);                             \
-  else if (!fp8_) CALL(D_, __half, __half);                                           \
-  else CALL(D_, __half, __nv_fp8_e4m3)
+  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16, 0);                      \
+  else if (bf16_ && two_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 2);                  \
+  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 0);                          \
+  else if (!fp8_) CALL(D_, __half, __half, 0);                                        \
+  else if (two_) CALL(D_, __half, __nv_fp8_e4m3, 2);                                  \
+  else CALL(D_, __half, __nv_fp8_e4m3, 0)
 
 }  // namespace
 
@@ -132,15 +143,15 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
   p.scale_log2 = a.scale * 1.4426950408889634f;
   FUSEDIST_CHECK_ARG(int64_t(a.kv_heads) * p.q_tiles <= 65535, w + "too many head tiles");
   auto s = reinterpret_cast<cudaStream_t>(stream);
-#define FUSEDIST_DECODE_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, s)
-  FUSEDIST_DECODE_DISPATCH(a.head_dim, a.q_dtype, a.kv_dtype, FUSEDIST_DECODE_LAUNCH);
+#define FUSEDIST_DECODE_LAUNCH(D_, QT_, KVT_, S_) launch<D_, QT_, KVT_, S_>(p, s)
+  FUSEDIST_DECODE_DISPATCH(a.head_dim, a.q_dtype, a.kv_dtype, a.stages, FUSEDIST_DECODE_LAUNCH);
 #undef FUSEDIST_DECODE_LAUNCH
 }
 
-int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype) {
+int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype, int stages) {
   int n = 0;
-#define FUSEDIST_DECODE_OCC(D_, QT_, KVT_) n = occupancy<D_, QT_, KVT_>()
-  FUSEDIST_DECODE_DISPATCH(head_dim, q_dtype, kv_dtype, FUSEDIST_DECODE_OCC);
+#define FUSEDIST_DECODE_OCC(D_, QT_, KVT_, S_) n = occupancy<D_, QT_, KVT_, S_>()
+  FUSEDIST_DECODE_DISPATCH(head_dim, q_dtype, kv_dtype, stages, FUSEDIST_DECODE_OCC);
 #undef FUSEDIST_DECODE_OCC
   return n;
 }

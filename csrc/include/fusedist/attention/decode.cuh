@@ -89,7 +89,10 @@ __device__ __forceinline__ int slab_swz(int r, int c) {
   return c ^ (((r & 1) << 2) | ((r >> 1) & 3));
 }
 
-template <int D, typename QT, typename KVT>
+// kStagesReq: the cp.async ring depth per warp (0: the default below). An FP8 cache also has a
+// 2-stage instantiation: 66 KB of shared memory per CTA at head_dim 128 instead of 83 KB, so
+// 3 CTAs fit an SM instead of 2 (more warps in flight for a per-warp latency-bound slab loop).
+template <int D, typename QT, typename KVT, int kStagesReq = 0>
 struct DecodeTraits {
   static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
   // The MMA's input type: q's type, or fp16 when the cache is fp8.
@@ -111,9 +114,9 @@ struct DecodeTraits {
   __device__ static int c16_off(int r, int c) { return r * kRow16 + slab_swz(r, c) * 16; }
   static constexpr int kStageBytes = 2 * kSlabBytes + (kFp8 ? 2 * kDecodeSlab * 4 : 0);
 #ifdef FUSEDIST_DECODE_STAGES
-  static constexpr int kStages = FUSEDIST_DECODE_STAGES;
+  static constexpr int kStages = kStagesReq > 0 ? kStagesReq : FUSEDIST_DECODE_STAGES;
 #else
-  static constexpr int kStages = D >= 256 ? 3 : (D >= 128 ? 3 : 4);
+  static constexpr int kStages = kStagesReq > 0 ? kStagesReq : (D >= 256 ? 3 : (D >= 128 ? 3 : 4));
 #endif
   static constexpr int kConvBytes = kFp8 ? 2 * kDecodeSlab * kRow16 : 0;
   static constexpr int kWarpBytes = kStages * kStageBytes + kConvBytes;
@@ -200,10 +203,10 @@ __device__ __forceinline__ __half from_f32<__half>(float v) {
   return __float2half_rn(v);
 }
 
-template <int D, typename QT, typename KVT>
+template <int D, typename QT, typename KVT, int kStagesReq = 0>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Tr = DecodeTraits<D, QT, KVT>;
+  using Tr = DecodeTraits<D, QT, KVT, kStagesReq>;
   using MT = typename Tr::MT;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kStages = Tr::kStages;
