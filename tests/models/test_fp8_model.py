@@ -483,6 +483,35 @@ def test_norms_hand_fp8_to_qkv_and_gate_up(rt, ckpts, monkeypatch, variant):
     assert torch.equal(fused, unfused) == (not fp8)
 
 
+def _wide_model(device):
+    """A 2-layer model whose gate|up (N 14336, K 256) takes row-wise _scaled_mm at 9-16 rows
+    on sm_90 (where it measured faster than the GEMV), FP8 per channel, bf16."""
+    import dataclasses
+
+    cfg = dataclasses.replace(LlamaConfig.named("tiny"), intermediate_size=7168, name="tiny-wide")
+    return build_model(cfg, RandomWeights(cfg, seed=2), dtype=torch.bfloat16, device=device,
+                       quantize="fp8")
+
+
+def test_wide_gate_up_takes_fp8_norm_at_decode_rows(rt, monkeypatch):
+    """With sm_90's decisions stood in: at decode bucket 16 the post-attention norm writes e4m3
+    for a wide gate|up (the GEMV gives way to row-wise _scaled_mm there), the norms before q/k/v
+    do not (the GEMV's rows); at bucket 8 none does."""
+    fake = _stand_in_gpu(monkeypatch)
+    m = _wide_model("cpu")
+    assert m.layers[0].mlp.takes_fp8_input(16) and not m.layers[0].mlp.takes_fp8_input(8)
+    assert not m.layers[0].attn.takes_fp8_input(16)
+    L = m.cfg.num_layers
+    for batch, bucket, fp8 in ((12, 16, True), (5, 8, False)):
+        fake.calls.clear()
+        Runner(m, max_batch=batch, max_seq_len=32).generate(_prompts(512, batch, 3, seed=7), 3)
+        step = [c["fp8_out"] for k, c in fake.calls if k == "add_rmsnorm" and
+                c["tokens"] == bucket]
+        # per step: the first rmsnorm, then post-attention (gate|up) and next-layer norms
+        assert step == ([False] + [fp8, False] * L) * (len(step) // (2 * L + 1)), (batch, step)
+        assert len(step) >= 2 * (2 * L + 1)
+
+
 def test_norms_fp8_at_tp_above_one(rt, ckpts, monkeypatch):
     """At TP > 1 the norm is all_reduce_add_rmsnorm: with fp8 its e4m3 rows and scales come
     back as FP8Rows, the new residual in bf16; without, (normed, residual) as before."""
@@ -646,6 +675,7 @@ def test_gpu_norms_hand_fp8_to_qkv_and_gate_up(ckpts, monkeypatch):
     weights agree pairwise within twice the weight-only drift bound (test_gpu_fp8_model's).
     Decode rows (the GEMV's) write bf16, and CUDA-graph decode equals eager."""
     import fusedist
+    import fusedist.nn.quant as quant
     from fusedist.nn.quant import device_capability
     from tolerances import GEMM_REL, gemm_rel_err
 
@@ -684,7 +714,9 @@ def test_gpu_norms_hand_fp8_to_qkv_and_gate_up(ckpts, monkeypatch):
             graph = Runner(m, max_batch=2, max_seq_len=64)
             p2 = [prompts[0][:9], prompts[1][:13]]
             assert eager.generate(p2, 12).ids == graph.generate(p2, 12).ids, v
-            assert not any(d is not None for t, d in seen if t <= 16), (v, seen)
+            if quant._device_facts(torch.device("cuda", torch.cuda.current_device()))[1]:
+                # the GEMV's rows (this shape: every row count to 16) keep bf16 norms
+                assert not any(d is not None for t, d in seen if t <= 16), (v, seen)
     finally:
         fusedist.shutdown()
 
@@ -695,8 +727,6 @@ def test_gpu_wide_gate_up_takes_fp8_norm_in_captured_decode(monkeypatch):
     """Decode rows where the GEMV gives way to row-wise _scaled_mm (9-16 rows of a gate|up
     with N >= 14336 and K <= 4096 on sm_90+: here N 14336, K 256): the post-attention norm
     writes e4m3 + scales inside the captured decode step, whose ids equal eager decode's."""
-    import dataclasses
-
     import fusedist
     from fusedist.nn.quant import device_capability
 
@@ -706,13 +736,10 @@ def test_gpu_wide_gate_up_takes_fp8_norm_in_captured_decode(monkeypatch):
         fusedist.shutdown()
     fusedist.init(backend="nccl", rank=0, world_size=1, local_rank=0, local_world_size=1)
     try:
-        cfg = dataclasses.replace(LlamaConfig.named("tiny"), intermediate_size=7168,
-                                  name="tiny-wide")
-        m = build_model(cfg, RandomWeights(cfg, seed=2), dtype=torch.bfloat16, device="cuda",
-                        quantize="fp8")
+        m = _wide_model("cuda")
         assert m.layers[0].mlp.takes_fp8_input(16)
         seen = _record_norms(monkeypatch)
-        prompts = _prompts(cfg.vocab_size, 12, 5, seed=7)        # decode bucket 16
+        prompts = _prompts(m.cfg.vocab_size, 12, 5, seed=7)      # decode bucket 16
         eager = Runner(m, max_batch=12, max_seq_len=32, cuda_graphs=False)
         graph = Runner(m, max_batch=12, max_seq_len=32)
         assert eager.generate(prompts, 6).ids == graph.generate(prompts, 6).ids
