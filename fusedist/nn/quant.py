@@ -623,7 +623,8 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
                      "(e4m3) x; 'scaled_mm_rowwise', 'dequantize' or 'reference' do")
 
 
-__all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_tensor", "quantize_groups",
-           "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
-           "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
-           "scale_range", "scale_shape", "device_capability", "LAYOUTS", "BLOCK", "FP8", "FP8_MAX"]
+__all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_tensor",
+           "quantize_groups", "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path",
+           "scaled_mm_rowwise", "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise",
+           "blockwise_shape_ok", "scale_range", "scale_shape", "device_capability", "LAYOUTS",
+           "BLOCK", "FP8", "FP8_MAX"]
