@@ -7,6 +7,7 @@
     python benchmarks/model.py --quantize fp8       # FP8 projections (fusedist and baselines)
     python benchmarks/model.py --ttft               # time to first token: 1 / 128 / 4K tokens
                                                     # behind 0 / 4000 cached, prefill graphs on
+    python benchmarks/model.py --quantize fp8 --baselines torch   # FP8, both default rows
 
 Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
 ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
@@ -15,13 +16,17 @@ backend: prefill ms (the median of 3 warm, synchronized prefills) and model TFLO
 ms per decode step (step_ms: graph replays back to back; ms/token: the generate loop, sampling
 included), tokens/s, fusedist's speedup per step over each baseline, and the kernel-time
 breakdown of one decode step and of one prefill. Targets (one H200, TP 1): batch 1 <= 3.7 ms
-per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s. Writes
+per step, batch 64 <= 11.0 ms, prefill of 4K tokens >= 550 TFLOP/s; with FP8 projection weights
+batch 1 <= 2.1 ms, batch 64 <= 10.0 ms (FP8_TARGETS). Writes
 results/<gpu>-w<tp>/model.{json,md} (FUSEDIST_RESULTS_DIR replaces benchmarks/results); each
 row's time_us is its step time, so benchmarks/compare.py --fusedist fusedist compares files.
 --merge adds this run's rows to the file's rows of other specs (one command per row).
 --quantize (fusedist.generate --quantize: fp8, fp8-tensor, fp8-block) runs every backend with
 FP8 projection weights quantized at load; its rows name the weight format ("weights") and go to
-model-<quantize>.{json,md}.
+model-<quantize>.{json,md}. Memory of the batch-64 row (4048-token context, bf16 KV cache) per
+backend, one after the other in one process: FP8 weights ~8.5 GiB (bf16 ~15.0), KV cache 31.6
+GiB, activations ~4.3 GiB (fusedist.generate.memory_estimate; the torch baseline's static cache
+is as large), well within an H200's 141 GB.
 --ttft: rows of batch 1, prompts of 1, 128 and 4096 tokens behind 0 and 4000 cached tokens,
 beside the torch baseline, fusedist with --prefill-graph-tokens (default 512 there; 0 replays
 nothing); a table of prefill ms (the first token's forward: the median of 3 warm prefills,
@@ -42,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  # noqa: E402
                       write_results)
 
-TARGETS = {1: 3.7, 64: 11.0}
+TARGETS = {1: 3.7, 64: 11.0}          # ms per decode step by batch, bf16 weights
+FP8_TARGETS = {1: 2.1, 64: 10.0}      # the same, FP8 projection weights (--quantize fp8*)
 TTFT_ROWS = ["1:1:0:2", "1:128:0:2", "1:4096:0:2", "1:1:4000:2", "1:128:4000:2", "1:4096:4000:2"]
 TTFT_TARGET = {"ms": 6.0, "vs_torch": 1.5}   # 128 tokens behind 4000
 PREFILL_TARGET = 550.0
@@ -84,8 +90,13 @@ def report_of(cmd, p: subprocess.CompletedProcess) -> dict:
     return out
 
 
-def rows_of(spec: tuple, cmd: str, out: dict) -> list[dict]:
-    """One result row per backend of one generate run."""
+def targets(quantize: str = "none") -> dict:
+    """The step-time targets (ms by batch) of the weights --quantize names."""
+    return TARGETS if quantize == "none" else FP8_TARGETS
+
+
+def rows_of(spec: tuple, cmd: str, out: dict, quantize: str = "none") -> list[dict]:
+    """One result row per backend of one generate run (its targets: targets(quantize))."""
     b, L, fill, new = spec
     t = out["timings"]
     bases = [k for k in t if k != "fusedist"]
@@ -105,7 +116,7 @@ def rows_of(spec: tuple, cmd: str, out: dict) -> list[dict]:
                            if "step_ms" in t[k]} if backend == "fusedist" else {},
             "fusedist_speedup": round(r["step_ms"] / fd["step_ms"], 3)
             if backend != "fusedist" and "step_ms" in fd else None,
-            "target_step_ms": TARGETS.get(b) if backend == "fusedist" else None,
+            "target_step_ms": targets(quantize).get(b) if backend == "fusedist" else None,
             **{k: v for k, v in r.items() if k not in ("profile_us", "prefill_profile_us")},
             "profile_us": {k: v for k, v in prof.items() if k != "top"},
             "top_kernels_us": prof.get("top"),
@@ -291,7 +302,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             print(f"row {spec}: {e}", flush=True)
             continue
-        got = rows_of((b, L, fill, new), cmd, out)
+        got = rows_of((b, L, fill, new), cmd, out, args.quantize)
         rows += got
         print(f"row {spec}: ids equal across backends: {out.get('ids_match')}", flush=True)
         print(markdown(got, bases), flush=True)
@@ -315,8 +326,9 @@ def main():
         for p in write_results(stem(args.quantize, ttft=True), meta, rows, text):
             print(f"wrote {p}")
         return
+    goal = targets(args.quantize)
     text = markdown(rows, bases) + (
-        f"\n\nTargets: step ms at batch 1 <= {TARGETS[1]}, batch 64 <= {TARGETS[64]}; prefill "
+        f"\n\nTargets: step ms at batch 1 <= {goal[1]}, batch 64 <= {goal[64]}; prefill "
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
         "prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)

@@ -25,7 +25,11 @@ o_weight as fusedist.nn.quant.FP8Weight (e4m3 + float32 scales; the activations,
 and output stay `dtype`). load_full takes full FP8Weights and shards them (FP8Weight.narrow:
 per-channel scales follow the rows, block scales need the shard on multiples of 128);
 load_shard takes this rank's q / k / v / o shards, bf16 or FP8. The [q_r | k_r | v_r] stack of
-per-tensor parts with different scales becomes per-channel (FP8Weight.cat_rows).
+per-tensor parts with different scales becomes per-channel (FP8Weight.cat_rows). x may come
+as fusedist.nn.quant.FP8Rows (e4m3 rows + per-token scales, from a norm's FP8 output) for a bf16
+module: the qkv GEMM takes it as it is. takes_fp8_input(rows) says where that pays: where the
+qkv GEMM would quantize a bf16 x per token itself (row-wise torch._scaled_mm: per-tensor or
+per-channel scales, past the GEMV's rows, sm_90+).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ..ops.gemm_comm import gemm_ar
 from ..distributed.runtime import is_initialized
 from .kv_cache import PagedKVCache
 from .linear import linear
-from .quant import LAYOUTS, FP8Weight
+from .quant import LAYOUTS, FP8Rows, FP8Weight, takes_fp8_rows
 
 MODES = ("decode", "prefill")
 
@@ -218,18 +222,38 @@ class TPAttention(torch.nn.Module):
                 raise ValueError(f"TPAttention.{op}: {name} has {w.layout} scales; this "
                                  f"module was built with fp8_layout={self.fp8_layout!r}")
 
+    def takes_fp8_input(self, rows: int) -> bool:
+        """Whether an x of `rows` tokens pays to come as FP8Rows: the qkv GEMM would quantize a
+        bf16 x per token for row-wise torch._scaled_mm (fusedist.nn.quant.takes_fp8_rows; False
+        for bf16 weights, block scales, the GEMV's rows, the CPU)."""
+        return takes_fp8_rows(rows, self.qkv_weight, self.cos_sin.device, self.dtype,
+                              self.qkv_bias)
+
+    def _check_fp8_input(self) -> None:
+        if not isinstance(self.qkv_weight, FP8Weight):
+            raise ValueError("TPAttention: x is FP8Rows (e4m3 + per-token scales), which the qkv "
+                             "GEMM takes with FP8 weights only; this module holds "
+                             f"{self.dtype} weights (fp8_layout=None): pass x in {self.dtype}")
+        if self.dtype != torch.bfloat16:
+            raise ValueError("TPAttention: x is FP8Rows, whose qkv GEMM writes bfloat16 q / k / "
+                             f"v; this module's dtype is {self.dtype}: pass x in {self.dtype}")
+
     def make_cache(self, num_layers: int, num_pages: int, page_size: int = 16,
                    kv_dtype: Optional[torch.dtype] = None) -> PagedKVCache:
         """A cache for this rank's kv heads."""
         return PagedKVCache(num_layers, self.kv_heads, self.head_dim, num_pages, page_size,
                             self.dtype, self.cos_sin.device, kv_dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, layer: int,
+    def forward(self, x, positions: torch.Tensor, cache: PagedKVCache, layer: int,
                 meta: AttentionMetadata, *, reduce: bool = True) -> torch.Tensor:
-        T = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+        """x: [tokens, hidden] of the module's dtype, or FP8Rows (module docstring)."""
+        rows = x.data if isinstance(x, FP8Rows) else x
+        T = rows.shape[0]
+        if rows.dim() != 2 or rows.shape[1] != self.hidden_size:
             raise ValueError(f"TPAttention: x must be [tokens, {self.hidden_size}], got "
-                             f"{tuple(x.shape)}")
+                             f"{tuple(rows.shape)}")
+        if rows is not x:
+            self._check_fp8_input()
         if cache.kv_heads != self.kv_heads or cache.head_dim != self.head_dim:
             raise ValueError(f"TPAttention: the cache holds {cache.kv_heads} kv heads of "
                              f"{cache.head_dim}; this rank needs {self.kv_heads} of "

@@ -37,10 +37,10 @@ from ..comm.communicator import GroupLike, get_communicator
 from ..ops.gemm import gemm
 from ..ops.allreduce import all_reduce
 from ..ops.gemm_comm import ag_gemm, gemm_ar, gemm_rs
-from .quant import FP8Weight, fp8_linear
+from .quant import FP8Rows, FP8Weight, fp8_linear
 
 
-def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
+def linear(x, w, bias: Optional[torch.Tensor] = None, *,
            x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] @ w^T (+ bias [out]) for a row-major nn.Linear weight w [out, in].
     CUDA bf16/fp16 with in and out multiples of 8 (16-byte TMA rows) go through
@@ -49,7 +49,13 @@ def linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None, *,
     everywhere else. Other calls (CPU, fp32, odd sizes) are F.linear. An FP8Weight goes
     through fusedist.nn.quant.fp8_linear (the GEMV to 16 rows, torch._scaled_mm, or its
     dequantized weight; on CPU the fp32 reference), the output in x's dtype; x_scale=: x is
-    e4m3 with those per-token scales (fp8_linear's pre-quantized input, bf16 output)."""
+    e4m3 with those per-token scales (fp8_linear's pre-quantized input, bf16 output), or
+    x = FP8Rows(e4m3 rows, their scales), the same."""
+    if isinstance(x, FP8Rows):
+        if x_scale is not None:
+            raise ValueError("fusedist.nn.linear: x is FP8Rows, which carries its scales; pass "
+                             "x_scale=None")
+        x, x_scale = x
     if isinstance(w, FP8Weight):
         return fp8_linear(x, w, bias, x_scale=x_scale)
     if x_scale is not None:

@@ -53,9 +53,10 @@ quantization), and the _scaled_mm paths also round x to e4m3 (per element |x_q -
 
 An activation that is already e4m3 with one float32 scale per token (x_q ~= x / x_scale: the
 FP8 output of fusedist.add_rmsnorm / rmsnorm / silu_mul, or quantize_rows') goes in as
-fp8_linear(x_q, w, x_scale=s), s of x_q's leading shape ([...] or [..., 1]); the output is
-bf16. On CUDA, per-tensor and per-channel weights with K, N multiples of 16 on sm_90+ take
-row-wise torch._scaled_mm on (x_q, s) as they are: no quantization pass. Everything else
+fp8_linear(x_q, w, x_scale=s), s of x_q's leading shape ([...] or [..., 1]), or as
+FP8Rows(x_q, s) to fusedist.nn.linear.linear and TPAttention; the output is bf16. On CUDA,
+per-tensor and per-channel weights with K, N multiples of 16 on sm_90+ take row-wise
+torch._scaled_mm on (x_q, s) as they are: no quantization pass. Everything else
 (block scales, odd sizes, older GPUs) dequantizes x_q * s to bf16 and takes the dequantize
 path; the CPU the reference on x_q * s in float32. The GEMV reads bf16 x only, so a
 pre-quantized x never takes it: takes_fp8_rows(m, w, device) says whether a bf16 x of m rows
@@ -66,7 +67,7 @@ producer writing e4m3 itself pays; at <= 16 rows the GEMV keeps bf16 x.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -284,6 +285,15 @@ class FP8Weight:
                         "block-quantized FP8 weights need every stacked part (q / k / v heads "
                         "of a rank, gate / up rows of a rank) to be whole blocks")
         return FP8Weight(data, torch.cat([p.scale for p in parts]), layout)
+
+
+class FP8Rows(NamedTuple):
+    """An activation already in e4m3 with one float32 scale per token: data [..., K]
+    float8_e4m3fn, scale float32 [...] (or [..., 1]), x ~= data * scale. What
+    fusedist.add_rmsnorm / rmsnorm / all_reduce_add_rmsnorm write with out_dtype=FP8, handed to
+    fusedist.nn.linear.linear and TPAttention in place of a bf16 x (fp8_linear's x_scale=)."""
+    data: torch.Tensor
+    scale: torch.Tensor
 
 
 # ---- quantization -------------------------------------------------------------------------
@@ -576,8 +586,9 @@ def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,
     """Whether fp8_linear would quantize an [m, K] x_dtype x per token for row-wise
     torch._scaled_mm here: where a producer that writes e4m3 + per-token scales itself
     (fusedist.add_rmsnorm / rmsnorm / silu_mul out_dtype=FP8) saves that pass. False on the CPU,
-    at the GEMV's rows (it reads bf16 x) and wherever x stays in x_dtype."""
-    if device.type != "cuda" or FP8 is None:
+    for a weight that is not an FP8Weight, at the GEMV's rows (it reads bf16 x), for block
+    scales (their GEMM takes 1 x 128 activation scales) and wherever x stays in x_dtype."""
+    if device.type != "cuda" or FP8 is None or not isinstance(w, FP8Weight):
         return False
     cap, gemv, blockwise = _device_facts(device)
     return choose_path(m, w.shape[0], w.shape[1], w.layout, x_dtype,
@@ -662,8 +673,9 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
                      "(e4m3) x; 'scaled_mm_rowwise', 'dequantize' or 'reference' do")
 
 
-__all__ = ["FP8Weight", "quantize_fp8", "quantize_rows", "quantize_tensor", "quantize_groups",
-           "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path", "scaled_mm_rowwise",
-           "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise", "blockwise_shape_ok",
-           "BLOCKWISE_PROBE", "scale_range", "scale_shape", "device_capability", "LAYOUTS",
+__all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_tensor",
+           "quantize_groups", "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path",
+           "scaled_mm_rowwise", "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise",
+           "blockwise_shape_ok", "BLOCKWISE_PROBE", "scale_range", "scale_shape",
+           "device_capability", "LAYOUTS",
            "BLOCK", "FP8", "FP8_MAX"]

@@ -9,7 +9,7 @@ normed = round(h * rsqrt(mean(h^2) + eps) * weight); in FP8 mode normed is e4m3 
 scale per token (scale = amax / 448, normed_fp32 ~= q * scale). x and residual are
 [..., hidden]; weight is [hidden]. On NVLink groups it runs fused on one-shot symmetric memory
 when the message fits; otherwise all_reduce + an epilogue (same results up to rounding):
-fusedist.add_rmsnorm's kernel on CUDA, torch for FP8 output and on CPU.
+fusedist.add_rmsnorm's kernel on CUDA (FP8 output included), torch on CPU.
 """
 
 from __future__ import annotations
@@ -92,11 +92,12 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                 f"{tuple(x.shape)} {x.dtype}: the fused kernel needs NVLink symmetric memory, "
                 "hidden a multiple of the 16-byte vector and x within the one-shot capacity")
         ar = comm.all_reduce(x)
-        if not fp8 and x.is_cuda and _single_gpu_epilogue(x):
+        if x.is_cuda and _single_gpu_epilogue(x):
             # One kernel for the epilogue: h = residual + ar lands in ar (a fresh tensor, the
-            # new residual); x and residual are left as they are.
+            # new residual); x and residual are left as they are. Its FP8 output is
+            # (q, h, scale), this op's order.
             from .add_rmsnorm import add_rmsnorm
-            return add_rmsnorm(residual, ar, weight, eps)
+            return add_rmsnorm(residual, ar, weight, eps, out_dtype=FP8 if fp8 else None)
         h = (ar.float() + residual.float()).to(x.dtype)
         normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
         return (normed, h, scale) if fp8 else (normed, h)

@@ -59,6 +59,14 @@ def test_rows_and_markdown():
     assert sorted(v[0] for v in r.values()) == [1.5, 2.0]
 
 
+def test_fp8_rows_take_the_fp8_targets():
+    """--quantize fp8: the fusedist rows' target is FP8_TARGETS' (batch 64: 10.0 ms)."""
+    for quantize, want in (("fp8", 10.0), ("fp8-block", 10.0), ("none", 11.0)):
+        rows = model.rows_of((64, 16, 4000, 8), "cmd", _out(), quantize)
+        assert rows[0]["target_step_ms"] == model.targets(quantize)[64] == want
+        assert rows[1]["target_step_ms"] is None
+
+
 def test_failed_backend_row():
     out = _out()
     out["timings"]["torch-compile"] = {"error": "RuntimeError: compile"}

@@ -1,11 +1,14 @@
 """The Llama model with FP8 projection weights (q/k/v/o, gate/up, down): config.json's
 quantization_config, FP8 checkpoints in Hugging Face's and compressed-tensors' layouts written
 here and read back (logits equal to the model quantized in memory), quantization at load, the
-checks on FP8 tensors, the drift against the bf16 weights on a fixed prompt set, the CLI.
+checks on FP8 tensors, the drift against the bf16 weights on a fixed prompt set, the CLI, the
+norms' e4m3 + per-token-scale output handed to the q/k/v and gate|up GEMMs.
 
-CPU tier (fp32 activations: the CPU path multiplies by the exact dequantized weights); TP 2 over
-gloo in tests/dist/worker_fp8.py. gpu tier: the same model in bf16 on the GPU's FP8 paths
-against the CPU's weight-only result, and CUDA-graph decode equal to eager."""
+CPU tier (fp32 activations: the CPU path multiplies by the exact dequantized weights; the norms'
+FP8 hand-off in bf16 with the GPU's decisions and layer kernels stood in); TP 2 over gloo in
+tests/dist/worker_fp8.py. gpu tier: the same model in bf16 on the GPU's FP8 paths against the
+CPU's weight-only result, and CUDA-graph decode equal to eager; prefill with the norms' FP8
+output against the norms in bf16 and against float64."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
 from fusedist.models.llama import RandomWeights, SafetensorsWeights, WeightQuant  # noqa: E402
 from fusedist.models.llama.weights import check_tp, check_weights, resolve_quant  # noqa: E402
 from fusedist.nn.quant import FP8, FP8Weight  # noqa: E402
-from hf_tiny import make_checkpoint, write_fp8_checkpoint  # noqa: E402
+from hf_tiny import PROJECTIONS, load_hf, make_checkpoint, write_fp8_checkpoint  # noqa: E402
 from launch import ROOT, assert_passed, torchrun  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
@@ -385,6 +388,170 @@ def test_compiled_decode_equals_eager_fp8(rt, ckpts):
         assert r.generate(prompts, 6).ids == want, backend
 
 
+# ---- the norms' FP8 output into q/k/v and gate|up ------------------------------------------------
+# The FP8 variants in bf16: scale layout, and whether the norms before q/k/v and gate|up write
+# e4m3 + per-token scales past 16 rows on sm_90 (block scales: their GEMM takes 1 x 128 groups).
+HANDOFF = {"ct-channel": ("channel", True), "ct-tensor-static": ("tensor", True),
+           "hf-block": ("block", False)}
+
+
+def _float64_logits(ckpts, layout: str, prompts) -> torch.Tensor:
+    """Every position's logits of Hugging Face's Llama in float64 on the bf16 checkpoint with
+    its projections replaced by their FP8 values (quantize_fp8 in `layout`, dequantized
+    exactly): the model the FP8 checkpoints hold, without activation rounding."""
+    from safetensors.torch import load_file
+
+    from fusedist.nn.quant import quantize_fp8
+
+    hf = load_hf(ckpts["bf16"], dtype=torch.float64)
+    full = load_file(os.path.join(ckpts["bf16"], "model.safetensors"))
+    params = hf.state_dict()
+    with torch.no_grad():
+        for name, t in full.items():
+            if any(name.endswith(f"{p}.weight") for p in PROJECTIONS):
+                params[name].copy_(quantize_fp8(t, layout).dequantize(torch.float64))
+        return torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+
+
+def _bf16_model(path, device="cpu"):
+    cfg = LlamaConfig.from_dir(path)
+    return build_model(cfg, SafetensorsWeights(path), dtype=torch.bfloat16, device=device)
+
+
+def _stand_in_gpu(monkeypatch):
+    """The GPU's decisions and layer kernels on CPU tensors: takes_fp8_rows (fusedist.nn.
+    attention's and the model's) answers as on an sm_90 device with the GEMV, the layer ops
+    run their launch path on a host stand-in for the kernels (tests/ops/_fake_layers.py). The
+    GEMMs stay the CPU's reference (bf16 x: weight-only; FP8Rows: on x_q * s). Returns the
+    stand-in (its .calls: one (kernel, arguments) per launch)."""
+    import importlib
+
+    import fusedist.models.llama.model as model_mod
+    import fusedist.nn.attention as attention
+    import fusedist.nn.quant as quant
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "ops"))
+    from _fake_layers import install
+
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    sm90 = lambda m, w, device, *a: quant.takes_fp8_rows(m, w, torch.device("cuda", 0), *a)  # noqa
+    monkeypatch.setattr(attention, "takes_fp8_rows", sm90)
+    monkeypatch.setattr(model_mod, "takes_fp8_rows", sm90)
+    monkeypatch.setattr(model_mod, "_kernel_rows", lambda t, width: width % 8 == 0)
+    return install(monkeypatch, importlib.import_module("fusedist.ops.add_rmsnorm"),
+                   importlib.import_module("fusedist.ops.silu_mul"))
+
+
+@pytest.mark.parametrize("variant", list(HANDOFF))
+def test_norms_hand_fp8_to_qkv_and_gate_up(rt, ckpts, monkeypatch, variant):
+    """With the GPU's decisions stood in: past 16 rows every norm but the final one writes e4m3
+    + per-token scales (per-tensor / per-channel weights; block weights none), the residual
+    stream stays bf16, decode rows (the GEMV's) write bf16; the logits with the hand-off, with
+    the norms in bf16 (the same weights) and of float64 agree within the FP8 bound."""
+    layout, fp8 = HANDOFF[variant]
+    fake = _stand_in_gpu(monkeypatch)
+    m = _bf16_model(ckpts[variant])
+    L = m.cfg.num_layers
+    assert m.layers[0].attn.takes_fp8_input(17) == m.layers[0].mlp.takes_fp8_input(17) == fp8
+    assert not m.layers[0].attn.takes_fp8_input(16) and not m.layers[0].mlp.takes_fp8_input(16)
+    prompts = _prompts(320, 2, 40, seed=6)
+    fused = _logits(m, prompts)
+    norms = [c for k, c in fake.calls if k == "add_rmsnorm"]
+    # per prefill: the first layer's rmsnorm, then 2 per layer, the last one the final norm
+    assert len(norms) == len(prompts) * (2 * L + 1)
+    assert [c["fp8_out"] for c in norms] == ([fp8] * (2 * L) + [False]) * len(prompts)
+    assert [c["residual"] == 0 for c in norms[:2 * L + 1]] == [True] + [False] * (2 * L)
+    assert all(c["dtype"] == 2 for c in norms)        # x, residual, weight: bf16
+    assert [c["fp8_out"] for k, c in fake.calls if k == "silu_mul"] == [fp8] * L * len(prompts)
+    fake.calls.clear()
+    Runner(m, max_batch=2, max_seq_len=64).generate([prompts[0][:9], prompts[1][:5]], 3)
+    decode = [c for k, c in fake.calls if k == "add_rmsnorm" and c["tokens"] == 2]
+    assert decode and not any(c["fp8_out"] for k, c in fake.calls if c["tokens"] <= 16)
+    with monkeypatch.context() as mp:
+        mp.setattr(m, "_takes_fp8", lambda module, rows: False)
+        unfused = _logits(m, prompts)
+    ref = _float64_logits(ckpts, layout, prompts)
+    # The hand-off rounds the q/k/v, gate|up and down inputs to e4m3 (2^-4 relative); without it
+    # the CPU's GEMMs take bf16 x. The bound is the GPU tier's: twice the weight-only drift
+    # bound.
+    for what, got in (("hand-off", fused), ("bf16 norms", unfused)):
+        d = drift(ref, got)
+        print(f"{variant} {what} against float64: {d}", flush=True)
+        assert d["kl_mean"] <= 2 * DRIFT_BOUNDS["kl_mean"], (variant, what, d)
+        assert d["kl_max"] <= 2 * DRIFT_BOUNDS["kl_max"], (variant, what, d)
+    assert torch.equal(fused, unfused) == (not fp8)
+
+
+def _wide_model(device):
+    """A 2-layer model whose gate|up (N 14336, K 256) takes row-wise _scaled_mm at 9-16 rows
+    on sm_90 (where it measured faster than the GEMV), FP8 per channel, bf16."""
+    import dataclasses
+
+    cfg = dataclasses.replace(LlamaConfig.named("tiny"), intermediate_size=7168, name="tiny-wide")
+    return build_model(cfg, RandomWeights(cfg, seed=2), dtype=torch.bfloat16, device=device,
+                       quantize="fp8")
+
+
+def test_wide_gate_up_takes_fp8_norm_at_decode_rows(rt, monkeypatch):
+    """With sm_90's decisions stood in: at decode bucket 16 the post-attention norm writes e4m3
+    for a wide gate|up (the GEMV gives way to row-wise _scaled_mm there), the norms before q/k/v
+    do not (the GEMV's rows); at bucket 8 none does."""
+    fake = _stand_in_gpu(monkeypatch)
+    m = _wide_model("cpu")
+    assert m.layers[0].mlp.takes_fp8_input(16) and not m.layers[0].mlp.takes_fp8_input(8)
+    assert not m.layers[0].attn.takes_fp8_input(16)
+    L = m.cfg.num_layers
+    for batch, bucket, fp8 in ((12, 16, True), (5, 8, False)):
+        fake.calls.clear()
+        Runner(m, max_batch=batch, max_seq_len=32).generate(_prompts(512, batch, 3, seed=7), 3)
+        step = [c["fp8_out"] for k, c in fake.calls if k == "add_rmsnorm" and
+                c["tokens"] == bucket]
+        # per step: the first rmsnorm, then post-attention (gate|up) and next-layer norms
+        assert step == ([False] + [fp8, False] * L) * (len(step) // (2 * L + 1)), (batch, step)
+        assert len(step) >= 2 * (2 * L + 1)
+
+
+def test_norms_fp8_at_tp_above_one(rt, ckpts, monkeypatch):
+    """At TP > 1 the norm is all_reduce_add_rmsnorm: with fp8 its e4m3 rows and scales come
+    back as FP8Rows, the new residual in bf16; without, (normed, residual) as before."""
+    import fusedist.models.llama.model as model_mod
+    from fusedist.nn.quant import FP8Rows
+    from fusedist.ops.add_rmsnorm import add_rmsnorm_reference
+
+    m = _bf16_model(ckpts["ct-channel"])
+    calls = []
+
+    def op(x, residual, w, eps, *, out_dtype=None, group=None):
+        calls.append((out_dtype, group))
+        return add_rmsnorm_reference(x, residual, w, eps, out_dtype)   # one rank: no sum
+
+    monkeypatch.setattr(model_mod, "all_reduce_add_rmsnorm", op)
+    monkeypatch.setattr(m, "tp", 2)
+    g = torch.Generator().manual_seed(3)
+    a, res = [torch.randn(20, 256, generator=g).to(torch.bfloat16) for _ in range(2)]
+    w = m.layers[0].post_norm
+    x, h = m._add_rmsnorm(a, res, w, 1e-6, True)
+    want = add_rmsnorm_reference(a, res, w, 1e-6, FP8)
+    assert isinstance(x, FP8Rows) and x.data.dtype == FP8 and x.scale.shape == (20,)
+    assert torch.equal(x.data.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(x.scale, want[2]) and h.dtype == torch.bfloat16 and torch.equal(h, want[1])
+    x, h = m._add_rmsnorm(a, res, w, 1e-6)
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and torch.equal(h, want[1])
+    assert calls == [(FP8, m.comm), (None, m.comm)]
+
+
+def test_torch_baseline_norms_stay_bf16(rt, ckpts, monkeypatch):
+    """The plain-torch baseline's norms never write FP8 (its torch_linear quantizes x itself),
+    with the GPU's decisions stood in too."""
+    _stand_in_gpu(monkeypatch)
+    cfg = LlamaConfig.from_dir(ckpts["ct-channel"])
+    m = build_model(cfg, SafetensorsWeights(ckpts["ct-channel"]), backend="torch",
+                    dtype=torch.bfloat16, device="cpu")
+    assert m.layers[0].mlp.takes_fp8_input(300)        # the MLP is the model's
+    assert not m._takes_fp8(m.layers[0].mlp, 300) and not m._takes_fp8(m.layers[0].attn, 300)
+
+
 # ---- CLI ----------------------------------------------------------------------------------------
 def _cli(args, nproc=1, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
@@ -481,5 +648,101 @@ def test_gpu_fp8_model(ckpts):
                 graph = Runner(m, max_batch=2, max_seq_len=64)
                 p2 = [prompts[0][:9], prompts[1][:13]]
                 assert eager.generate(p2, 12).ids == graph.generate(p2, 12).ids, (v, backend)
+    finally:
+        fusedist.shutdown()
+
+
+def _record_norms(monkeypatch) -> list:
+    """(rows, out_dtype) of every add_rmsnorm / rmsnorm call the model makes, in order."""
+    import fusedist.models.llama.model as model_mod
+
+    seen = []
+    for name in ("add_rmsnorm", "fused_rmsnorm"):
+        def rec(x, *a, _real=getattr(model_mod, name), **k):
+            seen.append((x.shape[0], k.get("out_dtype")))
+            return _real(x, *a, **k)
+        monkeypatch.setattr(model_mod, name, rec)
+    return seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_norms_hand_fp8_to_qkv_and_gate_up(ckpts, monkeypatch):
+    """Prefill of the FP8 checkpoints in bf16 on the GPU (4 prompts of 40 tokens): on sm_90+
+    with per-tensor / per-channel weights the norms before q/k/v and gate|up write e4m3 +
+    per-token scales (the final norm bf16), block weights keep bf16 norms. The logits with the
+    hand-off, with the norms in bf16 (the same model) and of float64 on the dequantized FP8
+    weights agree pairwise within twice the weight-only drift bound (test_gpu_fp8_model's).
+    Decode rows (the GEMV's) write bf16, and CUDA-graph decode equals eager."""
+    import fusedist
+    import fusedist.nn.quant as quant
+    from fusedist.nn.quant import device_capability
+    from tolerances import GEMM_REL, gemm_rel_err
+
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    fusedist.init(backend="nccl", rank=0, world_size=1, local_rank=0, local_world_size=1)
+    try:
+        seen = _record_norms(monkeypatch)
+        sm90 = device_capability(torch.device("cuda", torch.cuda.current_device())) >= (9, 0)
+        prompts = _prompts(320, 4, 40, seed=6)
+        for v, (layout, handoff) in HANDOFF.items():
+            fp8 = handoff and sm90
+            m = _bf16_model(ckpts[v], "cuda")
+            L = m.cfg.num_layers
+            assert m.layers[0].attn.takes_fp8_input(40) == fp8, v
+            assert m.layers[0].mlp.takes_fp8_input(40) == fp8, v
+            seen.clear()
+            fused = _logits(m, prompts).float().cpu()
+            want = [FP8 if fp8 else None] * (2 * L) + [None]
+            assert [d for _, d in seen] == want * len(prompts), (v, seen)
+            with monkeypatch.context() as mp:
+                mp.setattr(m, "_takes_fp8", lambda module, rows: False)
+                unfused = _logits(m, prompts).float().cpu()
+            ref = _float64_logits(ckpts, layout, prompts)
+            for what, a, b in (("hand-off against float64", ref, fused),
+                               ("bf16 norms against float64", ref, unfused),
+                               ("hand-off against bf16 norms", unfused, fused)):
+                d = drift(a, b)
+                print(f"gpu {v} {what}: {d}", flush=True)
+                assert d["kl_mean"] <= 2 * DRIFT_BOUNDS["kl_mean"], (v, what, d)
+                assert d["kl_max"] <= 2 * DRIFT_BOUNDS["kl_max"], (v, what, d)
+            if not fp8:   # nothing to hand over: the same computation
+                assert gemm_rel_err(fused, unfused) <= GEMM_REL[torch.bfloat16], v
+            seen.clear()
+            eager = Runner(m, max_batch=2, max_seq_len=64, cuda_graphs=False)
+            graph = Runner(m, max_batch=2, max_seq_len=64)
+            p2 = [prompts[0][:9], prompts[1][:13]]
+            assert eager.generate(p2, 12).ids == graph.generate(p2, 12).ids, v
+            if quant._device_facts(torch.device("cuda", torch.cuda.current_device()))[1]:
+                # the GEMV's rows (this shape: every row count to 16) keep bf16 norms
+                assert not any(d is not None for t, d in seen if t <= 16), (v, seen)
+    finally:
+        fusedist.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_wide_gate_up_takes_fp8_norm_in_captured_decode(monkeypatch):
+    """Decode rows where the GEMV gives way to row-wise _scaled_mm (9-16 rows of a gate|up
+    with N >= 14336 and K <= 4096 on sm_90+: here N 14336, K 256): the post-attention norm
+    writes e4m3 + scales inside the captured decode step, whose ids equal eager decode's."""
+    import fusedist
+    from fusedist.nn.quant import device_capability
+
+    if device_capability(torch.device("cuda", torch.cuda.current_device())) < (9, 0):
+        pytest.skip("row-wise _scaled_mm needs sm_90+")
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    fusedist.init(backend="nccl", rank=0, world_size=1, local_rank=0, local_world_size=1)
+    try:
+        m = _wide_model("cuda")
+        assert m.layers[0].mlp.takes_fp8_input(16)
+        seen = _record_norms(monkeypatch)
+        prompts = _prompts(m.cfg.vocab_size, 12, 5, seed=7)      # decode bucket 16
+        eager = Runner(m, max_batch=12, max_seq_len=32, cuda_graphs=False)
+        graph = Runner(m, max_batch=12, max_seq_len=32)
+        assert eager.generate(prompts, 6).ids == graph.generate(prompts, 6).ids
+        assert (16, FP8) in seen and graph.graphs
     finally:
         fusedist.shutdown()

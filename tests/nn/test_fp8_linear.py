@@ -30,8 +30,8 @@ import fusedist.nn.quant as quant  # noqa: E402
 from fusedist.nn import ColumnParallelLinear, RowParallelLinear, TPAttention  # noqa: E402
 from fusedist.nn.attention import AttentionMetadata  # noqa: E402
 from fusedist.nn.linear import linear  # noqa: E402
-from fusedist.nn.quant import (BLOCK, FP8, FP8Weight, choose_path, fp8_linear,  # noqa: E402
-                               quantize_fp8)
+from fusedist.nn.quant import (BLOCK, FP8, FP8Rows, FP8Weight, choose_path,  # noqa: E402
+                               fp8_linear, quantize_fp8)
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
 pytestmark = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
@@ -738,6 +738,21 @@ def test_prequantized_x_errors():
         linear(xq.float(), torch.randn(16, 32), x_scale=sx)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_takes_fp8_rows(layout):
+    """linear(FP8Rows(x_q, s), w) is linear(x_q, w, x_scale=s), bitwise; the carrier with
+    x_scale= too, or with a tensor weight, is refused."""
+    w = quantize_fp8(torch.randn(40, 48, generator=_gen(11)) * 0.05, layout)
+    b = torch.randn(40, generator=_gen(12)).to(torch.bfloat16)
+    xq, sx, _ = _prequantized(6, 48, 13)
+    for bias in (None, b):
+        assert torch.equal(linear(FP8Rows(xq, sx), w, bias), linear(xq, w, bias, x_scale=sx))
+    with pytest.raises(ValueError, match="FP8Rows, which carries its scales"):
+        linear(FP8Rows(xq, sx), w, x_scale=sx)
+    with pytest.raises(ValueError, match="needs an FP8Weight"):
+        linear(FP8Rows(xq, sx), torch.randn(40, 48))
+
+
 @pytest.mark.parametrize("args,want", [
     ((1, 4096, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),  # never gemv
     ((64, 4096, 4096, "tensor", FP8, BF, (9, 0), True), "scaled_mm_rowwise"),
@@ -761,6 +776,7 @@ def test_takes_fp8_rows(monkeypatch):
     assert not quant.takes_fp8_rows(300, FP8Weight.empty(4096, 4096, "block"), dev)
     assert not quant.takes_fp8_rows(300, ch, dev, torch.float16)
     assert not quant.takes_fp8_rows(300, ch, torch.device("cpu"))
+    assert not quant.takes_fp8_rows(300, torch.empty(4096, 4096), dev)  # a bf16 weight
     monkeypatch.setitem(quant._DEVICE, 0, ((8, 9), True, False))
     assert not quant.takes_fp8_rows(300, ch, dev)
 
@@ -812,6 +828,68 @@ def test_gpu_prequantized_against_float64(layout, m):
         bound = bound + 2 * 2.0 ** -9 * (x64.abs() @ w64.abs().t())
     for got in (y, out):
         assert_within(got.cpu(), ref, bound, f"{path} m={m} {layout}")
+
+
+def _fp8_attention(layout: str, dtype=torch.bfloat16, bias: bool = False, fp8: bool = True):
+    """A TPAttention (4 heads / 2 kv heads of 64, hidden 192) with FP8 weights in `layout`
+    (fp8=False: the same values dequantized, as `dtype` parameters)."""
+    H, KV, D, hid = 4, 2, 64, 192
+    g = _gen(7)
+    full = [quantize_fp8(torch.randn(n, k, generator=g) * 0.2, layout) for n, k in
+            ((H * D, hid), (KV * D, hid), (KV * D, hid), (hid, H * D))]
+    b = [torch.randn(n, generator=g) * 0.1 for n in (H * D, KV * D, KV * D)] if bias else []
+    attn = TPAttention(hid, H, KV, D, qkv_bias=bias, max_position=64, dtype=dtype,
+                       fp8_layout=layout if fp8 else None)
+    return attn.load_full(*(full if fp8 else [w.dequantize(dtype) for w in full]), *b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_tpattention_takes_fp8_rows(monkeypatch, layout, bias):
+    """TPAttention(FP8Rows(x_q, s)) hands the carrier to its qkv GEMM as it is, and its output
+    is the bf16 module's on x_q * s rounded to bf16, within that rounding (2^-9 of x, bf16
+    attention)."""
+    import fusedist
+    import fusedist.nn.attention as attention
+    from tolerances import GEMM_REL, gemm_rel_err
+
+    attn = _fp8_attention(layout, bias=bias)
+    x, pos, meta = _attention_inputs(attn, 5, 8)
+    xq, sx = fusedist.rmsnorm(x.to(torch.bfloat16), torch.ones(192, dtype=torch.bfloat16), 1e-6,
+                              out_dtype=FP8)
+    seen = []
+    real = attention.linear
+    monkeypatch.setattr(attention, "linear", lambda a, *r, **k: seen.append(a) or real(a, *r, **k))
+    rows = FP8Rows(xq, sx)
+    got = attn(rows, pos, attn.make_cache(1, num_pages=16, page_size=16), 0, meta)
+    assert seen[0] is rows and got.dtype == torch.bfloat16 and got.shape == (5, 192)
+    x_bf = (xq.float() * sx[:, None]).to(torch.bfloat16)
+    want = attn(x_bf, pos, attn.make_cache(1, num_pages=16, page_size=16), 0, meta)
+    assert gemm_rel_err(got, want) <= GEMM_REL[torch.bfloat16]
+
+
+def test_tpattention_fp8_rows_errors_and_decision(monkeypatch):
+    """FP8Rows into a module without FP8 weights, or of another dtype than bf16: a ValueError
+    naming the fix; takes_fp8_input(rows) is takes_fp8_rows on the qkv weight (with its bias),
+    False on the CPU."""
+    import fusedist.nn.attention as attention
+
+    xq, sx, _ = _prequantized(3, 192, 14)
+    for attn, match in ((_fp8_attention("channel", fp8=False), "FP8 weights only"),
+                        (_fp8_attention("channel", dtype=torch.float32),
+                         "dtype is torch.float32")):
+        _, pos, meta = _attention_inputs(attn, 3, 8)
+        with pytest.raises(ValueError, match=match):
+            attn(FP8Rows(xq, sx), pos, attn.make_cache(1, num_pages=8, page_size=16), 0, meta)
+    with pytest.raises(ValueError, match="x must be \\[tokens, 192\\]"):
+        attn(FP8Rows(xq[:, :64], sx), pos, attn.make_cache(1, 8, 16), 0, meta)
+    attn = _fp8_attention("tensor", bias=True)
+    assert not attn.takes_fp8_input(300)                              # the CPU
+    calls = []
+    monkeypatch.setattr(attention, "takes_fp8_rows", lambda *a: calls.append(a) or True)
+    assert attn.takes_fp8_input(300)
+    assert calls == [(300, attn.qkv_weight, attn.cos_sin.device, torch.bfloat16,
+                      attn.qkv_bias)]
 
 
 def _fp8_mlp(h: int, inter: int, device, layout="channel"):

@@ -14,7 +14,8 @@ With FP8 weights (the same FP8Weights fusedist's model holds) its projections ar
 torch_linear's plain-torch FP8 GEMM: torch._scaled_mm with row-wise scales on CUDA (each token
 of x quantized to e4m3 with its own scale, the weight's per-channel scales; a per-tensor scale
 broadcast to the channels), the weight dequantized to x's dtype and F.linear elsewhere (CPU,
-128 x 128 block scales, fp16 / fp32, sizes not multiples of 16)."""
+128 x 128 block scales, fp16 / fp32, sizes not multiples of 16); its norms write the model
+dtype (fusedist's hand e4m3 rows to the GEMMs that take them)."""
 
 from __future__ import annotations
 
@@ -288,13 +289,16 @@ class TorchTransformer(Transformer):
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
         return attn(x, positions, cache, layer, meta, seq_rows)
 
-    def _add_rmsnorm(self, partial, residual, w, eps):
+    def _takes_fp8(self, module, rows):
+        return False   # torch_linear quantizes x itself: the norms write the model dtype
+
+    def _add_rmsnorm(self, partial, residual, w, eps, fp8=False):
         if self.tp > 1:
             dist.all_reduce(partial, group=self.comm.group.pg)
         h = partial + residual
         return rmsnorm(h, w, eps), h
 
-    def _rmsnorm(self, h, w, eps):
+    def _rmsnorm(self, h, w, eps, fp8=False):
         return rmsnorm(h, w, eps)
 
     def _head(self, x):

@@ -26,10 +26,14 @@ stream in place.
 FP8 weights (quant=, a config.WeightQuant; build_model's quantize= or an FP8 checkpoint): q/k/v,
 o, gate|up and down are fusedist.nn.quant.FP8Weight, their GEMMs fusedist.nn.linear.linear's
 FP8 paths; embeddings, norms, the LM head, activations and the KV cache stay in the model
-dtype, except where down_proj's GEMM is row-wise torch._scaled_mm (more than 16 rows on sm_90+,
-per-tensor / per-channel scales: takes_fp8_rows): there silu_mul writes e4m3 + per-token scales
-and the GEMM takes them as they are. The norms before q/k/v and gate|up still hand bf16 rows to
-their GEMMs, which quantize them per token.
+dtype, except where a projection's GEMM is row-wise torch._scaled_mm on an x it would quantize
+per token itself (per-tensor / per-channel scales past the GEMV's rows on sm_90+:
+fusedist.nn.quant.takes_fp8_rows). There the op before it writes e4m3 + per-token scales and
+the GEMM takes them as they are: the norm before q/k/v (the previous layer's
+all_reduce_add_rmsnorm / add_rmsnorm, or the first layer's rmsnorm) and the one before gate|up
+hand them over as FP8Rows, silu_mul before down_proj as (q, scale). The residual stream stays
+in the model dtype, and so does the final norm's output (the LM head is not FP8). Block scales
+keep bf16 activations (their GEMM quantizes x per 1 x 128 group, not per token).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from ...nn.attention import TPAttention, kv_head_range
 from ...nn.kv_cache import PagedKVCache
 from ...nn.linear import _gather_columns
 from ...nn.linear import linear  # the GEMM dispatch shared with fusedist.nn.TPAttention
-from ...nn.quant import FP8, FP8Weight, takes_fp8_rows
+from ...nn.quant import FP8, FP8Rows, FP8Weight, takes_fp8_rows
 from ...ops.add_rmsnorm import MAX_HIDDEN, add_rmsnorm
 from ...ops.add_rmsnorm import rmsnorm as fused_rmsnorm
 from ...ops.allreduce_rmsnorm import all_reduce_add_rmsnorm
@@ -68,6 +72,12 @@ def _kernel_rows(t: torch.Tensor, width: int) -> bool:
     return t.is_cuda and width % 8 == 0
 
 
+def _normed(r: tuple) -> tuple:
+    """(normed, residual) of a norm op's result; its FP8 form (q, residual, scale) as
+    (FP8Rows(q, scale), residual)."""
+    return r if len(r) == 2 else (FP8Rows(r[0], r[2]), r[1])
+
+
 class MLP(torch.nn.Module):
     """SwiGLU, gate|up column-parallel (one GEMM for both), down row-parallel; returned before
     the down projection's all-reduce."""
@@ -75,7 +85,7 @@ class MLP(torch.nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: int, dtype, device, fp8_layout=None):
         super().__init__()
         self.inter = cfg.intermediate_size // tp
-        self.fp8_layout = fp8_layout
+        self.dtype, self.fp8_layout = dtype, fp8_layout
         h = cfg.hidden_size
         if fp8_layout is None:
             # [gate_r; up_r]: one column-parallel GEMM for both.
@@ -97,7 +107,13 @@ class MLP(torch.nn.Module):
             self.gate_up = FP8Weight.cat_rows([gate, up], "MLP gate | up rows")
             self.down = down
 
+    def takes_fp8_input(self, rows: int) -> bool:
+        """Whether an x of `rows` tokens pays to come as FP8Rows: the gate|up GEMM would
+        quantize a bf16 x per token for row-wise torch._scaled_mm (takes_fp8_rows)."""
+        return takes_fp8_rows(rows, self.gate_up, self.gate_up.device, self.dtype)
+
     def forward(self, x):
+        """x: [tokens, hidden] of the model's dtype, or FP8Rows for the gate|up GEMM."""
         gu = linear(x, self.gate_up)
         if _kernel_rows(gu, self.inter):
             if isinstance(self.down, FP8Weight) and \
@@ -233,14 +249,20 @@ class Transformer(torch.nn.Module):
                 seq_rows: Optional[torch.Tensor] = None,
                 logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
+        # Whether the norms before q/k/v and before gate|up write FP8Rows: every layer has the
+        # same shapes, scale layout and dtype, so layer 0 answers for all.
+        first, rows = self.layers[0], tokens.shape[0]
+        attn_fp8, mlp_fp8 = self._takes_fp8(first.attn, rows), self._takes_fp8(first.mlp, rows)
         residual = F.embedding(tokens, self.embed)
-        x = self._rmsnorm(residual, self.layers[0].input_norm, eps)
+        x = self._rmsnorm(residual, first.input_norm, eps, attn_fp8)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             a = self._attend(layer.attn, x, positions, cache, i, meta, seq_rows)
-            x, residual = self._add_rmsnorm(a, residual, layer.post_norm, eps)
-            nxt = self.layers[i + 1].input_norm if i + 1 < n else self.norm
-            x, residual = self._add_rmsnorm(layer.mlp(x), residual, nxt, eps)
+            x, residual = self._add_rmsnorm(a, residual, layer.post_norm, eps, mlp_fp8)
+            last = i + 1 == n   # the final norm feeds the LM head, in the model dtype
+            nxt = self.norm if last else self.layers[i + 1].input_norm
+            x, residual = self._add_rmsnorm(layer.mlp(x), residual, nxt, eps,
+                                            attn_fp8 and not last)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         logits = self._gather_columns(self._head(x))
@@ -253,19 +275,34 @@ class Transformer(torch.nn.Module):
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
         return attn(x, positions, cache, layer, meta, reduce=False)
 
-    def _add_rmsnorm(self, partial, residual, w, eps):
+    def _takes_fp8(self, module, rows: int) -> bool:
+        """Whether the norm before `module` (the attention: its q/k/v GEMM; the MLP: gate|up)
+        writes e4m3 + per-token scales for a step of `rows` tokens: where that GEMM would
+        quantize a bf16 x per token itself (module.takes_fp8_input: takes_fp8_rows)."""
+        return module.takes_fp8_input(rows)
+
+    def _add_rmsnorm(self, partial, residual, w, eps, fp8: bool = False):
         """(rmsnorm(all_reduce(partial) + residual), the new residual): one fused exchange at
-        TP > 1; at TP 1 on CUDA one add_rmsnorm kernel, the residual updated in place."""
+        TP > 1; at TP 1 on CUDA one add_rmsnorm kernel, the residual updated in place. fp8: the
+        normed rows as FP8Rows (e4m3 + per-token scales, written by the same kernel) where the
+        norm is a kernel (at TP 1 on CUDA; every path of all_reduce_add_rmsnorm); the residual
+        stays in the model dtype."""
+        od = FP8 if fp8 else None
         if self.tp > 1:
-            return all_reduce_add_rmsnorm(partial, residual, w, eps, group=self.comm)
+            return _normed(all_reduce_add_rmsnorm(partial, residual, w, eps, out_dtype=od,
+                                                  group=self.comm))
         if self._kernel_norm(partial):
-            return add_rmsnorm(partial, residual, w, eps)
+            return _normed(add_rmsnorm(partial, residual, w, eps, out_dtype=od))
         h = partial + residual
         return rmsnorm(h, w, eps), h
 
-    def _rmsnorm(self, h, w, eps):
-        """The first layer's input norm of the embeddings h (no exchange)."""
-        return fused_rmsnorm(h, w, eps) if self._kernel_norm(h) else rmsnorm(h, w, eps)
+    def _rmsnorm(self, h, w, eps, fp8: bool = False):
+        """The first layer's input norm of the embeddings h (no exchange); fp8 as in
+        _add_rmsnorm."""
+        if not self._kernel_norm(h):
+            return rmsnorm(h, w, eps)
+        return FP8Rows(*fused_rmsnorm(h, w, eps, out_dtype=FP8)) if fp8 else \
+            fused_rmsnorm(h, w, eps)
 
     @staticmethod
     def _kernel_norm(h) -> bool:
