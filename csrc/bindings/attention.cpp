@@ -66,6 +66,7 @@ void register_attention(py::module_& m) {
       .def_readwrite("num_pages", &PrefillArgs::num_pages)
       .def_readwrite("max_q_len", &PrefillArgs::max_q_len)
       .def_readwrite("num_splits", &PrefillArgs::num_splits)
+      .def_readwrite("tile_rows", &PrefillArgs::tile_rows)
       .def_readwrite("err", &PrefillArgs::err)
       .def_readwrite("scale", &PrefillArgs::scale)
       .def_property(
@@ -75,7 +76,8 @@ void register_attention(py::module_& m) {
           "kv_dtype", [](const PrefillArgs& a) { return int(a.kv_dtype); },
           [](PrefillArgs& a, int v) { a.kv_dtype = DType(v); });
   m.def("attention_prefill", &attention_prefill, py::arg("args"), py::arg("stream"));
-  m.def("attention_prefill_tile_tokens", &attention_prefill_tile_tokens, py::arg("group"));
+  m.def("attention_prefill_tile_tokens", &attention_prefill_tile_tokens, py::arg("group"),
+        py::arg("tile_rows") = 64);
   m.attr("ATTENTION_PREFILL_MAX_SPLITS") = kAttentionPrefillMaxSplits;
   py::class_<PagedCheckArgs>(m, "PagedCheckArgs",
                              "The paged-metadata check of the torch attention paths")

@@ -584,6 +584,30 @@ def test_prefill_paged_kernel_key_splits(splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_prefill_paged_kernel_128_row_tiles(kv):
+    """The 8-warp instantiation (128 query rows per CTA, head_dim 128): the reference's result
+    for GQA groups 1, 4, 7 and 16, with and without key splits."""
+    _paged_kernel()
+    if kv == "fp8" and FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    gen = _gen("cuda")
+    chunks = [(300, 1000), (1, 1), (130, 130), (0, 40), (77, 2100)]
+    for Hq, Hkv in ((8, 8), (16, 4), (14, 2), (32, 2)):
+        q, kc, vc, ksc, vsc, bt, sl, cu, ref = _paged_inputs(
+            chunks, Hq, Hkv, 128, 16, torch.bfloat16, gen, cache_dtype=FP8 if kv == "fp8" else None)
+        for splits in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 300, 2100,
+                                 ksc, vsc, num_splits=splits, tile_rows=128)
+            assert bad_rows(out, ref, torch.bfloat16) == 0, f"{Hq}/{Hkv} splits {splits}"
+    with pytest.raises(ValueError, match="tile_rows must be 64, or 128 at head_dim 128"):
+        q64 = torch.zeros(4, 8, 64, dtype=torch.bfloat16, device="cuda")
+        A._prefill.run_paged(None, q64, kc[..., :64].contiguous(), vc[..., :64].contiguous(),
+                             bt, sl, cu, 1.0, 4, 64, tile_rows=128)
+
+
+@pytest.mark.gpu
 def test_prefill_paged_kernel_strided_q():
     """q as TPAttention passes it: the q columns of a fused [T, q | k | v] projection."""
     _paged_kernel()

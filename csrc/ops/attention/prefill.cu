@@ -15,18 +15,29 @@ using attention::PrefillTraits;
 
 static_assert(attention::kPrefillMaxSplits == kAttentionPrefillMaxSplits, "keep in sync");
 
-template <int D, typename QT, typename KVT>
-void launch(const PrefillParams& p, cudaStream_t stream) {
-  constexpr int kSmem = PrefillTraits<D, QT, KVT>::kSmemBytes;
+template <int D, typename QT, typename KVT, int W>
+void launch_tile(const PrefillParams& p, cudaStream_t stream) {
+  using Tr = PrefillTraits<D, QT, KVT, W>;
   static const bool once = [] {
-    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(attention::paged_prefill_kernel<D, QT, KVT>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(attention::paged_prefill_kernel<D, QT, KVT, W>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             Tr::kSmemBytes));
     return true;
   }();
   (void)once;
   const dim3 grid(p.q_tiles * p.num_splits, p.kv_heads, p.batch);
-  launch_kernel_smem("paged_prefill_kernel", attention::paged_prefill_kernel<D, QT, KVT>, grid,
-                     dim3(attention::kPrefillThreads), kSmem, stream, p);
+  launch_kernel_smem("paged_prefill_kernel", attention::paged_prefill_kernel<D, QT, KVT, W>,
+                     grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, p);
+}
+
+// 8 warps (128-row tiles) at head_dim 128 only (the other head dims would spill or exceed the
+// register file at 256 threads).
+template <int D, typename QT, typename KVT>
+void launch(const PrefillParams& p, int warps, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    if (warps == 8) return launch_tile<D, QT, KVT, 8>(p, stream);
+  }
+  launch_tile<D, QT, KVT, 4>(p, stream);
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.tokens) * p.q_heads;
     launch_kernel("prefill_merge_kernel", attention::prefill_merge_kernel<D, QT>,
@@ -54,11 +65,14 @@ void check_dtypes(int head_dim, DType q, DType kv) {
 
 }  // namespace
 
-int attention_prefill_tile_tokens(int group) {
-  FUSEDIST_CHECK_ARG(group >= 1 && group <= attention::kPrefillRows,
+int attention_prefill_tile_tokens(int group, int tile_rows) {
+  FUSEDIST_CHECK_ARG(tile_rows == 64 || tile_rows == 128,
+                     "attention_prefill: tile_rows must be 64 or 128, got " +
+                         std::to_string(tile_rows));
+  FUSEDIST_CHECK_ARG(group >= 1 && group <= 64,
                      "attention_prefill: q_heads / kv_heads must be in [1, 64], got " +
                          std::to_string(group));
-  return attention::kPrefillRows / group;
+  return tile_rows / group;
 }
 
 void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
@@ -72,7 +86,11 @@ void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
                          ") must be a positive multiple of kv_heads (" +
                          std::to_string(a.kv_heads) + ")");
   const int group = a.q_heads / a.kv_heads;
-  const int tt = attention_prefill_tile_tokens(group);
+  const int rows = a.tile_rows == 0 ? 64 : a.tile_rows;
+  FUSEDIST_CHECK_ARG(rows == 64 || a.head_dim == 128,
+                     w + "tile_rows 128 is built for head_dim 128 only, got head_dim " +
+                         std::to_string(a.head_dim));
+  const int tt = attention_prefill_tile_tokens(group, rows);
   FUSEDIST_CHECK_ARG(a.page_size > 0, w + "page_size must be > 0");
   FUSEDIST_CHECK_ARG(a.tokens >= 0 && a.max_q_len >= 0 && a.max_q_len <= a.tokens,
                      w + "max_q_len (" + std::to_string(a.max_q_len) + ") must be in [0, tokens = " +
@@ -122,7 +140,7 @@ void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
   p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool fp8_ = a.kv_dtype == DType::kFloat8E4M3, bf16_ = a.q_dtype == DType::kBFloat16;
-#define FUSEDIST_PREFILL_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, s)
+#define FUSEDIST_PREFILL_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, rows / 16, s)
   switch (a.head_dim) {
     case 64: FUSEDIST_PREFILL_DTYPES(64, FUSEDIST_PREFILL_LAUNCH); break;
     case 128: FUSEDIST_PREFILL_DTYPES(128, FUSEDIST_PREFILL_LAUNCH); break;

@@ -297,10 +297,12 @@ _SMS: dict = {}
 
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
-              max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None):
+              max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None,
+              tile_rows: int = 64):
     """Launch the paged prefill kernel on the current stream (arguments checked by prefill());
     max_q_len bounds every sequence's new tokens (the grid), max_keys their cached tokens
-    (the split plan). Returns out."""
+    (the split plan). tile_rows: query rows per CTA, 64 (4 warps) or 128 (8 warps, head_dim
+    128 only; each K/V block then feeds twice the rows). Returns out."""
     T, Hq, D = q.shape
     P, ps, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -313,7 +315,10 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     if B == 0 or max_q_len == 0:
         return out
     C = _ext.load()
-    tt = C.attention_prefill_tile_tokens(Hq // Hkv)
+    if tile_rows not in (64, 128) or (tile_rows == 128 and D != 128):
+        _fail("prefill", f"tile_rows must be 64, or 128 at head_dim 128; got {tile_rows} at "
+                         f"head_dim {D}")
+    tt = C.attention_prefill_tile_tokens(Hq // Hkv, tile_rows)
     q_tiles = -(-max_q_len // tt)
     if num_splits is None:
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -337,7 +342,7 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     a.q_stride = q.stride(0)
     a.tokens, a.batch, a.q_heads, a.kv_heads, a.head_dim = T, B, Hq, Hkv, D
     a.page_size, a.bt_stride, a.bt_cols, a.num_pages = ps, bt.stride(0), bt.shape[1], P
-    a.max_q_len, a.num_splits = max_q_len, num_splits
+    a.max_q_len, a.num_splits, a.tile_rows = max_q_len, num_splits, tile_rows
     a.err = device_errors.record_ptr(dev)
     a.scale = float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)

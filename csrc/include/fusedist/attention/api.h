@@ -56,17 +56,19 @@ struct PrefillArgs {
   int bt_stride = 0, bt_cols = 0, num_pages = 0;
   int max_q_len = 0;   // the longest query span the grid covers
   int num_splits = 1;  // key splits per tile (a merge kernel combines them)
+  int tile_rows = 0;   // query rows per CTA: 64 (0: the default) or 128
   uintptr_t err = 0;   // OpErrorRecord* (fusedist/common/op_error.h), or 0
   float scale = 0.f;
   DType q_dtype = DType::kBFloat16, kv_dtype = DType::kBFloat16;
 };
 
-// Launch on `stream`. The grid is (ceil(max_q_len / (64 / group)) * num_splits, kv_heads,
-// batch), fixed by the arguments, never by the lengths (one graph replays with new ones).
+// Launch on `stream`. The grid is (ceil(max_q_len / (tile_rows / group)) * num_splits,
+// kv_heads, batch), fixed by the arguments, never by the lengths (one graph replays with new
+// ones).
 void attention_prefill(const PrefillArgs& args, uintptr_t stream);
 
-// Query tokens per CTA tile for a GQA group (64 rows / group).
-int attention_prefill_tile_tokens(int group);
+// Query tokens per CTA tile for a GQA group (tile_rows / group).
+int attention_prefill_tile_tokens(int group, int tile_rows = 64);
 
 constexpr int kAttentionPrefillMaxSplits = 64;
 

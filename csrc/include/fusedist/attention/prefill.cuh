@@ -16,10 +16,10 @@
 //   o_partial    float32 [num_splits, tokens, q_heads, head_dim]   (num_splits > 1 only)
 //   lse_partial  float32 [num_splits, tokens, q_heads]   log2-domain LSE of a split's keys
 //
-// Protocol. Grid (q_tiles * num_splits, kv_heads, batch), 128 threads (4 warps x 16 rows). A
-// CTA takes one kv head and a tile of 64 query rows packed GQA-style: row r is token
-// tile_tokens * tile + r / group of q head kv_head * group + r % group (tile_tokens =
-// 64 / group), so each K/V block is read once for every q head that shares it. The CTA walks
+// Protocol. Grid (q_tiles * num_splits, kv_heads, batch), 4 or 8 warps of 16 query rows each.
+// A CTA takes one kv head and a tile of R = 64 or 128 query rows packed GQA-style: row r is
+// token tile_tokens * tile + r / group of q head kv_head * group + r % group (tile_tokens =
+// R / group), so each K/V block is read once for every q head that shares it. The CTA walks
 // its split's share of the 64-key blocks its rows can see (the causal bound of the tile's last
 // token), double-buffered through cp.async with each key's page looked up on the way (any page
 // size), zero-filled past the sequence. Per block: S = Q K^T (m16n8k16, fp32), the causal mask
@@ -42,9 +42,9 @@
 namespace fusedist {
 namespace attention {
 
-constexpr int kPrefillThreads = 128;
-constexpr int kPrefillRows = 64;   // query rows per CTA: 4 warps x 16
 constexpr int kPrefillKeys = 64;   // keys per block
+// Query rows per CTA: 16 per warp; 4 warps (64 rows, the default) or 8 (128 rows: each K/V
+// block feeds twice the rows, for prompts long enough to fill the GPU with tiles of 128).
 constexpr int kPrefillMaxSplits = 64;
 
 struct PrefillParams {
@@ -66,12 +66,16 @@ struct PrefillParams {
   OpErrorRecord* err;
 };
 
-template <int D, typename QT, typename KVT>
+template <int D, typename QT, typename KVT, int kWarpsT = 4>
 struct PrefillTraits {
+  static constexpr int kWarps = kWarpsT;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kWarps;
+  static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps");
   static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
   static constexpr int kRow16 = D * 2;                     // bytes of a 16-bit row
   static constexpr int kRawRow = D * int(sizeof(KVT));     // bytes of a cache row
-  static constexpr int kQBytes = kPrefillRows * kRow16;
+  static constexpr int kQBytes = kRows * kRow16;
   static constexpr int kBlock16 = kPrefillKeys * kRow16;   // one 16-bit K or V block
   static constexpr int kRawBlock = kPrefillKeys * kRawRow; // one raw K or V block
   // stage: K block, V block (raw), then for fp8 the 64 k and 64 v scales
@@ -91,10 +95,11 @@ struct PrefillTraits {
   __device__ static int raw_off(int r, int c) { return kFp8 ? r * kRawRow + c * 16 : off16(r, c); }
 };
 
-template <int D, typename QT, typename KVT>
-__global__ void __launch_bounds__(kPrefillThreads)
+template <int D, typename QT, typename KVT, int kWarps>
+__global__ void __launch_bounds__(32 * kWarps)
     paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using Tr = PrefillTraits<D, QT, KVT>;
+  using Tr = PrefillTraits<D, QT, KVT, kWarps>;
+  constexpr int kPrefillRows = Tr::kRows, kPrefillThreads = Tr::kThreads;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kKs = D / 16;              // k-steps of S = Q K^T
   constexpr int kDn = D / 8;               // n-tiles of O
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
         cp_async16_l2<0>(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
         cp_async16_l2<0>(vdst + so, ok ? vc + off : vc, ok ? 16 : 0);
       }
-      if (kFp8) {
+      if (kFp8 && threadIdx.x < 2 * kPrefillKeys) {  // 64 k scales, then 64 v scales
         const int r = threadIdx.x & 63;
         const int key = kb * kPrefillKeys + r;
         const bool ok = key < kv_hi;
