@@ -159,11 +159,13 @@ class PagedKV:
                 None if self.vs is None else self.vs[s])
 
 
-def time_fusedist(kv, qs, out, hq, hkv, head_dim, kv_dtype, num_splits, ops, reps, stages=0):
+def time_fusedist(kv, qs, out, hq, hkv, head_dim, kv_dtype, num_splits, ops, reps, stages=0,
+                  fp8_direct=False):
     """(us per call, the plan): fusedist's decode kernel over kv's copies, in a graph."""
     B = kv.table.shape[0]
     plan = ad.plan_kernel(B, hq, hkv, head_dim, kv.page_size, kv.ctx, num_splits=num_splits,
-                          dtype=torch.bfloat16, kv_dtype=kv_dtype, stages=stages)
+                          dtype=torch.bfloat16, kv_dtype=kv_dtype, stages=stages,
+                          fp8_direct=fp8_direct)
     copies = len(qs)
 
     def step(i):
@@ -356,16 +358,21 @@ def decode_rows(quick: bool, ceiling: float, sweep: bool, fi=None) -> list[dict]
         splits = plan.num_splits
         r.update(num_splits=splits, fusedist_us=t, tbs=nbytes / (t * 1e-6) / 1e12)
         r["pct_hbm"] = 100 * r["tbs"] / ceiling
-        if fp8:   # diagnostic: the 2-stage ring (3 CTAs per SM at head_dim 128), same result
-            t2, plan2 = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, num_splits, ops,
-                                      reps, stages=2)
+        if fp8:   # diagnostics: the 2-stage ring (3 CTAs per SM at head_dim 128, the same
+            # result bitwise) and the direct fragment path (4 CTAs per SM; k order permuted)
             k0, v0, ks0, vs0 = kv.copy(0)
             a = ad.run_kernel(plan, qs[0], k0, v0, kv.table, kv.lens, out, None, ks0,
                               vs0).clone()
-            b = ad.run_kernel(plan2, qs[0], k0, v0, kv.table, kv.lens, out, None, ks0, vs0)
-            r["fusedist_2stage_us"] = t2
-            r["fusedist_2stage_equal"] = bool(torch.equal(a, b))
-            del plan2
+            for key, kw in (("2stage", {"stages": 2}), ("direct", {"fp8_direct": True})):
+                t2, plan2 = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, num_splits,
+                                          ops, reps, **kw)
+                b = ad.run_kernel(plan2, qs[0], k0, v0, kv.table, kv.lens, out, None, ks0,
+                                  vs0).float()
+                r[f"fusedist_{key}_us"] = t2
+                r[f"fusedist_{key}_equal"] = bool(torch.equal(a.float(), b))
+                r[f"fusedist_{key}_rel_diff"] = float((b - a.float()).norm() /
+                                                      a.float().norm().clamp_min(1e-30))
+                del plan2
         if baselines and fi is not None and not fp8:
             k0, v0, _, _ = kv.copy(0)
             ref = ad.run_kernel(plan, qs[0], k0, v0, kv.table, kv.lens, out).clone()
@@ -462,11 +469,14 @@ def markdown(meta: dict, ceiling: float, rows: list[dict]) -> str:
             notes.append(f"{r['kind']} {shape}: {r['skipped']}")
             continue
         notes += [f"{r['kind']} {shape}: {n}" for n in r.get("notes", [])]
-        if r.get("fusedist_2stage_us") is not None:
-            notes.append(f"{r['kind']} {shape}: 2-stage ring (stages=2) "
-                         f"{r['fusedist_2stage_us']:.2f} us, "
-                         f"{r['fusedist_us'] / r['fusedist_2stage_us']:.2f}x the default's "
-                         f"speed, output {'bitwise equal' if r['fusedist_2stage_equal'] else 'DIFFERENT'}")
+        for key, what in (("2stage", "2-stage ring (stages=2)"),
+                          ("direct", "direct fragments (fp8_direct=True)")):
+            if r.get(f"fusedist_{key}_us") is not None:
+                same = "bitwise equal" if r[f"fusedist_{key}_equal"] else \
+                    f"rel diff {r[f'fusedist_{key}_rel_diff']:.1e}"
+                notes.append(f"{r['kind']} {shape}: {what} {r[f'fusedist_{key}_us']:.2f} us, "
+                             f"{r['fusedist_us'] / r[f'fusedist_{key}_us']:.2f}x the default's "
+                             f"speed, output {same} vs the default")
         cells = [r["kind"], f"{r['q_heads']}/{r['kv_heads']}", str(r["head_dim"]),
                  f"{r['batch']} x {r['context']}", str(r["page_size"]), r["kv_dtype"],
                  r["layout"], str(r["num_splits"]), fmt(r["fusedist_us"]), fmt(r["tbs"]),

@@ -29,6 +29,7 @@ void register_attention(py::module_& m) {
       .def_readwrite("bt_stride", &DecodeArgs::bt_stride)
       .def_readwrite("num_splits", &DecodeArgs::num_splits)
       .def_readwrite("stages", &DecodeArgs::stages)
+      .def_readwrite("fp8_direct", &DecodeArgs::fp8_direct)
       .def_readwrite("bt_cols", &DecodeArgs::bt_cols)
       .def_readwrite("num_pages", &DecodeArgs::num_pages)
       .def_readwrite("err", &DecodeArgs::err)
@@ -96,10 +97,12 @@ void register_attention(py::module_& m) {
   m.attr("OP_ERROR_RECORD_BYTES") = int(sizeof(OpErrorRecord));
   m.def(
       "attention_decode_ctas_per_sm",
-      [](int head_dim, int q_dtype, int kv_dtype, int stages) {
-        return attention_decode_ctas_per_sm(head_dim, DType(q_dtype), DType(kv_dtype), stages);
+      [](int head_dim, int q_dtype, int kv_dtype, int stages, int fp8_direct) {
+        return attention_decode_ctas_per_sm(head_dim, DType(q_dtype), DType(kv_dtype), stages,
+                                            fp8_direct);
       },
-      py::arg("head_dim"), py::arg("q_dtype"), py::arg("kv_dtype"), py::arg("stages") = 0);
+      py::arg("head_dim"), py::arg("q_dtype"), py::arg("kv_dtype"), py::arg("stages") = 0,
+      py::arg("fp8_direct") = 0);
   m.attr("ATTENTION_DECODE_MAX_SPLITS") = kAttentionDecodeMaxSplits;
   m.attr("ATTENTION_DECODE_TILE_HEADS") = kAttentionDecodeTileHeads;
   m.attr("ATTENTION_DECODE_SLAB") = kAttentionDecodeSlab;

@@ -133,11 +133,11 @@ class Case:
                 self.q_heads, self.D)
         return out
 
-    def plan(self, num_splits=None, max_seq_len=None, stages=0):
+    def plan(self, num_splits=None, max_seq_len=None, stages=0, fp8_direct=False):
         return ad.plan_kernel(self.B, self.q_heads, self.kv_heads, self.D, self.P,
                               max(self.lens) if max_seq_len is None else max_seq_len,
                               num_splits=num_splits, dtype=self.dtype,
-                              kv_dtype=self.kv_dtype, stages=stages)
+                              kv_dtype=self.kv_dtype, stages=stages, fp8_direct=fp8_direct)
 
     def run(self, plan, out=None):
         out = torch.full_like(self.q, float("nan")) if out is None else out
@@ -199,11 +199,32 @@ def test_decode_fp8_two_stage_ring(lens, hq, hkv, d, ps, dtype, fp8):
         assert torch.equal(out, case.run(case.plan(num_splits=splits)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", [c for c in CASES if c[-1]])
+def test_decode_fp8_direct_fragments(lens, hq, hkv, d, ps, dtype, fp8):
+    """The FP8 cache's direct fragment path (e4m3 -> fp16 in registers, permuted k order and
+    O rows): the float64 reference's result at every split count, reproducible bitwise."""
+    if FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    case = Case(lens, hq, hkv, d, ps, dtype, FP8)
+    ref = case.reference()
+    for splits in (None, 1, 7, 128):
+        plan = case.plan(num_splits=splits, fp8_direct=True)
+        out = case.run(plan)
+        check(case, out, ref, f"fp8_direct num_splits={splits}")
+        assert torch.equal(out, case.run(plan))
+
+
 def test_decode_stages_argument():
     with pytest.raises(ValueError, match="stages must be 0 .* or 2 .FP8 caches only."):
         ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", stages=2)
     with pytest.raises(ValueError, match="stages must be 0"):
         ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", stages=3, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="fp8_direct is a variant of the default ring"):
+        ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", fp8_direct=True)
+    with pytest.raises(ValueError, match="fp8_direct is a variant of the default ring"):
+        ad.plan_kernel(1, 8, 2, 128, 16, 64, device="cpu", kv_dtype=FP8, stages=2,
+                       fp8_direct=True)
 
 
 @pytest.mark.gpu

@@ -18,40 +18,43 @@ static_assert(attention::kDecodeMaxSplits == kAttentionDecodeMaxSplits, "keep in
 static_assert(attention::kDecodeTileHeads == kAttentionDecodeTileHeads, "keep in sync");
 static_assert(attention::kDecodeSlab == kAttentionDecodeSlab, "keep in sync");
 
-template <int D, typename QT, typename KVT, int S>
+template <int D, typename QT, typename KVT, int S, bool DIR>
 const void* prepared_kernel() {
   static const bool once = [] {
-    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, QT, KVT, S>,
+    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_kernel<D, QT, KVT, S, DIR>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             DecodeTraits<D, QT, KVT, S>::kSmemBytes));
+                                             DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes));
     return true;
   }();
   (void)once;
-  return reinterpret_cast<const void*>(paged_decode_kernel<D, QT, KVT, S>);
+  return reinterpret_cast<const void*>(paged_decode_kernel<D, QT, KVT, S, DIR>);
 }
 
-template <int D, typename QT, typename KVT, int S>
+template <int D, typename QT, typename KVT, int S, bool DIR>
 void launch(const DecodeParams& p, cudaStream_t stream) {
-  prepared_kernel<D, QT, KVT, S>();
+  prepared_kernel<D, QT, KVT, S, DIR>();
   const dim3 grid(p.num_splits, p.kv_heads * p.q_tiles, p.batch);
-  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S>, grid,
-                     dim3(attention::kDecodeThreads), DecodeTraits<D, QT, KVT, S>::kSmemBytes,
-                     stream, p);
+  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S, DIR>, grid,
+                     dim3(attention::kDecodeThreads),
+                     DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes, stream, p);
 }
 
-template <int D, typename QT, typename KVT, int S>
+template <int D, typename QT, typename KVT, int S, bool DIR>
 int occupancy() {
-  const void* k = prepared_kernel<D, QT, KVT, S>();
+  const void* k = prepared_kernel<D, QT, KVT, S, DIR>();
   int n = 0;
   FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &n, k, attention::kDecodeThreads, DecodeTraits<D, QT, KVT, S>::kSmemBytes));
+      &n, k, attention::kDecodeThreads, DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes));
   return n;
 }
 
-void check_stages(DType kv, int stages) {
+void check_variant(DType kv, int stages, int direct) {
   FUSEDIST_CHECK_ARG(stages == 0 || (stages == 2 && kv == DType::kFloat8E4M3),
                      "attention_decode: stages must be 0 (the default ring) or 2 (FP8 caches "
                      "only), got " + std::to_string(stages));
+  FUSEDIST_CHECK_ARG(!direct || (kv == DType::kFloat8E4M3 && stages == 0),
+                     "attention_decode: fp8_direct is an FP8-cache variant of the default ring "
+                     "(stages 0)");
 }
 
 void check_dtypes(int head_dim, DType q, DType kv) {
@@ -66,14 +69,15 @@ void check_dtypes(int head_dim, DType q, DType kv) {
                          std::to_string(head_dim));
 }
 
-// Runs CALL(D, QT, KVT, S) for the instantiation of (head_dim, q, kv, stages): the table of
-// instances (every (head_dim, q, kv) at the default ring; FP8 caches also at 2 stages).
-#define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, stages, CALL)                       \
+// Runs CALL(D, QT, KVT, S, DIR) for the instantiation of (head_dim, q, kv, stages, direct):
+// the table of instances (every (head_dim, q, kv) at the default ring; FP8 caches also at 2
+// stages, and with the direct fragment path).
+#define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, stages, direct, CALL)               \
   do {                                                                                \
     check_dtypes(head_dim, q, kv);                                                    \
-    check_stages(kv, stages);                                                         \
+    check_variant(kv, stages, direct);                                                \
     const bool fp8_ = (kv) == DType::kFloat8E4M3, bf16_ = (q) == DType::kBFloat16;    \
-    const bool two_ = (stages) == 2;                                                  \
+    const bool two_ = (stages) == 2, dir_ = (direct) != 0;                            \
     switch (head_dim) {                                                               \
       case 64: FUSEDIST_DECODE_DTYPES(64, CALL); break;                               \
       case 128: FUSEDIST_DECODE_DTYPES(128, CALL); break;                             \
@@ -81,12 +85,14 @@ void check_dtypes(int head_dim, DType q, DType kv) {
     }                                                                                 \
   } while (0)
 #define FUSEDIST_DECODE_DTYPES(D_, CALL)                                              \
-  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16, 0);                      \
-  else if (bf16_ && two_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 2);                  \
-  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 0);                          \
-  else if (!fp8_) CALL(D_, __half, __half, 0);                                        \
-  else if (two_) CALL(D_, __half, __nv_fp8_e4m3, 2);                                  \
-  else CALL(D_, __half, __nv_fp8_e4m3, 0)
+  if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16, 0, false);               \
+  else if (bf16_ && two_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 2, false);           \
+  else if (bf16_ && dir_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 0, true);            \
+  else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3, 0, false);                   \
+  else if (!fp8_) CALL(D_, __half, __half, 0, false);                                 \
+  else if (two_) CALL(D_, __half, __nv_fp8_e4m3, 2, false);                           \
+  else if (dir_) CALL(D_, __half, __nv_fp8_e4m3, 0, true);                            \
+  else CALL(D_, __half, __nv_fp8_e4m3, 0, false)
 
 }  // namespace
 
@@ -143,15 +149,17 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
   p.scale_log2 = a.scale * 1.4426950408889634f;
   FUSEDIST_CHECK_ARG(int64_t(a.kv_heads) * p.q_tiles <= 65535, w + "too many head tiles");
   auto s = reinterpret_cast<cudaStream_t>(stream);
-#define FUSEDIST_DECODE_LAUNCH(D_, QT_, KVT_, S_) launch<D_, QT_, KVT_, S_>(p, s)
-  FUSEDIST_DECODE_DISPATCH(a.head_dim, a.q_dtype, a.kv_dtype, a.stages, FUSEDIST_DECODE_LAUNCH);
+#define FUSEDIST_DECODE_LAUNCH(D_, QT_, KVT_, S_, DIR_) launch<D_, QT_, KVT_, S_, DIR_>(p, s)
+  FUSEDIST_DECODE_DISPATCH(a.head_dim, a.q_dtype, a.kv_dtype, a.stages, a.fp8_direct,
+                           FUSEDIST_DECODE_LAUNCH);
 #undef FUSEDIST_DECODE_LAUNCH
 }
 
-int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype, int stages) {
+int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype, int stages,
+                                 int fp8_direct) {
   int n = 0;
-#define FUSEDIST_DECODE_OCC(D_, QT_, KVT_, S_) n = occupancy<D_, QT_, KVT_, S_>()
-  FUSEDIST_DECODE_DISPATCH(head_dim, q_dtype, kv_dtype, stages, FUSEDIST_DECODE_OCC);
+#define FUSEDIST_DECODE_OCC(D_, QT_, KVT_, S_, DIR_) n = occupancy<D_, QT_, KVT_, S_, DIR_>()
+  FUSEDIST_DECODE_DISPATCH(head_dim, q_dtype, kv_dtype, stages, fp8_direct, FUSEDIST_DECODE_OCC);
 #undef FUSEDIST_DECODE_OCC
   return n;
 }

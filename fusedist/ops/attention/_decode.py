@@ -90,6 +90,7 @@ class DecodePlan:
     num_splits: int = 0         # splits per sequence (the kernel's grid.x); 0: reference path
     q_tiles: int = 0            # TILE_HEADS-wide query-head tiles per kv head
     stages: int = 0             # the kernel's cp.async ring per warp: 0 default, 2 (FP8 caches)
+    fp8_direct: bool = False    # FP8 caches: fragments converted in registers (decode.cuh)
     # Workspace (None when num_splits <= 1): o_partial float32 [batch, q_heads, num_splits,
     # head_dim] and lse_partial float32 [batch, q_heads, num_splits], written by the split
     # CTAs and read by the merging CTA; counters int32 [batch, kv_heads * q_tiles], zero
@@ -311,13 +312,17 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
                 max_seq_len: int, *, device=None, num_sms: Optional[int] = None,
                 num_splits: Optional[int] = None,
                 dtype: torch.dtype = torch.bfloat16,
-                kv_dtype: Optional[torch.dtype] = None, stages: int = 0) -> DecodePlan:
+                kv_dtype: Optional[torch.dtype] = None, stages: int = 0,
+                fp8_direct: bool = False) -> DecodePlan:
     """The kernel's plan: grid and workspace for decode calls of up to `batch` sequences (module
     docstring). Not registered for torch.ops (decode_plan() does that). num_sms defaults to the
     device's SM count; num_splits overrides the rule (benchmarks sweep it). dtype is q's and
     out's. stages: the per-warp cp.async ring, 0 (the default depth) or 2, an FP8-cache variant
-    with 3 CTAs per SM instead of 2 at head_dim 128 (benchmarks/attention.py times it beside
-    every FP8 row; not chosen by default until it has been measured)."""
+    with 3 CTAs per SM instead of 2 at head_dim 128. fp8_direct (FP8 caches, stages 0): the
+    MMA fragments are loaded from the e4m3 stage and converted in registers, no fp16 copy of
+    the slab in shared memory (51 KB per CTA at head_dim 128: 4 CTAs per SM). Both are timed
+    beside every FP8 row of benchmarks/attention.py and not chosen by default until they have
+    been measured."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -342,8 +347,12 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     if stages not in (0, 2) or (stages == 2 and kv_dtype != FP8):
         raise ValueError(f"fusedist.decode: stages must be 0 (the default ring) or 2 (FP8 "
                          f"caches only), got {stages!r} for a {kv_dtype} cache")
+    if fp8_direct and (kv_dtype != FP8 or stages != 0):
+        raise ValueError("fusedist.decode: fp8_direct is a variant of the default ring "
+                         f"(stages 0) for FP8 caches; got a {kv_dtype} cache, stages {stages}")
     plan = DecodePlan(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, device,
-                      q_dtype, kv_dtype, num_splits=num_splits, q_tiles=q_tiles, stages=stages)
+                      q_dtype, kv_dtype, num_splits=num_splits, q_tiles=q_tiles, stages=stages,
+                      fp8_direct=bool(fp8_direct))
     if num_splits > 1:
         plan.o_partial = torch.empty((batch, q_heads, num_splits, head_dim),
                                      dtype=torch.float32, device=device)
@@ -413,7 +422,7 @@ def run_kernel(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor,
         a.counters = plan.counters.data_ptr()
     a.batch, a.q_heads, a.kv_heads, a.head_dim = B, plan.q_heads, plan.kv_heads, plan.head_dim
     a.page_size, a.bt_stride, a.num_splits = plan.page_size, block_table.stride(0), plan.num_splits
-    a.stages = plan.stages
+    a.stages, a.fp8_direct = plan.stages, int(plan.fp8_direct)
     a.bt_cols, a.num_pages = block_table.shape[1], k_cache.shape[0]
     a.err = device_errors.record_ptr(q.device)
     a.scale = plan.head_dim ** -0.5 if scale is None else float(scale)

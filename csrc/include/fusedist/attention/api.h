@@ -19,6 +19,7 @@ struct DecodeArgs {
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, bt_stride = 0;
   int num_splits = 1;
   int stages = 0;                  // cp.async ring per warp: 0 the default, 2 (FP8 caches)
+  int fp8_direct = 0;              // FP8 caches: fragments converted in registers (decode.cuh)
   int bt_cols = 0, num_pages = 0;  // block-table columns in use; pages in the cache
   uintptr_t err = 0;               // OpErrorRecord* (fusedist/common/op_error.h), or 0
   float scale = 0.f;
@@ -30,7 +31,8 @@ struct DecodeArgs {
 void attention_decode(const DecodeArgs& args, uintptr_t stream);
 
 // Resident CTAs per SM of the instantiation (the planner sizes its grid with it).
-int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype, int stages = 0);
+int attention_decode_ctas_per_sm(int head_dim, DType q_dtype, DType kv_dtype, int stages = 0,
+                                 int fp8_direct = 0);
 
 // The paged-metadata check of the torch attention paths (paged_check.cuh): rows x cols
 // block-table entries with their seq_lens; writes bad_rows (uint8 [rows]) and records into err.

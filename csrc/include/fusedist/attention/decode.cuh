@@ -92,9 +92,17 @@ __device__ __forceinline__ int slab_swz(int r, int c) {
 // kStagesReq: the cp.async ring depth per warp (0: the default below). An FP8 cache also has a
 // 2-stage instantiation: 66 KB of shared memory per CTA at head_dim 128 instead of 83 KB, so
 // 3 CTAs fit an SM instead of 2 (more warps in flight for a per-warp latency-bound slab loop).
-template <int D, typename QT, typename KVT, int kStagesReq = 0>
+// kDirectReq (FP8 only): the MMA fragments come from the e4m3 stage itself through ldmatrix
+// and are converted in registers (no fp16 copy of the slab in shared memory: 51 KB per CTA at
+// head_dim 128). K's fragments then hold 4 consecutive dims per lane, so the S^T MMA's k order
+// is permuted (q's fragments follow the same permutation); V^T's rows come out as dims
+// 2g / 2g + 1 of each 16 (byte permutes of the transposed load), so O^T's rows are permuted
+// the same way and the merge writes them back in order.
+template <int D, typename QT, typename KVT, int kStagesReq = 0, bool kDirectReq = false>
 struct DecodeTraits {
   static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
+  static constexpr bool kDirect = kDirectReq;
+  static_assert(!kDirectReq || kFp8, "the direct fragment path is for FP8 caches");
   // The MMA's input type: q's type, or fp16 when the cache is fp8.
   using MT = typename std::conditional<kFp8, __half, QT>::type;
   static constexpr int kRowBytes = D * int(sizeof(KVT));  // one cache row (token, head)
@@ -106,10 +114,14 @@ struct DecodeTraits {
 #else
   static constexpr int kPrefetch = 0;
 #endif
-  // Byte offset of 16-byte chunk c of row r: in a stage's raw rows (fp8 rows unswizzled: the
-  // conversion reads them row-contiguously), and in a 16-bit slab (swizzled).
+  // Byte offset of 16-byte chunk c of row r: in a stage's raw rows (fp8 rows unswizzled when
+  // the conversion reads them row-contiguously; swizzled for the direct path's ldmatrix: the 8
+  // rows one 8x8 load reads land in 8 distinct 16-byte bank groups), and in a 16-bit slab.
+  __device__ static int fp8_swz(int r, int c) {
+    return D == 64 ? c ^ ((r >> 1) & 3) : ((c & ~7) | ((c ^ r) & 7));
+  }
   __device__ static int stage_off(int r, int c) {
-    return r * kRowBytes + (kFp8 ? c : slab_swz(r, c)) * 16;
+    return r * kRowBytes + (kDirect ? fp8_swz(r, c) : (kFp8 ? c : slab_swz(r, c))) * 16;
   }
   __device__ static int c16_off(int r, int c) { return r * kRow16 + slab_swz(r, c) * 16; }
   static constexpr int kStageBytes = 2 * kSlabBytes + (kFp8 ? 2 * kDecodeSlab * 4 : 0);
@@ -118,7 +130,7 @@ struct DecodeTraits {
 #else
   static constexpr int kStages = kStagesReq > 0 ? kStagesReq : (D >= 256 ? 3 : (D >= 128 ? 3 : 4));
 #endif
-  static constexpr int kConvBytes = kFp8 ? 2 * kDecodeSlab * kRow16 : 0;
+  static constexpr int kConvBytes = kFp8 && !kDirect ? 2 * kDecodeSlab * kRow16 : 0;
   static constexpr int kWarpBytes = kStages * kStageBytes + kConvBytes;
   static constexpr int kMergeBytes =
       kDecodeWarps * kDecodeTileHeads * (D + 2) * 4;  // per-warp O rows + (m, l)
@@ -203,10 +215,11 @@ __device__ __forceinline__ __half from_f32<__half>(float v) {
   return __float2half_rn(v);
 }
 
-template <int D, typename QT, typename KVT, int kStagesReq = 0>
+template <int D, typename QT, typename KVT, int kStagesReq = 0, bool kDirectReq = false>
 __global__ void __launch_bounds__(kDecodeThreads)
     paged_decode_kernel(const __grid_constant__ DecodeParams p) {
-  using Tr = DecodeTraits<D, QT, KVT, kStagesReq>;
+  using Tr = DecodeTraits<D, QT, KVT, kStagesReq, kDirectReq>;
+  constexpr bool kDirect = Tr::kDirect;
   using MT = typename Tr::MT;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kStages = Tr::kStages;
@@ -248,7 +261,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     for (int ks = 0; ks < kKs; ++ks)
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
-        uint32_t w = g < rows ? __ldg(qr + ks * 8 + hi * 4 + q4) : 0u;
+        // direct FP8 path: the permuted k order (dims 4 q4, 4 q4 + 1 | 4 q4 + 2, 4 q4 + 3)
+        const int word = kDirect ? ks * 8 + 2 * q4 + hi : ks * 8 + hi * 4 + q4;
+        uint32_t w = g < rows ? __ldg(qr + word) : 0u;
         if (!std::is_same<MT, QT>::value) {
           const float2 f = unpack2<QT>(w);
           w = pack2<MT>(f.x, f.y);
@@ -331,7 +346,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const unsigned char* kb = st;
     const unsigned char* vb = st + Tr::kSlabBytes;
     const float* ksc = reinterpret_cast<const float*>(st + 2 * Tr::kSlabBytes);
-    if (kFp8) {  // e4m3 slab -> fp16 slab (swizzled 16-bit layout), warp-local
+    if (kFp8 && !kDirect) {  // e4m3 slab -> fp16 slab (swizzled 16-bit layout), warp-local
       unsigned char* conv = wbase + kStages * Tr::kStageBytes;
       constexpr int kChunks = kDecodeSlab * Tr::kRowBytes / 16;  // 16 fp8 each
 #pragma unroll
@@ -373,8 +388,27 @@ __global__ void __launch_bounds__(kDecodeThreads)
       const uint32_t kbase = smem_addr(kb);
       float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};  // two short chains
       uint32_t a[kKs][4];  // every fragment load in flight before the first MMA
+      if (kDirect) {
+        // one x4 load: k-steps 2 pp (matrices 0, 1: tokens 0-7, 8-15) and 2 pp + 1 (2, 3); each
+        // 32-bit word holds dims 4 q4 .. 4 q4 + 3 of its token: a0 / a1 the low pair, a2 / a3
+        // the high pair
 #pragma unroll
-      for (int ks = 0; ks < kKs; ++ks) ldmatrix_x4(a[ks], kbase + Tr::c16_off(r, 2 * ks + (mi >> 1)));
+        for (int pp = 0; pp < kKs / 2; ++pp) {
+          uint32_t w[4];
+          ldmatrix_x4(w, kbase + Tr::stage_off(r, 2 * pp + (mi >> 1)));
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            a[2 * pp + h][0] = fp8x2_to_half2(uint16_t(w[2 * h] & 0xffff));
+            a[2 * pp + h][2] = fp8x2_to_half2(uint16_t(w[2 * h] >> 16));
+            a[2 * pp + h][1] = fp8x2_to_half2(uint16_t(w[2 * h + 1] & 0xffff));
+            a[2 * pp + h][3] = fp8x2_to_half2(uint16_t(w[2 * h + 1] >> 16));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kKs; ++ks)
+          ldmatrix_x4(a[ks], kbase + Tr::c16_off(r, 2 * ks + (mi >> 1)));
+      }
 #pragma unroll
       for (int ks = 0; ks < kKs; ++ks)
         mma_16816<MT>((ks & 1) ? sb : sa, a[ks], qf[ks][0], qf[ks][1]);
@@ -421,7 +455,27 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // halves of the accumulator layout in registers.
     const uint32_t b0 = movmatrix_trans(pack2<MT>(pr[0], pr[1]));
     const uint32_t b1 = movmatrix_trans(pack2<MT>(pr[2], pr[3]));
-    {
+    if (kDirect) {
+      // one transposed x4 load: m-tiles 2 pp (matrices 0, 1: tokens 0-7, 8-15) and 2 pp + 1;
+      // a word holds bytes (t 2 q4: dims 2g, 2g + 1 | t 2 q4 + 1: dims 2g, 2g + 1) of its 16
+      // dims: bytes 0, 2 are row g (dim 2g), bytes 1, 3 row g + 8 (dim 2g + 1) of O^T
+      const int r = (mi & 1) * 8 + ri;
+      const uint32_t vbase = smem_addr(vb);
+#pragma unroll
+      for (int pp = 0; pp < kKs / 2; ++pp) {
+        uint32_t w[4];
+        ldmatrix_x4_trans(w, vbase + Tr::stage_off(r, 2 * pp + (mi >> 1)));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t a[4];
+          a[0] = fp8x2_to_half2(uint16_t(__byte_perm(w[2 * h], 0, 0x20)));
+          a[1] = fp8x2_to_half2(uint16_t(__byte_perm(w[2 * h], 0, 0x31)));
+          a[2] = fp8x2_to_half2(uint16_t(__byte_perm(w[2 * h + 1], 0, 0x20)));
+          a[3] = fp8x2_to_half2(uint16_t(__byte_perm(w[2 * h + 1], 0, 0x31)));
+          mma_16816<MT>(o[2 * pp + h], a, b0, b1);
+        }
+      }
+    } else {
       const int r = (mi >> 1) * 8 + ri;
       const uint32_t vbase = smem_addr(vb);
       uint32_t a[kKs][4];
@@ -451,9 +505,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     if (row < rows) {
       float* dst = sm_o + (warp * kDecodeTileHeads + row) * D;
 #pragma unroll
-      for (int mt = 0; mt < kKs; ++mt) {
-        dst[mt * 16 + g] = o[mt][e];
-        dst[mt * 16 + g + 8] = o[mt][2 + e];
+      for (int mt = 0; mt < kKs; ++mt) {  // O^T rows g, g + 8: dims g, g + 8 (direct: 2g, 2g + 1)
+        dst[mt * 16 + (kDirect ? 2 * g : g)] = o[mt][e];
+        dst[mt * 16 + (kDirect ? 2 * g + 1 : g + 8)] = o[mt][2 + e];
       }
       if (g == 0) {
         sm_ml[(warp * kDecodeTileHeads + row) * 2] = m_run[e];
