@@ -73,13 +73,16 @@ class LLM:
     fusedist (default: the world size); with fusedist already initialized the runtime's tp
     group is used. max_batch / max_seq_len size the KV cache (max_seq_len default: the model's
     positions, at most 4096). generation_config.json in the directory gives the EOS ids and
-    the default sampling; generate() and stream() override them per call."""
+    the default sampling; generate() and stream() override them per call.
+    prefill_graph_tokens: Runner's (prompts of up to that many tokens prefill through CUDA
+    graphs; 0, the default, prefills eagerly)."""
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[str] = None,
                  random_weights: bool = False, weights_seed: int = 0, dtype="auto",
                  tp_size: Optional[int] = None, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, page_size: int = 16,
-                 cuda_graphs: Optional[bool] = None, quantize: str = "none"):
+                 cuda_graphs: Optional[bool] = None, quantize: str = "none",
+                 prefill_graph_tokens: int = 0):
         if (model is None) == (config is None):
             raise ValueError("fusedist.LLM: pass exactly one of model (a checkpoint directory) "
                              "and config (a named shape, with random_weights=True)")
@@ -112,7 +115,8 @@ class LLM:
                                      device=self.device, max_position=self.max_seq_len,
                                      quantize=quantize)
             self.runner = Runner(self.model, max_batch=max_batch, max_seq_len=self.max_seq_len,
-                                 page_size=page_size, cuda_graphs=cuda_graphs)
+                                 page_size=page_size, cuda_graphs=cuda_graphs,
+                                 prefill_graph_tokens=prefill_graph_tokens)
         except BaseException:
             if self._owns_runtime:
                 runtime.shutdown()
