@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 LINKS_DIR = Path(__file__).resolve().parent / "links"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-# FP8 payloads: e4m3 bytes plus one fp32 scale per block.
+# FP8 payloads: one byte per element (e3m4 or e4m3) plus one fp32 scale per block.
 FP8_SCALE_BYTES = 4
 
 
@@ -233,7 +233,7 @@ def fp8_payload_bytes(nbytes: float, itemsize: int, block: int) -> float:
 
 def fp8(m: Machine, op: str, nodes: int, gpus: int, nbytes: float, itemsize: int = 2,
         block: int = 128, algo: str = "two_shot") -> float:
-    """FP8 all-reduce / all-gather (fusedist.comm.fp8): flat NCCL on the e4m3 payload plus
+    """FP8 all-reduce / all-gather (fusedist.comm.fp8): flat NCCL on the 8-bit payload plus
     the codec (encode the input, decode what arrives, at codec_gbps). all_reduce two_shot:
     an all-to-all of payload shards (priced as a reduce-scatter) and an all-gather of the
     re-quantized sums; one_shot: an all-gather of every rank's payload."""
