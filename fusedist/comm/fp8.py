@@ -57,6 +57,8 @@ from ..errors import CollectiveMismatchError  # noqa: F401  (raised by Group.che
 from ._args import check_input, peers_guard
 from .communicator import GroupLike, resolve_group
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there).
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 E4M3_MAX = 448.0
 E3M4_MAX = 31.0
 ALGOS = ("two_shot", "one_shot")
@@ -205,7 +207,7 @@ def decode_sum(qs: torch.Tensor, ss: torch.Tensor, numel: int, block_size: int, 
 
 def _gather(t: torch.Tensor, group: Group) -> torch.Tensor:
     out = torch.empty(group.size * t.numel(), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=group.pg)
+    _gather_single(out, t, group=group.pg)
     return out.view(group.size, -1)
 
 
