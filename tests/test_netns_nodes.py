@@ -1,6 +1,7 @@
 """Two nodes on one host through the real launcher: launchers/netns_nodes.sh puts 2 ranks in
 each of two network namespaces joined by a tc-shaped veth, one `torchrun --nnodes 2` agent per
-namespace; the two-level and FP8 collectives' workers pass there against float64 references.
+namespace; the two-level and FP8 collectives' workers and the fused ops' two-level forms pass
+there against float64 references.
 Needs root, `ip` and `tc` (skipped otherwise)."""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ WHY_NOT = _netns_usable()
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "netns")
-@pytest.mark.parametrize("worker", ["worker_hierarchical.py", "worker_fp8_comm.py"])
+@pytest.mark.parametrize("worker", ["worker_hierarchical.py", "worker_fp8_comm.py",
+                                    "worker_hierarchical_ops.py"])
 def test_two_nodes_in_network_namespaces(worker):
     prefix = f"fdt{os.getpid() % 10000}"
     cmd = ["bash", str(ROOT / "launchers" / "netns_nodes.sh"), "--nproc", "2", "--rate",

@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 LINKS_DIR = Path(__file__).resolve().parent / "links"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-# FP8 payloads: e4m3 bytes plus one fp32 scale per block.
+# FP8 payloads: one byte per element (e3m4 or e4m3) plus one fp32 scale per block.
 FP8_SCALE_BYTES = 4
 
 
@@ -202,20 +202,62 @@ def hierarchical(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
     _check(op, nodes, gpus, nbytes)
     if chunks < 1:
         raise ValueError(f"cost_model: chunks must be >= 1, got {chunks!r}")
-    intra, inter = m.link("intra"), m.link("inter")
-    c = nbytes / chunks
-    if op == "all_reduce":
-        stages = [ring(intra, "reduce_scatter", gpus, c),
-                  ring(inter, "all_reduce", nodes, c / gpus),
-                  ring(intra, "all_gather", gpus, c)]
-    elif op == "all_gather":   # c: the full output; across first (output c / gpus per rank)
-        stages = [ring(inter, "all_gather", nodes, c / gpus),
-                  ring(intra, "all_gather", gpus, c)]
-    else:                      # reduce_scatter, c: the full input
-        stages = [ring(intra, "reduce_scatter", gpus, c),
-                  ring(inter, "reduce_scatter", nodes, c / gpus)]
+    stages = _stages(m, op, nodes, gpus, nbytes / chunks)
     if not m.overlap:
         return chunks * sum(stages)
+    return sum(stages) + (chunks - 1) * max(stages)
+
+
+def _stages(m: Machine, op: str, nodes: int, gpus: int, c: float) -> list:
+    """The two-level form's stage times for a chunk of c bytes (hierarchical's docstring)."""
+    intra, inter = m.link("intra"), m.link("inter")
+    if op == "all_reduce":
+        return [ring(intra, "reduce_scatter", gpus, c),
+                ring(inter, "all_reduce", nodes, c / gpus),
+                ring(intra, "all_gather", gpus, c)]
+    if op == "all_gather":     # c: the full output; across first (output c / gpus per rank)
+        return [ring(inter, "all_gather", nodes, c / gpus),
+                ring(intra, "all_gather", gpus, c)]
+    return [ring(intra, "reduce_scatter", gpus, c),       # reduce_scatter, c: the full input
+            ring(inter, "reduce_scatter", nodes, c / gpus)]
+
+
+def fused_two_level(m: Machine, op: str, nodes: int, gpus: int, nbytes: float,
+                    compute_us: float, chunks: int = 1, algo: str = "hierarchical") -> float:
+    """A fused op's two-level form (fusedist.ops: gemm_comm's hierarchical engine,
+    all_reduce_add_rmsnorm on a group that spans nodes): its local compute (`compute_us`: the
+    whole GEMM, or the RMSNorm epilogue) pipelined with the collective `op` of `nbytes` (gemm_ar
+    and all_reduce_add_rmsnorm: all_reduce of the output; gemm_rs: reduce_scatter of the
+    GEMM's output; ag_gemm: all_gather of the input). all_reduce / reduce_scatter: the compute
+    of a chunk is one more pipeline stage, t = sum(s) + (chunks - 1) max(s) with s = [compute /
+    chunks] + the collective's stages. all_gather (ag_gemm): the own rows' GEMM beside the
+    gather across nodes, the counterparts' beside the gather inside, then the rest:
+    t = max(AG_across, T / p) + max(AG_inside, T (nodes - 1) / p) + T (gpus - 1) / gpus.
+    algo="flat": the GEMM then the flat collective (ag_gemm: the own rows beside it). On a
+    machine without overlap (Machine.overlap False) nothing overlaps: compute + chunks x the
+    stages. The GEMM's time is the caller's (the model has no compute rates)."""
+    _check(op, nodes, gpus, nbytes)
+    if chunks < 1:
+        raise ValueError(f"cost_model: chunks must be >= 1, got {chunks!r}")
+    p = nodes * gpus
+    if algo == "flat":
+        comm = flat(m, op, nodes, gpus, nbytes)
+        if op == "all_gather" and m.overlap:
+            return max(comm, compute_us / p) + compute_us * (p - 1) / p
+        return compute_us + comm
+    if algo != "hierarchical":
+        raise ValueError(f"cost_model.fused_two_level: algo must be hierarchical or flat, got "
+                         f"{algo!r}")
+    if op == "all_gather":
+        across, inside = _stages(m, op, nodes, gpus, nbytes)
+        if not m.overlap:
+            return compute_us + across + inside
+        return (max(across, compute_us / p) + max(inside, compute_us * (nodes - 1) / p)
+                + compute_us * (gpus - 1) / gpus)
+    stages = _stages(m, op, nodes, gpus, nbytes / chunks)
+    if not m.overlap:
+        return compute_us + chunks * sum(stages)
+    stages.append(compute_us / chunks)
     return sum(stages) + (chunks - 1) * max(stages)
 
 
@@ -233,7 +275,7 @@ def fp8_payload_bytes(nbytes: float, itemsize: int, block: int) -> float:
 
 def fp8(m: Machine, op: str, nodes: int, gpus: int, nbytes: float, itemsize: int = 2,
         block: int = 128, algo: str = "two_shot") -> float:
-    """FP8 all-reduce / all-gather (fusedist.comm.fp8): flat NCCL on the e4m3 payload plus
+    """FP8 all-reduce / all-gather (fusedist.comm.fp8): flat NCCL on the 8-bit payload plus
     the codec (encode the input, decode what arrives, at codec_gbps). all_reduce two_shot:
     an all-to-all of payload shards (priced as a reduce-scatter) and an all-gather of the
     re-quantized sums; one_shot: an all-gather of every rank's payload."""

@@ -10,6 +10,16 @@ scale per token (scale = amax / 448, normed_fp32 ~= q * scale). x and residual a
 [..., hidden]; weight is [hidden]. On NVLink groups it runs fused on one-shot symmetric memory
 when the message fits; otherwise all_reduce + an epilogue (same results up to rounding):
 fusedist.add_rmsnorm's kernel on CUDA (FP8 output included), torch on CPU.
+
+Groups that span nodes (the same number, two or more, of their ranks on each) take the
+two-level form through the group's HierarchicalCommunicator (fusedist.comm.hierarchical), or
+the one passed as group=: the all-reduce of a chunk of rows is a reduce-scatter inside the
+node, an all-reduce of the shard across nodes and an all-gather inside, and the epilogue runs
+on each chunk's rows as soon as their all-gather lands, while the next chunks' collectives run
+(the chunks and flat vs two-level by the cost model, or the communicator's algo / chunks).
+The all-gather of the sums is the fewest bytes that leave every rank the new residual; the
+epilogue then runs on every rank, as the one-level forms do. Results are bitwise identical on
+every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import _align, _dtypes, _ext, tuning
+from ..comm import hierarchical
 from ..comm.communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ..comm.streams import nvtx_range
 from .add_rmsnorm import MAX_HIDDEN, rmsnorm_reference
@@ -64,43 +75,102 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                            eps: float = 1e-6, *, out_dtype: Optional[torch.dtype] = None,
                            group: GroupLike = None, fused: Optional[bool] = None):
     """Returns (normed, new_residual), or (normed_fp8, new_residual, scale) for FP8 output.
-    fused=None picks the fused kernel when it applies; True requires it; False never uses it."""
-    comm = get_communicator(group)
+    fused=None picks the fused kernel when it applies; True requires it; False never uses it.
+    group: as fusedist.all_reduce's, or a fusedist.HierarchicalCommunicator (its two-level
+    form, with its algo and chunks; the fused kernel is one-level, so not with fused=True)."""
+    explicit = isinstance(group, hierarchical.HierarchicalCommunicator)
     if hasattr(torch, "compiler") and torch.compiler.is_compiling():
+        if explicit:
+            raise ValueError("fusedist.all_reduce_add_rmsnorm: group= a HierarchicalCommunicator "
+                             "does not pass through torch.compile (ops carry a communicator's "
+                             "name); pass its group: a group that spans nodes takes the "
+                             "two-level form by itself")
+        comm = get_communicator(group)
         if out_dtype is not None and out_dtype == FP8:
             return torch.ops.fusedist.all_reduce_add_rmsnorm_fp8(x, residual, weight, eps,
                                                                 comm.name, fused)
         return torch.ops.fusedist.all_reduce_add_rmsnorm(x, residual, weight, eps, comm.name,
                                                          fused)
+    comm, hc = hierarchical.resolve(group)
     _validate(comm, x, residual, weight, eps, out_dtype)
     fp8 = out_dtype is not None and out_dtype == FP8
     with nvtx_range("fusedist.all_reduce_add_rmsnorm"):
+        if fused and explicit:
+            raise ValueError("fusedist.all_reduce_add_rmsnorm: fused=True runs the one-level "
+                             "kernel over NVLink symmetric memory; group= a "
+                             "HierarchicalCommunicator asks for the two-level form. Pass "
+                             "fused=None, or the group itself for the fused kernel")
         can_fuse = _fused_ok(comm, x)
         if fused and not can_fuse:
+            spans = (f"; group {comm.group.name} spans nodes (its two-level form is not fused: "
+                     "pass fused=None)") if hc is not None else ""
             raise ValueError(
                 "fusedist.all_reduce_add_rmsnorm: fused=True but the fused kernel does not apply "
                 f"(x {tuple(x.shape)} {x.dtype}: needs NVLink symmetric memory, hidden a multiple "
                 f"of the 16-byte vector and <= {MAX_FUSED_VECTORS} vectors, and x within the one-shot "
-                "capacity); "
+                f"capacity){spans}; "
                 "pass fused=None")
-        if can_fuse and fused is not False:
+        if can_fuse and fused is not False and not explicit:
             return _fused(comm, x, residual, weight, eps, fp8)
+        # A group with symmetric memory has every rank an NVLink peer (nodes emulated on one
+        # host): its one-level all-reduce beats a two-level form unless one is asked for.
+        if hc is not None and (explicit or comm.symm is None):
+            return _two_level(hc, comm, x, residual, weight, eps, out_dtype)
         if fused is None and comm.device.type == "cuda" and comm.group.size > 1:
             tuning.warn_once(
                 comm, "rmsnorm_unfused",
                 f"all_reduce_add_rmsnorm runs unfused (all_reduce + add_rmsnorm) for x "
                 f"{tuple(x.shape)} {x.dtype}: the fused kernel needs NVLink symmetric memory, "
                 "hidden a multiple of the 16-byte vector and x within the one-shot capacity")
-        ar = comm.all_reduce(x)
-        if x.is_cuda and _single_gpu_epilogue(x):
-            # One kernel for the epilogue: h = residual + ar lands in ar (a fresh tensor, the
-            # new residual); x and residual are left as they are. Its FP8 output is
-            # (q, h, scale), this op's order.
-            from .add_rmsnorm import add_rmsnorm
-            return add_rmsnorm(residual, ar, weight, eps, out_dtype=FP8 if fp8 else None)
-        h = (ar.float() + residual.float()).to(x.dtype)
-        normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
-        return (normed, h, scale) if fp8 else (normed, h)
+        return _epilogue(comm.all_reduce(x), residual, weight, eps, out_dtype)
+
+
+def _epilogue(ar: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+              out_dtype) -> tuple:
+    """(normed, h[, scale]) of the all-reduced rows `ar` (a fresh tensor: it may become h):
+    h = round(ar + residual), normed = round(rmsnorm(h) * weight)."""
+    fp8 = out_dtype is not None and out_dtype == FP8
+    if ar.is_cuda and _single_gpu_epilogue(ar):
+        # One kernel for the epilogue: h = residual + ar lands in ar (a fresh tensor, the
+        # new residual); residual is left as it is. Its FP8 output is (q, h, scale), this
+        # op's order.
+        from .add_rmsnorm import add_rmsnorm
+        return add_rmsnorm(residual, ar, weight, eps, out_dtype=FP8 if fp8 else None)
+    h = (ar.float() + residual.float()).to(ar.dtype)
+    normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
+    return (normed, h, scale) if fp8 else (normed, h)
+
+
+def _two_level(hc, comm: Communicator, x, residual, weight, eps, out_dtype) -> tuple:
+    """The two-level form: chunks of whole rows through hc.all_reduce_pipelined, each chunk's
+    epilogue as soon as it is all-gathered (the later chunks' collectives run meanwhile)."""
+    if comm.device.type == "cpu":
+        comm.check_same_call("all_reduce", x)  # gloo aborts on a size mismatch: name it first
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    res_rows = residual.reshape(-1, hidden)
+    how, k = hc.choose("all_reduce", x.numel() * x.element_size())
+    if how == "flat" or rows.shape[0] == 0:
+        return _epilogue(hc.all_reduce(x, algo="flat"), residual, weight, eps, out_dtype)
+    k = max(1, min(k, rows.shape[0]))
+    bounds = tuning.even_bounds(rows.shape[0], k)
+    chunks = [hc.chunk_buffer((bounds[i + 1] - bounds[i]) * hidden, x.device) for i in range(k)]
+    parts: list = [None] * k
+
+    def produce(i):
+        a, b = bounds[i], bounds[i + 1]
+        chunks[i][:(b - a) * hidden].view(b - a, hidden).copy_(rows[a:b])
+
+    def consume(i):
+        a, b = bounds[i], bounds[i + 1]
+        ar = chunks[i][:(b - a) * hidden].view(b - a, hidden).to(x.dtype)
+        parts[i] = _epilogue(ar, res_rows[a:b], weight, eps, out_dtype)
+
+    hc.all_reduce_pipelined(chunks, produce, consume)
+    outs = [torch.cat([p[j] for p in parts]) if k > 1 else parts[0][j]
+            for j in range(len(parts[0]))]
+    lead = x.shape[:-1]
+    return tuple(o.view(*lead, hidden) if o.dim() == 2 else o.view(lead) for o in outs)
 
 
 def _single_gpu_epilogue(x: torch.Tensor) -> bool:

@@ -135,3 +135,39 @@ def test_h200_model_within_15_percent_of_held_out_points():
     assert worst and all(e <= 0.15 for e in worst.values()), worst
     saved = json.loads((cm.LINKS_DIR / "h200.json").read_text())
     assert "fitted on" in saved["links"]["intra"]["source"]
+
+
+@pytest.mark.parametrize("op", cm.COLLECTIVES)
+def test_fused_two_level_prices_the_compute_as_a_pipeline_stage(op):
+    m = cm.Machine.load("h200x8-ib400")
+    nb = 64 << 20
+    # no compute: the collective's two-level time
+    assert math.isclose(cm.fused_two_level(m, op, 2, 8, nb, 0.0, 1), cm.hierarchical(m, op, 2, 8,
+                                                                                      nb, 1))
+    if op != "all_gather":
+        assert math.isclose(cm.fused_two_level(m, op, 2, 8, nb, 0.0, 4),
+                            cm.hierarchical(m, op, 2, 8, nb, 4))
+        comm1 = cm.hierarchical(m, op, 2, 8, nb, 1)
+        # one chunk: nothing overlaps; four: the GEMM hides behind the collective's stages
+        assert math.isclose(cm.fused_two_level(m, op, 2, 8, nb, comm1, 1), 2 * comm1)
+        assert cm.fused_two_level(m, op, 2, 8, nb, comm1, 4) < 1.5 * comm1
+    else:
+        # the own and the counterparts' rows hide behind the two gathers; the rest follows
+        t = 1000.0
+        got = cm.fused_two_level(m, op, 2, 8, nb, t)
+        assert got >= t * 7 / 8 + cm.hierarchical(m, op, 2, 8, nb, 1) - 1e-9
+        assert got < t + cm.hierarchical(m, op, 2, 8, nb, 1)
+    # flat: the GEMM then the flat collective (ag_gemm: its own rows beside it)
+    flat = cm.flat(m, op, 2, 8, nb)
+    got = cm.fused_two_level(m, op, 2, 8, nb, 100.0, algo="flat")
+    assert math.isclose(got, max(flat, 100.0 / 16) + 100.0 * 15 / 16 if op == "all_gather"
+                        else 100.0 + flat)
+
+
+def test_fused_two_level_without_overlap_adds_up():
+    m = cm.Machine.load("cpu")
+    assert not m.overlap
+    stages = cm.hierarchical(m, "all_reduce", 2, 2, 1 << 20, 3)
+    assert math.isclose(cm.fused_two_level(m, "all_reduce", 2, 2, 1 << 20, 50.0, 3), 50.0 + stages)
+    with pytest.raises(ValueError, match="algo must be hierarchical or flat"):
+        cm.fused_two_level(m, "all_reduce", 2, 2, 1, 0.0, algo="auto")

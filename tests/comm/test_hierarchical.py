@@ -59,3 +59,44 @@ def test_a_lost_node_ends_the_others_with_peer_lost_error(what):
     assert_passed(p, 3)
     assert p.stdout.count("[lost] rank") == 3 and "rank 3 of group world is lost" in p.stdout, \
         p.stdout[-3000:]
+
+
+# ---- which groups have two levels (pure: the topology gathered at init) ----------------------
+import torch  # noqa: E402
+
+from fusedist.comm.hierarchical import layout  # noqa: E402
+from fusedist.distributed.groups import Group  # noqa: E402
+from fusedist.distributed.topology import Topology  # noqa: E402
+
+
+def _group(node_ids, ranks=None):
+    ranks = tuple(range(len(node_ids))) if ranks is None else tuple(ranks)
+    topo = Topology(world_size=len(node_ids), rank=0, node_ids=tuple(node_ids))
+    return Group("g", ranks, None, torch.device("cpu"), topo)
+
+
+@pytest.mark.parametrize("node_ids,ranks,rank_at", [
+    ("aabb", None, [(0, 1), (2, 3)]),
+    ("aabbcc", None, [(0, 1), (2, 3), (4, 5)]),
+    ("abab", None, [(0, 2), (1, 3)]),                   # ranks placed round-robin
+    ("aabbccdd", (4, 5, 6, 7), [(0, 1), (2, 3)]),       # a group of two of four nodes
+])
+def test_layout_of_groups_that_span_nodes(node_ids, ranks, rank_at):
+    assert layout(_group(node_ids, ranks)) == (rank_at, "")
+
+
+@pytest.mark.parametrize("node_ids,ranks,why", [
+    ("aaaa", None, "is on one node"),
+    ("abcd", None, "one rank per node"),
+    ("aaab", None, "different numbers of group g's ranks [3, 1]"),
+    ("abba", None, "nodes interleave their ranks ([3, 2] for local index 1)"),
+    ("aabb", (2, 3, 0, 1), "are not in ascending order"),
+])
+def test_layout_names_why_a_group_has_one_level(node_ids, ranks, why):
+    rank_at, reason = layout(_group(node_ids, ranks))
+    assert rank_at is None and why in reason, reason
+
+
+def test_layout_without_a_topology():
+    g = Group("g", (0, 1), None, torch.device("cpu"), None)
+    assert layout(g) == (None, "group g has no topology (nodes unknown)")

@@ -168,15 +168,31 @@ def expect_mismatch(comm, call, timeout_s: float, *matches: str):
     return y, err
 
 
-def expect_errors(cases) -> None:
-    """Each (call, text): call() must raise ValueError or TypeError whose message has text."""
+def expect_errors(cases, errors=(ValueError, TypeError)) -> None:
+    """Each (call, text): call() must raise one of `errors` (ValueError or TypeError) whose
+    message has text."""
     for call, text in cases:
         try:
             call()
-        except (ValueError, TypeError) as e:
+        except errors as e:
             assert text in str(e), f"{e!r} lacks {text!r}"
         else:
             raise AssertionError(f"no error for {text}")
+
+
+def rmsnorm_reference(group, tokens, hidden, dtype, device, seed, eps):
+    """Inputs and float64 reference of all_reduce_add_rmsnorm over `group` with the op's
+    roundings, round(all_reduce), round(+ residual): (this rank's x, residual, weight, h,
+    normed). Every rank rebuilds every member's x from the seed."""
+    xs = [fresh((tokens, hidden), dtype, device, rank_seed(seed, p)) for p in range(group.size)]
+    # The residual stream is replicated across tensor-parallel ranks.
+    res = fresh((tokens, hidden), dtype, device, rank_seed(seed, "res"))
+    w = fresh((hidden,), dtype, device, rank_seed(seed, "w"))
+    ar = sum(x.double() for x in xs).to(dtype)
+    h = (ar.double() + res.double()).to(dtype)
+    hd = h.double()
+    y = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    return xs[group.rank], res, w, h, y
 
 
 def assert_identical_across_ranks(rt, y, what):
@@ -200,8 +216,9 @@ def record_failure(failures: list, rank: int, name: str, e: Exception) -> None:
     print(f"[FAIL] rank {rank} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def main(select: str | None = None) -> None:
-    rt = fusedist.init()
+def main(select: str | None = None, **init_kwargs) -> None:
+    """Every check on this rank after fusedist.init(**init_kwargs), failures gathered."""
+    rt = fusedist.init(**init_kwargs)
     failures, statuses = [], []
     # Rank 0's seed for everyone: ranks rebuild each other's inputs from it, and clocks read
     # on different ranks can straddle a second.

@@ -6,8 +6,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checks import (assert_identical_across_ranks, check, emulated, fresh, main,  # noqa: E402
-                     rank_seed, skip)
+from _checks import (assert_identical_across_ranks, check, emulated, main,  # noqa: E402
+                     rmsnorm_reference, skip)
 
 import torch  # noqa: E402
 
@@ -21,16 +21,7 @@ EPS = 1e-6
 
 def reference(rt, tokens, hidden, dtype, seed):
     """float64 reference with the op's roundings: round(all_reduce), round(+ residual)."""
-    W, me = rt.tp.size, rt.tp.rank
-    xs = [fresh((tokens, hidden), dtype, rt.device, rank_seed(seed, p)) for p in range(W)]
-    # The residual stream is replicated across tensor-parallel ranks.
-    res = fresh((tokens, hidden), dtype, rt.device, rank_seed(seed, "res"))
-    w = fresh((hidden,), dtype, rt.device, rank_seed(seed, "w"))
-    ar = sum(x.double() for x in xs).to(dtype)
-    h = (ar.double() + res.double()).to(dtype)
-    hd = h.double()
-    y = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
-    return xs[me], res, w, h, y
+    return rmsnorm_reference(rt.tp, tokens, hidden, dtype, rt.device, seed, EPS)
 
 
 def kernel_applies(rt, tokens, hidden, dtype) -> bool:

@@ -110,7 +110,7 @@ def bad_arguments_are_named(rt, seed):
              "dtype torch.int32"),
             (lambda: hc.all_reduce(x, out=torch.empty(3, device=dev)), "out must be a contiguous"),
             (lambda: hc.reduce_scatter(torch.ones(rt.world_size * 3 + 1, device=dev)),
-             "not a multiple of the world size")))
+             "not a multiple of the group size")))
 
 
 @check

@@ -799,3 +799,61 @@ def test_ag_gemm_fused_orchestration(emulated, monkeypatch, W, m, pieces):
     ref = torch.cat(shards).double() @ w.double() + b.double()
     for r, y in enumerate(emulated(W, W * m * k * 4, fn, c_class=_CF)):
         assert gemm_err(y, ref) < GEMM_REL[torch.float32], r
+
+
+# ---- the hierarchical engine's dispatch (groups that span nodes) ------------------------------
+from fusedist.ops.gemm_comm import dispatch as gd  # noqa: E402
+from fusedist.ops.gemm_comm import hierarchical as gh  # noqa: E402
+
+
+def _call(device="cpu", hier=True, symm=False, chunks=None, transport="collective"):
+    from fusedist.distributed.groups import Group
+    from fusedist.distributed.topology import Topology
+
+    nodes = ("a", "a", "b", "b") if hier else ("a",) * 4
+    group = Group("tp", (0, 1, 2, 3), None, torch.device(device), Topology(4, 0, nodes))
+    comm = SimpleNamespace(device=torch.device(device), group=group, table=TABLE,
+                           symm=SimpleNamespace(staging_bytes=0) if symm else None, name="tp/0")
+    x, w = torch.empty(8, 16), torch.empty(16, 24)
+    return eb.Call("gemm_ar", comm, x, w, None, torch.empty(8, 24), chunks, transport,
+                   object() if hier else None)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_takes_the_hierarchical_engine_on_a_group_that_spans_nodes(device):
+    assert gd.choose(_call(device), "auto") is gh.ENGINE
+    assert gd.choose(_call(device), "hierarchical") is gh.ENGINE
+    assert gd.choose(_call("cpu"), "unfused").name == "unfused"   # the flat reference path
+
+
+def test_hierarchical_engine_needs_two_levels():
+    with pytest.raises(ValueError, match="engine='hierarchical' does not take this call: it runs "
+                                         "on groups that span nodes, and group tp is on one node"):
+        gd.choose(_call(hier=False), "hierarchical")
+    assert gd.choose(_call(hier=False), "auto").name == "unfused"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(chunks=[4, 4]), "chunks as a list of row counts applies to the copy-engine overlap"),
+    (dict(device="cuda", transport="copy_engine"), "transport='copy_engine' moves data"),
+])
+def test_hierarchical_engine_names_what_it_does_not_take(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gd.choose(_call(**kwargs), "auto")
+
+
+def test_nvlink_peers_across_emulated_nodes_keep_the_one_level_table(monkeypatch):
+    """Symmetric memory over the whole group (every rank an NVLink peer: nodes emulated on one
+    host): engine='auto' is the one-level table's choice, engine='hierarchical' still forces."""
+    monkeypatch.delenv("FUSEDIST_GEMM_ENGINE", raising=False)
+    monkeypatch.setattr(gd.fused_ar.ENGINE, "why_not", lambda call: "no kernel here")
+    call = _call("cuda", symm=True)
+    assert gd.choose(call, "auto").name in ("unfused", "overlap")
+    assert gd.choose(call, "hierarchical") is gh.ENGINE
+
+
+def test_the_engine_variable_still_forces_a_one_level_engine(monkeypatch):
+    monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "unfused")
+    assert gd.choose(_call("cpu"), "auto").name == "unfused"
+    monkeypatch.setenv("FUSEDIST_GEMM_ENGINE", "auto")
+    assert gd.choose(_call("cpu"), "auto") is gh.ENGINE

@@ -12,6 +12,30 @@ namespace {
 
 constexpr int64_t kMaxGrid = 65536;
 
+void check_fmt(const std::string& w, int fmt) {
+  FUSEDIST_CHECK_ARG(fmt == kFp8E4M3 || fmt == kFp8E3M4,
+                     w + "fmt must be " + std::to_string(kFp8E4M3) + " (e4m3) or " +
+                         std::to_string(kFp8E3M4) + " (e3m4), got " + std::to_string(fmt));
+}
+
+template <int kFmt>
+void launch_encode(DType dtype, dim3 grid, dim3 block, cudaStream_t s,
+                   const comm::Fp8EncodeParams& p) {
+  switch (dtype) {
+    case DType::kFloat32:
+      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<float, kFmt>, grid, block, s, p);
+      break;
+    case DType::kFloat16:
+      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<__half, kFmt>, grid, block, s,
+                    p);
+      break;
+    default:
+      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<__nv_bfloat16, kFmt>, grid,
+                    block, s, p);
+      break;
+  }
+}
+
 }  // namespace
 
 void fp8_encode(const Fp8EncodeArgs& a, uintptr_t stream) {
@@ -20,6 +44,7 @@ void fp8_encode(const Fp8EncodeArgs& a, uintptr_t stream) {
                          a.dtype == DType::kBFloat16,
                      w + "dtype must be float32, float16 or bfloat16, got " + dtype_name(a.dtype));
   FUSEDIST_CHECK_ARG(a.block > 0, w + "block must be > 0, got " + std::to_string(a.block));
+  check_fmt(w, a.fmt);
   FUSEDIST_CHECK_ARG(a.numel >= 0, w + "numel must be >= 0");
   if (a.numel == 0) return;
   FUSEDIST_CHECK_ARG(a.x && a.q && a.scales, w + "x, q and scales must be non-null");
@@ -34,17 +59,10 @@ void fp8_encode(const Fp8EncodeArgs& a, uintptr_t stream) {
   const dim3 grid(unsigned(std::min(p.nblocks, kMaxGrid)));
   const dim3 block(comm::kFp8CodecThreads);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case DType::kFloat32:
-      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<float>, grid, block, s, p);
-      break;
-    case DType::kFloat16:
-      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<__half>, grid, block, s, p);
-      break;
-    default:
-      launch_kernel("fp8_encode_kernel", comm::fp8_encode_kernel<__nv_bfloat16>, grid, block, s,
-                    p);
-      break;
+  if (a.fmt == kFp8E3M4) {
+    launch_encode<kFp8E3M4>(a.dtype, grid, block, s, p);
+  } else {
+    launch_encode<kFp8E4M3>(a.dtype, grid, block, s, p);
   }
 }
 
@@ -53,6 +71,7 @@ void fp8_decode_sum(const Fp8DecodeSumArgs& a, uintptr_t stream) {
   FUSEDIST_CHECK_ARG(a.block > 0, w + "block must be > 0, got " + std::to_string(a.block));
   FUSEDIST_CHECK_ARG(a.payloads >= 1, w + "payloads must be >= 1, got " +
                                           std::to_string(a.payloads));
+  check_fmt(w, a.fmt);
   FUSEDIST_CHECK_ARG(a.numel >= 0, w + "numel must be >= 0");
   if (a.numel == 0) return;
   const int64_t nblocks = (a.numel + a.block - 1) / a.block;
@@ -71,9 +90,15 @@ void fp8_decode_sum(const Fp8DecodeSumArgs& a, uintptr_t stream) {
   p.block = a.block;
   p.payloads = a.payloads;
   const int64_t ctas = (a.numel + comm::kFp8CodecThreads - 1) / comm::kFp8CodecThreads;
-  launch_kernel("fp8_decode_sum_kernel", comm::fp8_decode_sum_kernel,
-                dim3(unsigned(std::min(ctas, kMaxGrid))), dim3(comm::kFp8CodecThreads),
-                reinterpret_cast<cudaStream_t>(stream), p);
+  const dim3 grid(unsigned(std::min(ctas, kMaxGrid)));
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.fmt == kFp8E3M4) {
+    launch_kernel("fp8_decode_sum_kernel", comm::fp8_decode_sum_kernel<kFp8E3M4>, grid,
+                  dim3(comm::kFp8CodecThreads), s, p);
+  } else {
+    launch_kernel("fp8_decode_sum_kernel", comm::fp8_decode_sum_kernel<kFp8E4M3>, grid,
+                  dim3(comm::kFp8CodecThreads), s, p);
+  }
 }
 
 }  // namespace fusedist

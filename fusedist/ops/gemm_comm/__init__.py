@@ -40,8 +40,20 @@ after the collective. Engines (engine=):
     stream pulls finished pieces (chunks= pieces per block) and its own block's GEMM takes them
     as C, waiting per tile in the C-load warp. 0.81-0.99x of the copy-engine overlap on
     2x H200, so "auto" does not pick it.
+  * "hierarchical": the two-level form, for groups that span nodes (the same number, two or
+    more, of their ranks on each; fusedist.comm.hierarchical), on torch.distributed:
+      gemm_ar: the GEMM in row chunks; chunk c's all-reduce (reduce-scatter inside the node,
+               all-reduce across, all-gather inside) runs while chunk c+1 is multiplied.
+      gemm_rs: the GEMM in row chunks of every block, in the two-level order; chunk c is
+               reduce-scattered inside the node, then across, while chunk c+1 is multiplied.
+      ag_gemm: the shard gathered across nodes while the own rows are multiplied, then inside
+               the node while the counterparts' rows are; then the rest.
+    chunks= the row chunks (default: the cost model's for the collective, or the
+    HierarchicalCommunicator's when group= is one); flat vs two-level by the cost model.
   * "auto": the table in tuning.py (FUSEDIST_GEMM_ENGINE overrides; "fused" there applies where
-    the fused kernel takes the call and falls back to the table elsewhere).
+    the fused kernel takes the call and falls back to the table elsewhere); on a group that
+    spans nodes the hierarchical engine, unless every rank is an NVLink peer (symmetric
+    memory over the group: nodes emulated on one host), where the one-level table decides.
 Each engine is one unit in fusedist/ops/gemm_comm/ (a gate, why_not(call), and a run path);
 fusedist.ops.gemm_comm.dispatch.choose is the dispatcher. This module holds the public functions
 (validation, the empty batch, torch.compile) and their torch.library registrations.
@@ -52,7 +64,10 @@ An empty batch (M = 0, so on every rank: the ops need the same shapes on every r
 the empty output without a collective on every rank alike.
 Prefill gemm_ar has no fused engine; docs/design/gemm_comm.md has the engines and what is
 measured.
-CPU tensors (gloo) take the plain-torch reference path.
+CPU tensors (gloo) take the plain-torch reference path (the hierarchical engine on groups that
+span nodes, unless engine="unfused").
+group= also takes a fusedist.HierarchicalCommunicator: the hierarchical engine with its algo and
+chunks.
 """
 
 from __future__ import annotations
@@ -62,6 +77,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ... import tuning
+from ...comm.hierarchical import HierarchicalCommunicator
+from ...comm.hierarchical import resolve as resolve_two_level
 from ...comm.communicator import Communicator, GroupLike, communicator_by_name, get_communicator
 from ...comm.streams import nvtx_range
 from . import dispatch
@@ -104,7 +121,7 @@ def _out(op, out, shape, like):
 
 
 def _run(op: str, comm: Communicator, x, w, bias, out, engine: str, transport: str,
-         chunks) -> torch.Tensor:
+         chunks, hier=None) -> torch.Tensor:
     """Validated arguments -> the dispatcher's unit runs the call."""
     if engine not in ("auto",) + ENGINES:
         raise ValueError(f"fusedist.{op}: engine must be 'auto' or one of {ENGINES}, got "
@@ -112,10 +129,25 @@ def _run(op: str, comm: Communicator, x, w, bias, out, engine: str, transport: s
     how = "collective"
     if comm.device.type == "cuda" and comm.group.size > 1:
         how = resolve_transport(op, comm, staging_need(op, x, w.shape[1]), transport)
-    call = Call(op, comm, x, w, bias, out, chunks, how)
+    call = Call(op, comm, x, w, bias, out, chunks, how, hier)
     unit = dispatch.choose(call, engine)
     with nvtx_range(f"fusedist.{op}.{unit.name}"):
         return unit.run(call)
+
+
+def _resolve(op: str, group):
+    """(communicator, two-level communicator or None) of an op's group=."""
+    return resolve_two_level(group)
+
+
+def _compile_comm(op: str, group) -> Communicator:
+    """The communicator an op carries by name under torch.compile: a HierarchicalCommunicator
+    cannot pass (the op resolves the group's own two-level one when it runs)."""
+    if isinstance(group, HierarchicalCommunicator):
+        raise ValueError(f"fusedist.{op}: group= a HierarchicalCommunicator does not pass "
+                         "through torch.compile (ops carry a communicator's name); pass its "
+                         "group: a group that spans nodes takes the hierarchical engine by itself")
+    return get_communicator(group)
 
 
 def _check_transport(op: str, transport: str) -> None:
@@ -133,16 +165,16 @@ def ag_gemm(x_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     for the shard, else NCCL), "collective" (= "nccl") or "copy_engine". chunks (fused
     engine): copy pieces per rank block, each flagged as it lands (default 1)."""
     if _compiling():
-        return _compiled(torch.ops.fusedist.ag_gemm, x_shard, w, bias, get_communicator(group),
-                         engine, transport, chunks, out)
+        return _compiled(torch.ops.fusedist.ag_gemm, x_shard, w, bias,
+                         _compile_comm("ag_gemm", group), engine, transport, chunks, out)
     op = "ag_gemm"
     _check_transport(op, transport)
-    comm = get_communicator(group)
+    comm, hier = _resolve(op, group)
     _validate(op, comm, x_shard, w, bias, "x_shard", "w")
     out = _out(op, out, (comm.group.size * x_shard.shape[0], w.shape[1]), x_shard)
     if out.numel() == 0:
         return out  # every rank's shard has the same shape: every rank skips the collective
-    return _run(op, comm, x_shard, w, bias, out, engine, transport, chunks)
+    return _run(op, comm, x_shard, w, bias, out, engine, transport, chunks, hier)
 
 
 def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -159,11 +191,11 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     rows, at most MAX_SIGNAL_PIECES). The copy-engine overlap also takes a list of row counts
     summing to M / world: the chunks' rows, as given."""
     if _compiling():
-        return _compiled(torch.ops.fusedist.gemm_rs, x, w_shard, bias, get_communicator(group),
-                         engine, transport, chunks, out)
+        return _compiled(torch.ops.fusedist.gemm_rs, x, w_shard, bias,
+                         _compile_comm("gemm_rs", group), engine, transport, chunks, out)
     op = "gemm_rs"
     _check_transport(op, transport)
-    comm = get_communicator(group)
+    comm, hier = _resolve(op, group)
     _validate(op, comm, x, w_shard, bias, "x", "w_shard")
     W = comm.group.size
     M = x.shape[0]
@@ -173,7 +205,7 @@ def gemm_rs(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     out = _out(op, out, (M // W, w_shard.shape[1]), x)
     if out.numel() == 0:
         return out  # M (and N) are the same on every rank: every rank skips the collective
-    return _run(op, comm, x, w_shard, bias, out, engine, transport, chunks)
+    return _run(op, comm, x, w_shard, bias, out, engine, transport, chunks, hier)
 
 
 def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -189,16 +221,16 @@ def gemm_ar(x: torch.Tensor, w_shard: torch.Tensor, bias: Optional[torch.Tensor]
     (default from the tuning table); the copy-engine transport also takes a list of row counts
     summing to M."""
     if _compiling():
-        return _compiled(torch.ops.fusedist.gemm_ar, x, w_shard, bias, get_communicator(group),
-                         engine, transport, chunks, out)
+        return _compiled(torch.ops.fusedist.gemm_ar, x, w_shard, bias,
+                         _compile_comm("gemm_ar", group), engine, transport, chunks, out)
     op = "gemm_ar"
     _check_transport(op, transport)
-    comm = get_communicator(group)
+    comm, hier = _resolve(op, group)
     _validate(op, comm, x, w_shard, bias, "x", "w_shard")
     out = _out(op, out, (x.shape[0], w_shard.shape[1]), x)
     if out.numel() == 0:
         return out  # M (and N) are the same on every rank: every rank skips the collective
-    return _run(op, comm, x, w_shard, bias, out, engine, transport, chunks)
+    return _run(op, comm, x, w_shard, bias, out, engine, transport, chunks, hier)
 
 
 # ---- torch.compile: torch.library registrations ------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from ... import _dtypes, tuning
 from ...comm import symmetric
 from ...comm.communicator import Communicator
+from ...comm.hierarchical import HierarchicalCommunicator
 from ...comm.streams import comm_stream
 from ..gemm import FUSED_DTYPES, weight_layout
 
@@ -36,6 +37,9 @@ class Call:
     out: torch.Tensor
     chunks: object = None      # as the caller passed it: None, an int or row counts
     transport: str = "auto"    # the resolved transport: "collective" or "copy_engine"
+    # The group's two-level communicator (fusedist.comm.hierarchical) when it spans nodes (or
+    # the caller's, passed as group=), else None.
+    hier: Optional[HierarchicalCommunicator] = None
 
     @property
     def world(self) -> int:

@@ -5,10 +5,14 @@ the call, None when it can; run(call)), in the manner of vLLM's communicator bac
   copy_engine  the overlap engine with copy-engine transfers between symmetric staging
   fused_sm90   ag_gemm / gemm_rs: one persistent Hopper GEMM with per-piece flags
   fused_ar     gemm_ar at decode sizes: one kernel, GEMM + one-shot exchange
+  hierarchical groups that span nodes: the GEMM's chunks pipelined with the two-level
+               collectives (fusedist.comm.hierarchical)
 (engine="fused" names fused_ar for gemm_ar and fused_sm90 for ag_gemm / gemm_rs.)
 choose() is the dispatcher: engine="auto" takes the tuning table's pick (tuning.choose_gemm,
-FUSEDIST_GEMM_ENGINE overrides), given the gates of the fused unit and of the copy engine;
-every input of the choice is identical on every rank, so is the choice."""
+FUSEDIST_GEMM_ENGINE overrides), given the gates of the fused unit and of the copy engine; on
+a group that spans nodes (call.hier) the hierarchical unit, unless every rank is an NVLink
+peer (symmetric memory over the group: nodes emulated on one host), where the table decides.
+Every input of the choice is identical on every rank, so is the choice."""
 
 from __future__ import annotations
 
@@ -16,12 +20,12 @@ from typing import Optional
 
 from ... import envs, tuning
 from ...comm.communicator import Communicator
-from . import copy_engine, fused_ar, fused_sm90, overlap, unfused
+from . import copy_engine, fused_ar, fused_sm90, hierarchical, overlap, unfused
 from .base import Call, Engine
 
-ENGINES = ("unfused", "overlap", "fused")  # what engine= names
+ENGINES = ("unfused", "overlap", "fused", "hierarchical")  # what engine= names
 UNITS = {e.name: e for e in (unfused.ENGINE, overlap.ENGINE, copy_engine.ENGINE, fused_sm90.ENGINE,
-                             fused_ar.ENGINE)}
+                             fused_ar.ENGINE, hierarchical.ENGINE)}
 
 
 def fused_unit(op: str) -> Engine:
@@ -32,6 +36,22 @@ def fused_unit(op: str) -> Engine:
 def choose(call: Call, engine: str) -> Engine:
     """The unit that runs `call` for engine= `engine` (call.transport already resolved)."""
     comm = call.comm
+    # FUSEDIST_GEMM_ENGINE=unfused|overlap forces a one-level engine on every group.
+    two_level = engine == "hierarchical" or (
+        engine == "auto" and call.hier is not None and (comm.device.type == "cpu" or
+                                                        comm.symm is None)
+        and envs.get("FUSEDIST_GEMM_ENGINE") not in ("unfused", "overlap"))
+    if two_level:
+        why = hierarchical.ENGINE.why_not(call)
+        if why is not None and engine == "hierarchical":
+            raise ValueError(f"fusedist.{call.op}: engine='hierarchical' does not take this "
+                             f"call: {why}; use engine='auto'")
+        if why is not None:
+            raise ValueError(f"fusedist.{call.op}: group {comm.group.name} spans nodes, so "
+                             f"engine='auto' takes the hierarchical engine, which does not take "
+                             f"this call: {why}; pass engine='unfused' or 'overlap' for a "
+                             "one-level engine")
+        return hierarchical.ENGINE
     if comm.device.type == "cpu" or comm.group.size == 1:
         return unfused.ENGINE
     fused_why_not = fused_unit(call.op).why_not(call)
@@ -54,6 +74,8 @@ def pick(op: str, engine: str, m: int, n: int, k: int, comm: Communicator,
                          f"{engine!r}")
     if comm.device.type == "cpu" or comm.group.size == 1:
         return "unfused"
+    if engine == "hierarchical":
+        return engine
     if engine == "fused" and fused_why_not is not None:
         raise ValueError(f"fusedist.{op}: engine='fused' does not take this call: "
                          f"{fused_why_not}; use engine='auto', 'overlap' or 'unfused'")

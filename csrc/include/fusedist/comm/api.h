@@ -89,6 +89,7 @@ struct Fp8EncodeArgs {
   int64_t numel = 0;
   int block = 0;
   DType dtype = DType::kFloat32;
+  int fmt = kFp8E4M3;  // payload format (common.h Fp8Format)
 };
 void fp8_encode(const Fp8EncodeArgs& args, uintptr_t stream);
 // out[i] (float32, i < numel) = the sum over `payloads` payloads, in order, of q * scale;
@@ -98,6 +99,7 @@ struct Fp8DecodeSumArgs {
   int64_t numel = 0, q_stride = 0, scale_stride = 0;
   int block = 0;
   int payloads = 1;
+  int fmt = kFp8E4M3;  // as Fp8EncodeArgs::fmt
 };
 void fp8_decode_sum(const Fp8DecodeSumArgs& args, uintptr_t stream);
 

@@ -14,6 +14,10 @@ constexpr int kMaxRanks = 8;
 // Element type codes shared with fusedist/_dtypes.py. Keep in sync.
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 
+// Payload formats of the FP8 collectives' codec (comm/fp8_codec.cuh); exported to Python as
+// fusedist._C.FP8_FORMAT_E4M3 / FP8_FORMAT_E3M4. A plain enum: kernels take it as a template int.
+enum Fp8Format : int { kFp8E4M3 = 0, kFp8E3M4 = 1 };
+
 inline const char* dtype_name(DType t) {
   switch (t) {
     case DType::kFloat32: return "float32";
