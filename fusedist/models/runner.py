@@ -93,6 +93,7 @@ class StepMeta:
     plan: object = None
     seq_lens_host: Optional[list] = None
     cu_seqlens_q_host: Optional[list] = None
+    prefill_backend: str = "auto"
 
 
 def _metadata(**kw):
@@ -458,8 +459,11 @@ class Runner:
                     "seq_lens": torch.zeros(B, dtype=torch.int32, device=dev),
                     "cu": torch.zeros(B + 1, dtype=torch.int32, device=dev),
                     "last": torch.zeros(B, dtype=torch.int64, device=dev)}
+            # the paged kernel in the eager pass too: the padded bucket's lengths are only on
+            # the device (cu_seqlens_q ends short of the Tb tokens)
             meta = _metadata(mode="prefill", block_table=bufs["bt"], seq_lens=bufs["seq_lens"],
-                             slot_mapping=bufs["slots"], cu_seqlens_q=bufs["cu"], max_q_len=Tb)
+                             slot_mapping=bufs["slots"], cu_seqlens_q=bufs["cu"], max_q_len=Tb,
+                             prefill_backend="paged")
             body = lambda: self.model(bufs["tokens"], bufs["positions"], self.cache, meta,  # noqa
                                       logits_rows=bufs["last"])
             entry = (None, None, bufs, body)

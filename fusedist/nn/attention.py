@@ -71,6 +71,9 @@ class AttentionMetadata:
     # reads seq_lens / cu_seqlens_q from the device, a synchronization per layer.
     seq_lens_host: Optional[Sequence[int]] = None
     cu_seqlens_q_host: Optional[Sequence[int]] = None
+    # prefill: fusedist.ops.attention.prefill's backend ("paged" for a step whose lengths live
+    # on the device only, e.g. a CUDA-graph bucket padded past cu_seqlens_q[-1]).
+    prefill_backend: str = "auto"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -274,7 +277,8 @@ class TPAttention(torch.nn.Module):
                         scale=self.scale, max_q_len=meta.max_q_len, k_scale=k_scale,
                         v_scale=v_scale, seq_lens_host=meta.seq_lens_host,
                         cu_seqlens_q_host=meta.cu_seqlens_q_host, k_new=k, v_new=v,
-                        plan=meta.plan if isinstance(meta.plan, PrefillPlan) else None)
+                        plan=meta.plan if isinstance(meta.plan, PrefillPlan) else None,
+                        backend=meta.prefill_backend)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
             return linear(o, self.o_weight)   # T == 0 on every rank alike: nothing to reduce
