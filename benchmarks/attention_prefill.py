@@ -289,10 +289,13 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
         _time(row, "fusedist_pages", call(fresh=False), fl, ref)
     for b in prefill_backends():
         _time(row, f"fusedist_{b}", call(b), fl, ref)
-    # the paged kernel's 128-row (8-warp) tiles, head_dim 128 (run_paged's tile_rows)
+    # the paged kernel's 128-row tiles at head_dim 128 (run_paged's tile_rows / tile_warps):
+    # 4 warps x 32 rows and 8 warps x 16
     if "paged" in prefill_backends() and D == 128:
-        _time(row, "fusedist_paged128", lambda: AP.run_paged(
-            None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=128), fl, ref)
+        for w in (4, 8):
+            _time(row, f"fusedist_paged128w{w}", lambda w=w: AP.run_paged(
+                None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=128,
+                tile_warps=w), fl, ref)
     saved = (S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA)
     for key, order, expand in SDPA_KNOBS:
         S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA = order or saved[0], expand
@@ -419,12 +422,14 @@ def markdown(rows, meta=None) -> str:
         out.append("| " + " | ".join(cells) + " |")
     # diagnostics: every variant timed, eager / graph
     keys = ["fusedist_pages"] + [f"fusedist_{b}" for b in prefill_backends()] + \
-        (["fusedist_paged128"] if any("fusedist_paged128_us" in r for r in pr) else []) + \
+        [k for k in ("fusedist_paged128w4", "fusedist_paged128w8")
+         if any(f"{k}_us" in r for r in pr)] + \
         [k for k, _, _ in SDPA_KNOBS] + ["sdpa_cudnn_expanded", "sdpa_cudnn_bshd",
                                          "sdpa_flash_expanded"] + \
         ([f"flashinfer_{b}" for b in FLASHINFER_BACKENDS] if fi else [])
     names = {"fusedist_pages": "auto, pages", "fusedist_expand_gqa": "sdpa +expand GQA",
-             "fusedist_paged128": "paged, 128-row tiles",
+             "fusedist_paged128w4": "paged, 128 rows / 4 warps",
+             "fusedist_paged128w8": "paged, 128 rows / 8 warps",
              "fusedist_flash_first": "sdpa flash first", **PEER_NAMES,
              **{f"flashinfer_{b}": f"FlashInfer {b}" for b in FLASHINFER_BACKENDS}}
     out += ["", "Every variant, TFLOP/s eager / graph (fusedist_<backend>: each of "

@@ -584,10 +584,11 @@ def test_prefill_paged_kernel_key_splits(splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_prefill_paged_kernel_128_row_tiles(kv):
-    """The 8-warp instantiation (128 query rows per CTA, head_dim 128): the reference's result
-    for GQA groups 1, 4, 7 and 16, with and without key splits."""
+@pytest.mark.parametrize("kv, warps", [("bf16", 8), ("fp8", 8), ("bf16", 4)])
+def test_prefill_paged_kernel_128_row_tiles(kv, warps):
+    """The 128-row instantiations (head_dim 128): 8 warps of 16 rows, or 4 warps of two m16
+    tiles; the reference's result for GQA groups 1, 4, 7 and 16, with and without key
+    splits."""
     _paged_kernel()
     if kv == "fp8" and FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
@@ -599,7 +600,7 @@ def test_prefill_paged_kernel_128_row_tiles(kv):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 300, 2100,
-                                 ksc, vsc, num_splits=splits, tile_rows=128)
+                                 ksc, vsc, num_splits=splits, tile_rows=128, tile_warps=warps)
             assert bad_rows(out, ref, torch.bfloat16) == 0, f"{Hq}/{Hkv} splits {splits}"
     with pytest.raises(ValueError, match="tile_rows must be 64, or 128 at head_dim 128"):
         q64 = torch.zeros(4, 8, 64, dtype=torch.bfloat16, device="cuda")

@@ -298,11 +298,12 @@ _SMS: dict = {}
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
               max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None,
-              tile_rows: int = 64):
+              tile_rows: int = 64, tile_warps: int = 4):
     """Launch the paged prefill kernel on the current stream (arguments checked by prefill());
     max_q_len bounds every sequence's new tokens (the grid), max_keys their cached tokens
-    (the split plan). tile_rows: query rows per CTA, 64 (4 warps) or 128 (8 warps, head_dim
-    128 only; each K/V block then feeds twice the rows). Returns out."""
+    (the split plan). tile_rows: query rows per CTA, 64 (4 warps of 16) or, at head_dim 128,
+    128: tile_warps=4 (32 rows a warp, flash-attention 2's shape: each K/V fragment feeds two
+    m-tiles; 16-bit caches) or 8 (16 rows a warp). Returns out."""
     T, Hq, D = q.shape
     P, ps, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
@@ -318,6 +319,12 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     if tile_rows not in (64, 128) or (tile_rows == 128 and D != 128):
         _fail("prefill", f"tile_rows must be 64, or 128 at head_dim 128; got {tile_rows} at "
                          f"head_dim {D}")
+    if (tile_rows, tile_warps) not in ((64, 4), (128, 4), (128, 8)) or \
+            (tile_rows, tile_warps) == (128, 4) and k_cache.dtype not in (torch.bfloat16,
+                                                                         torch.float16):
+        _fail("prefill", f"tile_warps must be 4 (64 rows; 128 rows with a 16-bit cache) or 8 "
+                         f"(128 rows); got {tile_warps} for {tile_rows} rows, a "
+                         f"{k_cache.dtype} cache")
     tt = C.attention_prefill_tile_tokens(Hq // Hkv, tile_rows)
     q_tiles = -(-max_q_len // tt)
     if num_splits is None:
@@ -342,7 +349,8 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     a.q_stride = q.stride(0)
     a.tokens, a.batch, a.q_heads, a.kv_heads, a.head_dim = T, B, Hq, Hkv, D
     a.page_size, a.bt_stride, a.bt_cols, a.num_pages = ps, bt.stride(0), bt.shape[1], P
-    a.max_q_len, a.num_splits, a.tile_rows = max_q_len, num_splits, tile_rows
+    a.max_q_len, a.num_splits, a.tile_rows, a.tile_warps = max_q_len, num_splits, tile_rows, \
+        tile_warps
     a.err = device_errors.record_ptr(dev)
     a.scale = float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)

@@ -16,7 +16,7 @@
 //   o_partial    float32 [num_splits, tokens, q_heads, head_dim]   (num_splits > 1 only)
 //   lse_partial  float32 [num_splits, tokens, q_heads]   log2-domain LSE of a split's keys
 //
-// Protocol. Grid (q_tiles * num_splits, kv_heads, batch), 4 or 8 warps of 16 query rows each.
+// Protocol. Grid (q_tiles * num_splits, kv_heads, batch), 4 or 8 warps of 16 or 32 query rows.
 // A CTA takes one kv head and a tile of R = 64 or 128 query rows packed GQA-style: row r is
 // token tile_tokens * tile + r / group of q head kv_head * group + r % group (tile_tokens =
 // R / group), so each K/V block is read once for every q head that shares it. The CTA walks
@@ -43,8 +43,11 @@ namespace fusedist {
 namespace attention {
 
 constexpr int kPrefillKeys = 64;   // keys per block
-// Query rows per CTA: 16 per warp; 4 warps (64 rows, the default) or 8 (128 rows: each K/V
-// block feeds twice the rows, for prompts long enough to fill the GPU with tiles of 128).
+// Query rows per CTA: 16 per m-tile, 1 or 2 m-tiles per warp, 4 or 8 warps. 64 rows (4 warps x
+// 1) is the default; 128 rows as 8 warps x 1 (each K/V block loaded once for twice the rows) or
+// as 4 warps x 2 (flash-attention 2's shape: each K/V fragment loaded from shared memory once
+// for two m-tiles, half the shared-memory traffic per MMA), for prompts long enough to fill the
+// GPU with tiles of 128.
 constexpr int kPrefillMaxSplits = 64;
 
 struct PrefillParams {
@@ -66,12 +69,13 @@ struct PrefillParams {
   OpErrorRecord* err;
 };
 
-template <int D, typename QT, typename KVT, int kWarpsT = 4>
+template <int D, typename QT, typename KVT, int kWarpsT = 4, int kMTT = 1>
 struct PrefillTraits {
   static constexpr int kWarps = kWarpsT;
+  static constexpr int kMT = kMTT;                // m16 tiles (16 query rows) per warp
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRows = 16 * kWarps;
-  static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps");
+  static constexpr int kRows = 16 * kMT * kWarps;
+  static_assert((kWarps == 4 || kWarps == 8) && (kMT == 1 || kMT == 2), "4 or 8 warps, 1 or 2 m-tiles");
   static constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
   static constexpr int kRow16 = D * 2;                     // bytes of a 16-bit row
   static constexpr int kRawRow = D * int(sizeof(KVT));     // bytes of a cache row
@@ -82,8 +86,9 @@ struct PrefillTraits {
   static constexpr int kStageBytes = 2 * kRawBlock + (kFp8 ? 2 * kPrefillKeys * 4 : 0);
   static constexpr int kConvBytes = kFp8 ? 2 * kBlock16 : 0;
   static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kConvBytes;
-  // q in registers up to head_dim 128; at 256 the O accumulator alone holds 128 registers
-  static constexpr bool kQRegs = D <= 128;
+  // q in registers up to head_dim 128 with one m-tile per warp; at 256, or with two m-tiles,
+  // the O accumulators alone hold 128 registers: q is re-read from shared memory per k-step
+  static constexpr bool kQRegs = D <= 128 && kMT == 1;
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
   // Byte offset of 16-byte chunk c of row r of a 16-bit tile: c ^ (r & 7) within each group of
   // eight chunks, so the eight rows an ldmatrix reads hit eight bank groups.
@@ -95,11 +100,12 @@ struct PrefillTraits {
   __device__ static int raw_off(int r, int c) { return kFp8 ? r * kRawRow + c * 16 : off16(r, c); }
 };
 
-template <int D, typename QT, typename KVT, int kWarps>
+template <int D, typename QT, typename KVT, int kWarps, int kMT>
 __global__ void __launch_bounds__(32 * kWarps)
     paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using Tr = PrefillTraits<D, QT, KVT, kWarps>;
+  using Tr = PrefillTraits<D, QT, KVT, kWarps, kMT>;
   constexpr int kPrefillRows = Tr::kRows, kPrefillThreads = Tr::kThreads;
+  constexpr int kWarpRows = 16 * kMT;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kKs = D / 16;              // k-steps of S = Q K^T
   constexpr int kDn = D / 8;               // n-tiles of O
@@ -212,23 +218,31 @@ __global__ void __launch_bounds__(32 * kWarps)
 
   issue(kb0, 0);
 
-  // This warp's 16 rows: the causal limit (last key index it may see) of rows g and g + 8.
-  int lim[2];
+  // This warp's rows: m-tile mt holds rows kWarpRows * warp + 16 mt + (g, g + 8); the causal
+  // limit (last key index a row may see) of each.
+  int lim[kMT][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = warp * 16 + g + 8 * h;
-    const int t = t0 + r / G;
-    lim[h] = (r < TT * G && t < n) ? L - n + t : -1;
-  }
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * kWarpRows + 16 * mt + g + 8 * h;
+      const int t = t0 + r / G;
+      lim[mt][h] = (r < TT * G && t < n) ? L - n + t : -1;
+    }
 
-  float o[kDn][4];
+  float o[kMT][kDn][4];
 #pragma unroll
-  for (int j = 0; j < kDn; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kDn; ++j) o[mt][j][0] = o[mt][j][1] = o[mt][j][2] = o[mt][j][3] = 0.f;
+  float m_run[kMT][2], l_run[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+    m_run[mt][0] = m_run[mt][1] = -INFINITY, l_run[mt][0] = l_run[mt][1] = 0.f;
 
   uint32_t qf[Tr::kQRegs ? kKs : 1][4];
   const uint32_t sq_addr = smem_addr(sq);
-  const int qrow = warp * 16 + (lane & 15);
+  const int qrow = warp * kWarpRows + (lane & 15);   // + 16 mt
   if (Tr::kQRegs) {
     cp_async_wait<1>();  // the Q group (the first block's may still fly)
     __syncthreads();
@@ -276,85 +290,105 @@ __global__ void __launch_bounds__(32 * kWarps)
     }
     const uint32_t kaddr = smem_addr(kbuf), vaddr = smem_addr(vbuf);
 
-    // ---- S = Q K^T: 16 rows x 64 keys per warp ----
-    float sc[8][4];
+    // ---- S = Q K^T: kMT x 16 rows x 64 keys per warp; each K fragment feeds every m-tile ----
+    float sc[kMT][8][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kKs; ++ks) {
-      uint32_t a[4];
-      if (Tr::kQRegs) {
-        a[0] = qf[Tr::kQRegs ? ks : 0][0], a[1] = qf[Tr::kQRegs ? ks : 0][1];
-        a[2] = qf[Tr::kQRegs ? ks : 0][2], a[3] = qf[Tr::kQRegs ? ks : 0][3];
-      } else {
-        ldmatrix_x4(a, sq_addr + Tr::off16(qrow, 2 * ks + (lane >> 4)));
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if (Tr::kQRegs) {
+          a[mt][0] = qf[Tr::kQRegs ? ks : 0][0], a[mt][1] = qf[Tr::kQRegs ? ks : 0][1];
+          a[mt][2] = qf[Tr::kQRegs ? ks : 0][2], a[mt][3] = qf[Tr::kQRegs ? ks : 0][3];
+        } else {
+          ldmatrix_x4(a[mt], sq_addr + Tr::off16(qrow + 16 * mt, 2 * ks + (lane >> 4)));
+        }
       }
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bk[4];
         ldmatrix_x4(bk, kaddr + Tr::off16(16 * np + (lane & 7) + ((lane >> 4) << 3),
                                           2 * ks + ((lane >> 3) & 1)));
-        mma_16816<QT>(sc[2 * np], a, bk[0], bk[1]);
-        mma_16816<QT>(sc[2 * np + 1], a, bk[2], bk[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<QT>(sc[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_16816<QT>(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
       }
     }
     // ---- scale, fp8 key scales, causal mask ----
     const bool need_mask = kb >= first_masked;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key_in = 8 * j + 2 * q4 + (e & 1);
-        float f = p.scale_log2;
-        if (kFp8) f *= ksc[key_in];
-        float v = sc[j][e] * f;
-        if (need_mask && kb * kPrefillKeys + key_in > lim[e >> 1]) v = -INFINITY;
-        sc[j][e] = v;
-      }
-    // ---- online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3) ----
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(sc[j][2 * h], sc[j][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[h], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m_run[h] - m_use);
-      m_run[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        sc[j][2 * h] = exp2f(sc[j][2 * h] - m_use);
-        sc[j][2 * h + 1] = exp2f(sc[j][2 * h + 1] - m_use);
-        sum += sc[j][2 * h] + sc[j][2 * h + 1];
-      }
-      l_run[h] = l_run[h] * alpha + sum;
-#pragma unroll
-      for (int j = 0; j < kDn; ++j) o[j][2 * h] *= alpha, o[j][2 * h + 1] *= alpha;
-    }
-    if (kFp8) {
-      const float* vsc = ksc + kPrefillKeys;
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sc[j][e] *= vsc[8 * j + 2 * q4 + (e & 1)];
+        for (int e = 0; e < 4; ++e) {
+          const int key_in = 8 * j + 2 * q4 + (e & 1);
+          float f = p.scale_log2;
+          if (kFp8) f *= ksc[key_in];
+          float v = sc[mt][j][e] * f;
+          if (need_mask && kb * kPrefillKeys + key_in > lim[mt][e >> 1]) v = -INFINITY;
+          sc[mt][j][e] = v;
+        }
+    // ---- online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile ----
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(sc[mt][j][2 * h], sc[mt][j][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2f(m_run[mt][h] - m_use);
+        m_run[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          sc[mt][j][2 * h] = exp2f(sc[mt][j][2 * h] - m_use);
+          sc[mt][j][2 * h + 1] = exp2f(sc[mt][j][2 * h + 1] - m_use);
+          sum += sc[mt][j][2 * h] + sc[mt][j][2 * h + 1];
+        }
+        l_run[mt][h] = l_run[mt][h] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < kDn; ++j) o[mt][j][2 * h] *= alpha, o[mt][j][2 * h + 1] *= alpha;
+      }
+    if (kFp8) {
+      const float* vsc = ksc + kPrefillKeys;
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mt][j][e] *= vsc[8 * j + 2 * q4 + (e & 1)];
     }
-    // ---- O += P V ----
+    // ---- O += P V: each V fragment feeds every m-tile ----
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      uint32_t a[4];
-      a[0] = pack2<QT>(sc[2 * kk][0], sc[2 * kk][1]);
-      a[1] = pack2<QT>(sc[2 * kk][2], sc[2 * kk][3]);
-      a[2] = pack2<QT>(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-      a[3] = pack2<QT>(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<QT>(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+        a[mt][1] = pack2<QT>(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+        a[mt][2] = pack2<QT>(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<QT>(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dn = 0; dn < D / 16; ++dn) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, vaddr + Tr::off16(16 * kk + (lane & 15), 2 * dn + (lane >> 4)));
-        mma_16816<QT>(o[2 * dn], a, bv[0], bv[1]);
-        mma_16816<QT>(o[2 * dn + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_16816<QT>(o[mt][2 * dn], a[mt], bv[0], bv[1]);
+          mma_16816<QT>(o[mt][2 * dn + 1], a[mt], bv[2], bv[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with stage s before block kb + 2 refills it
@@ -363,42 +397,44 @@ __global__ void __launch_bounds__(32 * kWarps)
   pdl_trigger();
   const bool cta_bad = __syncthreads_or(bad);
 
-  // ---- epilogue: rows g, g + 8 of this warp ----
+  // ---- epilogue: rows g, g + 8 of each of this warp's m-tiles ----
   const float kNaN = __int_as_float(0x7fffffff);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int r = warp * 16 + g + 8 * h;
-    const int t = t0 + r / G;
-    if (r >= TT * G || t >= row_end) continue;
-    const bool valid = t < n;   // else a padding row: zeros
-    const int head = kvh * G + r % G;
-    const int64_t row = (int64_t(c0) + t) * p.q_heads + head;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const bool poison = valid && cta_bad;
-    if (p.num_splits == 1) {
-      QT* dst = static_cast<QT*>(p.out) + row * D + 2 * q4;
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int j = 0; j < kDn; ++j) {
-        float x = valid ? o[j][2 * h] * inv : 0.f, y = valid ? o[j][2 * h + 1] * inv : 0.f;
-        if (poison) x = y = kNaN;
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<QT>(x, y);
-      }
-    } else {
-      float* dst = p.o_partial + (int64_t(split) * p.tokens * p.q_heads + row) * D + 2 * q4;
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int r = warp * kWarpRows + 16 * mt + g + 8 * h;
+      const int t = t0 + r / G;
+      if (r >= TT * G || t >= row_end) continue;
+      const bool valid = t < n;   // else a padding row: zeros
+      const int head = kvh * G + r % G;
+      const int64_t row = (int64_t(c0) + t) * p.q_heads + head;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const bool poison = valid && cta_bad;
+      if (p.num_splits == 1) {
+        QT* dst = static_cast<QT*>(p.out) + row * D + 2 * q4;
 #pragma unroll
-      for (int j = 0; j < kDn; ++j) {
-        float x = valid ? o[j][2 * h] * inv : 0.f, y = valid ? o[j][2 * h + 1] * inv : 0.f;
-        if (poison) x = y = kNaN;
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(x, y);
+        for (int j = 0; j < kDn; ++j) {
+          float x = valid ? o[mt][j][2 * h] * inv : 0.f, y = valid ? o[mt][j][2 * h + 1] * inv : 0.f;
+          if (poison) x = y = kNaN;
+          *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack2<QT>(x, y);
+        }
+      } else {
+        float* dst = p.o_partial + (int64_t(split) * p.tokens * p.q_heads + row) * D + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < kDn; ++j) {
+          float x = valid ? o[mt][j][2 * h] * inv : 0.f, y = valid ? o[mt][j][2 * h + 1] * inv : 0.f;
+          if (poison) x = y = kNaN;
+          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(x, y);
+        }
+        if (q4 == 0)
+          p.lse_partial[int64_t(split) * p.tokens * p.q_heads + row] =
+              poison ? kNaN : (valid && l > 0.f ? m_run[mt][h] + __log2f(l) : -INFINITY);
       }
-      if (q4 == 0)
-        p.lse_partial[int64_t(split) * p.tokens * p.q_heads + row] =
-            poison ? kNaN : (valid && l > 0.f ? m_run[h] + __log2f(l) : -INFINITY);
     }
-  }
 }
 
 // Combines the splits of every (token, head) row: out = sum_s w_s O_s / sum_s w_s with
