@@ -6,6 +6,7 @@
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/decode.cuh"
 #include "fusedist/common/launch.h"
+#include "attention_dtypes.h"
 
 namespace fusedist {
 namespace {
@@ -57,24 +58,12 @@ void check_variant(DType kv, int stages, int direct) {
                      "(stages 0)");
 }
 
-void check_dtypes(int head_dim, DType q, DType kv) {
-  FUSEDIST_CHECK_ARG(q == DType::kBFloat16 || q == DType::kFloat16,
-                     std::string("attention_decode: q must be bfloat16 or float16, got ") +
-                         dtype_name(q));
-  FUSEDIST_CHECK_ARG(kv == q || kv == DType::kFloat8E4M3,
-                     std::string("attention_decode: the KV cache must have q's dtype (") +
-                         dtype_name(q) + ") or float8_e4m3fn, got " + dtype_name(kv));
-  FUSEDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256,
-                     "attention_decode: head_dim must be 64, 128 or 256, got " +
-                         std::to_string(head_dim));
-}
-
 // Runs CALL(D, QT, KVT, S, DIR) for the instantiation of (head_dim, q, kv, stages, direct):
 // the table of instances (every (head_dim, q, kv) at the default ring; FP8 caches also at 2
 // stages, and with the direct fragment path).
 #define FUSEDIST_DECODE_DISPATCH(head_dim, q, kv, stages, direct, CALL)               \
   do {                                                                                \
-    check_dtypes(head_dim, q, kv);                                                    \
+    check_attention_dtypes("attention_decode", head_dim, q, kv);                      \
     check_variant(kv, stages, direct);                                                \
     const bool fp8_ = (kv) == DType::kFloat8E4M3, bf16_ = (q) == DType::kBFloat16;    \
     const bool two_ = (stages) == 2, dir_ = (direct) != 0;                            \

@@ -6,6 +6,7 @@
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/prefill.cuh"
 #include "fusedist/common/launch.h"
+#include "attention_dtypes.h"
 
 namespace fusedist {
 namespace {
@@ -51,18 +52,6 @@ void launch(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
   }
 }
 
-void check_dtypes(int head_dim, DType q, DType kv) {
-  FUSEDIST_CHECK_ARG(q == DType::kBFloat16 || q == DType::kFloat16,
-                     std::string("attention_prefill: q must be bfloat16 or float16, got ") +
-                         dtype_name(q));
-  FUSEDIST_CHECK_ARG(kv == q || kv == DType::kFloat8E4M3,
-                     std::string("attention_prefill: the KV cache must have q's dtype (") +
-                         dtype_name(q) + ") or float8_e4m3fn, got " + dtype_name(kv));
-  FUSEDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256,
-                     "attention_prefill: head_dim must be 64, 128 or 256, got " +
-                         std::to_string(head_dim));
-}
-
 #define FUSEDIST_PREFILL_DTYPES(D_, CALL)                                             \
   if (bf16_ && !fp8_) CALL(D_, __nv_bfloat16, __nv_bfloat16);                         \
   else if (bf16_) CALL(D_, __nv_bfloat16, __nv_fp8_e4m3);                             \
@@ -83,7 +72,7 @@ int attention_prefill_tile_tokens(int group, int tile_rows) {
 
 void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
   const std::string w = "attention_prefill: ";
-  check_dtypes(a.head_dim, a.q_dtype, a.kv_dtype);
+  check_attention_dtypes("attention_prefill", a.head_dim, a.q_dtype, a.kv_dtype);
   FUSEDIST_CHECK_ARG(a.batch >= 0 && a.batch <= 65535,
                      w + "batch must be in [0, 65535], got " + std::to_string(a.batch));
   FUSEDIST_CHECK_ARG(a.kv_heads > 0 && a.kv_heads <= 65535 && a.q_heads > 0 &&
