@@ -34,7 +34,7 @@ void launch_tile(const PrefillParams& p, cudaStream_t stream) {
 // 128-row tiles at head_dim 128 only (other head dims would spill or exceed the register file):
 // 8 warps x 1 m-tile, or 4 warps x 2 (16-bit caches: with the FP8 conversion it spills).
 template <int D, typename QT, typename KVT>
-void launch(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
+void launch_tiles(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
   constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
   if constexpr (D == 128) {
     if (rows == 128 && warps == 8) return launch_tile<D, QT, KVT, 8, 1>(p, stream);
@@ -45,10 +45,16 @@ void launch(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
   FUSEDIST_CHECK_ARG(rows == 64, "attention_prefill: 128-row tiles of 4 warps are built for "
                                  "16-bit caches only; pass tile_warps=8 for an FP8 cache");
   launch_tile<D, QT, KVT, 4, 1>(p, stream);
+}
+
+// The tile kernel, then (key splits) the merge of its partial rows, whatever the tile shape.
+template <int D, typename QT, typename KVT>
+void launch(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
+  launch_tiles<D, QT, KVT>(p, rows, warps, stream);
   if (p.num_splits > 1) {
-    const int64_t rows = int64_t(p.tokens) * p.q_heads;
+    const int64_t merge_rows = int64_t(p.tokens) * p.q_heads;
     launch_kernel("prefill_merge_kernel", attention::prefill_merge_kernel<D, QT>,
-                  dim3(unsigned((rows + 3) / 4)), dim3(128), stream, p);
+                  dim3(unsigned((merge_rows + 3) / 4)), dim3(128), stream, p);
   }
 }
 
