@@ -584,11 +584,12 @@ def test_prefill_paged_kernel_key_splits(splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv, warps", [("bf16", 8), ("fp8", 8), ("bf16", 4)])
-def test_prefill_paged_kernel_128_row_tiles(kv, warps):
-    """The 128-row instantiations (head_dim 128): 8 warps of 16 rows, or 4 warps of two m16
-    tiles; the reference's result for GQA groups 1, 4, 7 and 16, with and without key
-    splits."""
+@pytest.mark.parametrize("kv, rows, warps", [("bf16", 128, 8), ("fp8", 128, 8), ("bf16", 128, 4),
+                                            ("bf16", 64, 4), ("fp8", 64, 4)])
+def test_prefill_paged_kernel_tiles(kv, rows, warps):
+    """Every tile of head_dim 128: 128 rows of 8 warps x 16 (the default) or 4 warps of two
+    m16 tiles, and 64 rows of 4 warps; the reference's result for GQA groups 1, 4, 7 and 16,
+    with and without key splits."""
     _paged_kernel()
     if kv == "fp8" and FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
@@ -600,8 +601,10 @@ def test_prefill_paged_kernel_128_row_tiles(kv, warps):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 300, 2100,
-                                 ksc, vsc, num_splits=splits, tile_rows=128, tile_warps=warps)
+                                 ksc, vsc, num_splits=splits, tile_rows=rows, tile_warps=warps)
             assert bad_rows(out, ref, torch.bfloat16) == 0, f"{Hq}/{Hkv} splits {splits}"
+    if rows == 64:
+        return
     with pytest.raises(ValueError, match="tile_rows must be 64, or 128 at head_dim 128"):
         q64 = torch.zeros(4, 8, 64, dtype=torch.bfloat16, device="cuda")
         A._prefill.run_paged(None, q64, kc[..., :64].contiguous(), vc[..., :64].contiguous(),
@@ -678,6 +681,21 @@ def test_prefill_paged_backend_needs_cuda():
     with pytest.raises(ValueError, match="backend='paged' is the CUDA kernel"):
         A.prefill(q, kc, kc, bt, torch.tensor([5], dtype=torch.int32),
                   torch.tensor([0, 5], dtype=torch.int32), backend="paged")
+
+
+def test_prefill_auto_rule(monkeypatch):
+    """auto's CUDA choice: the paged kernel, except fresh prompts of PAGED_FRESH_MAX_TOKENS
+    tokens or more whose new K/V are passed (SDPA needs no gather for those)."""
+    P = A._prefill
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    rule, big, new = P._auto_paged, P.PAGED_FRESH_MAX_TOKENS, object()
+    assert not rule(2 * big, [big, big], [0, big, 2 * big], new)          # fresh, long: SDPA
+    assert rule(2 * big, [big, big], [0, big, 2 * big], None)             # no fresh K/V given
+    assert rule(big + 1, [big, 1], [0, big, big + 1], new)                # one short prompt
+    assert rule(big, [big + 4000], [0, big], new)                         # a cached prefix
+    assert rule(big, None, None, new)                                     # lengths on device
+    monkeypatch.setattr(P, "AUTO_PAGED", False)
+    assert not rule(big, [big + 4000], [0, big], new)
 
 
 def test_prefill_split_plan():

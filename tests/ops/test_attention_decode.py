@@ -133,7 +133,7 @@ class Case:
                 self.q_heads, self.D)
         return out
 
-    def plan(self, num_splits=None, max_seq_len=None, stages=0, fp8_direct=False):
+    def plan(self, num_splits=None, max_seq_len=None, stages=0, fp8_direct=None):
         return ad.plan_kernel(self.B, self.q_heads, self.kv_heads, self.D, self.P,
                               max(self.lens) if max_seq_len is None else max_seq_len,
                               num_splits=num_splits, dtype=self.dtype,
@@ -196,23 +196,26 @@ def test_decode_fp8_two_stage_ring(lens, hq, hkv, d, ps, dtype, fp8):
     for splits in (None, 1, 7):
         out = case.run(case.plan(num_splits=splits, stages=2))
         check(case, out, ref, f"stages=2 num_splits={splits}")
-        assert torch.equal(out, case.run(case.plan(num_splits=splits)))
+        assert torch.equal(out, case.run(case.plan(num_splits=splits, fp8_direct=False)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", [c for c in CASES if c[-1]])
 def test_decode_fp8_direct_fragments(lens, hq, hkv, d, ps, dtype, fp8):
-    """The FP8 cache's direct fragment path (e4m3 -> fp16 in registers, permuted k order and
-    O rows): the float64 reference's result at every split count, reproducible bitwise."""
+    """The FP8 cache's two stage-0 paths, direct fragments (e4m3 -> fp16 in registers,
+    permuted k order and O rows; the default) and the fp16 slab: the float64 reference's
+    result at every split count, reproducible bitwise."""
     if FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
     case = Case(lens, hq, hkv, d, ps, dtype, FP8)
     ref = case.reference()
-    for splits in (None, 1, 7, 128):
-        plan = case.plan(num_splits=splits, fp8_direct=True)
-        out = case.run(plan)
-        check(case, out, ref, f"fp8_direct num_splits={splits}")
-        assert torch.equal(out, case.run(plan))
+    assert case.plan().fp8_direct and not case.plan(stages=2).fp8_direct
+    for direct in (True, False):
+        for splits in (None, 1, 7, 128):
+            plan = case.plan(num_splits=splits, fp8_direct=direct)
+            out = case.run(plan)
+            check(case, out, ref, f"fp8_direct={direct} num_splits={splits}")
+            assert torch.equal(out, case.run(plan))
 
 
 def test_decode_stages_argument():

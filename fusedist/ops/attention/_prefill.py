@@ -20,13 +20,15 @@ from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_se
                     check_pages_device, check_pages_host, device_check_available)
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
-# auto on CUDA takes the paged kernel while a CUDA graph is being captured (the SDPA path needs
-# the lengths on the host) and, with AUTO_PAGED set, outside graphs too, except for a batch of
-# fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each, where SDPA
-# on the keys and values just appended needs no gather. AUTO_PAGED stays off until the
-# kernel's speed against SDPA has been measured on the GPU (benchmarks/attention_prefill.py).
-AUTO_PAGED = False
-PAGED_FRESH_MAX_TOKENS = 1024
+# auto on CUDA takes the paged kernel (it reads the pages in place; SDPA needs them gathered
+# into contiguous K/V first, 0.6-0.8 ms per layer at 4K cached tokens on H200) except for a
+# batch of fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each
+# whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather and is 2.4x the
+# kernel's speed at 1024 tokens (they tie at 128). Inside a CUDA-graph capture always the
+# kernel (the SDPA path needs the lengths on the host). AUTO_PAGED=False restores SDPA outside
+# graphs.
+AUTO_PAGED = True
+PAGED_FRESH_MAX_TOKENS = 256
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,8 +46,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     new token i attends to cached tokens [0, seq_lens[b] - n_b + i]. Returns out [T, Hq, D]
     (with out=None and one sequence, SDPA's own output, no copy).
     backend: "paged" (the paged prefill kernel, CUDA), "sdpa" (torch SDPA on the gathered KV),
-    "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: SDPA, and the paged kernel
-    inside a CUDA-graph capture; the AUTO_PAGED comment).
+    "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: the paged kernel, SDPA for
+    fresh prompts of PAGED_FRESH_MAX_TOKENS or more; the AUTO_PAGED comment).
     The paged kernel reads lengths and tables on the device (one CUDA graph replays with new
     ones): max_q_len (the longest new-token span; default the host lists' maximum, else every
     token) sizes its grid. The sdpa and reference paths need the lengths on the host: pass
@@ -298,12 +300,17 @@ _SMS: dict = {}
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
               max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None,
-              tile_rows: int = 64, tile_warps: int = 4):
+              tile_rows: Optional[int] = None, tile_warps: Optional[int] = None):
     """Launch the paged prefill kernel on the current stream (arguments checked by prefill());
     max_q_len bounds every sequence's new tokens (the grid), max_keys their cached tokens
     (the split plan). tile_rows: query rows per CTA, 64 (4 warps of 16) or, at head_dim 128,
-    128: tile_warps=4 (32 rows a warp, flash-attention 2's shape: each K/V fragment feeds two
-    m-tiles; 16-bit caches) or 8 (16 rows a warp). Returns out."""
+    128: tile_warps=8 (16 rows a warp) or 4 (32 rows a warp, flash-attention 2's shape: each
+    K/V fragment feeds two m-tiles; 16-bit caches). Default (None): 128 rows of 8 warps at
+    head_dim 128 (0.6-0.85x the 64-row tile's time on H200), else 64. Returns out."""
+    if tile_rows is None:
+        tile_rows = 128 if q.shape[2] == 128 else 64
+    if tile_warps is None:
+        tile_warps = 8 if tile_rows == 128 else 4
     T, Hq, D = q.shape
     P, ps, Hkv, _ = k_cache.shape
     B = seq_lens.shape[0]
