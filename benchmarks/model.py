@@ -28,8 +28,8 @@ backend, one after the other in one process: FP8 weights ~8.5 GiB (bf16 ~15.0), 
 GiB, activations ~4.3 GiB (fusedist.generate.memory_estimate; the torch baseline's static cache
 is as large), well within an H200's 141 GB.
 --ttft: rows of batch 1, prompts of 1, 128 and 4096 tokens behind 0 and 4000 cached tokens,
-beside the torch baseline, fusedist with --prefill-graph-tokens (default 512 there; 0 replays
-nothing); a table of prefill ms (the first token's forward: the median of 3 warm prefills,
+beside the torch baseline, fusedist with --prefill-graph-tokens (fusedist.generate's default
+512, every row; 0 replays nothing); a table of prefill ms (the first token's forward: the median of 3 warm prefills,
 host included) and fusedist's ratio, to model-ttft[-<quantize>].{json,md}. Target: 128 tokens
 behind 4000 <= 6 ms and >= 1.5x torch.
 """
@@ -56,13 +56,13 @@ CLASSES = ("gemm", "attention", "communication", "other")
 
 
 def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend,
-            quantize="none", prefill_graph_tokens=0):
+            quantize="none", prefill_graph_tokens=512):
     cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
            "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
            "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
                          else []) + (["--quantize", quantize] if quantize != "none" else []) + \
-        (["--prefill-graph-tokens", str(prefill_graph_tokens)] if prefill_graph_tokens else [])
+        ["--prefill-graph-tokens", str(prefill_graph_tokens)]
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
@@ -273,8 +273,8 @@ def main():
     ap.add_argument("--ttft", action="store_true",
                     help="the time-to-first-token rows (TTFT_ROWS) beside torch, to model-ttft")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
-                    help="fusedist.generate --prefill-graph-tokens (default 512 with --ttft, "
-                    "else 0)")
+                    help="fusedist.generate --prefill-graph-tokens (default 512, its default; 0: "
+                    "eager prefill)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
@@ -290,8 +290,7 @@ def main():
             args.rows = TTFT_ROWS
         if args.baselines == ap.get_default("baselines"):
             args.baselines = "torch"   # torch-compile's prefill is the eager torch one
-        graphs = 512 if graphs is None else graphs
-    graphs = graphs or 0
+    graphs = 512 if graphs is None else graphs   # fusedist.generate's default
     bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
     rows = []
     for spec in args.rows:

@@ -101,9 +101,9 @@ def parse_args(argv=None):
     run.add_argument("--page-size", type=int, default=16)
     run.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill chunk")
     run.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    run.add_argument("--prefill-graph-tokens", type=int, default=0, metavar="N",
+    run.add_argument("--prefill-graph-tokens", type=int, default=512, metavar="N",
                      help="replay prefill chunks of up to N tokens through CUDA graphs (token "
-                     "buckets; the paged prefill kernel; default 0: eager prefill)")
+                     "buckets; the paged prefill kernel; 0: eager prefill)")
     run.add_argument("--prefill-reps", type=int, default=3,
                      help="warm prefills timed for prefill_ms (their median)")
     out = p.add_argument_group("output")

@@ -26,7 +26,7 @@ from ..distributed import runtime
 from .hf import GenerationDefaults, TextStream, Tokenizer, checkpoint_dtype, load_tokenizer
 from .llama import LlamaConfig, build_model
 from .llama.weights import check_tp, check_weights, open_weights, resolve_quant
-from .runner import Runner
+from .runner import PREFILL_GRAPH_TOKENS, Runner
 
 Prompt = Union[str, Sequence[int]]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,7 +82,7 @@ class LLM:
                  tp_size: Optional[int] = None, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, page_size: int = 16,
                  cuda_graphs: Optional[bool] = None, quantize: str = "none",
-                 prefill_graph_tokens: int = 0):
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS):
         if (model is None) == (config is None):
             raise ValueError("fusedist.LLM: pass exactly one of model (a checkpoint directory) "
                              "and config (a named shape, with random_weights=True)")

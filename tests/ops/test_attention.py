@@ -685,17 +685,20 @@ def test_prefill_paged_backend_needs_cuda():
 
 def test_prefill_auto_rule(monkeypatch):
     """auto's CUDA choice: the paged kernel, except fresh prompts of PAGED_FRESH_MAX_TOKENS
-    tokens or more whose new K/V are passed (SDPA needs no gather for those)."""
+    tokens or more whose new K/V are passed, and steps of more than PAGED_MAX_FLOPS (SDPA)."""
     P = A._prefill
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    rule, big, new = P._auto_paged, P.PAGED_FRESH_MAX_TOKENS, object()
-    assert not rule(2 * big, [big, big], [0, big, 2 * big], new)          # fresh, long: SDPA
-    assert rule(2 * big, [big, big], [0, big, 2 * big], None)             # no fresh K/V given
-    assert rule(big + 1, [big, 1], [0, big, big + 1], new)                # one short prompt
-    assert rule(big, [big + 4000], [0, big], new)                         # a cached prefix
-    assert rule(big, None, None, new)                                     # lengths on device
+    rule, big, new, hd = P._auto_paged, P.PAGED_FRESH_MAX_TOKENS, object(), 32 * 128
+    assert not rule(2 * big, [big, big], [0, big, 2 * big], new, hd)      # fresh, long: SDPA
+    assert rule(2 * big, [big, big], [0, big, 2 * big], None, hd)         # no fresh K/V given
+    assert rule(big + 1, [big, 1], [0, big, big + 1], new, hd)            # one short prompt
+    assert rule(big, [big + 4000], [0, big], new, hd)                     # a cached prefix
+    assert rule(big, None, None, new, hd)                                 # lengths on device
+    assert rule(512, [4096], [0, 512], None, hd)                          # 3.2e10 FLOPs
+    assert not rule(4096, [8096], [0, 4096], None, hd)                    # 4.1e11 FLOPs
+    assert not rule(4096, [4096], [0, 4096], None, hd)                    # fresh, 1.4e11
     monkeypatch.setattr(P, "AUTO_PAGED", False)
-    assert not rule(big, [big + 4000], [0, big], new)
+    assert not rule(big, [big + 4000], [0, big], new, hd)
 
 
 def test_prefill_split_plan():

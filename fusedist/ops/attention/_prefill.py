@@ -21,14 +21,18 @@ from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_se
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
 # auto on CUDA takes the paged kernel (it reads the pages in place; SDPA needs them gathered
-# into contiguous K/V first, 0.6-0.8 ms per layer at 4K cached tokens on H200) except for a
-# batch of fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each
-# whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather and is 2.4x the
-# kernel's speed at 1024 tokens (they tie at 128). Inside a CUDA-graph capture always the
-# kernel (the SDPA path needs the lengths on the host). AUTO_PAGED=False restores SDPA outside
-# graphs.
+# into contiguous K/V first, ~0.35 ms per call on H200) unless SDPA is measured faster:
+#  - a batch of fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each
+#    whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather and is 2.4x the
+#    kernel's speed at 1024 tokens (they tie at 128);
+#  - a step of more than PAGED_MAX_FLOPS causal attention FLOPs (4 * q_heads * head_dim *
+#    query-key pairs): the kernel's ~160 TFLOP/s against SDPA's gather plus ~460 TFLOP/s
+#    cross near 8e10 (H200: 256 new tokens x 8 sequences behind 1792 cost both ~0.38 ms).
+# Inside a CUDA-graph capture always the kernel (the SDPA path needs the lengths on the host).
+# AUTO_PAGED=False restores SDPA outside graphs.
 AUTO_PAGED = True
 PAGED_FRESH_MAX_TOKENS = 256
+PAGED_MAX_FLOPS = 8e10
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,7 +51,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (with out=None and one sequence, SDPA's own output, no copy).
     backend: "paged" (the paged prefill kernel, CUDA), "sdpa" (torch SDPA on the gathered KV),
     "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: the paged kernel, SDPA for
-    fresh prompts of PAGED_FRESH_MAX_TOKENS or more; the AUTO_PAGED comment).
+    long fresh prompts and large steps; the AUTO_PAGED comment).
     The paged kernel reads lengths and tables on the device (one CUDA graph replays with new
     ones): max_q_len (the longest new-token span; default the host lists' maximum, else every
     token) sizes its grid. The sdpa and reference paths need the lengths on the host: pass
@@ -198,7 +202,7 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         why = paged_why_not(q, k_cache)
         if backend == "paged" and why:
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
-        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new)):
+        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new, q.shape[1] * q.shape[2])):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
@@ -270,15 +274,21 @@ def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return ""
 
 
-def _auto_paged(T, lens, cu, k_new) -> bool:
-    """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment)."""
+def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0) -> bool:
+    """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment);
+    heads_x_dim = q_heads * head_dim prices the step's FLOPs."""
     if torch.cuda.is_current_stream_capturing():
         return True
     if not AUTO_PAGED:
         return False
-    if k_new is None or lens is None or cu is None:
+    if lens is None or cu is None:
         return True
     ns = [b - a for a, b in zip(cu, cu[1:])]
+    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(ns, lens))
+    if 4 * heads_x_dim * pairs > PAGED_MAX_FLOPS:
+        return False
+    if k_new is None:
+        return True
     fresh = all(n == L for n, L in zip(ns, lens))
     return not (fresh and min(ns, default=0) >= PAGED_FRESH_MAX_TOKENS)
 
