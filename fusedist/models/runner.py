@@ -267,10 +267,13 @@ class Runner:
         self.pool = None
         self._metas: dict[int, object] = {}
         self.compile_decode = compile_decode
-        self._step = self._decode_forward
+        # The compiled step is the unbound function (called with self): a bound method stored
+        # on self would be a reference cycle, leaving the runner's CUDA graphs to the cyclic
+        # GC, which may run during another capture (destroying a graph there invalidates it).
+        self._compiled_step = None
         if compile_decode:
-            self._step = torch.compile(self._decode_forward, fullgraph=True, dynamic=False,
-                                       backend=compile_backend)
+            self._compiled_step = torch.compile(Runner._decode_forward, fullgraph=True,
+                                                dynamic=False, backend=compile_backend)
         self.compile_s: dict[int, float] = {}    # bucket -> seconds of its first (compiling) call
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -313,7 +316,7 @@ class Runner:
     def _body(self, b: int) -> torch.Tensor:
         meta = self._meta(b)
         if not self.compile_decode:
-            return self._step(b, meta)
+            return self._decode_forward(b, meta)
         from ..ops.attention import sdpa_priority
         # SDPA picks its backend while tracing: the priority the eager step has.
         first = b not in self.compile_s
@@ -321,7 +324,7 @@ class Runner:
             self._decode_forward(b, meta)   # baseline's decode form) is picked before tracing
         t0 = time.perf_counter()
         with sdpa_priority(self.device):
-            out = self._step(b, meta)
+            out = self._compiled_step(self, b, meta)
         if first:
             self.compile_s[b] = time.perf_counter() - t0
         return out
@@ -502,7 +505,10 @@ class Runner:
                 self.pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(g, pool=self.pool):
                 out = body()
-            self.prefill_graphs[key] = (g, out, bufs, body)
+            # no body (its closure holds self): a stored cycle would leave the graph to the
+            # cyclic GC, which may run during another capture, where destroying a graph
+            # invalidates it
+            self.prefill_graphs[key] = (g, out, bufs, None)
         g.replay()
         return out
 

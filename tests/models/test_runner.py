@@ -7,8 +7,10 @@ step (inductor) against the eager step, and the SDPA kernel the torch baseline's
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import weakref
 import sys
 from types import SimpleNamespace
 
@@ -55,6 +57,28 @@ def _compiled_matches_eager(backend, compile_backend, **kw):
         x.tokens[:3] = torch.tensor([5, 6, 7])
     err = gemm_rel_err(r.decode_step(4)[:3], eager.decode_step(4)[:3])
     assert err <= GEMM_REL[torch.float32], f"{backend} {compile_backend}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_runner_freed_without_cyclic_gc(rt, compiled):
+    """A dropped runner is freed by reference counting alone (no cycle through self), so its
+    CUDA graphs never wait for the cyclic GC, which may run during another capture (where
+    destroying a graph invalidates that capture)."""
+    m = _tiny("fusedist")
+    # torch's first compile() imports dynamo and keeps that call's frames (its caller's too)
+    torch.compile(lambda x: x)
+    gc.collect()
+    gc.disable()
+    try:
+        r = Runner(m, max_batch=2, max_seq_len=64, compile_decode=compiled)
+        r.prefill(_prompts(m.cfg.vocab_size, (5, 3), 2))
+        if not compiled:
+            r.generate(_prompts(m.cfg.vocab_size, (4,), 3), 3)
+        ref = weakref.ref(r)
+        del r
+        assert ref() is None, [type(x).__name__ for x in gc.get_referrers(ref())]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("backend", ["torch", "fusedist"])
