@@ -15,6 +15,8 @@ interleaved (benchmarks/_harness.py), x [M, K] bf16:
                (counted) + torch's block-scaled scaled_mm where the device runs it, else the
                weight dequantized at every call (the "path" column says which)
   channel_gemm row-wise torch._scaled_mm alone, x already quantized (the GEMM's own speed)
+  fusedist_gemm fusedist.ops.fp8_gemm (CUTLASS, fp32 promotion every 512 k) on the same xq,
+               the same product as channel_gemm (where the build has it)
 TFLOP/s = 2 M N K / time; "vs bf16" = bf16 time / this time (> 1: FP8 faster). Every output
 is checked against float64 on the dequantized weight (rel_err, the largest error over the
 largest reference value) before it is timed. Results: benchmarks/results/<gpu>-w1/
@@ -66,6 +68,10 @@ def run_shape(name, k, n, m, args, Q):
                                                    scale_b=cw.channel_scale.view(1, -1),
                                                    out_dtype=torch.bfloat16),
     }
+    from fusedist.ops import fp8_gemm as FG
+    if not FG.kernel_why_not(xq, cw.data, out, sx, cw.channel_scale):
+        steps["fusedist_gemm"] = lambda i: FG.fp8_gemm(xq, sx, cw.data, cw.channel_scale,
+                                                       out=out)
     errs = {}
     x64 = x.double()
     for nm, step in steps.items():
@@ -85,11 +91,12 @@ def run_shape(name, k, n, m, args, Q):
 
 
 def markdown(rows) -> str:
-    cols = ("bf16", "channel", "block", "channel_gemm")
+    cols = ("bf16", "channel", "block", "channel_gemm", "fusedist_gemm")
     out = ["fusedist.nn.quant.fp8_linear at prefill sizes beside cuBLAS bf16, one GPU, CUDA "
            "graphs, same run. us per call (TFLOP/s); vs bf16 = bf16 time / this time. channel "
            "and block include the activation quantization; channel_gemm is row-wise "
-           f"torch._scaled_mm alone. Target at M >= 4096: >= {TARGET}x bf16.", "",
+           "torch._scaled_mm alone, fusedist_gemm fusedist.ops.fp8_gemm on the same quantized x. "
+           f"Target at M >= 4096: >= {TARGET}x bf16.", "",
            "| shape | M | " + " | ".join(f"{c} us (TFLOP/s)" for c in cols) +
            " | channel vs bf16 | block vs bf16 | block path | max rel_err |",
            "|---|---|" + "---|" * (len(cols) + 4)]

@@ -93,4 +93,27 @@ void register_gemm(py::module_& m) {
   scale_modes["channel"] = int(kGemvScaleChannel);
   scale_modes["block"] = int(kGemvScaleBlock);
   m.attr("GEMV_SCALE_MODES") = scale_modes;
+
+  py::class_<Fp8GemmArgs>(m, "Fp8GemmArgs",
+                          "One fp8_gemm call: device pointers as integers, sizes, row strides "
+                          "in elements, the output dtype code, persistent CTAs (0: every SM)")
+      .def(py::init<>())
+      .def_readwrite("xq", &Fp8GemmArgs::xq)
+      .def_readwrite("sx", &Fp8GemmArgs::sx)
+      .def_readwrite("wq", &Fp8GemmArgs::wq)
+      .def_readwrite("sw", &Fp8GemmArgs::sw)
+      .def_readwrite("bias", &Fp8GemmArgs::bias)
+      .def_readwrite("out", &Fp8GemmArgs::out)
+      .def_readwrite("m", &Fp8GemmArgs::m)
+      .def_readwrite("n", &Fp8GemmArgs::n)
+      .def_readwrite("k", &Fp8GemmArgs::k)
+      .def_readwrite("ldx", &Fp8GemmArgs::ldx)
+      .def_readwrite("ldw", &Fp8GemmArgs::ldw)
+      .def_readwrite("ldo", &Fp8GemmArgs::ldo)
+      .def_readwrite("sms", &Fp8GemmArgs::sms)
+      .def_property(
+          "out_dtype", [](const Fp8GemmArgs& a) { return int(a.out_dtype); },
+          [](Fp8GemmArgs& a, int v) { a.out_dtype = DType(v); });
+  m.def("fp8_gemm_why_not", &fp8_gemm_why_not, py::arg("args"));
+  m.def("fp8_gemm", &fp8_gemm, py::arg("args"), py::arg("stream"));
 }

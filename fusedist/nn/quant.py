@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _dtypes
+from ..ops import fp8_gemm as _fp8_gemm
 
 # The decode GEMV op (fusedist/ops/gemv.py), in checkouts that have it: the op, whether its
 # kernel runs on a device, and its most rows.
@@ -641,6 +642,9 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
         y = _gemv(x2, w.data, scale=w.scale, bias=bias)
     elif path == "scaled_mm_rowwise":
         y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
+    elif path == "fp8_gemm":
+        xq, sx = quantize_rows(x2)
+        y = _fp8_gemm_call(xq, sx, w, bias).to(x.dtype)
     elif path == "scaled_mm_tensor":
         y = scaled_mm_tensorwise(x2, w.data, w.scale, bias)
     elif path == "scaled_mm_block":
@@ -658,6 +662,8 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
                              bias: Optional[torch.Tensor], path: str) -> torch.Tensor:
     """xq [M, K] e4m3 with sx float32 [M, 1] -> bf16 [M, N] by `path`."""
     bf = torch.bfloat16
+    if path == "fp8_gemm":
+        return _fp8_gemm_call(xq, sx, w, bias)
     if path == "scaled_mm_rowwise":
         if w.channel_scale is None:
             raise ValueError("fusedist.nn.fp8_linear: path 'scaled_mm_rowwise' takes per-tensor "
@@ -670,7 +676,18 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
     if path == "reference":
         return fp8_linear_reference(x, w, bias).to(bf)
     raise ValueError(f"fusedist.nn.fp8_linear: path {path!r} does not take a pre-quantized "
-                     "(e4m3) x; 'scaled_mm_rowwise', 'dequantize' or 'reference' do")
+                     "(e4m3) x; 'scaled_mm_rowwise', 'fp8_gemm', 'dequantize' or 'reference' do")
+
+
+def _fp8_gemm_call(xq, sx, w: FP8Weight, bias):
+    """Path "fp8_gemm" (fusedist.ops.fp8_gemm: CUTLASS on Hopper, its fp32 reference
+    elsewhere): per-token x scales x the weight's per-channel scales; bf16 out. Opt-in
+    (path=) until it has been measured against row-wise _scaled_mm."""
+    if w.channel_scale is None:
+        raise ValueError("fusedist.nn.fp8_linear: path 'fp8_gemm' takes per-tensor or "
+                         "per-channel weights, not block scales")
+    return _fp8_gemm.fp8_gemm(xq, sx, w.data, w.channel_scale,
+                              bias=None if bias is None else bias.to(torch.bfloat16))
 
 
 __all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_tensor",

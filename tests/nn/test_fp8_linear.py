@@ -233,6 +233,18 @@ def w8a8_bound(x, w64, ref, sx, out_dtype):
 def test_scaled_mm_paths_w8a8_bound(path, layout, dtype):
     """The _scaled_mm paths' arithmetic (dynamic activation quantization, scale shapes), run by
     this torch's CPU _scaled_mm: within the W8A8 bound of float64 on dequantized values."""
+    _w8a8_case(path, layout, dtype)
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor"])
+def test_fp8_gemm_path_w8a8_bound(layout):
+    """path "fp8_gemm" (fusedist.ops.fp8_gemm; on the CPU its fp32 reference): x quantized per
+    token, within the same W8A8 bound as row-wise _scaled_mm."""
+    _w8a8_case("fp8_gemm", layout, torch.bfloat16)
+
+
+def _w8a8_case(path, layout, dtype):
+    rowwise = path.endswith("rowwise") or path == "fp8_gemm"
     for i, (n, k) in enumerate([(16, 16), (48, 32), (256, 128), (144, 400)]):
         w = quantize_fp8(torch.randn(n, k, generator=_gen(i)) * 0.05, layout)
         w64 = deq64(w)
@@ -245,7 +257,7 @@ def test_scaled_mm_paths_w8a8_bound(path, layout, dtype):
             assert y.dtype == dtype
             ref = x.double() @ w64.t() + (0 if b is None else b.double())
             xa = x.float().abs()
-            sx = (xa.amax(1, keepdim=True) if path.endswith("rowwise") else xa.amax()) / 448
+            sx = (xa.amax(1, keepdim=True) if rowwise else xa.amax()) / 448
             bound = w8a8_bound(x, w64, ref, sx, dtype)
             if b is not None:
                 bound = bound + 2 * HALF_ULP[dtype] * (ref.abs() + b.double().abs())
@@ -254,7 +266,7 @@ def test_scaled_mm_paths_w8a8_bound(path, layout, dtype):
     x = torch.randn(3, 32).to(dtype)
     x[1, 0] = float("nan")
     y = fp8_linear(x, quantize_fp8(torch.randn(16, 32), layout), path=path)
-    if path.endswith("rowwise"):    # per-token scales: the NaN stays in its token's row
+    if rowwise:                     # per-token scales: the NaN stays in its token's row
         assert bool(y[1].isnan().all()) and not bool(y[[0, 2]].isnan().any())
     else:                           # one scale for all of x: every output is NaN
         assert bool(y.isnan().all())
@@ -581,7 +593,8 @@ CUDA = torch.cuda.is_available()
 def test_gpu_paths_against_float64(layout, m):
     """Each CUDA path (fp8_path's choice at this M and layout, and the dequantize fallback)
     within its bound: the GEMV and the dequantized weight multiply bf16 x by the dequantized
-    weight (the latter after rounding it to bf16), the _scaled_mm paths also round x to e4m3.
+    weight (the latter after rounding it to bf16), the _scaled_mm paths and fusedist.ops.fp8_gemm
+    (per-tensor and per-channel weights) also round x to e4m3.
     Outputs poisoned with NaN first: eager, then replayed in a CUDA graph."""
     dev = torch.device("cuda")
     n, k = 4096 + 128, 2048 + 64
@@ -591,7 +604,8 @@ def test_gpu_paths_against_float64(layout, m):
     b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
     ref = x.double() @ w64.t() + b.double()
     path = quant.fp8_path(x.to(dev), w, b.to(dev))
-    for p in {path, "dequantize"}:
+    paths = {path, "dequantize"} | ({"fp8_gemm"} if layout != "block" else set())
+    for p in sorted(paths):
         xd, bd = x.to(dev), b.to(dev)
         y = fp8_linear(xd, w, bd, path=p)
         out = torch.full_like(y, float("nan"))
@@ -600,9 +614,10 @@ def test_gpu_paths_against_float64(layout, m):
             out.copy_(fp8_linear(xd, w, bd, path=p))
         graph.replay()
         torch.cuda.synchronize()
-        if p.startswith("scaled_mm"):
+        if p.startswith("scaled_mm") or p == "fp8_gemm":
             xa = x.float().abs()
-            sx = (xa.amax(1, keepdim=True) if p.endswith("rowwise") else xa.amax()) / 448
+            sx = (xa.amax(1, keepdim=True) if p.endswith("rowwise") or p == "fp8_gemm"
+                  else xa.amax()) / 448
             bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
                 2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
         elif p == "dequantize":   # the weight rounded to bf16 first: 2^-9 relative more

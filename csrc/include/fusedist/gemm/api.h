@@ -3,6 +3,7 @@
 // comm-stream kernels, the Hopper GEMM and the decode GEMV. Plain C++ (no torch, no device code): pointers
 // travel as uintptr_t, streams as cudaStream_t.
 #pragma once
+#include <string>
 // SymmComm and CallDesc, and with them common.h (DType), layout.h (GEMM tile constants,
 // kMaxSignalPieces), <cstdint> and <vector>.
 #include "fusedist/comm/api.h"
@@ -121,5 +122,20 @@ struct GemvPlan {
 };
 GemvPlan gemv_plan(const GemvArgs& args);
 void gemv(const GemvArgs& args, uintptr_t stream);
+
+// ---- FP8 (W8A8) GEMM, Hopper (fp8_gemm_sm90.cuh) ------------------------------------------
+// out[M, N] = out_dtype(sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] + bias[n]); xq e4m3 [M, K],
+// wq e4m3 [N, K] (row strides ldx, ldw elements), sx float32 [M], sw float32 [N], bias
+// out_dtype [N] or 0, out [M, N] (row stride ldo). out_dtype: bf16.
+struct Fp8GemmArgs {
+  uintptr_t xq = 0, sx = 0, wq = 0, sw = 0, bias = 0, out = 0;
+  int m = 0, n = 0, k = 0;
+  int64_t ldx = 0, ldw = 0, ldo = 0;
+  DType out_dtype = DType::kBFloat16;
+  int sms = 0;  // persistent CTAs; 0: the device's SM count
+};
+// Why the kernel cannot take these sizes and strides ("" when it can); never throws.
+std::string fp8_gemm_why_not(const Fp8GemmArgs& args);
+void fp8_gemm(const Fp8GemmArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

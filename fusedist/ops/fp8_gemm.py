@@ -1,0 +1,119 @@
+"""fp8_gemm: the W8A8 GEMM of prefill sizes, per-token activation scales x per-channel weight
+scales, fp32 accumulation with promotion.
+
+    xq, sx = fusedist.nn.quant.quantize_rows(x)     # e4m3 [M, K], float32 [M, 1]
+    y = fp8_gemm(xq, sx, wq, sw)                    # wq e4m3 [N, K] (an nn.Linear weight), sw [N]
+    y = fp8_gemm(xq, sx, wq, sw, bias=b, out=y)
+
+y[M, N] = bf16(sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] + bias[n]): the dequantized product,
+summed in fp32 and rounded once. On CUDA with a Hopper GPU it runs the CUTLASS kernel of
+csrc/include/fusedist/gemm/fp8_gemm_sm90.cuh (TMA, FP8 wgmma whose partial sums are added into
+fp32 every 4 k-blocks of 128, the scales and the bias in the epilogue; no host sync, CUDA graphs
+capture it). Other devices, and shapes the kernel cannot take (K not a multiple of 16, N not a
+multiple of 8, strides that are not 16-byte rows), run fp8_gemm_reference: plain torch in fp32.
+torch._scaled_mm with row-wise scales computes the same product; fusedist.nn.quant chooses
+between them by measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _dtypes, _ext
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(f"fusedist.fp8_gemm: {msg}")
+
+
+def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Plain torch: the dequantized operands in fp32 (exact: e4m3 x an fp32 scale), an fp32
+    matmul, the bias, one rounding to out_dtype."""
+    x = xq.float() * sx.float().reshape(-1, 1)
+    w = wq.float() * sw.float().reshape(-1, 1)
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def _validate(xq, sx, wq, sw, bias, out) -> None:
+    fp8 = _dtypes.FP8
+    if fp8 is None:
+        _fail("this torch has no float8_e4m3fn", TypeError)
+    for name, t in (("xq", xq), ("wq", wq)):
+        if t.dim() != 2 or t.dtype != fp8:
+            _fail(f"{name} must be a 2-d float8_e4m3fn tensor, got {tuple(t.shape)} {t.dtype}",
+                  TypeError if t.dtype != fp8 else ValueError)
+    M, K = xq.shape
+    N = wq.shape[0]
+    if wq.shape[1] != K:
+        _fail(f"xq is [M={M}, K={K}] but wq is {tuple(wq.shape)}; wq must be [N, K={K}] (an "
+              "nn.Linear weight, not its transpose)")
+    for name, t, n in (("sx", sx, M), ("sw", sw, N)):
+        if t.dtype != torch.float32 or t.numel() != n or t.dim() > 2 or \
+                (t.dim() == 2 and t.shape[1] != 1):
+            _fail(f"{name} must be float32 [{n}] (or [{n}, 1]), got {tuple(t.shape)} {t.dtype}")
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype != torch.bfloat16):
+        _fail(f"bias must be bfloat16 [{N}], got {tuple(bias.shape)} {bias.dtype}")
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16):
+        _fail(f"out must be bfloat16 [{M}, {N}], got {tuple(out.shape)} {out.dtype}")
+    dev = xq.device
+    for name, t in (("sx", sx), ("wq", wq), ("sw", sw), ("bias", bias), ("out", out)):
+        if t is not None and t.device != dev:
+            _fail(f"{name} is on {t.device}; every tensor must be on xq's device {dev}")
+
+
+def _args(xq, sx, wq, sw, bias, out):
+    C = _ext.load()
+    a = C.Fp8GemmArgs()
+    M, K = xq.shape
+    a.m, a.n, a.k = M, wq.shape[0], K
+    a.ldx, a.ldw = xq.stride(0), wq.stride(0)
+    a.ldo = out.stride(0) if out is not None else wq.shape[0]
+    a.xq, a.wq = xq.data_ptr(), wq.data_ptr()
+    a.sx = sx.data_ptr() if sx is not None else 0
+    a.sw = sw.data_ptr() if sw is not None else 0
+    a.bias = bias.data_ptr() if bias is not None else 0
+    a.out = out.data_ptr() if out is not None else 0
+    a.out_dtype = _dtypes.code(torch.bfloat16)
+    return a
+
+
+def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,
+                   sx: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None) -> str:
+    """Why the CUTLASS kernel cannot take this (valid) call; "" when it can."""
+    dev = xq.device
+    if dev.type != "cuda":
+        return f"tensors on {dev} (the kernel is CUDA)"
+    if not _ext.available() or not hasattr(_ext.load(), "fp8_gemm"):
+        return "fusedist._C was built without fp8_gemm"
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        return "the kernel needs a Hopper (sm_90) GPU"
+    for name, t in (("xq", xq), ("wq", wq), ("out", out)):
+        if t is not None and t.stride(1) != 1:
+            return f"{name}'s rows are not contiguous (stride {tuple(t.stride())})"
+    return _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out))
+
+
+def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, *,
+             bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [M, N] bf16 = sx[m] sw[n] (xq @ wq.t()) + bias (the module docstring)."""
+    _validate(xq, sx, wq, sw, bias, out)
+    M, N = xq.shape[0], wq.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
+    if M == 0:
+        return out
+    sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if kernel_why_not(xq, wq, out, sx, sw, bias):
+        return out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
+    _ext.load().fp8_gemm(_args(xq, sx, wq, sw, bias, out),
+                         torch.cuda.current_stream(xq.device).cuda_stream)
+    return out

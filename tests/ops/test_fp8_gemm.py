@@ -1,0 +1,163 @@
+"""fusedist.ops.fp8_gemm: the W8A8 GEMM (per-token x per-channel scales) against float64 on the
+dequantized operands.
+
+Error model, element by element, ref = float64 (xq sx) @ (wq sw)^T + bias:
+  |y - ref| <= 2^-8 |ref| (y's bf16 rounding: half an ulp of 8 significant bits) + (K + 2)
+  2^-24 sum_k |x_k w_k| (fp32 sums and the epilogue's two scale products; the kernel promotes
+  wgmma's partial sums to fp32 every 512 k, which this bound covers).
+CPU tier: the reference path and every argument error; gpu tier: the CUTLASS kernel on Hopper,
+odd M, N and K, long K, the scales at e4m3's limits, NaN, bias, strided out, a CUDA graph."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fusedist import _dtypes  # noqa: E402
+from fusedist.nn.quant import quantize_rows  # noqa: E402
+from fusedist.ops import fp8_gemm as F  # noqa: E402
+
+FP8 = _dtypes.FP8
+pytestmark = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _operands(m, n, k, seed, device="cpu", spread=1.0):
+    g = _gen(seed)
+    x = torch.randn(m, k, generator=g) * spread
+    w = torch.randn(n, k, generator=g) * 0.02
+    xq, sx = quantize_rows(x)
+    wq, sw = quantize_rows(w)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return [t.to(device) for t in (xq, sx, wq, sw, bias)]
+
+
+def _ref(xq, sx, wq, sw, bias=None):
+    x = xq.cpu().double() * sx.cpu().double().reshape(-1, 1)
+    w = wq.cpu().double() * sw.cpu().double().reshape(-1, 1)
+    ref = x @ w.t()
+    mag = x.abs() @ w.abs().t()
+    if bias is not None:
+        ref = ref + bias.cpu().double()
+    return ref, mag
+
+
+def _bad(y, xq, sx, wq, sw, bias=None) -> int:
+    ref, mag = _ref(xq, sx, wq, sw, bias)
+    k = xq.shape[1]
+    tol = 2.0 ** -8 * ref.abs() + (k + 2) * 2.0 ** -24 * mag
+    y = y.cpu().double()
+    return int((~((y - ref).abs() <= tol)).sum())   # NaN counts as bad
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8, 16), (5, 24, 48), (33, 40, 160)])
+def test_reference_path_against_float64(m, n, k):
+    xq, sx, wq, sw, bias = _operands(m, n, k, m + n + k)
+    for b in (None, bias):
+        y = F.fp8_gemm(xq, sx, wq, sw, bias=b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert _bad(y, xq, sx, wq, sw, b) == 0
+
+
+def test_bad_arguments_name_the_fix():
+    xq, sx, wq, sw, bias = _operands(4, 16, 32, 3)
+    with pytest.raises(TypeError, match="xq must be a 2-d float8_e4m3fn"):
+        F.fp8_gemm(xq.float(), sx, wq, sw)
+    with pytest.raises(ValueError, match="wq must be .N, K=32."):
+        F.fp8_gemm(xq, sx, wq.t().contiguous(), sw)
+    with pytest.raises(ValueError, match="sx must be float32 .4."):
+        F.fp8_gemm(xq, sx[:3], wq, sw)
+    with pytest.raises(ValueError, match="sw must be float32 .16."):
+        F.fp8_gemm(xq, sx, wq, sw.double())
+    with pytest.raises(ValueError, match="bias must be bfloat16 .16."):
+        F.fp8_gemm(xq, sx, wq, sw, bias=bias.float())
+    with pytest.raises(ValueError, match="out must be bfloat16 .4, 16."):
+        F.fp8_gemm(xq, sx, wq, sw, out=torch.empty(4, 15, dtype=torch.bfloat16))
+    assert F.kernel_why_not(xq, wq).startswith("tensors on cpu")
+
+
+def test_empty_rows():
+    xq, sx, wq, sw, _ = _operands(0, 16, 32, 4)
+    assert F.fp8_gemm(xq, sx, wq, sw).shape == (0, 16)
+
+
+# ---- the kernel (Hopper) -----------------------------------------------------------------
+def _kernel(dev="cuda"):
+    why = F.kernel_why_not(torch.empty(1, 16, dtype=FP8, device=dev),
+                           torch.empty(8, 16, dtype=FP8, device=dev))
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (17, 1000, 2064), (300, 6144, 4096),
+                                   (4096, 4096, 4096), (129, 128, 14336), (5, 8, 16)])
+def test_gpu_kernel_against_float64(m, n, k):
+    _kernel()
+    xq, sx, wq, sw, bias = _operands(m, n, k, m * 7 + n + k, "cuda")
+    assert not F.kernel_why_not(xq, wq, None, sx, sw, bias)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        F.fp8_gemm(xq, sx, wq, sw, bias=b, out=out)
+        assert _bad(out, xq, sx, wq, sw, b) == 0, f"bias={b is not None}"
+        assert torch.equal(out, F.fp8_gemm(xq, sx, wq, sw, bias=b)), "not reproducible"
+
+
+@pytest.mark.gpu
+def test_gpu_long_k_all_positive_keeps_fp32_sums():
+    """K = 32768 of positive products: a sum kept in wgmma's reduced-precision accumulator
+    would drift far past the fp32 bound; the promoted sums stay within it."""
+    _kernel()
+    m, n, k = 64, 256, 32768
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.rand(m, k, generator=g, device="cuda") + 0.5
+    w = torch.rand(n, k, generator=g, device="cuda") + 0.5
+    xq, sx = quantize_rows(x)
+    wq, sw = quantize_rows(w)
+    assert _bad(F.fp8_gemm(xq, sx, wq, sw), xq, sx, wq, sw) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_scale_limits_nan_and_strided_out():
+    _kernel()
+    m, n, k = 40, 136, 256
+    xq, sx, wq, sw, bias = _operands(m, n, k, 11, "cuda")
+    sx[0], sx[1] = 2.0 ** -20, 448.0          # tiny and large row scales
+    sw[5] = 0.0                               # a zero channel
+    xq[2, 7] = float("nan")                   # a NaN input poisons its row
+    big = torch.full((m, n + 24), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = big[:, 8:8 + n]                     # row stride n + 24, 16-byte aligned
+    F.fp8_gemm(xq, sx, wq, sw, bias=bias, out=out)
+    assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+    keep = torch.ones(m, dtype=torch.bool)
+    keep[2] = False
+    assert _bad(out[keep], xq[keep], sx[keep], wq, sw, bias) == 0
+    assert (out[keep.cuda(), 5] == bias[5]).all()           # 0 x a finite sum, plus the bias
+    assert big[:, :8].isnan().all() and big[:, 8 + n:].isnan().all()   # nothing else written
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_fallback():
+    _kernel()
+    xq, sx, wq, sw, bias = _operands(77, 512, 1024, 13, "cuda")
+    out = torch.full((77, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    F.fp8_gemm(xq, sx, wq, sw, bias=bias, out=out)
+    with torch.cuda.graph(g):
+        F.fp8_gemm(xq, sx, wq, sw, bias=bias, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert _bad(out, xq, sx, wq, sw, bias) == 0
+    # K not a multiple of 16: the reference path, same bound
+    xq2, sx2, wq2, sw2, _ = _operands(9, 64, 40, 17, "cuda")
+    assert "multiple of 16" in F.kernel_why_not(xq2, wq2)
+    assert _bad(F.fp8_gemm(xq2, sx2, wq2, sw2), xq2, sx2, wq2, sw2) == 0
