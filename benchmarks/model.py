@@ -8,6 +8,7 @@
     python benchmarks/model.py --ttft               # time to first token: 1 / 128 / 4K tokens
                                                     # behind 0 / 4000 cached, prefill graphs on
     python benchmarks/model.py --quantize fp8 --baselines torch   # FP8, both default rows
+    python benchmarks/model.py --quantize fp8 --kv-dtype fp8 --baselines torch  # + FP8 KV cache
 
 Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
 ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
@@ -56,13 +57,14 @@ CLASSES = ("gemm", "attention", "communication", "other")
 
 
 def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend,
-            quantize="none", prefill_graph_tokens=512):
+            quantize="none", prefill_graph_tokens=512, kv_dtype="auto"):
     cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
            "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
            "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
                          else []) + (["--quantize", quantize] if quantize != "none" else []) + \
-        ["--prefill-graph-tokens", str(prefill_graph_tokens)]
+        ["--prefill-graph-tokens", str(prefill_graph_tokens)] + \
+        (["--kv-dtype", kv_dtype] if kv_dtype != "auto" else [])
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
               cmd[2:3] + ["fusedist.generate"] + cmd[4:]
@@ -167,11 +169,12 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
 SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
 
 
-def stem(quantize: str = "none", ttft: bool = False) -> str:
+def stem(quantize: str = "none", ttft: bool = False, kv_dtype: str = "auto") -> str:
     """The results file's stem: model, model-<quantize> for FP8 runs; model-ttft[-<quantize>]
-    for the --ttft rows."""
+    for the --ttft rows; -kv<dtype> with --kv-dtype (fusedist's KV cache)."""
     base = "model-ttft" if ttft else "model"
-    return base if quantize == "none" else f"{base}-{quantize}"
+    base = base if quantize == "none" else f"{base}-{quantize}"
+    return base if kv_dtype == "auto" else f"{base}-kv{kv_dtype}"
 
 
 def ttft_markdown(rows: list[dict]) -> str:
@@ -195,12 +198,13 @@ def ttft_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def merged(rows: list[dict], meta: dict, quantize: str = "none", ttft: bool = False) -> list[dict]:
+def merged(rows: list[dict], meta: dict, quantize: str = "none", ttft: bool = False,
+           kv_dtype: str = "auto") -> list[dict]:
     """rows added to the current results file's rows of other specs (--merge): rows of one
     commit, measured by several commands (one row per command keeps each within a time
     limit). meta's command and reproduce name every command."""
     path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
-        f"{stem(quantize, ttft)}.json"
+        f"{stem(quantize, ttft, kv_dtype)}.json"
     if not path.is_file():
         return rows
     doc = json.loads(path.read_text())
@@ -275,6 +279,9 @@ def main():
     ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
                     help="fusedist.generate --prefill-graph-tokens (default 512, its default; 0: "
                     "eager prefill)")
+    ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"),
+                    help="fusedist.generate --kv-dtype: fusedist's KV cache (results to "
+                    "<stem>-kvfp8)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
@@ -297,7 +304,8 @@ def main():
         b, L, fill, new = map(int, spec.split(":"))
         try:
             cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.baselines,
-                               args.timeout, args.compile_backend, args.quantize, graphs)
+                               args.timeout, args.compile_backend, args.quantize, graphs,
+                               args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
             print(f"row {spec}: {e}", flush=True)
             continue
@@ -311,8 +319,9 @@ def main():
     meta["config"] = args.config
     meta["quantize"] = args.quantize
     meta["prefill_graph_tokens"] = graphs
+    meta["kv_dtype"] = args.kv_dtype
     if args.merge:
-        rows = merged(rows, meta, args.quantize, args.ttft)
+        rows = merged(rows, meta, args.quantize, args.ttft, args.kv_dtype)
     if args.ttft:
         for r in rows:
             if r["backend"] == "fusedist":
@@ -322,7 +331,7 @@ def main():
             f"included); fusedist with --prefill-graph-tokens {graphs}. Target: 128 tokens "
             f"behind 4000 <= {TTFT_TARGET['ms']} ms and >= {TTFT_TARGET['vs_torch']}x torch.")
         print(text, flush=True)
-        for p in write_results(stem(args.quantize, ttft=True), meta, rows, text):
+        for p in write_results(stem(args.quantize, True, args.kv_dtype), meta, rows, text):
             print(f"wrote {p}")
         return
     goal = targets(args.quantize)
@@ -331,7 +340,7 @@ def main():
         f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
         "prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)
-    for p in write_results(stem(args.quantize), meta, rows, text,
+    for p in write_results(stem(args.quantize, kv_dtype=args.kv_dtype), meta, rows, text,
                            plot=lambda path: plot(rows, path)):
         print(f"wrote {p}")
 

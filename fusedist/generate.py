@@ -104,6 +104,10 @@ def parse_args(argv=None):
     run.add_argument("--prefill-graph-tokens", type=int, default=512, metavar="N",
                      help="replay prefill chunks of up to N tokens through CUDA graphs (token "
                      "buckets; the paged prefill kernel; 0: eager prefill)")
+    run.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"),
+                     help="the fusedist backend's KV cache: auto (the model dtype) or fp8 (e4m3 "
+                     "with a float32 scale per token and kv head); the torch baselines keep "
+                     "theirs in the model dtype")
     run.add_argument("--prefill-reps", type=int, default=3,
                      help="warm prefills timed for prefill_ms (their median)")
     out = p.add_argument_group("output")
@@ -282,13 +286,14 @@ def _check_positions(args, cfg, prompts) -> int:
 
 def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: int,
                     page_size: int, prefill_chunk: int, kv_budget_bytes=None,
-                    max_position=None, quant=None) -> dict:
+                    max_position=None, quant=None, kv_fp8: bool = False) -> dict:
     """Bytes one rank of the fusedist backend holds for a run, before it allocates them:
     "weights" (this rank's parameters and RoPE tables, as Transformer holds them; with quant,
     a WeightQuant, the projections at one byte an element plus their float32 scales, a
     per-tensor layout's stacked q | k | v and gate | up counted per channel), "kv_cache" (as
     Runner sizes it: the batch rounded up to a power of two, seq_len rounded up to pages; or
-    the budget), "activations" (an estimate: the largest prefill chunk's hidden states, twice,
+    the budget; kv_fp8: one byte an element plus a float32 scale per token and kv head),
+    "activations" (an estimate: the largest prefill chunk's hidden states, twice,
     and the logits) and "total". max_position (default seq_len) sizes the RoPE tables."""
     from .models.llama.weights import padded_vocab
     from .nn.attention import kv_heads_per_rank
@@ -313,7 +318,8 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
     rope = (max_position or seq_len) * hd * 4 * L        # float32 cos|sin per layer
     weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope + fp8_bytes
     rows = 1 << (batch - 1).bit_length()
-    page_bytes = 2 * L * kv * elt * page_size
+    kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp)
+    page_bytes = 2 * L * (kv + 4 * kv_heads if kv_fp8 else kv * elt) * page_size
     need = rows * math.ceil(seq_len / page_size) * page_bytes
     kv_cache = need if kv_budget_bytes is None else \
         max(need, int(kv_budget_bytes // page_bytes) * page_bytes)
@@ -345,7 +351,8 @@ def _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position) -> "st
     est = memory_estimate(cfg, tp=rt.tp.size, dtype=dtype, batch=len(prompts), seq_len=longest,
                           page_size=args.page_size, prefill_chunk=args.prefill_chunk,
                           kv_budget_bytes=budget, max_position=max_position,
-                          quant=getattr(args, "quant", None))
+                          quant=getattr(args, "quant", None),
+                          kv_fp8=getattr(args, "kv_dtype", "auto") == "fp8")
     if budget is not None and budget < est["kv_cache"]:
         return (f"--kv-budget-gb {args.kv_budget_gb} is less than the {_size(est['kv_cache'])} "
                 f"KV cache that {len(prompts)} sequences (--batch, rounded up to a power of two) "
@@ -450,6 +457,15 @@ def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_p
         return out
 
 
+def _kv_dtype(args) -> "torch.dtype | None":
+    """--kv-dtype: None (the model's dtype) or torch.float8_e4m3fn."""
+    if getattr(args, "kv_dtype", "auto") != "fp8":
+        return None
+    if getattr(torch, "float8_e4m3fn", None) is None:
+        _fail("--kv-dtype fp8 needs a torch with float8_e4m3fn")
+    return torch.float8_e4m3fn
+
+
 def _round(d: dict) -> dict:
     return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
 
@@ -476,7 +492,8 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                     cuda_graphs=False if args.no_graphs else graphs,
                     prefill_chunk=args.prefill_chunk, compile_decode=compiled,
                     compile_backend=args.compile_backend,
-                    prefill_graph_tokens=args.prefill_graph_tokens)
+                    prefill_graph_tokens=args.prefill_graph_tokens,
+                    kv_dtype=_kv_dtype(args) if backend == "fusedist" else None)
     sp = args.defaults.sampling(greedy=True if args.greedy else None,
                                 temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
@@ -514,7 +531,8 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                "decode": "torch.compile" if compiled else "eager ops", "prefill": "eager",
                "prefill_tflops_per_gpu": round(flops / rt.tp.size / (prefill_ms / 1e3) / 1e12,
                                                2),
-               "kv_cache_gib": round(runner.kv_bytes / 2**30, 3)}
+               "kv_cache_gib": round(runner.kv_bytes / 2**30, 3),
+               "kv_dtype": str(getattr(runner, "kv_dtype", dtype)).replace("torch.", "")}
         if compiled:
             out["compile_s"] = round(runner.compile_s.get(res.timings["bucket"], 0.0), 1)
             out["compile_backend"] = args.compile_backend

@@ -75,14 +75,16 @@ class LLM:
     positions, at most 4096). generation_config.json in the directory gives the EOS ids and
     the default sampling; generate() and stream() override them per call.
     prefill_graph_tokens: Runner's (prompts of up to that many tokens prefill through CUDA
-    graphs; 0, the default, prefills eagerly)."""
+    graphs; default 512, 0 prefills eagerly). kv_dtype: Runner's (torch.float8_e4m3fn for an
+    e4m3 KV cache with per-token-head scales; default the model's dtype)."""
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[str] = None,
                  random_weights: bool = False, weights_seed: int = 0, dtype="auto",
                  tp_size: Optional[int] = None, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, page_size: int = 16,
                  cuda_graphs: Optional[bool] = None, quantize: str = "none",
-                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS):
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
+                 kv_dtype: Optional[torch.dtype] = None):
         if (model is None) == (config is None):
             raise ValueError("fusedist.LLM: pass exactly one of model (a checkpoint directory) "
                              "and config (a named shape, with random_weights=True)")
@@ -116,7 +118,8 @@ class LLM:
                                      quantize=quantize)
             self.runner = Runner(self.model, max_batch=max_batch, max_seq_len=self.max_seq_len,
                                  page_size=page_size, cuda_graphs=cuda_graphs,
-                                 prefill_graph_tokens=prefill_graph_tokens)
+                                 prefill_graph_tokens=prefill_graph_tokens,
+                                 kv_dtype=kv_dtype)
         except BaseException:
             if self._owns_runtime:
                 runtime.shutdown()

@@ -7,7 +7,9 @@
 
 Memory is sized up front: the KV cache holds one row per sequence of the largest bucket (the
 batch rounded up to a power of two), max_seq_len tokens each, in pages of page_size tokens;
-kv_budget_bytes, when given, must cover that. Row b owns pages b * pages_per_seq ... in a
+kv_budget_bytes, when given, must cover that. kv_dtype=torch.float8_e4m3fn stores K and V as
+e4m3 with a float32 scale per token and kv head (half the bytes of bf16 plus the scales; the
+fusedist model only). Row b owns pages b * pages_per_seq ... in a
 static block table; padded rows of a bucket (batch < bucket) decode at seq_len 1 in their own
 pages, and their outputs are dropped.
 
@@ -193,7 +195,8 @@ class Runner:
                  kv_budget_bytes: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_chunk: int = 4096, compile_decode: bool = False,
                  compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None,
-                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS):
+                 prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
+                 kv_dtype: Optional[torch.dtype] = None):
         if max_batch < 1 or max_seq_len < 1:
             raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
                              f"{max_seq_len}")
@@ -211,6 +214,13 @@ class Runner:
             raise ValueError(f"Runner: peer_timeout_s must be a finite number of seconds > 0, "
                              f"got {peer_timeout_s!r}; omit it for FUSEDIST_TIMEOUT_S")
         self.peer_timeout_s = peer_timeout_s
+        model_dtype = getattr(model, "dtype", None)
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if kv_dtype is not None and kv_dtype not in (model_dtype, fp8):
+            raise ValueError(f"Runner: kv_dtype must be None (the model's {model_dtype}) or "
+                             f"torch.float8_e4m3fn (e4m3 with a scale per token and kv head), "
+                             f"got {kv_dtype!r}")
+        self.kv_dtype = model_dtype if kv_dtype is None else kv_dtype
         self.closed = False
         self._plans: list = []       # decode plans of the buckets, closed by close()
         self._release = weakref.finalize(self, _close_plans, self._plans)
@@ -230,7 +240,7 @@ class Runner:
         self.prefill_graph_tokens = prefill_graph_tokens if self.cuda_graphs and \
             _prefill_graphs_fit(model) else 0
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
-        page_bytes = model.kv_bytes_per_token() * page_size
+        page_bytes = model.kv_bytes_per_token(self.kv_dtype) * page_size
         need = self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:
             num_pages = int(kv_budget_bytes // page_bytes)
@@ -252,7 +262,8 @@ class Runner:
                         f"{free / 2**30:.2f} GiB free; lower the batch or sequence length")
         self.num_pages = num_pages
         self.kv_bytes = num_pages * page_bytes
-        self.cache = model.new_cache(self.max_rows, self.max_seq_len, page_size, num_pages)
+        self.cache = model.new_cache(self.max_rows, self.max_seq_len, page_size, num_pages,
+                                     kv_dtype=self.kv_dtype)
         dev, R = self.device, self.max_rows
         bt = torch.zeros(R, self.pages_per_seq, dtype=torch.int32)
         bt[:] = torch.arange(R * self.pages_per_seq, dtype=torch.int32).view(R, -1)
@@ -305,7 +316,8 @@ class Runner:
     # ---- decode --------------------------------------------------------------------------
     def _meta(self, b: int):
         if b not in self._metas:
-            plan = self.model.decode_plan(b, self.page_size, self.max_seq_len)
+            plan = self.model.decode_plan(b, self.page_size, self.max_seq_len,
+                                          kv_dtype=self.kv_dtype)
             if plan is not None:
                 self._plans.append(plan)
             self._metas[b] = _metadata(mode="decode", block_table=self.bt[:b],

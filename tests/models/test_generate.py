@@ -265,6 +265,24 @@ def test_memory_estimate_matches_the_model(rt):
                            prefill_chunk=64)
     assert half["kv_cache"] * 2 == full["kv_cache"]
     assert full["weights"] / 2 < half["weights"] < full["weights"]
+    if getattr(torch, "float8_e4m3fn", None) is not None:   # --kv-dtype fp8: as Runner sizes it
+        m = build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu",
+                        max_position=50)
+        est = memory_estimate(cfg, tp=1, dtype=torch.float32, batch=3, seq_len=50, page_size=16,
+                              prefill_chunk=64, kv_fp8=True)
+        assert est["kv_cache"] == Runner(m, max_batch=3, max_seq_len=50, page_size=16,
+                                         kv_dtype=torch.float8_e4m3fn).kv_bytes
+
+
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+def test_cli_fp8_kv_cache():
+    """--kv-dtype fp8: the fusedist backend's cache in e4m3 (half the bytes of bf16 plus the
+    scales), the torch baseline beside it in its own dtype."""
+    out = _cli(ARGS + ["--baseline", "torch", "--kv-dtype", "fp8"])
+    t = out["timings"]
+    assert "error" not in t["fusedist"] and "error" not in t["torch"], t
+    assert t["fusedist"]["kv_dtype"] == "float8_e4m3fn" and t["torch"]["kv_dtype"] == "float32"
+    assert t["fusedist"]["decode_steps"] == 6
 
 
 FAIL_FUSEDIST = """

@@ -59,6 +59,33 @@ def _compiled_matches_eager(backend, compile_backend, **kw):
     assert err <= GEMM_REL[torch.float32], f"{backend} {compile_backend}: rel err {err:.2e}"
 
 
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+def test_fp8_kv_cache_runner(rt):
+    """kv_dtype=float8_e4m3fn: the cache holds e4m3 K / V with a scale per token and kv head,
+    sized by kv_bytes_per_token; greedy decoding follows the bf16-cache runner's logits within
+    the e4m3 rounding of K and V; the torch baseline refuses it by name."""
+    fp8 = torch.float8_e4m3fn
+    m = _tiny("fusedist")
+    prompts = _prompts(m.cfg.vocab_size, (9, 4), 5)
+    ref = Runner(m, max_batch=2, max_seq_len=64)
+    r = Runner(m, max_batch=2, max_seq_len=64, kv_dtype=fp8)
+    assert r.cache.k[0].dtype == fp8 and r.cache.k_scale[0] is not None
+    assert r.kv_bytes == r.num_pages * r.page_size * m.kv_bytes_per_token(fp8)
+    assert m.kv_bytes_per_token(fp8) == 2 * m.cfg.num_layers * m.local_kv_heads * \
+        (m.cfg.head_dim + 4)
+    for x in (ref, r):
+        x.prefill(prompts)
+    la, lb = (x.decode_step(2)[:2].double() for x in (ref, r))
+    kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    assert float(kl) < 1e-2, f"KL(bf16 cache || fp8 cache) = {float(kl):.3e}"
+    assert r.generate(prompts, 6).ids and r.cache.k[0].float().abs().sum() > 0
+    with pytest.raises(ValueError, match="kv_dtype must be None .* or torch.float8_e4m3fn"):
+        Runner(m, max_batch=1, max_seq_len=16, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="the torch baseline keeps its KV cache"):
+        Runner(_tiny("torch"), max_batch=1, max_seq_len=16, kv_dtype=fp8)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_runner_freed_without_cyclic_gc(rt, compiled):
     """A dropped runner is freed by reference counting alone (no cycle through self), so its

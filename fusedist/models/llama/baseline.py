@@ -311,10 +311,17 @@ class TorchTransformer(Transformer):
         dist.all_gather_into_tensor(parts, y.contiguous(), group=self.comm.group.pg)
         return parts.view(self.tp, y.shape[0], -1).permute(1, 0, 2).reshape(y.shape[0], -1)
 
-    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int):
-        """A static [max_batch, kv heads, max_seq_len, head_dim] cache per layer."""
+    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int,
+                  kv_dtype: Optional[torch.dtype] = None):
+        """A static [max_batch, kv heads, max_seq_len, head_dim] cache per layer, in the
+        model's dtype (the baseline has no FP8 cache)."""
+        if kv_dtype is not None and kv_dtype != self.dtype:
+            raise ValueError(f"fusedist.models: the torch baseline keeps its KV cache in the "
+                             f"model's dtype ({self.dtype}); kv_dtype={kv_dtype} is fusedist's "
+                             "(drop it for the baseline)")
         return StaticKVCache(self.cfg.num_layers, max_batch, self.local_kv_heads, max_seq_len,
                              self.cfg.head_dim, self.dtype, self.device)
 
-    def decode_plan(self, batch: int, page_size: int, max_seq_len: int):
+    def decode_plan(self, batch: int, page_size: int, max_seq_len: int,
+                    kv_dtype: Optional[torch.dtype] = None):
         return None

@@ -26,7 +26,7 @@ stream in place.
 FP8 weights (quant=, a config.WeightQuant; build_model's quantize= or an FP8 checkpoint): q/k/v,
 o, gate|up and down are fusedist.nn.quant.FP8Weight, their GEMMs fusedist.nn.linear.linear's
 FP8 paths; embeddings, norms, the LM head, activations and the KV cache stay in the model
-dtype, except where a projection's GEMM is row-wise torch._scaled_mm on an x it would quantize
+dtype (the cache is float8_e4m3fn when the runner asks for it: new_cache(kv_dtype=)), except where a projection's GEMM is row-wise torch._scaled_mm on an x it would quantize
 per token itself (per-tensor / per-channel scales past the GEMV's rows on sm_90+:
 fusedist.nn.quant.takes_fp8_rows). There the op before it writes e4m3 + per-token scales and
 the GEMM takes them as they are: the norm before q/k/v (the previous layer's
@@ -317,20 +317,30 @@ class Transformer(torch.nn.Module):
         return y if self.tp == 1 else _gather_columns(self.comm, y)
 
     # ---- cache ---------------------------------------------------------------------------
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.cfg.num_layers * self.local_kv_heads * self.cfg.head_dim * \
-            torch.tensor([], dtype=self.dtype).element_size()
+    def kv_bytes_per_token(self, kv_dtype: Optional[torch.dtype] = None) -> int:
+        """Cache bytes per token on this rank: K and V of every layer in kv_dtype (default the
+        model's dtype); float8_e4m3fn adds a float32 scale per token and kv head."""
+        kv_dtype = self.dtype if kv_dtype is None else kv_dtype
+        per_head = self.cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+        if FP8 is not None and kv_dtype == FP8:
+            per_head += 4
+        return 2 * self.cfg.num_layers * self.local_kv_heads * per_head
 
-    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int):
-        """The KV cache the model reads: a PagedKVCache of num_pages pages (max_batch and
-        max_seq_len size the torch baseline's static cache)."""
+    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int,
+                  kv_dtype: Optional[torch.dtype] = None):
+        """The KV cache the model reads: a PagedKVCache of num_pages pages in kv_dtype (default
+        the model's dtype; float8_e4m3fn with per-token-head scales). max_batch and
+        max_seq_len size the torch baseline's static cache."""
         return PagedKVCache(self.cfg.num_layers, self.local_kv_heads, self.cfg.head_dim,
-                            num_pages, page_size=page_size, dtype=self.dtype, device=self.device)
+                            num_pages, page_size=page_size, dtype=self.dtype, device=self.device,
+                            kv_dtype=kv_dtype)
 
-    def decode_plan(self, batch: int, page_size: int, max_seq_len: int):
-        """The host-side plan of batch-`batch` decode attention (None for the torch baseline)."""
+    def decode_plan(self, batch: int, page_size: int, max_seq_len: int,
+                    kv_dtype: Optional[torch.dtype] = None):
+        """The host-side plan of batch-`batch` decode attention over a kv_dtype cache (None for
+        the torch baseline)."""
         return decode_plan(batch, self.local_heads, self.local_kv_heads, self.cfg.head_dim,
-                           page_size, max_seq_len, self.device, self.dtype)
+                           page_size, max_seq_len, self.device, self.dtype, kv_dtype)
 
     def flops_per_token(self, context: int) -> float:
         """Model FLOPs of one token at `context` cached tokens (2 per multiply-add; attention
