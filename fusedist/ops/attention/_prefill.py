@@ -240,8 +240,8 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
         o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
             sdpa._reference_chunk(qb, k, v, scale)
-        if bad is not None:
-            o = o.masked_fill(bad[f:l, None, None, None], float("nan"))
+        if bad is not None:   # in place: o is this call's own result (no second copy)
+            o.masked_fill_(bad[f:l, None, None, None], float("nan"))
         if out is None and len(runs) == 1 and o.dtype == q.dtype:
             return o.reshape(q.shape)   # one call covered every sequence: one copy
         if out is None:
