@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .. import _dtypes, _ext
+from ._rows import overlaps
 
 def _fail(msg: str, exc=ValueError):
     raise exc(f"fusedist.fp8_gemm: {msg}")
@@ -103,17 +104,43 @@ def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tenso
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, *,
              bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [M, N] bf16 = sx[m] sw[n] (xq @ wq.t()) + bias (the module docstring)."""
+    """y [M, N] bf16 = sx[m] sw[n] (xq @ wq.t()) + bias (the module docstring). Also
+    torch.ops.fusedist.fp8_gemm (torch.compile(fullgraph=True))."""
     _validate(xq, sx, wq, sw, bias, out)
-    M, N = xq.shape[0], wq.shape[0]
     if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
-    if M == 0:
-        return out
+        out = torch.empty(xq.shape[0], wq.shape[0], dtype=torch.bfloat16, device=xq.device)
+    if torch.compiler.is_compiling():
+        torch.ops.fusedist.fp8_gemm(out, xq, sx, wq, sw, bias)
+    else:
+        _fp8_gemm_impl(out, xq, sx, wq, sw, bias)
+    return out
+
+
+def _fp8_gemm_impl(out, xq, sx, wq, sw, bias) -> None:
+    if xq.shape[0] == 0:
+        return
+    for name, t in (("xq", xq), ("sx", sx), ("wq", wq), ("sw", sw), ("bias", bias)):
+        if t is not None and overlaps(out, t):
+            _fail(f"out overlaps {name}; pass a separate out")
     sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
     bias = None if bias is None else bias.contiguous()
-    if kernel_why_not(xq, wq, out, sx, sw, bias):
-        return out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
+    why = kernel_why_not(xq, wq, out, sx, sw, bias)
+    if why:
+        if xq.device.type == "cuda":
+            _ext.warn_reference("fp8_gemm", why)
+        out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
+        return
     _ext.load().fp8_gemm(_args(xq, sx, wq, sw, bias, out),
                          torch.cuda.current_stream(xq.device).cuda_stream)
-    return out
+
+
+# ---- torch.compile: torch.library registration --------------------------------------------
+@torch.library.custom_op("fusedist::fp8_gemm", mutates_args=("out",))
+def _fp8_gemm_op(out: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
+                 sw: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    _fp8_gemm_impl(out, xq, sx, wq, sw, bias)
+
+
+@_fp8_gemm_op.register_fake
+def _(out, xq, sx, wq, sw, bias):
+    return None

@@ -84,6 +84,28 @@ def test_bad_arguments_name_the_fix():
     assert F.kernel_why_not(xq, wq).startswith("tensors on cpu")
 
 
+def test_out_overlapping_an_input_is_refused():
+    xq, sx, wq, sw, _ = _operands(4, 16, 32, 6)
+    buf = torch.zeros(4 * 16 * 2, dtype=torch.uint8)            # out's bytes
+    sx_alias = buf[:16].view(torch.float32).view(4, 1)          # sx in out's first 16 bytes
+    sx_alias.copy_(sx)
+    with pytest.raises(ValueError, match="out overlaps sx"):
+        F.fp8_gemm(xq, sx_alias, wq, sw, out=buf.view(torch.bfloat16).view(4, 16))
+
+
+def test_under_torch_compile():
+    """fp8_gemm inside torch.compile(fullgraph=True) reaches torch.ops.fusedist.fp8_gemm and
+    gives the eager result; out= is written and returned."""
+    torch._dynamo.reset()
+    xq, sx, wq, sw, bias = _operands(5, 24, 48, 8)
+    want = F.fp8_gemm(xq, sx, wq, sw, bias=bias)
+    run = torch.compile(lambda o: F.fp8_gemm(xq, sx, wq, sw, bias=bias, out=o), fullgraph=True,
+                        backend="aot_eager")
+    out = torch.full((5, 24), float("nan"), dtype=torch.bfloat16)
+    assert torch.equal(run(out), want) and torch.equal(out, want)
+    torch._dynamo.reset()
+
+
 def test_empty_rows():
     xq, sx, wq, sw, _ = _operands(0, 16, 32, 4)
     assert F.fp8_gemm(xq, sx, wq, sw).shape == (0, 16)
