@@ -84,10 +84,8 @@ def _args(xq, sx, wq, sw, bias, out):
     return a
 
 
-def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,
-                   sx: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None,
-                   bias: Optional[torch.Tensor] = None) -> str:
-    """Why the CUTLASS kernel cannot take this (valid) call; "" when it can."""
+def _host_why_not(xq, wq, out) -> str:
+    """The device, build and layout reasons the kernel cannot run ("" when none)."""
     dev = xq.device
     if dev.type != "cuda":
         return f"tensors on {dev} (the kernel is CUDA)"
@@ -98,7 +96,15 @@ def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tenso
     for name, t in (("xq", xq), ("wq", wq), ("out", out)):
         if t is not None and t.stride(1) != 1:
             return f"{name}'s rows are not contiguous (stride {tuple(t.stride())})"
-    return _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out))
+    return ""
+
+
+def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,
+                   sx: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None) -> str:
+    """Why the CUTLASS kernel cannot take this (valid) call; "" when it can."""
+    return _host_why_not(xq, wq, out) or \
+        _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out))
 
 
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, *,
@@ -124,14 +130,16 @@ def _fp8_gemm_impl(out, xq, sx, wq, sw, bias) -> None:
             _fail(f"out overlaps {name}; pass a separate out")
     sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
     bias = None if bias is None else bias.contiguous()
-    why = kernel_why_not(xq, wq, out, sx, sw, bias)
+    why, args = _host_why_not(xq, wq, out), None
+    if not why:   # one argument struct, checked and then launched
+        args = _args(xq, sx, wq, sw, bias, out)
+        why = _ext.load().fp8_gemm_why_not(args)
     if why:
         if xq.device.type == "cuda":
             _ext.warn_reference("fp8_gemm", why)
         out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
         return
-    _ext.load().fp8_gemm(_args(xq, sx, wq, sw, bias, out),
-                         torch.cuda.current_stream(xq.device).cuda_stream)
+    _ext.load().fp8_gemm(args, torch.cuda.current_stream(xq.device).cuda_stream)
 
 
 # ---- torch.compile: torch.library registration --------------------------------------------
