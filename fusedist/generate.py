@@ -461,9 +461,10 @@ def _kv_dtype(args) -> "torch.dtype | None":
     """--kv-dtype: None (the model's dtype) or torch.float8_e4m3fn."""
     if getattr(args, "kv_dtype", "auto") != "fp8":
         return None
-    if getattr(torch, "float8_e4m3fn", None) is None:
+    from . import _dtypes
+    if _dtypes.FP8 is None:
         _fail("--kv-dtype fp8 needs a torch with float8_e4m3fn")
-    return torch.float8_e4m3fn
+    return _dtypes.FP8
 
 
 def _round(d: dict) -> dict:

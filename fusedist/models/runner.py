@@ -74,7 +74,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from .. import envs
+from .. import _dtypes, envs
 from ..distributed import runtime as _runtime
 from ..distributed.peers import collective_timeout, is_peer_failure, peer_lost_error
 from ..errors import RequestMismatchError
@@ -215,8 +215,7 @@ class Runner:
                              f"got {peer_timeout_s!r}; omit it for FUSEDIST_TIMEOUT_S")
         self.peer_timeout_s = peer_timeout_s
         model_dtype = getattr(model, "dtype", None)
-        fp8 = getattr(torch, "float8_e4m3fn", None)
-        if kv_dtype is not None and kv_dtype not in (model_dtype, fp8):
+        if kv_dtype is not None and kv_dtype not in (model_dtype, _dtypes.FP8):
             raise ValueError(f"Runner: kv_dtype must be None (the model's {model_dtype}) or "
                              f"torch.float8_e4m3fn (e4m3 with a scale per token and kv head), "
                              f"got {kv_dtype!r}")
