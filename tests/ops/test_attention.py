@@ -697,8 +697,11 @@ def test_prefill_auto_rule(monkeypatch):
     assert rule(512, [4096], [0, 512], None, hd)                          # 3.2e10 FLOPs
     assert not rule(4096, [8096], [0, 4096], None, hd)                    # 4.1e11 FLOPs
     assert not rule(4096, [4096], [0, 4096], None, hd)                    # fresh, 1.4e11
+    assert rule(4096, [4096], [0, 4096], new, hd, fp8=True)              # FP8 cache: kernel
+    assert rule(4096, [8096], [0, 4096], None, hd, fp8=True)
     monkeypatch.setattr(P, "AUTO_PAGED", False)
     assert not rule(big, [big + 4000], [0, big], new, hd)
+    assert rule(big, [big + 4000], [0, big], new, hd, fp8=True)
 
 
 def test_prefill_split_plan():

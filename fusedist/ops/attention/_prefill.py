@@ -28,8 +28,10 @@ PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
 #  - a step of more than PAGED_MAX_FLOPS causal attention FLOPs (4 * q_heads * head_dim *
 #    query-key pairs): the kernel's ~160 TFLOP/s against SDPA's gather plus ~460 TFLOP/s
 #    cross near 8e10 (H200: 256 new tokens x 8 sequences behind 1792 cost both ~0.38 ms).
-# Inside a CUDA-graph capture always the kernel (the SDPA path needs the lengths on the host).
-# AUTO_PAGED=False restores SDPA outside graphs.
+# FP8 caches always take the kernel: SDPA would run on K/V dequantized to fp32 (fp32 GEMMs and
+# a separate softmax: a 4096-token fresh prompt, 32 / 8 heads, ~10 ms a layer on H200 against
+# the kernel's ~0.9 ms). Inside a CUDA-graph capture always the kernel (the SDPA path needs the
+# lengths on the host). AUTO_PAGED=False restores SDPA outside graphs (bf16 / fp16 caches).
 AUTO_PAGED = True
 PAGED_FRESH_MAX_TOKENS = 256
 PAGED_MAX_FLOPS = 8e10
@@ -51,7 +53,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (with out=None and one sequence, SDPA's own output, no copy).
     backend: "paged" (the paged prefill kernel, CUDA), "sdpa" (torch SDPA on the gathered KV),
     "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: the paged kernel, SDPA for
-    long fresh prompts and large steps; the AUTO_PAGED comment).
+    long fresh prompts and large steps of bf16/fp16 caches; the AUTO_PAGED comment).
     The paged kernel reads lengths and tables on the device (one CUDA graph replays with new
     ones): max_q_len (the longest new-token span; default the host lists' maximum, else every
     token) sizes its grid. The sdpa and reference paths need the lengths on the host: pass
@@ -202,7 +204,9 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         why = paged_why_not(q, k_cache)
         if backend == "paged" and why:
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
-        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new, q.shape[1] * q.shape[2])):
+        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new,
+                                                          q.shape[1] * q.shape[2],
+                                                          fp8=k_scale is not None)):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
@@ -274,10 +278,10 @@ def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return ""
 
 
-def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0) -> bool:
+def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False) -> bool:
     """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment);
-    heads_x_dim = q_heads * head_dim prices the step's FLOPs."""
-    if torch.cuda.is_current_stream_capturing():
+    heads_x_dim = q_heads * head_dim prices the step's FLOPs; fp8: the cache is FP8."""
+    if fp8 or torch.cuda.is_current_stream_capturing():
         return True
     if not AUTO_PAGED:
         return False
