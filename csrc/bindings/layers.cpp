@@ -46,4 +46,20 @@ void register_layers(py::module_& m) {
           "dtype", [](const SiluMulArgs& a) { return int(a.dtype); },
           [](SiluMulArgs& a, int v) { a.dtype = DType(v); });
   m.def("silu_mul", &silu_mul, py::arg("args"), py::arg("stream"));
+
+  py::class_<QuantizeRowsArgs>(m, "QuantizeRowsArgs",
+                               "One quantize_rows call: device pointers as integers, sizes, "
+                               "strides in elements, the dtype code")
+      .def(py::init<>())
+      .def_readwrite("x", &QuantizeRowsArgs::x)
+      .def_readwrite("out", &QuantizeRowsArgs::out)
+      .def_readwrite("scale", &QuantizeRowsArgs::scale)
+      .def_readwrite("tokens", &QuantizeRowsArgs::tokens)
+      .def_readwrite("k", &QuantizeRowsArgs::k)
+      .def_readwrite("in_stride", &QuantizeRowsArgs::in_stride)
+      .def_readwrite("out_stride", &QuantizeRowsArgs::out_stride)
+      .def_property(
+          "dtype", [](const QuantizeRowsArgs& a) { return int(a.dtype); },
+          [](QuantizeRowsArgs& a, int v) { a.dtype = DType(v); });
+  m.def("quantize_rows", &quantize_rows, py::arg("args"), py::arg("stream"));
 }

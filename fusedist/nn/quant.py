@@ -74,6 +74,7 @@ import torch.nn.functional as F
 
 from .. import _dtypes
 from ..ops import fp8_gemm as _fp8_gemm
+from ..ops.quantize_rows import quantize_rows, quantize_rows_reference, to_e4m3, unit_scale
 
 # The decode GEMV op (fusedist/ops/gemv.py), in checkouts that have it: the op, whether its
 # kernel runs on a device, and its most rows.
@@ -93,9 +94,6 @@ except ImportError:   # pragma: no cover
 FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
 BLOCK = 128
 LAYOUTS = ("tensor", "channel", "block")
-# The smallest amax a scale is made from (amax / 448 stays a normal float32); rows below it are
-# quantized with this amax, rows of zeros get scale 1.
-_TINY_AMAX = 1e-30
 
 
 def _fail(msg: str, exc=ValueError):
@@ -303,16 +301,9 @@ def _block_map(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
 
 
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448, amax floored at _TINY_AMAX; 1 where amax is 0 (all-zero row or block)."""
-    s = amax.float().clamp_min(_TINY_AMAX) / FP8_MAX
-    return torch.where(amax == 0, torch.ones_like(s), s)
-
-
-def _to_fp8(v: torch.Tensor) -> torch.Tensor:
-    """v (already divided by its scale) rounded to nearest e4m3, clamped to +-448 first (the
-    conversion does not saturate); NaN stays NaN."""
-    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+# The smallest amax a scale is made from is MIN_AMAX (amax / 448 stays a normal float32); rows
+# and blocks of zeros get scale 1 (fusedist.ops.quantize_rows.unit_scale).
+_scale_of, _to_fp8 = unit_scale, to_e4m3
 
 
 def quantize_fp8(w: torch.Tensor, layout: str = "channel", reduce_amax=None) -> FP8Weight:
@@ -348,14 +339,6 @@ def quantize_fp8(w: torch.Tensor, layout: str = "channel", reduce_amax=None) -> 
     _fail(f"quantize_fp8: layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization: x [M, K] -> (e4m3 [M, K], float32 scale
-    [M, 1]) with scale = amax(row) / 448 (1 for a row of zeros), x ~= x_q * scale. A row with
-    a NaN stays NaN."""
-    s = _scale_of(x.abs().amax(dim=1, keepdim=True))
-    return _to_fp8(x.float() / s), s
-
-
 def quantize_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-tensor activation quantization: (e4m3 [M, K], float32 scale [])."""
     s = _scale_of(x.abs().amax())
@@ -386,11 +369,13 @@ def fp8_linear_reference(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Ten
 
 def scaled_mm_rowwise(x: torch.Tensor, data: torch.Tensor, channel_scale: torch.Tensor,
                       bias: Optional[torch.Tensor] = None, *,
-                      x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """torch._scaled_mm with row-wise scales: x [M, K] bf16 quantized per token (or, with
-    x_scale float32 [M, 1], x already e4m3 with those per-token scales), data [N, K] e4m3 with
+                      x_scale: Optional[torch.Tensor] = None,
+                      quantize=quantize_rows) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales: x [M, K] bf16 quantized per token by `quantize`
+    (fusedist's kernel; the torch baseline passes quantize_rows_reference) or, with x_scale
+    float32 [M, 1], x already e4m3 with those per-token scales; data [N, K] e4m3 with
     channel_scale float32 [N]; bf16 [M, N] (+ bias, added after)."""
-    xq, sx = quantize_rows(x) if x_scale is None else (x, x_scale)
+    xq, sx = quantize(x) if x_scale is None else (x, x_scale)
     y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=channel_scale.view(1, -1),
                          out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
@@ -690,7 +675,8 @@ def _fp8_gemm_call(xq, sx, w: FP8Weight, bias):
                               bias=None if bias is None else bias.to(torch.bfloat16))
 
 
-__all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_tensor",
+__all__ = ["FP8Weight", "FP8Rows", "quantize_fp8", "quantize_rows", "quantize_rows_reference",
+           "quantize_tensor",
            "quantize_groups", "fp8_linear", "fp8_linear_reference", "fp8_path", "choose_path",
            "scaled_mm_rowwise", "takes_fp8_rows", "scaled_mm_tensorwise", "scaled_mm_blockwise",
            "blockwise_shape_ok", "BLOCKWISE_PROBE", "scale_range", "scale_shape",

@@ -1,5 +1,6 @@
-"""A host stand-in for fusedist._C's layer kernels (add_rmsnorm, silu_mul), so the CPU tier
-runs the CUDA launch path of fusedist/ops/add_rmsnorm.py and silu_mul.py: the argument
+"""A host stand-in for fusedist._C's layer kernels (add_rmsnorm, silu_mul, quantize_rows), so
+the CPU tier runs the CUDA launch path of fusedist/ops/add_rmsnorm.py, silu_mul.py and
+quantize_rows.py: the argument
 structs, pointers, row strides in elements, the 16-byte rules and the copies around
 non-conforming views, the FP8 outputs (fp8_out: e4m3 rows + a float32 scale per row). It
 reads and writes the CPU tensors' memory at the pointers it is given (ctypes +
@@ -15,6 +16,7 @@ import torch
 
 from fusedist import _dtypes
 from fusedist.ops.add_rmsnorm import add_rmsnorm_reference
+from fusedist.ops.quantize_rows import quantize_rows_reference
 from fusedist.ops.silu_mul import silu_mul_reference
 
 _DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
@@ -42,6 +44,17 @@ class FakeLayersC:
         self.SiluMulArgs = lambda: types.SimpleNamespace(
             gate_up=0, out=0, tokens=0, inter=0, in_stride=0, out_stride=0, dtype=2, scale=0,
             fp8_out=False)
+        self.QuantizeRowsArgs = lambda: types.SimpleNamespace(
+            x=0, out=0, scale=0, tokens=0, k=0, in_stride=0, out_stride=0, dtype=2)
+
+    def quantize_rows(self, a, stream):
+        self.calls.append(("quantize_rows", vars(a).copy()))
+        dt, T, k = _DTYPES[a.dtype], a.tokens, a.k
+        assert k % (16 // dt.itemsize) == 0 and T > 0 and a.x and a.out and a.scale
+        x = _rows(a.x, a.in_stride, T, k, dt)
+        out = _rows(a.out, a.out_stride, T, k, torch.uint8, vector=16 // dt.itemsize)
+        q, s = quantize_rows_reference(x.clone())
+        _store(types.SimpleNamespace(scale=a.scale), out, q, s)
 
     def add_rmsnorm(self, a, stream):
         self.calls.append(("add_rmsnorm", vars(a).copy()))
@@ -95,8 +108,8 @@ def _store(a, out, values, scale) -> None:
 
 
 def install(monkeypatch, *modules) -> FakeLayersC:
-    """Route `modules` (fusedist.ops.add_rmsnorm, silu_mul) to one FakeLayersC for CPU
-    tensors."""
+    """Route `modules` (fusedist.ops.add_rmsnorm, silu_mul, quantize_rows) to one FakeLayersC
+    for CPU tensors."""
     from fusedist import _ext
 
     fake = FakeLayersC()

@@ -12,7 +12,7 @@ forms is faster at the step's (batch, cache length), timed once outside graph ca
 
 With FP8 weights (the same FP8Weights fusedist's model holds) its projections are
 torch_linear's plain-torch FP8 GEMM: torch._scaled_mm with row-wise scales on CUDA (each token
-of x quantized to e4m3 with its own scale, the weight's per-channel scales; a per-tensor scale
+of x quantized to e4m3 with its own scale by torch ops, the weight's per-channel scales; a per-tensor scale
 broadcast to the channels), the weight dequantized to x's dtype and F.linear elsewhere (CPU,
 128 x 128 block scales, fp16 / fp32, sizes not multiples of 16); its norms write the model
 dtype (fusedist's hand e4m3 rows to the GEMMs that take them)."""
@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ...nn.attention import kv_head_range
-from ...nn.quant import FP8Weight, device_capability, scaled_mm_rowwise
+from ...nn.quant import FP8Weight, device_capability, quantize_rows_reference, scaled_mm_rowwise
 from ...ops.attention import prefill_runs, sdpa_priority
 from .config import LlamaConfig
 from .model import MLP, Transformer, rmsnorm
@@ -108,7 +108,8 @@ def torch_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> tor
     x2 = x.reshape(-1, k)
     if x2.is_cuda and x2.shape[0] and w.layout != "block" and x2.dtype == torch.bfloat16 and \
             n % 16 == 0 and k % 16 == 0 and device_capability(x2.device) >= (9, 0):
-        y = scaled_mm_rowwise(x2.contiguous(), w.data, w.channel_scale, bias)
+        y = scaled_mm_rowwise(x2.contiguous(), w.data, w.channel_scale, bias,
+                              quantize=quantize_rows_reference)
     else:
         y = F.linear(x2, w.dequantize(x2.dtype), bias)
     return y.reshape(*x.shape[:-1], n)

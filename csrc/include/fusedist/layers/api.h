@@ -1,7 +1,7 @@
 // fusedist/layers/api.h -- host entry points of the single-GPU layer kernels: residual add +
-// RMSNorm (add_rmsnorm.cuh) and SiLU-and-multiply (silu_mul.cuh). No torch: pointers are
-// device addresses as integers, strides are in elements; the launchers validate and throw
-// std::invalid_argument naming the argument.
+// RMSNorm (add_rmsnorm.cuh), SiLU-and-multiply (silu_mul.cuh) and per-token FP8 quantization
+// (quantize_rows.cuh). No torch: pointers are device addresses as integers, strides are in
+// elements; the launchers validate and throw std::invalid_argument naming the argument.
 #pragma once
 #include <cstdint>
 
@@ -45,5 +45,17 @@ struct SiluMulArgs {
 };
 
 void silu_mul(const SiluMulArgs& args, uintptr_t stream);
+
+// Per-token FP8 quantization (quantize_rows.cuh): out e4m3 [tokens, out_stride], scale float32
+// [tokens], scale = max(amax |x|, 1e-30) / 448 (1 for a row of zeros), out = e4m3(x / scale).
+struct QuantizeRowsArgs {
+  uintptr_t x = 0, out = 0, scale = 0;
+  int64_t tokens = 0;
+  int k = 0;
+  int64_t in_stride = 0, out_stride = 0;  // elements between rows
+  DType dtype = DType::kBFloat16;
+};
+
+void quantize_rows(const QuantizeRowsArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

@@ -1,0 +1,109 @@
+"""quantize_rows: dynamic per-token FP8 quantization of an activation, one single-GPU kernel.
+
+    q, scale = fusedist.ops.quantize_rows(x)     # x [..., K] -> e4m3 [..., K], float32 [..., 1]
+
+Per row (token): scale = max(amax |x|, 1e-30) / 448 (1 for a row of zeros), q = e4m3(x / scale)
+in fp32 (IEEE division, round to nearest even, +-448 saturated), so x ~= q * scale. A NaN in a
+row makes its scale and all of its q NaN; an infinite x makes its row's scale infinite (that
+element NaN, the others 0). This is the activation side of the row-wise FP8 GEMMs
+(fusedist.nn.quant: fp8_linear, scaled_mm_rowwise, fusedist.ops.fp8_gemm).
+
+CUDA tensors of float32 / float16 / bfloat16 with K a multiple of the 16-byte vector (4 or 8
+elements) take the kernel of csrc/ops/layers/quantize_rows.cu (one pass over x, one block per
+row, no host sync: CUDA graphs capture it); everything else, and the CPU, the plain-torch
+quantize_rows_reference: the same bits either way. Also torch.ops.fusedist.quantize_rows
+(torch.compile(fullgraph=True)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _dtypes, _ext
+from ._rows import check_rows_input, packed_rows, rows_view
+
+MIN_AMAX = 1e-30   # the smallest amax a scale is made from (amax / 448 stays a normal float32)
+
+
+def unit_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 in float32, amax floored at MIN_AMAX; 1 where amax is 0 (a row or block of
+    zeros); NaN stays NaN."""
+    s = amax.float().clamp_min(MIN_AMAX) / _dtypes.FP8_MAX
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """v (already divided by its scale) rounded to nearest e4m3, clamped to +-448 first (torch's
+    conversion does not saturate); NaN stays NaN."""
+    return v.clamp(-_dtypes.FP8_MAX, _dtypes.FP8_MAX).to(_dtypes.FP8)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: (e4m3 [..., K], float32 scale [..., 1]) (module docstring)."""
+    s = unit_scale(x.abs().amax(dim=-1, keepdim=True))
+    return to_e4m3(x.float() / s), s
+
+
+def _check(x) -> None:
+    check_rows_input("quantize_rows", "x", x, "[..., K]")
+    if _dtypes.FP8 is None:
+        raise RuntimeError("fusedist.quantize_rows: this torch has no torch.float8_e4m3fn")
+    if x.shape[-1] == 0:
+        raise ValueError("fusedist.quantize_rows: x's last dimension (K) must be positive")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) = x per token as e4m3 with one float32 scale per row (module docstring)."""
+    _check(x)
+    if torch.compiler.is_compiling():
+        return torch.ops.fusedist.quantize_rows(x)
+    return _quantize_rows_impl(x)
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "quantize_rows")
+
+
+def kernel_why_not(x: torch.Tensor) -> str:
+    """Why the kernel cannot take x (a valid input); "" when it can."""
+    if not _kernel_ok(x):
+        return (f"x is on {x.device}" if x.device.type != "cuda" else
+                "fusedist._C was built without the quantize_rows kernel")
+    per = 16 // x.element_size()
+    if x.shape[-1] % per:
+        return f"K = {x.shape[-1]} is not a multiple of {per} (16-byte vectors of {x.dtype})"
+    return ""
+
+
+def _quantize_rows_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0 or kernel_why_not(x):
+        return quantize_rows_reference(x)
+    k = x.shape[-1]
+    x2 = rows_view(x)
+    if x2 is None:   # rows the kernel cannot address: a fresh contiguous (aligned) copy
+        x2 = packed_rows(x)
+    q = torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    C = _ext.load()
+    a = C.QuantizeRowsArgs()
+    a.x, a.out, a.scale = x2.data_ptr(), q.data_ptr(), scale.data_ptr()
+    a.tokens, a.k = x2.shape[0], k
+    a.in_stride, a.out_stride = x2.stride(0), k
+    a.dtype = _dtypes.code(x.dtype)
+    C.quantize_rows(a, torch.cuda.current_stream(x.device).cuda_stream)
+    return q, scale
+
+
+@torch.library.custom_op("fusedist::quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_rows_impl(x)
+
+
+@_quantize_rows_op.register_fake
+def _(x):
+    return (torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device),
+            torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
+
+
+__all__ = ["quantize_rows", "quantize_rows_reference", "kernel_why_not", "unit_scale",
+           "to_e4m3", "MIN_AMAX"]
