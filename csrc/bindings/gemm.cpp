@@ -96,7 +96,8 @@ void register_gemm(py::module_& m) {
 
   py::class_<Fp8GemmArgs>(m, "Fp8GemmArgs",
                           "One fp8_gemm call: device pointers as integers, sizes, row strides "
-                          "in elements, the output dtype code, persistent CTAs (0: every SM)")
+                          "in elements, the output dtype code, persistent CTAs (0: every SM), the "
+                          "stream-K workspace")
       .def(py::init<>())
       .def_readwrite("xq", &Fp8GemmArgs::xq)
       .def_readwrite("sx", &Fp8GemmArgs::sx)
@@ -111,9 +112,12 @@ void register_gemm(py::module_& m) {
       .def_readwrite("ldw", &Fp8GemmArgs::ldw)
       .def_readwrite("ldo", &Fp8GemmArgs::ldo)
       .def_readwrite("sms", &Fp8GemmArgs::sms)
+      .def_readwrite("workspace", &Fp8GemmArgs::workspace)
+      .def_readwrite("workspace_bytes", &Fp8GemmArgs::workspace_bytes)
       .def_property(
           "out_dtype", [](const Fp8GemmArgs& a) { return int(a.out_dtype); },
           [](Fp8GemmArgs& a, int v) { a.out_dtype = DType(v); });
   m.def("fp8_gemm_why_not", &fp8_gemm_why_not, py::arg("args"));
+  m.def("fp8_gemm_workspace_size", &fp8_gemm_workspace_size, py::arg("args"));
   m.def("fp8_gemm", &fp8_gemm, py::arg("args"), py::arg("stream"));
 }

@@ -11,8 +11,12 @@ csrc/include/fusedist/gemm/fp8_gemm_sm90.cuh (TMA, FP8 wgmma whose partial sums 
 fp32 every 4 k-blocks of 128, the scales and the bias in the epilogue; no host sync, CUDA graphs
 capture it). Other devices, and shapes the kernel cannot take (K not a multiple of 16, N not a
 multiple of 8, strides that are not 16-byte rows), run fp8_gemm_reference: plain torch in fp32.
-torch._scaled_mm with row-wise scales computes the same product; fusedist.nn.quant chooses
-between them by measurement.
+The kernel's persistent CTAs follow CUTLASS's stream-K scheduler: where the output tiles do
+not fill the SMs (decode-sized M, narrow N) the k-blocks of a tile are split over several
+CTAs and their partial tiles added in a fixed order (results are the same run to run) through
+a workspace per device and stream: calls on one stream run in order; do not run fp8_gemm
+calls on two streams at once that share one. torch._scaled_mm with row-wise scales computes
+the same product; fusedist.nn.quant chooses between them by measurement.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from .. import _dtypes, _ext
 from ._rows import overlaps
+
 
 def _fail(msg: str, exc=ValueError):
     raise exc(f"fusedist.fp8_gemm: {msg}")
@@ -139,7 +144,30 @@ def _fp8_gemm_impl(out, xq, sx, wq, sw, bias) -> None:
             _ext.warn_reference("fp8_gemm", why)
         out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
         return
-    _ext.load().fp8_gemm(args, torch.cuda.current_stream(xq.device).cuda_stream)
+    C = _ext.load()
+    stream = torch.cuda.current_stream(xq.device)
+    need = C.fp8_gemm_workspace_size(args)
+    if need:
+        ws = _workspace(xq.device, stream, need)
+        args.workspace, args.workspace_bytes = ws.data_ptr(), ws.numel()
+    C.fp8_gemm(args, stream.cuda_stream)
+
+
+# Stream-K workspaces, one per (device, stream), grown by replacement; a replaced buffer stays
+# alive (a captured CUDA graph may still use it).
+_WORKSPACES: dict = {}
+_RETIRED: list = []
+
+
+def _workspace(device: torch.device, stream: torch.cuda.Stream, nbytes: int) -> torch.Tensor:
+    key = (device.index, stream.cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < nbytes:
+        if ws is not None:
+            _RETIRED.append(ws)
+        size = max(nbytes, 2 * ws.numel() if ws is not None else 0)
+        ws = _WORKSPACES[key] = torch.empty(size, dtype=torch.uint8, device=device)
+    return ws
 
 
 # ---- torch.compile: torch.library registration --------------------------------------------

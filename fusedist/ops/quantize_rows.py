@@ -11,7 +11,9 @@ element NaN, the others 0). This is the activation side of the row-wise FP8 GEMM
 CUDA tensors of float32 / float16 / bfloat16 with K a multiple of the 16-byte vector (4 or 8
 elements) take the kernel of csrc/ops/layers/quantize_rows.cu (one pass over x, one block per
 row, no host sync: CUDA graphs capture it); everything else, and the CPU, the plain-torch
-quantize_rows_reference: the same bits either way. Also torch.ops.fusedist.quantize_rows
+quantize_rows_reference. The kernel's bits are the reference's on the CPU (torch's ops on CUDA
+divide by the scalar 448 as a multiply by its reciprocal: their scales can differ in the last
+bit). Also torch.ops.fusedist.quantize_rows
 (torch.compile(fullgraph=True)).
 """
 

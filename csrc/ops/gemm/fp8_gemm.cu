@@ -1,7 +1,7 @@
 // Host launcher of the Hopper FP8 GEMM (csrc/include/fusedist/gemm/fp8_gemm_sm90.cuh): argument
 // checks, the CUTLASS arguments (operands, the epilogue's scale and bias vectors, the
-// persistent scheduler over the device's SMs) and the launch. One instantiation: bf16 output,
-// 128 x 128 x 128 tiles.
+// persistent stream-K scheduler over the device's SMs), the workspace size and the launch. One
+// instantiation: bf16 output, 128 x 128 x 128 tiles.
 #include <stdexcept>
 #include <string>
 
@@ -30,18 +30,17 @@ std::string fp8_gemm_why_not(const Fp8GemmArgs& a) {
   return "";
 }
 
-void fp8_gemm(const Fp8GemmArgs& a, uintptr_t stream) {
-  const std::string why = fp8_gemm_why_not(a);
-  FUSEDIST_CHECK_ARG(why.empty(), why);
-  FUSEDIST_CHECK_ARG(a.xq && a.wq && a.sx && a.sw && a.out,
-                     "fp8_gemm: xq, wq, sx, sw and out must be non-null");
-  if (a.m == 0) return;
-  using G = Fp8GemmSm90<cutlass::bfloat16_t>;
-  using Gemm = G::Gemm;
+namespace {
+
+using G = Fp8GemmSm90<cutlass::bfloat16_t>;
+using Gemm = G::Gemm;
+
+// The CUTLASS arguments of a checked call: operands and strides, the epilogue tree's scale and
+// bias vectors, the persistent grid over the device's SMs, the stream-K scheduler's defaults.
+typename Gemm::Arguments gemm_arguments(const Fp8GemmArgs& a) {
   using Kernel = G::Kernel;
   using E8 = G::E8;
   using Out = G::Out;
-
   // Strides (M or N mode, K mode, batch) for A and B, (M, N, batch) for D; unit strides static.
   typename Kernel::StrideA sa{};
   typename Kernel::StrideB sb{};
@@ -64,21 +63,43 @@ void fp8_gemm(const Fp8GemmArgs& a, uintptr_t stream) {
   typename G::ScaledW::Arguments scaled_w{sw_args, {}, {}};
   typename G::Evt::Arguments evt{sx_args, scaled_w, bias_args, {}};
 
-  typename Gemm::Arguments args{
+  return typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {a.m, a.n, a.k, 1},
       {reinterpret_cast<const E8*>(a.xq), sa, reinterpret_cast<const E8*>(a.wq), sb},
       {evt, nullptr, sc, reinterpret_cast<Out*>(a.out), sd},
       hw};
+}
 
+}  // namespace
+
+int64_t fp8_gemm_workspace_size(const Fp8GemmArgs& a) {
+  const std::string why = fp8_gemm_why_not(a);
+  FUSEDIST_CHECK_ARG(why.empty(), why);
+  if (a.m == 0) return 0;
+  return int64_t(Gemm::get_workspace_size(gemm_arguments(a)));
+}
+
+void fp8_gemm(const Fp8GemmArgs& a, uintptr_t stream) {
+  const std::string why = fp8_gemm_why_not(a);
+  FUSEDIST_CHECK_ARG(why.empty(), why);
+  FUSEDIST_CHECK_ARG(a.xq && a.wq && a.sx && a.sw && a.out,
+                     "fp8_gemm: xq, wq, sx, sw and out must be non-null");
+  if (a.m == 0) return;
+  auto args = gemm_arguments(a);
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);
   FUSEDIST_CHECK_ARG(s == cutlass::Status::kSuccess,
                      std::string("fp8_gemm: CUTLASS cannot run this problem (") +
                          cutlassGetStatusString(s) + ")");
-  FUSEDIST_CHECK_ARG(Gemm::get_workspace_size(args) == 0, "fp8_gemm: unexpected workspace need");
+  const int64_t need = int64_t(Gemm::get_workspace_size(args));
+  FUSEDIST_CHECK_ARG(need == 0 || (a.workspace && a.workspace % 16 == 0 &&
+                                   a.workspace_bytes >= need),
+                     "fp8_gemm: this call needs a 16-byte aligned workspace of " +
+                         std::to_string(need) + " bytes (fp8_gemm_workspace_size), got " +
+                         std::to_string(a.workspace_bytes));
   auto st = reinterpret_cast<cudaStream_t>(stream);
-  s = gemm.initialize(args, nullptr, st);
+  s = gemm.initialize(args, need ? reinterpret_cast<void*>(a.workspace) : nullptr, st);
   if (s != cutlass::Status::kSuccess)
     throw std::runtime_error(std::string("fusedist: fp8_gemm: CUTLASS initialize failed: ") +
                              cutlassGetStatusString(s));

@@ -133,9 +133,15 @@ struct Fp8GemmArgs {
   int64_t ldx = 0, ldw = 0, ldo = 0;
   DType out_dtype = DType::kBFloat16;
   int sms = 0;  // persistent CTAs; 0: the device's SM count
+  // Stream-K partial tiles and their flags: fp8_gemm_workspace_size(args) bytes, 16-byte
+  // aligned; calls sharing a workspace run one at a time (stream order).
+  uintptr_t workspace = 0;
+  int64_t workspace_bytes = 0;
 };
 // Why the kernel cannot take these sizes and strides ("" when it can); never throws.
 std::string fp8_gemm_why_not(const Fp8GemmArgs& args);
+// Workspace bytes the call needs (0 when every tile is whole); args must pass fp8_gemm_why_not.
+int64_t fp8_gemm_workspace_size(const Fp8GemmArgs& args);
 void fp8_gemm(const Fp8GemmArgs& args, uintptr_t stream);
 
 }  // namespace fusedist

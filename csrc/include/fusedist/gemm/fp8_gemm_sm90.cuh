@@ -10,6 +10,11 @@
 // schedule (MainloopSm90TmaGmmaWarpSpecializedFP8) adds the wgmma accumulators into fp32
 // registers every 4 k-blocks of 128 (mma_promotion_interval), so the sum over K is fp32 up to
 // 512-term partial sums. Both operands are K-major (the only FP8 wgmma layout).
+// Scheduling: persistent CTAs, one per SM, under CUTLASS's stream-K scheduler with its heuristic
+// decomposition: output tiles whole where they fill the SMs evenly (data-parallel), and the
+// k-blocks of the remaining tiles spread over the idle SMs where they do not (decode-sized M,
+// few N tiles), the partial tiles added in a fixed order (deterministic reduction) through a
+// workspace the caller provides (fp8_gemm_workspace_size).
 // Shapes: K % 16 == 0 and N % 8 == 0 (16-byte TMA rows of e4m3 and of bf16), any M.
 #pragma once
 
@@ -24,15 +29,16 @@
 
 namespace fusedist {
 
-// One instantiation per (output type, tile N): 128 x kBlockN x 128 tiles, clusters of 2 along M
-// (the weight tile is multicast to both CTAs of a cluster).
+// One instantiation per (output type, tile N): 128 x kBlockN x 128 tiles, clusters of 2 along N
+// (the activation tile is multicast to both CTAs of a cluster; each streams its own weight
+// tile). Along N, not M: at decode-sized M there is one M tile, and a cluster along M would
+// leave half of the CTAs without work.
 template <typename T, int kBlockN = 128>
 struct Fp8GemmSm90 {
   using E8 = cutlass::float_e4m3_t;
   using Out = T;
   using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  static constexpr int kClusterM = 2;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
@@ -66,7 +72,7 @@ struct Fp8GemmSm90 {
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                                       CollectiveMainloop, CollectiveEpilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+                                                      cutlass::gemm::StreamKScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
