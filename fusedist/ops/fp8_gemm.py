@@ -6,7 +6,12 @@ scales, fp32 accumulation with promotion.
     y = fp8_gemm(xq, sx, wq, sw, bias=b, out=y)
 
 y[M, N] = bf16(sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] + bias[n]): the dequantized product,
-summed in fp32 and rounded once. On CUDA with a Hopper GPU it runs the CUTLASS kernel of
+rounded once. Error against float64, per element: 2^-8 |ref| (the bf16 rounding) + (2^-13 +
+(K + 2) 2^-24) sum_k |x_k w_k|; the 2^-13 term is Hopper's FP8 wgmma, which keeps ~14
+significant bits inside each 512-k interval before the sum is promoted to fp32 (the same
+error as torch._scaled_mm's on H200; tests/ops/test_fp8_gemm.py).
+
+On CUDA with a Hopper GPU it runs the CUTLASS kernel of
 csrc/include/fusedist/gemm/fp8_gemm_sm90.cuh (TMA, FP8 wgmma whose partial sums are added into
 fp32 every 4 k-blocks of 128, the scales and the bias in the epilogue; no host sync, CUDA graphs
 capture it). Other devices, and shapes the kernel cannot take (K not a multiple of 16, N not a
@@ -16,7 +21,8 @@ not fill the SMs (decode-sized M, narrow N) the k-blocks of a tile are split ove
 CTAs and their partial tiles added in a fixed order (results are the same run to run) through
 a workspace per device and stream: calls on one stream run in order; do not run fp8_gemm
 calls on two streams at once that share one. torch._scaled_mm with row-wise scales computes
-the same product; fusedist.nn.quant chooses between them by measurement.
+the same product; fusedist.nn.quant's dispatch takes _scaled_mm, measured faster at the
+projections it serves (docs/design/fp8.md), and fp8_gemm only when asked (path="fp8_gemm").
 """
 
 from __future__ import annotations
