@@ -6,6 +6,7 @@ torch._scaled_mm (FP8) in the same run, on the same data.
     python3 benchmarks/gemv.py --ms 1,8 --models 8b --formats bf16,fp8_channel
     python3 benchmarks/gemv.py --ctas-per-sm 1,2   # + the kernel with its grid capped (diagnostic)
     python3 benchmarks/gemv.py --stages 0,2,6      # + other weight pipelines (diagnostic)
+    python3 benchmarks/gemv.py --ms 32,64 --formats w8a8_channel --tps 1   # W8A8, decode batches
 
 Shapes (K x N of the weight W [N, K], an nn.Linear): Llama-3-8B and -70B's qkv, o, gate|up
 and down projections at TP 1, and at TP 2 (N halved for the column-parallel ones, K for the
@@ -17,6 +18,8 @@ row-parallel ones). Formats, each timed with its baselines:
                                                              scale_b [1, N]
   fp8_block     gemv(x, w8, scale=s[N/128, K/128])         | scaled_mm_rowwise (the nearest
                                                              form _scaled_mm has on Hopper)
+  w8a8_channel  gemv(xq, w8, scale=s[N], x_scale=sx[M])    | scaled_mm_rowwise_xq: the same
+                (x quantized per row, M <= 64)               xq and scales, scale_a = sx
 x is bf16 [M, K] for fusedist (no activation quantization); _scaled_mm gets x8 = x in e4m3,
 quantized once outside the timing (its quantization kernel is not counted), padded to 16
 rows where it refuses M. Every fp8 row also shows cuBLAS bf16 at the same shape (vs_bf16).
@@ -51,6 +54,9 @@ import _harness as H  # noqa: E402
 LLAMA = (("8b", 4096, 14336, 32, 8, 128), ("70b", 8192, 28672, 64, 8, 128))
 QUICK = ("8b/tp1/o", "8b/tp1/down", "70b/tp2/qkv")
 FORMATS = ("bf16", "fp8_tensor", "fp8_channel", "fp8_block")
+BASELINE = {"bf16": "cublas", "fp8_tensor": "scaled_mm_tensor",
+            "fp8_channel": "scaled_mm_rowwise", "fp8_block": "scaled_mm_rowwise",
+            "w8a8_channel": "scaled_mm_rowwise_xq"}
 TARGET_TBS = {"bf16": 4.2, "fp8": 4.0}
 MS = (1, 4, 16)
 
@@ -74,7 +80,7 @@ def weight_bytes(k: int, n: int, fmt: str) -> int:
     """Bytes a call must read for its weight: W, plus its fp32 scales."""
     if fmt == "bf16":
         return 2 * n * k
-    scales = {"fp8_tensor": 1, "fp8_channel": n,
+    scales = {"fp8_tensor": 1, "fp8_channel": n, "w8a8_channel": n,
               "fp8_block": -(-n // 128) * -(-k // 128)}[fmt]
     return n * k + 4 * scales
 
@@ -99,8 +105,9 @@ class Shape:
         self.w8, self.s = [], {}
         if fp8:
             nb, kb = -(-n // 128), -(-k // 128)
+            ch = (torch.rand(n, device="cuda", generator=gen) + 0.5) * 4e-4
             self.s = {"fp8_tensor": torch.full((1,), 0.05 / 128, device="cuda"),
-                      "fp8_channel": (torch.rand(n, device="cuda", generator=gen) + 0.5) * 4e-4,
+                      "fp8_channel": ch, "w8a8_channel": ch,
                       "fp8_block": (torch.rand(nb, kb, device="cuda", generator=gen) + 0.5)
                       * 4e-4}
             for _ in range(self.ring_fp8):
@@ -194,6 +201,24 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
             capped = lambda c, st=-1: lambda i: G.launch(  # noqa: E731
                 outs[i % 2], x, sh.w[i % sh.ring_bf16], None, None, max_ctas=c, stages=st)
             info[fmt] = G.plan(x, sh.w[0])
+        elif fmt == "w8a8_channel":
+            s = sh.s[fmt]
+            QR = importlib.import_module("fusedist.ops.quantize_rows")
+            xq, sx = QR.quantize_rows_reference(x)
+            ref = (xq.double() * sx.double()) @ G.dequantize(sh.w8[0], s).double().t()
+
+            def call(i, s=s, xq=xq, sx=sx):
+                return gemv(xq, sh.w8[i % sh.ring_fp8], scale=s, out=outs[i % 2], x_scale=sx)
+            capped = (lambda s, xq, sx: lambda c, st=-1: lambda i: G.launch(  # noqa: E731
+                outs[i % 2], xq, sh.w8[i % sh.ring_fp8], s, None, max_ctas=c, stages=st,
+                x_scale=sx))(s, xq, sx)
+            info[fmt] = G.plan(xq, sh.w8[0], s)
+
+            def smm(i, xq=xq, sx=sx, s=s):   # the same product by row-wise _scaled_mm
+                return torch._scaled_mm(xq, sh.w8[i % sh.ring_fp8].t(), scale_a=sx,
+                                        scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
+            if args.scaled_mm and check("scaled_mm_rowwise_xq", smm, ref):
+                steps["scaled_mm_rowwise_xq"] = smm
         else:
             s = sh.s[fmt]
 
@@ -243,9 +268,7 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
             row["time_us"][f"cps{cps}"] = t.get(f"fusedist:{fmt}:cps{cps}")
         for st in args.stages:
             row["time_us"][f"st{st}"] = t.get(f"fusedist:{fmt}:st{st}")
-        base = ["cublas"] if fmt == "bf16" else \
-            {"fp8_tensor": ["scaled_mm_tensor"], "fp8_channel": ["scaled_mm_rowwise"],
-             "fp8_block": ["scaled_mm_rowwise"]}[fmt]
+        base = [BASELINE[fmt]]
         for b in base + (["cublas"] if fmt != "bf16" else []):
             key = "bf16" if (fmt != "bf16" and b == "cublas") else b
             row["time_us"][key] = t.get(b)
@@ -283,9 +306,7 @@ def markdown(rows, args) -> str:
            "".join(f" stages {st} us |" for st in args.stages),
            "|" + "---|" * (13 + len(args.ctas_per_sm) + len(args.stages))]
     for r in rows:
-        base = "cublas" if r["format"] == "bf16" else \
-            {"fp8_tensor": "scaled_mm_tensor", "fp8_channel": "scaled_mm_rowwise",
-             "fp8_block": "scaled_mm_rowwise"}[r["format"]]
+        base = BASELINE[r["format"]]
         bt = r["time_us"].get(base)
         out.append(
             f"| {r['shape']} | {r['K']} | {r['N']} | {r['M']} | {r['format']} | "
@@ -337,8 +358,10 @@ def main():
     args = ap.parse_args()
     args.formats = [f for f in args.formats.split(",") if f]
     for f in args.formats:
-        if f not in FORMATS:
-            raise SystemExit(f"--formats: {f!r} is not one of {', '.join(FORMATS)}")
+        if f not in BASELINE:
+            raise SystemExit(f"--formats: {f!r} is not one of {', '.join(BASELINE)}")
+    if "w8a8_channel" in args.formats and args.ms and max(int(v) for v in args.ms.split(",")) > 64:
+        raise SystemExit("--formats w8a8_channel: the kernel takes M <= 64")
     args.ms = [int(v) for v in (args.ms or ("1,16" if args.quick else "1,4,16")).split(",")]
     args.ctas_per_sm = [int(v) for v in args.ctas_per_sm.split(",") if v]
     args.stages = [int(v) for v in args.stages.split(",") if v]

@@ -53,6 +53,7 @@ void register_gemm(py::module_& m) {
       .def_readwrite("scale", &GemvArgs::scale)
       .def_readwrite("bias", &GemvArgs::bias)
       .def_readwrite("out", &GemvArgs::out)
+      .def_readwrite("x_scale", &GemvArgs::x_scale)
       .def_readwrite("workspace", &GemvArgs::workspace)
       .def_readwrite("counters", &GemvArgs::counters)
       .def_readwrite("m", &GemvArgs::m)
@@ -72,7 +73,10 @@ void register_gemm(py::module_& m) {
           [](GemvArgs& a, int v) { a.dtype = DType(v); })
       .def_property(
           "w_dtype", [](const GemvArgs& a) { return int(a.w_dtype); },
-          [](GemvArgs& a, int v) { a.w_dtype = DType(v); });
+          [](GemvArgs& a, int v) { a.w_dtype = DType(v); })
+      .def_property(
+          "x_dtype", [](const GemvArgs& a) { return int(a.x_dtype); },
+          [](GemvArgs& a, int v) { a.x_dtype = DType(v); });
   py::class_<GemvPlan>(m, "GemvPlan", "gemv_plan's answer: grid, workspace sizes, strip rows")
       .def_readonly("grid", &GemvPlan::grid)
       .def_readonly("workspace_floats", &GemvPlan::workspace_floats)
@@ -85,6 +89,7 @@ void register_gemm(py::module_& m) {
   m.def("gemv_plan", &gemv_plan, py::arg("args"));
   m.def("gemv", &gemv, py::arg("args"), py::arg("stream"));
   m.attr("GEMV_MAX_M") = kGemvMaxM;
+  m.attr("GEMV_MAX_M_FP8_X") = kGemvMaxMFp8X;
   m.attr("GEMV_MAX_STAGES") = kGemvMaxStages;
   m.attr("GEMV_SCALE_BLOCK") = kGemvScaleBlockSize;
   py::dict scale_modes;  // GemvArgs.scale_mode values (api.h, GemvScale)

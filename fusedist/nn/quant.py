@@ -649,6 +649,12 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
     bf = torch.bfloat16
     if path == "fp8_gemm":
         return _fp8_gemm_call(xq, sx, w, bias)
+    if path == "gemv":   # W8A8 GEMV (M <= 64 on the kernel), per-tensor / per-channel weights
+        if w.channel_scale is None or _gemv is None:
+            raise ValueError("fusedist.nn.fp8_linear: path 'gemv' with a pre-quantized x takes "
+                             "per-tensor or per-channel weights (and fusedist.ops.gemv)")
+        return _gemv(xq, w.data, scale=w.channel_scale,
+                     bias=None if bias is None else bias.to(bf), x_scale=sx.reshape(-1))
     if path == "scaled_mm_rowwise":
         if w.channel_scale is None:
             raise ValueError("fusedist.nn.fp8_linear: path 'scaled_mm_rowwise' takes per-tensor "
@@ -661,7 +667,8 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
     if path == "reference":
         return fp8_linear_reference(x, w, bias).to(bf)
     raise ValueError(f"fusedist.nn.fp8_linear: path {path!r} does not take a pre-quantized "
-                     "(e4m3) x; 'scaled_mm_rowwise', 'fp8_gemm', 'dequantize' or 'reference' do")
+                     "(e4m3) x; 'scaled_mm_rowwise', 'fp8_gemm', 'gemv', 'dequantize' or "
+                     "'reference' do")
 
 
 def _fp8_gemm_call(xq, sx, w: FP8Weight, bias):

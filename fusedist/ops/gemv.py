@@ -3,6 +3,7 @@
     y = gemv(x, w)                          # x [M, K] bf16, w [N, K] bf16 (an nn.Linear weight)
     y = gemv(x, w8, scale=s)                # w8 [N, K] torch.float8_e4m3fn
     gemv(x, w, bias=b, out=y)
+    y = gemv(xq, w8, scale=s, x_scale=sx)   # W8A8: xq [M, K] e4m3, sx float32 [M] per row
 
 y[M, N] = x @ dequantize(w, scale).t() (+ bias), accumulated in fp32 and rounded once to
 bf16. w is an nn.Linear weight: [N, K] row-major (K contiguous), bf16 or float8_e4m3fn.
@@ -18,6 +19,12 @@ share of w, partial sums of split strips are added in a fixed order by the last 
 and CPU tensors take gemv_reference: plain torch, dequantized in fp32, fp32 matmul, rounded
 once (on CUDA, bf16 weights go through torch.matmul, which accumulates in fp32 and rounds
 once too). K must be a multiple of 8 (bf16 w) or 16 (fp8 w): 16-byte rows.
+
+W8A8 (x_scale given): x is e4m3 quantized per row (fusedist.ops.quantize_rows, or a layer
+op's FP8 output) with x_scale float32 [M] (or [M, 1]) multiplying row m, w e4m3 with a
+per-tensor or per-channel scale (or none); y = x_scale[m] * scale[n] * (xq @ wq^T) (+ bias)
+in bf16. The kernel takes 1 <= M <= 64 (MAX_M_FP8_X): e4m3 x and weights go into the FP8
+tensor-core MMA as they are, each 128 k's partial sums added into fp32 registers.
 
 Contract of the kernel: w is not written by the kernel launched just before this call on the
 stream (weights are read before the wait on the previous kernel, which overlaps its tail);
@@ -38,6 +45,7 @@ from .. import _align, _dtypes, _ext
 from ._rows import overlaps
 
 MAX_M = 16          # the kernel's rows (fusedist._C.GEMV_MAX_M)
+MAX_M_FP8_X = 64    # ... with an e4m3 x (fusedist._C.GEMV_MAX_M_FP8_X)
 STAGES_AUTO = -1    # launch(stages=): the default weight pipeline (registers)
 MAX_STAGES = 6      # the deepest ring (fusedist._C.GEMV_MAX_STAGES)
 SCALE_BLOCK = 128   # block scales cover 128 x 128 weights
@@ -99,8 +107,16 @@ def dequantize(w: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain torch: x @ dequantize(w, scale).t() (+ bias) in fp32, rounded once to x's dtype."""
+                   bias: Optional[torch.Tensor] = None,
+                   x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain torch: x @ dequantize(w, scale).t() (+ bias) in fp32, rounded once to x's dtype
+    (W8A8: (x * x_scale) @ ..., rounded to bf16)."""
+    if x_scale is not None:
+        xf = x.float() * x_scale.float().reshape(-1, 1)
+        res = xf @ dequantize(w, scale).t()
+        if bias is not None:
+            res += bias.float()
+        return res.to(torch.bfloat16)
     if x.device.type == "cuda" and not _is_fp8(w):
         # cuBLAS accumulates in fp32 and rounds once, as the fp32 path below.
         return torch.nn.functional.linear(x, w, bias)
@@ -110,12 +126,25 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tenso
     return res.to(x.dtype)
 
 
-def _validate(x, w, scale, bias, out) -> str:
+def _validate(x, w, scale, bias, out, x_scale=None) -> str:
     """Every argument check, once (on real or fake tensors); returns the scale mode."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         _fail("x and w must be torch.Tensors", TypeError)
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        _fail(f"x must be a 2-D [M, K] bfloat16 tensor, got {tuple(x.shape)} {x.dtype}")
+    if x_scale is not None:
+        if x.dim() != 2 or not _is_fp8(x):
+            _fail(f"x_scale= goes with an e4m3 x [M, K] (W8A8); x is {tuple(x.shape)} {x.dtype}")
+        m = x.shape[0]
+        if not isinstance(x_scale, torch.Tensor) or x_scale.dtype != torch.float32 or \
+                tuple(x_scale.shape) not in ((m,), (m, 1)) or x_scale.device != x.device:
+            got = f"{tuple(x_scale.shape)} {x_scale.dtype} on {x_scale.device}" \
+                if isinstance(x_scale, torch.Tensor) else type(x_scale).__name__
+            _fail(f"x_scale must be float32 [{m}] (or [{m}, 1]) on {x.device}, got {got}")
+        if not _is_fp8(w):
+            _fail("an e4m3 x (x_scale=) takes float8_e4m3fn weights with a per-tensor or "
+                  "per-channel scale (or none); dequantize x for bf16 or block-scaled weights")
+    elif x.dim() != 2 or x.dtype != torch.bfloat16:
+        _fail(f"x must be a 2-D [M, K] bfloat16 tensor (or e4m3 with x_scale=), got "
+              f"{tuple(x.shape)} {x.dtype}")
     if x.device.type not in ("cuda", "cpu"):
         _fail(f"x is on {x.device}; pass CUDA or CPU tensors", TypeError)
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -134,32 +163,37 @@ def _validate(x, w, scale, bias, out) -> str:
         _fail(f"K = {k} must be a multiple of {per} for {w.dtype} weights (16-byte rows); pad x "
               f"and w along K with zeros")
     mode = scale_mode(w, scale)
+    if x_scale is not None and mode == "block":
+        _fail("an e4m3 x (x_scale=) takes a per-tensor or per-channel weight scale, not block "
+              "scales; dequantize x for block-scaled weights")
+    dt = torch.bfloat16
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,) or
-                             bias.dtype != x.dtype or bias.device != x.device):
+                             bias.dtype != dt or bias.device != x.device):
         got = f"{tuple(bias.shape)} {bias.dtype} on {bias.device}" \
             if isinstance(bias, torch.Tensor) else type(bias).__name__
-        _fail(f"bias must be a [{n}] {x.dtype} tensor on {x.device}, got {got}")
+        _fail(f"bias must be a [{n}] {dt} tensor on {x.device}, got {got}")
     if out is not None and (not isinstance(out, torch.Tensor) or
-                            tuple(out.shape) != (x.shape[0], n) or out.dtype != x.dtype or
+                            tuple(out.shape) != (x.shape[0], n) or out.dtype != dt or
                             out.device != x.device or not out.is_contiguous()):
         got = f"{tuple(out.shape)} {out.dtype} on {out.device}" \
             if isinstance(out, torch.Tensor) else type(out).__name__
-        _fail(f"out must be a contiguous ({x.shape[0]}, {n}) {x.dtype} tensor on {x.device}, "
+        _fail(f"out must be a contiguous ({x.shape[0]}, {n}) {dt} tensor on {x.device}, "
               f"got {got}")
     return mode
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: Optional[torch.Tensor] = None,
-         bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
-         ) -> torch.Tensor:
-    """x [M, K] @ w[N, K].t() (* scale) (+ bias) -> [M, N] bf16 (the module docstring)."""
-    _validate(x, w, scale, bias, out)
+         bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+         x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].t() (* scale) (+ bias) -> [M, N] bf16 (the module docstring);
+    x_scale=: x is e4m3 quantized per row (W8A8)."""
+    _validate(x, w, scale, bias, out, x_scale)
     if out is None:
-        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16, device=x.device)
     if torch.compiler.is_compiling():
-        torch.ops.fusedist.gemv(out, x, w, scale, bias)
+        torch.ops.fusedist.gemv(out, x, w, scale, bias, x_scale)
     else:
-        _gemv_impl(out, x, w, scale, bias)
+        _gemv_impl(out, x, w, scale, bias, x_scale)
     return out
 
 
@@ -180,14 +214,14 @@ def _why_not_kernel(device: torch.device) -> Optional[str]:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device: int, m: int, n: int, k: int, w_code: int, mode: int, max_ctas: int,
-          stages: int = STAGES_AUTO):
+          stages: int = STAGES_AUTO, x_code: int = _dtypes.BFLOAT16):
     """gemv_plan (grid, workspace floats, counters, strip rows, CTAs per SM, ring stages,
     shared memory bytes) of one call shape: a property of the build and the GPU, computed
     once."""
     C = _ext.load()
     a = C.GemvArgs()
     a.m, a.n, a.k = m, n, k
-    a.dtype, a.w_dtype = _dtypes.BFLOAT16, w_code
+    a.dtype, a.w_dtype, a.x_dtype = _dtypes.BFLOAT16, w_code, x_code
     a.scale_mode, a.max_ctas, a.stages = mode, max_ctas, stages
     with torch.cuda.device(device):
         p = C.gemv_plan(a)
@@ -203,7 +237,7 @@ def plan(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
     mode = SCALE_MODES.index(scale_mode(w, scale))
     g, f, c, rows, occ, st, smem = _plan(x.device.index or 0, x.shape[0], w.shape[0],
                                          w.shape[1], _dtypes.code(w.dtype), mode, max_ctas,
-                                         stages)
+                                         stages, _dtypes.code(x.dtype))
     return {"grid": g, "workspace_floats": f, "counters": c, "strip_rows": rows,
             "ctas_per_sm": occ, "stages": st, "smem_bytes": smem}
 
@@ -253,9 +287,10 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor],
-           bias: Optional[torch.Tensor], max_ctas: int = 0, stages: int = STAGES_AUTO
-           ) -> torch.Tensor:
-    """The kernel on validated arguments (1 <= M <= 16, a Hopper GPU), on the current stream;
+           bias: Optional[torch.Tensor], max_ctas: int = 0, stages: int = STAGES_AUTO, *,
+           x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel on validated arguments (1 <= M <= 16, or <= 64 for an e4m3 x with x_scale;
+    a Hopper GPU), on the current stream;
     max_ctas > 0 caps the grid (tests force split strips with it; benchmarks sweep it);
     stages picks the weight pipeline (STAGES_AUTO: the default ring; 0: registers; 1 ..
     MAX_STAGES: a shared-memory ring of that many units)."""
@@ -273,6 +308,10 @@ def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[
     a.dtype, a.w_dtype = _dtypes.BFLOAT16, _dtypes.code(w.dtype)
     a.scale_mode = SCALE_MODES.index(mode)
     keep = [xa, wa]
+    if x_scale is not None:
+        sx = x_scale.reshape(-1).contiguous()
+        keep.append(sx)
+        a.x_dtype, a.x_scale = _dtypes.code(x.dtype), sx.data_ptr()
     if mode != "none":
         s = scale.contiguous()
         keep.append(s)
@@ -284,7 +323,7 @@ def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[
         a.bias = b.data_ptr()
     a.max_ctas, a.stages = max_ctas, stages
     _, floats, counters, _, _, _, _ = _plan(dev.index or 0, m, n, k, a.w_dtype, a.scale_mode,
-                                            max_ctas, stages)
+                                            max_ctas, stages, a.x_dtype)
     stream = torch.cuda.current_stream(dev)
     if floats:
         partial, cnt = workspace(dev, stream).get(floats, counters)
@@ -298,32 +337,35 @@ def launch(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: Optional[
     return out
 
 
-def _gemv_impl(out, x, w, scale, bias) -> None:
+def _gemv_impl(out, x, w, scale, bias, x_scale=None) -> None:
     m, k = x.shape
     if m == 0 or w.shape[0] == 0:
         return
     if k == 0:  # x @ w.t() is all zeros
         out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
         return
-    for name, t in (("x", x), ("w", w), ("scale", scale), ("bias", bias)):
+    for name, t in (("x", x), ("w", w), ("scale", scale), ("bias", bias), ("x_scale", x_scale)):
         if t is not None and overlaps(out, t):
             _fail(f"out overlaps {name}; pass a separate out")
-    if x.device.type == "cuda" and m <= MAX_M:
+    if x.device.type == "cuda" and m <= (MAX_M if x_scale is None else MAX_M_FP8_X):
         why = _why_not_kernel(x.device)
+        if why is None and x_scale is not None and not hasattr(_ext.load(), "GEMV_MAX_M_FP8_X"):
+            why = "fusedist._C without the W8A8 gemv kernels"
         if why is None:
-            launch(out, x, w, scale, bias)
+            launch(out, x, w, scale, bias, x_scale=x_scale)
             return
         _ext.warn_reference("gemv", why)
-    out.copy_(gemv_reference(x, w, scale, bias))
+    out.copy_(gemv_reference(x, w, scale, bias, x_scale))
 
 
 # ---- torch.compile: torch.library registration --------------------------------------------
 @torch.library.custom_op("fusedist::gemv", mutates_args=("out",))
 def _gemv_op(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
-             scale: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
-    _gemv_impl(out, x, w, scale, bias)
+             scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+             x_scale: Optional[torch.Tensor] = None) -> None:
+    _gemv_impl(out, x, w, scale, bias, x_scale)
 
 
 @_gemv_op.register_fake
-def _(out, x, w, scale, bias):
+def _(out, x, w, scale, bias, x_scale=None):
     return None

@@ -745,8 +745,11 @@ def test_prequantized_x_errors():
     bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=sx.double())
     bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=sx[:2])
     bad("x_scale must be float32 \\[3\\]", xq, w, x_scale=torch.ones(()))
-    bad("does not take a pre-quantized", xq, w, x_scale=sx, path="gemv")
     bad("does not take a pre-quantized", xq, w, x_scale=sx, path="scaled_mm_tensor")
+    bad("path 'gemv' with a pre-quantized x takes per-tensor or per-channel", xq,
+        quantize_fp8(torch.randn(16, 32), "block"), x_scale=sx, path="gemv")
+    y = fp8_linear(xq, w, x_scale=sx, path="gemv")     # the W8A8 GEMV (CPU: its reference)
+    assert torch.equal(y, fp8_linear(xq, w, x_scale=sx, path="reference"))
     bad("not block scales", xq, quantize_fp8(torch.randn(16, 32), "block"), x_scale=sx,
         path="scaled_mm_rowwise")
     with pytest.raises(ValueError, match="needs an FP8Weight"):

@@ -589,3 +589,137 @@ def test_benchmark_plan():
     assert b.weight_bytes(4096, 4096, "fp8_tensor") == 4096 * 4096 + 4
     assert b.weight_bytes(4096, 4096, "fp8_channel") == 4096 * 4096 + 4 * 4096
     assert b.weight_bytes(4100, 4096, "fp8_block") == 4096 * 4100 + 4 * 33 * 32
+
+
+# ---- W8A8: an e4m3 x with per-row scales (x_scale=), e4m3 weights -------------------------
+# Bound, element by element, ref = float64 (xq sx) @ dequantize(w)^T (+ bias), mag the same
+# product of magnitudes: |y - ref| <= 2^-8 |ref| (bf16 rounding) + (2^-13 + (K + 2) 2^-24) mag.
+# The 2^-13 term is the FP8 MMA's own accumulation (Hopper keeps ~14 significant bits inside
+# an FP8 tensor-core sum: tests/ops/test_fp8_gemm.py); the kernel adds each 128 k's sums into
+# fp32 registers, so it never compounds past that. The reference path meets the fp32-only bound.
+W8A8_MODES = ("none", "tensor", "channel")
+W8A8_MS = (1, 17, 32, 33, 64)
+
+
+def _x8(m, k, gen, device):
+    """An e4m3 x quantized per row from a random one, and its float32 scales [m]."""
+    xq, sx = importlib.import_module("fusedist.ops.quantize_rows").quantize_rows_reference(
+        _randn((m, k), gen, device) * torch.logspace(-2, 2, m, device=device).reshape(-1, 1))
+    return xq, sx.reshape(-1)
+
+
+def _bad_w8a8(y, xq, sx, w, s, mode, bias=None, mma=True) -> int:
+    n, k = w.shape
+    xd = xq.double().cpu() * sx.double().cpu().reshape(-1, 1)
+    wd = w.double().cpu() * (_expand(s, mode, n, k).cpu() if s is not None else 1.0)
+    ref = xd @ wd.t()
+    mag = xd.abs() @ wd.abs().t()
+    if bias is not None:
+        ref = ref + bias.double().cpu()
+    tol = 2.0 ** -8 * ref.abs() + ((2.0 ** -13 if mma else 0.0) + (k + 2) * 2.0 ** -24) * mag
+    return int((~((y.double().cpu() - ref).abs() <= tol)).sum())
+
+
+@needs_fp8
+@pytest.mark.parametrize("mode", W8A8_MODES)
+@pytest.mark.parametrize("m,n,k", [(17, 7, 64), (64, 129, 4112), (65, 33, 16), (3, 300, 272)])
+def test_gemv_w8a8_cpu_reference_matches_float64(mode, m, n, k):
+    gen = _gen("cpu")
+    xq, sx = _x8(m, k, gen, "cpu")
+    w, s = _fp8_weight(n, k, mode, gen, "cpu")
+    b = _randn((n,), gen, "cpu").to(BF)
+    for bias in (None, b):
+        out = torch.full((m, n), float("nan"), dtype=BF)
+        y = gemv(xq, w, scale=s, bias=bias, out=out, x_scale=sx)
+        assert y is out and y.dtype == BF
+        assert _bad_w8a8(y, xq, sx, w, s, mode, bias, mma=False) == 0
+        assert torch.equal(gemv(xq, w, scale=s, bias=bias, x_scale=sx.reshape(-1, 1)), y)
+
+
+@needs_fp8
+def test_gemv_w8a8_rejects_bad_arguments():
+    gen = _gen("cpu")
+    xq, sx = _x8(20, 64, gen, "cpu")
+    w, s = _fp8_weight(32, 64, "channel", gen, "cpu")
+    with pytest.raises(ValueError, match="x_scale= goes with an e4m3 x"):
+        gemv(xq.float().to(BF), w, scale=s, x_scale=sx)
+    with pytest.raises(ValueError, match=r"x_scale must be float32 \[20\]"):
+        gemv(xq, w, scale=s, x_scale=sx[:19])
+    with pytest.raises(ValueError, match="takes float8_e4m3fn weights"):
+        gemv(xq, w.float().to(BF), x_scale=sx)
+    wb, sb = _fp8_weight(32, 256, "block", gen, "cpu")
+    xb, sxb = _x8(20, 256, gen, "cpu")
+    with pytest.raises(ValueError, match="not block"):
+        gemv(xb, wb, scale=sb, x_scale=sxb)
+    with pytest.raises(ValueError, match="2-D .M, K. bfloat16 tensor .or e4m3 with x_scale="):
+        gemv(xq, w, scale=s)
+
+
+@hopper_gpu
+@needs_fp8
+@pytest.mark.parametrize("mode", W8A8_MODES)
+@pytest.mark.parametrize("m", W8A8_MS)
+def test_gemv_w8a8_matches_float64(m, mode):
+    """The kernel at x rows padded to 32 and 64: odd N, K at the minimum and past a unit,
+    poisoned outputs, bias on every other shape; forced split strips on one; M = 65 takes the
+    reference path."""
+    _need_kernel()
+    gen = _gen("cuda")
+    for i, (n, k) in enumerate(NK_FP8):
+        xq, sx = _x8(m, k, gen, "cuda")
+        w, s = _fp8_weight(n, k, mode, gen, "cuda")
+        b = _randn((n,), gen, "cuda").to(BF) if (i + m) % 2 else None
+        out = torch.full((m, n), float("nan"), dtype=BF, device="cuda")
+        gemv(xq, w, scale=s, bias=b, out=out, x_scale=sx)
+        assert _bad_w8a8(out, xq, sx, w, s, mode, b) == 0, f"M={m} N={n} K={k} {mode}"
+        assert torch.equal(gemv(xq, w, scale=s, bias=b, x_scale=sx), out), "not reproducible"
+        if i == 3:
+            for cap in (3, 7):
+                o2 = torch.full((m, n), float("nan"), dtype=BF, device="cuda")
+                G.launch(o2, xq, w, s, b, max_ctas=cap, x_scale=sx)
+                assert _bad_w8a8(o2, xq, sx, w, s, mode, b) == 0, f"max_ctas={cap}"
+    xq, sx = _x8(65, 64, gen, "cuda")
+    w, s = _fp8_weight(40, 64, mode, gen, "cuda")
+    assert torch.equal(gemv(xq, w, scale=s, x_scale=sx), gemv_reference(xq, w, s, None, sx))
+    _counters_zero()
+
+
+@hopper_gpu
+@needs_fp8
+def test_gemv_w8a8_nan_row_graph_and_long_k():
+    """A NaN in x row 2 poisons out row 2 only; a CUDA graph replays with new x bitwise equal
+    to eager; K = 32768 of positive products stays within the bound (sums promoted to fp32)."""
+    _need_kernel()
+    gen = _gen("cuda")
+    m, n, k = 40, 600, 4096
+    xq, sx = _x8(m, k, gen, "cuda")
+    xq[2, 777] = float("nan")
+    w, s = _fp8_weight(n, k, "channel", gen, "cuda")
+    out = gemv(xq, w, scale=s, x_scale=sx)
+    assert torch.isnan(out[2]).all()
+    rest = [i for i in range(m) if i != 2]
+    assert _bad_w8a8(out[rest], xq[rest], sx[rest], w, s, "channel") == 0
+    xq[2, 777] = 0
+    o = torch.empty(m, n, dtype=BF, device="cuda")
+    gemv(xq, w, scale=s, out=o, x_scale=sx)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemv(xq, w, scale=s, out=o, x_scale=sx)
+    for _ in range(2):
+        x2, s2 = _x8(m, k, gen, "cuda")
+        xq.copy_(x2)
+        sx.copy_(s2)
+        o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, gemv(xq, w, scale=s, x_scale=sx))
+        assert _bad_w8a8(o, xq, sx, w, s, "channel") == 0
+    del g
+    qrows = importlib.import_module("fusedist.ops.quantize_rows").quantize_rows_reference
+    xq, sx = qrows(torch.rand(48, 32768, generator=gen, device="cuda") + 0.5)
+    wq, sw = qrows(torch.rand(256, 32768, generator=gen, device="cuda") + 0.5)
+    sw = sw.reshape(-1)
+    y = gemv(xq, wq, scale=sw, x_scale=sx.reshape(-1))
+    assert _bad_w8a8(y, xq, sx.reshape(-1), wq, sw, "channel") == 0
+    _counters_zero()

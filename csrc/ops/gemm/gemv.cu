@@ -1,8 +1,9 @@
 // Host launcher of the decode GEMV (csrc/include/fusedist/gemm/gemv.cuh): argument checks, the
 // plan (one wave of resident CTAs over the stream-K units; the workspace the partial strips
 // need, the ring's depth and shared memory), the instantiation (weight dtype x x rows padded to
-// 8 or 16 x block scales x register pipeline or ring: twelve kernels) and the launch
-// (programmatic dependent launch, launch.h).
+// 8 or 16 x block scales x register pipeline or ring: twelve kernels; e4m3 x with e4m3 weights,
+// rows padded to 32 or 64: two more) and the launch (programmatic dependent launch,
+// launch.h).
 #include <algorithm>
 #include <string>
 
@@ -33,7 +34,15 @@ Variant variant(bool ring) {
           C::kBN, C::kKUnit, gemvk::Ring<kFp8, kMp>::kStageBytes};
 }
 
-Variant pick(bool fp8, int m, int scale_mode, bool ring) {
+// e4m3 x (W8A8): the register pipeline only, x rows padded to 32 or 64.
+template <int kMp>
+Variant variant_x8() {
+  using C = gemvk::Cfg<true, kMp>;
+  return {gemvk::gemv_kernel<true, kMp, false, false, true>, C::kBN, C::kKUnit, 0};
+}
+
+Variant pick(bool fp8, int m, int scale_mode, bool ring, bool x_fp8 = false) {
+  if (x_fp8) return m > 32 ? variant_x8<64>() : variant_x8<32>();
   const bool wide = m > 8;
   if (!fp8) return wide ? variant<false, 16, false>(ring) : variant<false, 8, false>(ring);
   if (scale_mode == kGemvScaleBlock)
@@ -54,7 +63,10 @@ int max_dynamic_smem() {
 }
 
 // Ring stages of a call: args.stages, or the default for kGemvStagesAuto.
-int stages_of(const GemvArgs& a) { return a.stages == kGemvStagesAuto ? kGemvDefaultStages : a.stages; }
+int stages_of(const GemvArgs& a) {
+  if (a.x_dtype == DType::kFloat8E4M3) return 0;
+  return a.stages == kGemvStagesAuto ? kGemvDefaultStages : a.stages;
+}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -62,9 +74,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // driver.
 void check_call(const GemvArgs& a) {
   const std::string w = "gemv: ";
-  FUSEDIST_CHECK_ARG(a.m >= 1 && a.m <= kGemvMaxM,
-                     w + "m (rows of x) must be in [1, " + std::to_string(kGemvMaxM) + "], got " +
-                         std::to_string(a.m));
+  const bool x_fp8 = a.x_dtype == DType::kFloat8E4M3;
+  FUSEDIST_CHECK_ARG(a.x_dtype == DType::kBFloat16 || x_fp8,
+                     w + "x_dtype must be bfloat16 or float8_e4m3fn, got " + dtype_name(a.x_dtype));
+  const int max_m = x_fp8 ? kGemvMaxMFp8X : kGemvMaxM;
+  FUSEDIST_CHECK_ARG(a.m >= 1 && a.m <= max_m,
+                     w + "m (rows of x) must be in [1, " + std::to_string(max_m) + "] for " +
+                         dtype_name(a.x_dtype) + " x, got " + std::to_string(a.m));
   FUSEDIST_CHECK_ARG(a.n >= 1, w + "n (rows of w) must be >= 1, got " + std::to_string(a.n));
   FUSEDIST_CHECK_ARG(a.k >= 1, w + "k (columns of x and w) must be >= 1, got " +
                                    std::to_string(a.k));
@@ -84,6 +100,12 @@ void check_call(const GemvArgs& a) {
                          "got " + std::to_string(a.scale_mode));
   FUSEDIST_CHECK_ARG(fp8 || a.scale_mode == kGemvScaleNone,
                      w + "scale_mode: scales are for float8_e4m3fn weights only");
+  FUSEDIST_CHECK_ARG(!x_fp8 || (fp8 && a.scale_mode != kGemvScaleBlock),
+                     w + "an e4m3 x (x_dtype) takes e4m3 weights with tensor or channel scales "
+                         "(or none), not bf16 weights or block scales");
+  FUSEDIST_CHECK_ARG(!x_fp8 || a.stages == kGemvStagesAuto || a.stages == 0,
+                     w + "an e4m3 x runs the register pipeline: stages must be -1 or 0, got " +
+                         std::to_string(a.stages));
   FUSEDIST_CHECK_ARG(a.max_ctas >= 0, w + "max_ctas must be >= 0 (0: all resident CTAs)");
   FUSEDIST_CHECK_ARG(a.stages == kGemvStagesAuto || (a.stages >= 0 && a.stages <= kGemvMaxStages),
                      w + "stages must be -1 (auto), 0 (register pipeline) or 1.." +
@@ -96,7 +118,8 @@ void check_call(const GemvArgs& a) {
 GemvPlan gemv_plan(const GemvArgs& a) {
   check_call(a);
   int stages = stages_of(a);
-  const Variant v = pick(a.w_dtype == DType::kFloat8E4M3, a.m, a.scale_mode, stages > 0);
+  const bool x_fp8 = a.x_dtype == DType::kFloat8E4M3;
+  const Variant v = pick(a.w_dtype == DType::kFloat8E4M3, a.m, a.scale_mode, stages > 0, x_fp8);
   if (stages > 0) {  // as deep as asked, as far as one CTA's shared memory allows
     const int most = std::max(1, (max_dynamic_smem() - kStaticSmemReserve) / v.stage_bytes);
     stages = std::min(stages, most);
@@ -135,9 +158,13 @@ void gemv(const GemvArgs& a, uintptr_t stream) {
   const int wbytes = dtype_size(a.w_dtype);
   FUSEDIST_CHECK_ARG(a.x && a.w && a.out, w + "x, w and out must be non-null");
   FUSEDIST_CHECK_ARG(a.x % 16 == 0 && a.w % 16 == 0, w + "x and w must be 16-byte aligned");
-  FUSEDIST_CHECK_ARG(a.ldx >= a.k && a.ldx % 8 == 0,
-                     w + "ldx (x's row stride) must be >= k and a multiple of 8 elements, got " +
-                         std::to_string(a.ldx));
+  const bool x_fp8 = a.x_dtype == DType::kFloat8E4M3;
+  const int x_per = x_fp8 ? 16 : 8;  // x elements per 16-byte vector
+  FUSEDIST_CHECK_ARG(a.ldx >= a.k && a.ldx % x_per == 0,
+                     w + "ldx (x's row stride) must be >= k and a multiple of " +
+                         std::to_string(x_per) + " elements, got " + std::to_string(a.ldx));
+  FUSEDIST_CHECK_ARG(!x_fp8 || (a.x_scale && a.x_scale % 4 == 0),
+                     w + "an e4m3 x needs x_scale, a non-null aligned float32 [m] pointer");
   FUSEDIST_CHECK_ARG(a.ldw >= a.k && a.ldw * wbytes % 16 == 0,
                      w + "ldw (w's row stride) must be >= k and whole 16-byte vectors, got " +
                          std::to_string(a.ldw));
@@ -165,7 +192,8 @@ void gemv(const GemvArgs& a, uintptr_t stream) {
                            " zeroed int32 (gemv_plan), got " + std::to_string(a.counters_len));
   }
   gemvk::Params p{};
-  p.x = reinterpret_cast<const __nv_bfloat16*>(a.x);
+  p.x = reinterpret_cast<const __nv_bfloat16*>(a.x);  // e4m3 bytes for an e4m3 x
+  p.x_scale = reinterpret_cast<const float*>(a.x_scale);
   p.w = reinterpret_cast<const uint8_t*>(a.w);
   p.scale = reinterpret_cast<const float*>(a.scale);
   p.bias = reinterpret_cast<const __nv_bfloat16*>(a.bias);
@@ -179,7 +207,7 @@ void gemv(const GemvArgs& a, uintptr_t stream) {
                : a.scale_mode == kGemvScaleBlock ? a.scale_ld
                                                  : 0;
   p.m = a.m, p.n = a.n, p.k = a.k;
-  const Variant v = pick(fp8, a.m, a.scale_mode, plan.stages > 0);
+  const Variant v = pick(fp8, a.m, a.scale_mode, plan.stages > 0, x_fp8);
   p.stages = plan.stages;
   p.kunits = int(ceil_div(a.k, v.kunit));
   p.units = plan.units;

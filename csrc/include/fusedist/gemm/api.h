@@ -79,7 +79,11 @@ void gemm_sm90(const SymmComm* comm, uintptr_t x, int64_t ldx, uintptr_t w, int6
 // scale_ld floats apart (>= ceil(k / 128)). The workspace (gemv_plan says how much):
 // `workspace` float32 [workspace_floats], `counters` int32 [counters], zero before the first
 // call and left zero by every call; calls sharing them run one at a time (stream order).
+// x_dtype e4m3 (W8A8, e4m3 w with tensor or channel scales only, the register pipeline):
+// x is e4m3 with x_scale float32 [m] per row, out[m, n] = x_scale[m] * scale * (x_q @ w_q^T),
+// 1 <= m <= kGemvMaxMFp8X.
 constexpr int kGemvMaxM = 16;
+constexpr int kGemvMaxMFp8X = 64;
 constexpr int kGemvScaleBlockSize = 128;
 // Weight pipelines: 0 streams through registers (two units per thread in flight); 1..8 through
 // a ring of that many units (~35 KB each) in shared memory filled by the copy engine; auto: the
@@ -95,12 +99,14 @@ enum GemvScale : int {
 };
 struct GemvArgs {
   uintptr_t x = 0, w = 0, scale = 0, bias = 0, out = 0;
+  uintptr_t x_scale = 0;              // x_dtype e4m3: float32 [m]
   uintptr_t workspace = 0, counters = 0;
   int m = 0, n = 0, k = 0;
   int64_t ldx = 0, ldw = 0, ldo = 0;  // elements between rows
   int64_t scale_ld = 0;               // block scales: floats between scale rows
-  DType dtype = DType::kBFloat16;     // x, bias, out
+  DType dtype = DType::kBFloat16;     // bias, out (and x unless x_dtype says e4m3)
   DType w_dtype = DType::kBFloat16;   // bf16 or float8_e4m3fn
+  DType x_dtype = DType::kBFloat16;   // bf16, or float8_e4m3fn with x_scale (W8A8)
   int scale_mode = kGemvScaleNone;
   int64_t workspace_floats = 0;       // capacities, checked against the plan
   int64_t counters_len = 0;

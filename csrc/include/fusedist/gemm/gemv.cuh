@@ -98,7 +98,8 @@ struct Cfg {
 };
 
 struct Params {
-  const __nv_bfloat16* x;    // [m, ldx]
+  const __nv_bfloat16* x;    // [m, ldx] (kXFp8 kernels: e4m3 bytes)
+  const float* x_scale;      // kXFp8 kernels: [m], multiplies row m of x
   const uint8_t* w;          // [n, ldw_bytes]: bf16 or e4m3
   const float* scale;        // epilogue: scale[n * scale_ld]; block: [n / 128][scale_ld]
   const __nv_bfloat16* bias; // [n] or null
@@ -179,6 +180,9 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 __device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) {
   return *reinterpret_cast<const uint4*>(p);
 }
+__device__ __forceinline__ uint4 ld_x(const uint8_t* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
 
 template <int i>
 __device__ __forceinline__ uint32_t word(const uint4& v) {
@@ -237,14 +241,26 @@ __device__ __forceinline__ void b_regs(const uint4& xv, uint32_t& b0, uint32_t& 
   }
 }
 
-template <bool kFp8, int kMp, bool kBlock, bool kRing>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+// kXFp8 (W8A8): x is e4m3 with a float32 scale per row and e4m3 weights feed the FP8 MMA
+// (m16n8k32) as they are: no widening, half the x bytes, half the MMA instructions per weight byte,
+// so x rows padded to 32 or 64 fit the same weight stream (one CTA of 8 warps per SM: up to 255
+// registers for the 32 or 64 rows' accumulators; two units, 64 KB, in flight). Lane (g, t)'s
+// 16-byte weight vector of rows g / g + 8 is two k32 steps (words 0-1, 2-3), x row 8 mh + g's
+// vector at the same k gives the B registers (words 2s, 2s + 1): A and B agree on k as above.
+// The MMA's own accumulation is not relied on past 128 k: each 128 k's sum is added into the
+// fp32 accumulators (as block scales are), and the epilogue multiplies by x_scale[m].
+template <bool kFp8, int kMp, bool kBlock, bool kRing, bool kXFp8 = false>
+__global__ void __launch_bounds__(kThreads, kXFp8 ? 1 : kMinBlocks)
     gemv_kernel(const __grid_constant__ Params p) {
   using C = Cfg<kFp8, kMp>;
   constexpr int kE = C::kElems, kJ = C::kJ, kG = C::kG, kBN = C::kBN, kRS = C::kRedStride;
   constexpr int kMH = kMp / 8;  // MMAs per k step (8 rows of x each)
   constexpr int kPer = kMp * kBN / kThreads;  // strip elements per thread at a flush
-  static_assert(kMp == 8 || kMp == 16, "x rows are padded to 8 or 16");
+  constexpr bool kPromote = kBlock || kXFp8;  // per-128-k sums added into acc
+  static_assert(kMp == 8 || kMp == 16 || (kXFp8 && (kMp == 32 || kMp == 64)),
+                "x rows are padded to 8 or 16 (32 or 64 with e4m3 x)");
+  static_assert(!kXFp8 || (kFp8 && !kBlock && !kRing && kMp >= 32),
+                "e4m3 x: e4m3 weights with tensor / channel scales, the register pipeline");
   static_assert(kPer >= 1 && kMp * kBN % kThreads == 0, "a flush gives every thread elements");
   __shared__ float red[kWarpsK][kMp][kRS];  // the K-warps' sums at a flush
   __shared__ int s_last;
@@ -302,60 +318,82 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // xs: the x stage of the unit in shared memory (kRing), or 0: x from global memory.
   auto compute = [&](const uint4 (&r)[kG][2][kJ], int strip, int ku, uint32_t xs) {
     float blk[kG][kMH][4];
-    float (&dst)[kG][kMH][4] = kBlock ? blk : acc;
+    float (&dst)[kG][kMH][4] = kPromote ? blk : acc;
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
-      if constexpr (kBlock)
+      if constexpr (kPromote)
         if (j % C::kJBlock == 0) zero(blk);
       const int k = ku * C::kKUnit + kwarp + 4 * j * kE;
-      // x rows g (+ 8) at the k of this lane's vector j, one 16-byte vector (8 k, two k steps)
-      // at a time: bf16 one per vector j, fp8 two.
-#pragma unroll
-      for (int q = 0; q < kE / 8; ++q) {
-        uint4 xv[kMH];
+      if constexpr (kXFp8) {
+        // x rows 8 mh + g at the k of this lane's vector j: 16 e4m3, two k32 steps (A: words
+        // 0-1 and 2-3 of rows g, g + 8), one x vector live at a time.
+        const uint8_t* xb = reinterpret_cast<const uint8_t*>(p.x);
+        const uint4 &lo = r[0][0][j], &hi = r[0][1][j];
+        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y};
+        const uint32_t a1[4] = {lo.z, hi.z, lo.w, hi.w};
 #pragma unroll
         for (int mh = 0; mh < kMH; ++mh) {
           const int m = 8 * mh + g;
-          xv[mh] = make_uint4(0u, 0u, 0u, 0u);
-          if (m < p.m && k < p.k) {
-            if constexpr (kRing)
-              xv[mh] = lds128(xs + m * Ring<kFp8, kMp>::kXPitch + (k + 8 * q - ku * C::kKUnit) * 2);
-            else
-              xv[mh] = ld_x(p.x + int64_t(m) * p.ldx + k + 8 * q);
-          }
+          uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+          if (m < p.m && k < p.k) xv = ld_x(xb + int64_t(m) * p.ldx + k);
+          mma_16832_e4m3(dst[0][mh], a0, xv.x, xv.y);
+          mma_16832_e4m3(dst[0][mh], a1, xv.z, xv.w);
         }
-        auto kstep = [&](auto s_const) {
-          constexpr int s = decltype(s_const)::value;
-          if constexpr (s < C::kSteps) {
-          uint32_t b0[kMH], b1[kMH];
+      } else {
+        // x rows g (+ 8) at the k of this lane's vector j, one 16-byte vector (8 k, two k steps)
+        // at a time: bf16 one per vector j, fp8 two.
 #pragma unroll
-          for (int mh = 0; mh < kMH; ++mh) b_regs<kFp8, s>(xv[mh], b0[mh], b1[mh]);
+        for (int q = 0; q < kE / 8; ++q) {
+          uint4 xv[kMH];
 #pragma unroll
-          for (int gi = 0; gi < kG; ++gi) {
-            uint32_t a[4];
-            a_regs<kFp8, s>(r[gi][0][j], r[gi][1][j], a);
-#pragma unroll
-            for (int mh = 0; mh < kMH; ++mh)
-              mma_16816<__nv_bfloat16>(dst[gi][mh], a, b0[mh], b1[mh]);
+          for (int mh = 0; mh < kMH; ++mh) {
+            const int m = 8 * mh + g;
+            xv[mh] = make_uint4(0u, 0u, 0u, 0u);
+            if (m < p.m && k < p.k) {
+              if constexpr (kRing)
+                xv[mh] = lds128(xs + m * Ring<kFp8, kMp>::kXPitch +
+                                (k + 8 * q - ku * C::kKUnit) * 2);
+              else
+                xv[mh] = ld_x(p.x + int64_t(m) * p.ldx + k + 8 * q);
+            }
           }
+          auto kstep = [&](auto s_const) {
+            constexpr int s = decltype(s_const)::value;
+            if constexpr (s < C::kSteps) {
+              uint32_t b0[kMH], b1[kMH];
+#pragma unroll
+              for (int mh = 0; mh < kMH; ++mh) b_regs<kFp8, s>(xv[mh], b0[mh], b1[mh]);
+#pragma unroll
+              for (int gi = 0; gi < kG; ++gi) {
+                uint32_t a[4];
+                a_regs<kFp8, s>(r[gi][0][j], r[gi][1][j], a);
+#pragma unroll
+                for (int mh = 0; mh < kMH; ++mh)
+                  mma_16816<__nv_bfloat16>(dst[gi][mh], a, b0[mh], b1[mh]);
+              }
+            }
+          };
+          if (q == 0) {
+            kstep(std::integral_constant<int, 0>{});
+            kstep(std::integral_constant<int, 1>{});
+          } else {
+            kstep(std::integral_constant<int, 2>{});
+            kstep(std::integral_constant<int, 3>{});
           }
-        };
-        if (q == 0) {
-          kstep(std::integral_constant<int, 0>{});
-          kstep(std::integral_constant<int, 1>{});
-        } else {
-          kstep(std::integral_constant<int, 2>{});
-          kstep(std::integral_constant<int, 3>{});
         }
       }
-      if constexpr (kBlock) {
+      if constexpr (kPromote) {
         if (j % C::kJBlock == C::kJBlock - 1) {
-          // This warp's rows of the strip and these 128 k lie in one scale block.
-          const int nb = strip * kBN;
-          const int kc = (ku * C::kKUnit + wk * C::kKWarp) / kScaleBlock + j / C::kJBlock;
-          const float sc = nb < p.n && kc * kScaleBlock < p.k
-                               ? p.scale[int64_t(nb / kScaleBlock) * p.scale_ld + kc]
-                               : 0.f;
+          // This warp's rows of the strip and these 128 k lie in one scale block (kBlock);
+          // e4m3 x: the 128 k's sum goes into acc as it is.
+          float sc = 1.f;
+          if constexpr (kBlock) {
+            const int nb = strip * kBN;
+            const int kc = (ku * C::kKUnit + wk * C::kKWarp) / kScaleBlock + j / C::kJBlock;
+            sc = nb < p.n && kc * kScaleBlock < p.k
+                     ? p.scale[int64_t(nb / kScaleBlock) * p.scale_ld + kc]
+                     : 0.f;
+          }
 #pragma unroll
           for (int gi = 0; gi < kG; ++gi)
 #pragma unroll
@@ -371,7 +409,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // Contributors of strip s: CTAs cta_of(s KU) .. cta_of((s + 1) KU - 1); slot 0 of a CTA holds
   // its first strip, slot 1 its last.
   auto slot_of = [&](int cc, int strip) { return 2 * cc + (start(cc) / KU == strip ? 0 : 1); };
-  auto finish = [&](float v, int n) {  // fp32 sum -> scaled, biased, rounded once
+  auto finish = [&](float v, int m, int n) {  // fp32 sum -> scaled, biased, rounded once
+    if constexpr (kXFp8) v *= p.x_scale[m];
     if (p.epi_scale) v *= p.scale[int64_t(n) * p.scale_ld];
     if (p.bias != nullptr) v += __bfloat162float(p.bias[n]);
     return __float2bfloat16_rn(v);
@@ -404,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int idx = tid + i * kThreads, m = idx / kBN, n = strip * kBN + idx % kBN;
-        if (m < p.m && n < p.n) p.out[int64_t(m) * p.ldo + n] = finish(sum[i], n);
+        if (m < p.m && n < p.n) p.out[int64_t(m) * p.ldo + n] = finish(sum[i], m, n);
       }
       return;
     }
@@ -451,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int idx = tid + i * kThreads, m = idx / kBN, n = strip * kBN + idx % kBN;
-      if (m < p.m && n < p.n) p.out[int64_t(m) * p.ldo + n] = finish(sum[i], n);
+      if (m < p.m && n < p.n) p.out[int64_t(m) * p.ldo + n] = finish(sum[i], m, n);
     }
   };
 
