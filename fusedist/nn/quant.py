@@ -529,15 +529,25 @@ def _rowwise_wins(m: int, n: int, k: int, layout: str, capability: tuple) -> boo
             k % 16 == 0 and capability >= (9, 0))
 
 
+# A pre-quantized x of 1..W8A8_GEMV_MAX_M rows takes the W8A8 GEMV (gemv with x_scale=,
+# per-tensor / per-channel weights) instead of row-wise _scaled_mm; 0: never. It stays 0
+# until the GEMV is measured faster there (benchmarks/gemv.py --formats w8a8_channel).
+W8A8_GEMV_MAX_M = 0
+
+
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
                 bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool,
                 blockwise: bool = False) -> str:
     """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
     "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize" (x_dtype FP8:
-    a pre-quantized x, "scaled_mm_rowwise" or "dequantize"). `gemv`: the GEMV op and its kernel
+    a pre-quantized x, "gemv" within W8A8_GEMV_MAX_M rows, "scaled_mm_rowwise" or
+    "dequantize"). `gemv`: the GEMV op and its kernel
     are there for the device; `blockwise`: torch's block-scaled scaled_mm runs there;
     `capability`: the device's (major, minor)."""
     if FP8 is not None and x_dtype == FP8:   # a pre-quantized x with per-token scales
+        if gemv and 0 < m <= W8A8_GEMV_MAX_M and layout != "block" and k % 16 == 0 and \
+                bias_dtype in (None, torch.bfloat16):
+            return "gemv"
         rowwise = m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
             capability >= (9, 0)
         return "scaled_mm_rowwise" if rowwise else "dequantize"

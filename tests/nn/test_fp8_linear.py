@@ -783,6 +783,17 @@ def test_choose_path_prequantized(args, want):
     assert choose_path(*args) == want
 
 
+def test_choose_path_w8a8_gemv(monkeypatch):
+    """With W8A8_GEMV_MAX_M set, a pre-quantized x of up to that many rows takes the W8A8
+    GEMV (per-tensor / per-channel weights, K % 16, a bf16 bias or none, the kernel there)."""
+    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 64)
+    ok = (4096, 4096, "channel", FP8, None, (9, 0), True)
+    assert choose_path(64, *ok) == "gemv" and choose_path(17, *ok) == "gemv"
+    assert choose_path(65, *ok) == "scaled_mm_rowwise"
+    assert choose_path(64, 4096, 4096, "block", FP8, None, (9, 0), True) == "dequantize"
+    assert choose_path(64, 4096, 4096, "tensor", FP8, BF, (9, 0), False) == "scaled_mm_rowwise"
+
+
 def test_takes_fp8_rows(monkeypatch):
     """Where a producer's FP8 output pays: the bf16 x would go through row-wise _scaled_mm
     (device facts stood in for a CUDA device: sm_90 with the GEMV)."""
