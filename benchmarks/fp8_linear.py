@@ -17,6 +17,8 @@ interleaved (benchmarks/_harness.py), x [M, K] bf16:
   channel_gemm row-wise torch._scaled_mm alone, x already quantized (the GEMM's own speed)
   fusedist_gemm fusedist.ops.fp8_gemm (CUTLASS, fp32 promotion every 512 k) on the same xq,
                the same product as channel_gemm (where the build has it)
+  fusedist_block fusedist.ops.fp8_gemm(block=True) (CUTLASS blockwise scaling) with the
+               block weight, x already quantized per token and 128 k (K % 128 == 0)
 TFLOP/s = 2 M N K / time; "vs bf16" = bf16 time / this time (> 1: FP8 faster). Every output
 is checked against float64 on the dequantized weight (rel_err, the largest error over the
 largest reference value) before it is timed. Results: benchmarks/results/<gpu>-w1/
@@ -72,11 +74,18 @@ def run_shape(name, k, n, m, args, Q):
     if not FG.kernel_why_not(xq, cw.data, out, sx, cw.channel_scale):
         steps["fusedist_gemm"] = lambda i: FG.fp8_gemm(xq, sx, cw.data, cw.channel_scale,
                                                        out=out)
+    bw = weights["block"]
+    if k % 128 == 0:
+        xg, sg = Q.quantize_groups(x)
+        if not FG.kernel_why_not(xg, bw.data, out, sg, bw.scale, block=True):
+            steps["fusedist_block"] = lambda i: FG.fp8_gemm(xg, sg, bw.data, bw.scale, out=out,
+                                                            block=True)
     errs = {}
     x64 = x.double()
     for nm, step in steps.items():
+        lay = "block" if nm in ("block", "fusedist_block") else "channel"
         ref = x64 @ (w.double() if nm == "bf16" else
-                     weights["block" if nm == "block" else "channel"].dequantize(torch.float64)).t()
+                     weights[lay].dequantize(torch.float64)).t()
         got = step(0).double()
         errs[nm] = float((got - ref).abs().max() / ref.abs().max())
     paths = {lay: Q.fp8_path(x, weights[lay]) for lay in weights}
@@ -91,11 +100,12 @@ def run_shape(name, k, n, m, args, Q):
 
 
 def markdown(rows) -> str:
-    cols = ("bf16", "channel", "block", "channel_gemm", "fusedist_gemm")
+    cols = ("bf16", "channel", "block", "channel_gemm", "fusedist_gemm", "fusedist_block")
     out = ["fusedist.nn.quant.fp8_linear at prefill sizes beside cuBLAS bf16, one GPU, CUDA "
            "graphs, same run. us per call (TFLOP/s); vs bf16 = bf16 time / this time. channel "
            "and block include the activation quantization; channel_gemm is row-wise "
-           "torch._scaled_mm alone, fusedist_gemm fusedist.ops.fp8_gemm on the same quantized x. "
+           "torch._scaled_mm alone, fusedist_gemm fusedist.ops.fp8_gemm on the same quantized x, "
+           "fusedist_block its block-scaled form on x quantized per token and 128 k. "
            f"Target at M >= 4096: >= {TARGET}x bf16.", "",
            "| shape | M | " + " | ".join(f"{c} us (TFLOP/s)" for c in cols) +
            " | channel vs bf16 | block vs bf16 | block path | max rel_err |",

@@ -637,6 +637,11 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
         y = _gemv(x2, w.data, scale=w.scale, bias=bias)
     elif path == "scaled_mm_rowwise":
         y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
+    elif path == "fp8_gemm" and w.layout == "block":   # x per token and 128 k, 128 x 128 w
+        xq, sx = quantize_groups(x2)
+        y = _fp8_gemm.fp8_gemm(xq, sx, w.data, w.scale, block=True,
+                               bias=None if bias is None else bias.to(torch.bfloat16))
+        y = y.to(x.dtype)
     elif path == "fp8_gemm":
         xq, sx = quantize_rows(x2)
         y = _fp8_gemm_call(xq, sx, w, bias).to(x.dtype)
@@ -684,10 +689,12 @@ def _fp8_linear_prequantized(xq: torch.Tensor, sx: torch.Tensor, w: FP8Weight,
 def _fp8_gemm_call(xq, sx, w: FP8Weight, bias):
     """Path "fp8_gemm" (fusedist.ops.fp8_gemm: CUTLASS on Hopper, its fp32 reference
     elsewhere): per-token x scales x the weight's per-channel scales; bf16 out. Opt-in
-    (path=) until it has been measured against row-wise _scaled_mm."""
+    (path=): measured slower than row-wise _scaled_mm at most shapes (docs/design/fp8.md).
+    Block weights take it from a bf16 x only (quantized per token and 128 k)."""
     if w.channel_scale is None:
-        raise ValueError("fusedist.nn.fp8_linear: path 'fp8_gemm' takes per-tensor or "
-                         "per-channel weights, not block scales")
+        raise ValueError("fusedist.nn.fp8_linear: path 'fp8_gemm' with a pre-quantized x takes "
+                         "per-tensor or per-channel weights; block weights take a bf16 x "
+                         "(quantized per token and 128 k)")
     return _fp8_gemm.fp8_gemm(xq, sx, w.data, w.channel_scale,
                               bias=None if bias is None else bias.to(torch.bfloat16))
 

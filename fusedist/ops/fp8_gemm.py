@@ -4,9 +4,14 @@ scales, fp32 accumulation with promotion.
     xq, sx = fusedist.nn.quant.quantize_rows(x)     # e4m3 [M, K], float32 [M, 1]
     y = fp8_gemm(xq, sx, wq, sw)                    # wq e4m3 [N, K] (an nn.Linear weight), sw [N]
     y = fp8_gemm(xq, sx, wq, sw, bias=b, out=y)
+    xq, sx = fusedist.nn.quant.quantize_groups(x)   # e4m3 [M, K], float32 [M, K / 128]
+    y = fp8_gemm(xq, sx, wq, sw, block=True)        # sw [ceil(N / 128), ceil(K / 128)]
 
 y[M, N] = bf16(sx[m] * sw[n] * sum_k xq[m, k] wq[n, k] + bias[n]): the dequantized product,
-rounded once. Error against float64, per element: 2^-8 |ref| (the bf16 rounding) + (2^-13 +
+rounded once. block=True is the 128 x 128 block-scaled form (Hugging Face `quant_method: fp8`
+weights): sx float32 [M, ceil(K / 128)] scales each token's 128-k groups, sw float32
+[ceil(N / 128), ceil(K / 128)] each 128 x 128 weight block, and each 128-k block's sum is
+multiplied by its two scales and added into fp32. Error against float64, per element: 2^-8 |ref| (the bf16 rounding) + (2^-13 +
 (K + 2) 2^-24) sum_k |x_k w_k|; the 2^-13 term is Hopper's FP8 wgmma, which keeps ~14
 significant bits inside each 512-k interval before the sum is promoted to fp32 (the same
 error as torch._scaled_mm's on H200; tests/ops/test_fp8_gemm.py).
@@ -39,20 +44,32 @@ def _fail(msg: str, exc=ValueError):
     raise exc(f"fusedist.fp8_gemm: {msg}")
 
 
+def _expand_blocks(s: torch.Tensor, rows: int, cols: int, rows_per: int) -> torch.Tensor:
+    """Block scales s [ceil(rows / rows_per), ceil(cols / 128)] as a float32 [rows, cols]
+    multiplier."""
+    return s.float().repeat_interleave(rows_per, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+
+
 def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                        bias: Optional[torch.Tensor] = None,
-                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.bfloat16, block: bool = False
+                       ) -> torch.Tensor:
     """Plain torch: the dequantized operands in fp32 (exact: e4m3 x an fp32 scale), an fp32
     matmul, the bias, one rounding to out_dtype."""
-    x = xq.float() * sx.float().reshape(-1, 1)
-    w = wq.float() * sw.float().reshape(-1, 1)
+    if block:
+        (m, k), n = xq.shape, wq.shape[0]
+        x = xq.float() * _expand_blocks(sx, m, k, 1)
+        w = wq.float() * _expand_blocks(sw, n, k, 128)
+    else:
+        x = xq.float() * sx.float().reshape(-1, 1)
+        w = wq.float() * sw.float().reshape(-1, 1)
     y = x @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
 
 
-def _validate(xq, sx, wq, sw, bias, out) -> None:
+def _validate(xq, sx, wq, sw, bias, out, block=False) -> None:
     fp8 = _dtypes.FP8
     if fp8 is None:
         _fail("this torch has no float8_e4m3fn", TypeError)
@@ -65,7 +82,13 @@ def _validate(xq, sx, wq, sw, bias, out) -> None:
     if wq.shape[1] != K:
         _fail(f"xq is [M={M}, K={K}] but wq is {tuple(wq.shape)}; wq must be [N, K={K}] (an "
               "nn.Linear weight, not its transpose)")
-    for name, t, n in (("sx", sx, M), ("sw", sw, N)):
+    kb = -(-K // 128)
+    if block:
+        for name, t, want in (("sx", sx, (M, kb)), ("sw", sw, (-(-N // 128), kb))):
+            if t.dtype != torch.float32 or tuple(t.shape) != want:
+                _fail(f"{name} must be float32 {list(want)} (block=True: per token x 128 k, "
+                      f"per 128 x 128 weight block), got {tuple(t.shape)} {t.dtype}")
+    for name, t, n in (() if block else (("sx", sx, M), ("sw", sw, N))):
         if t.dtype != torch.float32 or t.numel() != n or t.dim() > 2 or \
                 (t.dim() == 2 and t.shape[1] != 1):
             _fail(f"{name} must be float32 [{n}] (or [{n}, 1]), got {tuple(t.shape)} {t.dtype}")
@@ -79,7 +102,7 @@ def _validate(xq, sx, wq, sw, bias, out) -> None:
             _fail(f"{name} is on {t.device}; every tensor must be on xq's device {dev}")
 
 
-def _args(xq, sx, wq, sw, bias, out):
+def _args(xq, sx, wq, sw, bias, out, block=False):
     C = _ext.load()
     a = C.Fp8GemmArgs()
     M, K = xq.shape
@@ -92,6 +115,7 @@ def _args(xq, sx, wq, sw, bias, out):
     a.bias = bias.data_ptr() if bias is not None else 0
     a.out = out.data_ptr() if out is not None else 0
     a.out_dtype = _dtypes.code(torch.bfloat16)
+    a.block = int(block)
     return a
 
 
@@ -112,43 +136,47 @@ def _host_why_not(xq, wq, out) -> str:
 
 def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,
                    sx: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None,
-                   bias: Optional[torch.Tensor] = None) -> str:
+                   bias: Optional[torch.Tensor] = None, block: bool = False) -> str:
     """Why the CUTLASS kernel cannot take this (valid) call; "" when it can."""
     return _host_why_not(xq, wq, out) or \
-        _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out))
+        _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out, block))
 
 
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, *,
              bias: Optional[torch.Tensor] = None,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [M, N] bf16 = sx[m] sw[n] (xq @ wq.t()) + bias (the module docstring). Also
-    torch.ops.fusedist.fp8_gemm (torch.compile(fullgraph=True))."""
-    _validate(xq, sx, wq, sw, bias, out)
+             out: Optional[torch.Tensor] = None, block: bool = False) -> torch.Tensor:
+    """y [M, N] bf16 = sx[m] sw[n] (xq @ wq.t()) + bias, or with block=True the 128 x 128
+    block-scaled product (the module docstring). Also torch.ops.fusedist.fp8_gemm
+    (torch.compile(fullgraph=True))."""
+    _validate(xq, sx, wq, sw, bias, out, block)
     if out is None:
         out = torch.empty(xq.shape[0], wq.shape[0], dtype=torch.bfloat16, device=xq.device)
     if torch.compiler.is_compiling():
-        torch.ops.fusedist.fp8_gemm(out, xq, sx, wq, sw, bias)
+        torch.ops.fusedist.fp8_gemm(out, xq, sx, wq, sw, bias, block)
     else:
-        _fp8_gemm_impl(out, xq, sx, wq, sw, bias)
+        _fp8_gemm_impl(out, xq, sx, wq, sw, bias, block)
     return out
 
 
-def _fp8_gemm_impl(out, xq, sx, wq, sw, bias) -> None:
+def _fp8_gemm_impl(out, xq, sx, wq, sw, bias, block=False) -> None:
     if xq.shape[0] == 0:
         return
     for name, t in (("xq", xq), ("sx", sx), ("wq", wq), ("sw", sw), ("bias", bias)):
         if t is not None and overlaps(out, t):
             _fail(f"out overlaps {name}; pass a separate out")
-    sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
+    if block:   # the kernel reads both scale tables as contiguous rows
+        sx, sw = sx.contiguous(), sw.contiguous()
+    else:
+        sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
     bias = None if bias is None else bias.contiguous()
     why, args = _host_why_not(xq, wq, out), None
     if not why:   # one argument struct, checked and then launched
-        args = _args(xq, sx, wq, sw, bias, out)
+        args = _args(xq, sx, wq, sw, bias, out, block)
         why = _ext.load().fp8_gemm_why_not(args)
     if why:
         if xq.device.type == "cuda":
             _ext.warn_reference("fp8_gemm", why)
-        out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias))
+        out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias, block=block))
         return
     C = _ext.load()
     stream = torch.cuda.current_stream(xq.device)
@@ -179,10 +207,10 @@ def _workspace(device: torch.device, stream: torch.cuda.Stream, nbytes: int) -> 
 # ---- torch.compile: torch.library registration --------------------------------------------
 @torch.library.custom_op("fusedist::fp8_gemm", mutates_args=("out",))
 def _fp8_gemm_op(out: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
-                 sw: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    _fp8_gemm_impl(out, xq, sx, wq, sw, bias)
+                 sw: torch.Tensor, bias: Optional[torch.Tensor], block: bool = False) -> None:
+    _fp8_gemm_impl(out, xq, sx, wq, sw, bias, block)
 
 
 @_fp8_gemm_op.register_fake
-def _(out, xq, sx, wq, sw, bias):
+def _(out, xq, sx, wq, sw, bias, block=False):
     return None

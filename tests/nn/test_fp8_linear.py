@@ -243,6 +243,27 @@ def test_fp8_gemm_path_w8a8_bound(layout):
     _w8a8_case("fp8_gemm", layout, torch.bfloat16)
 
 
+def test_fp8_gemm_path_block_weights():
+    """path "fp8_gemm" with 128 x 128 block weights: x quantized per token and 128 k
+    (quantize_groups), fusedist.ops.fp8_gemm(block=True) (on the CPU its fp32 reference):
+    within the W8A8 bound taken with each row's amax (a group's scale is at most its row's)."""
+    for i, (n, k) in enumerate([(136, 256), (256, 384)]):
+        w = quantize_fp8(torch.randn(n, k, generator=_gen(i)) * 0.05, "block")
+        w64 = deq64(w)
+        x = (torch.randn(7, k, generator=_gen(20 + i)) *
+             torch.logspace(-3, 1, 7)[:, None]).to(torch.bfloat16)
+        b = torch.randn(n, generator=_gen(40 + i)).to(torch.bfloat16)
+        y = fp8_linear(x, w, b, path="fp8_gemm")
+        ref = x.double() @ w64.t() + b.double()
+        sx = x.float().abs().amax(1, keepdim=True) / 448
+        bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
+            2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
+        assert_within(y, ref, bound, f"fp8_gemm block n={n} k={k}")
+    xq, sx8 = quant.quantize_rows(x)
+    with pytest.raises(ValueError, match="block weights take a bf16 x"):
+        fp8_linear(xq, w, x_scale=sx8, path="fp8_gemm")
+
+
 def _w8a8_case(path, layout, dtype):
     rowwise = path.endswith("rowwise") or path == "fp8_gemm"
     for i, (n, k) in enumerate([(16, 16), (48, 32), (256, 128), (144, 400)]):

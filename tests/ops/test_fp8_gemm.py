@@ -195,3 +195,82 @@ def test_gpu_cuda_graph_and_fallback():
     xq2, sx2, wq2, sw2, _ = _operands(9, 64, 40, 17, "cuda")
     assert "multiple of 16" in F.kernel_why_not(xq2, wq2)
     assert _bad(F.fp8_gemm(xq2, sx2, wq2, sw2), xq2, sx2, wq2, sw2, wgmma=False) == 0
+
+
+# ---- the 128 x 128 block-scaled form (block=True) -----------------------------------------
+def _groups(t: torch.Tensor, rows_per: int):
+    """t [R, K] quantized per (rows_per rows x 128 k) block (partial last blocks included):
+    (e4m3 [R, K], float32 scales [ceil(R / rows_per), ceil(K / 128)])."""
+    r, k = t.shape
+    rb, kb = -(-r // rows_per), -(-k // 128)
+    pad = torch.zeros(rb * rows_per, kb * 128, dtype=torch.float32)
+    pad[:r, :k] = t.float()
+    amax = pad.abs().view(rb, rows_per, kb, 128).amax(dim=(1, 3))
+    s = torch.where(amax == 0, torch.ones_like(amax), amax.clamp_min(1e-30) / 448.0)
+    q = (t.float() / F._expand_blocks(s, r, k, rows_per)).clamp(-448, 448).to(FP8)
+    return q, s
+
+
+def _operands_block(m, n, k, seed, device="cpu"):
+    g = _gen(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m).reshape(-1, 1)
+    w = torch.randn(n, k, generator=g) * 0.02
+    xq, sx = _groups(x, 1)
+    wq, sw = _groups(w, 128)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return [t.to(device) for t in (xq, sx, wq, sw, bias)]
+
+
+def _bad_block(y, xq, sx, wq, sw, bias=None, wgmma=True) -> int:
+    """The module's bound on the block-dequantized operands (each 128-k block's sum is promoted
+    to fp32 after its two scales multiply it: at most 2^-13 of its magnitude lost)."""
+    (m, k), n = xq.shape, wq.shape[0]
+    x = xq.cpu().double() * F._expand_blocks(sx.cpu(), m, k, 1).double()
+    w = wq.cpu().double() * F._expand_blocks(sw.cpu(), n, k, 128).double()
+    ref, mag = x @ w.t(), x.abs() @ w.abs().t()
+    if bias is not None:
+        ref = ref + bias.cpu().double()
+    tol = 2.0 ** -8 * ref.abs() + ((2.0 ** -13 if wgmma else 0.0) + (k + 2) * 2.0 ** -24) * mag
+    return int((~((y.cpu().double() - ref).abs() <= tol)).sum())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 8, 16), (5, 136, 272), (33, 256, 1024)])
+def test_block_reference_path_against_float64(m, n, k):
+    xq, sx, wq, sw, bias = _operands_block(m, n, k, m + n + k)
+    for b in (None, bias):
+        y = F.fp8_gemm(xq, sx, wq, sw, bias=b, block=True)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert _bad_block(y, xq, sx, wq, sw, b, wgmma=False) == 0
+
+
+def test_block_bad_scales_name_the_fix():
+    xq, sx, wq, sw, _ = _operands_block(4, 136, 272, 1)
+    with pytest.raises(ValueError, match=r"sx must be float32 \[4, 3\] \(block=True"):
+        F.fp8_gemm(xq, sx[:, :2], wq, sw, block=True)
+    with pytest.raises(ValueError, match=r"sw must be float32 \[2, 3\]"):
+        F.fp8_gemm(xq, sx, wq, sw.t().contiguous(), block=True)
+    with pytest.raises(ValueError, match=r"sx must be float32 \[4\]"):
+        F.fp8_gemm(xq, sx, wq, sw)                      # block scales without block=True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (17, 1000, 2064), (300, 6144, 4096),
+                                   (4096, 4096, 4096), (129, 128, 14336), (5, 136, 272)])
+def test_gpu_block_against_float64(m, n, k):
+    """The CUTLASS blockwise-scaling kernel: odd M, partial 128-blocks along N and K, bias,
+    poisoned out, reproducible, in a CUDA graph."""
+    _kernel()
+    xq, sx, wq, sw, bias = _operands_block(m, n, k, m * 3 + n + k, "cuda")
+    assert not F.kernel_why_not(xq, wq, None, sx, sw, bias, block=True)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        F.fp8_gemm(xq, sx, wq, sw, bias=b, out=out, block=True)
+        assert _bad_block(out, xq, sx, wq, sw, b) == 0, f"bias={b is not None}"
+        assert torch.equal(out, F.fp8_gemm(xq, sx, wq, sw, bias=b, block=True))
+    g = torch.cuda.CUDAGraph()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.graph(g):
+        F.fp8_gemm(xq, sx, wq, sw, bias=bias, out=out, block=True)
+    g.replay()
+    torch.cuda.synchronize()
+    assert _bad_block(out, xq, sx, wq, sw, bias) == 0

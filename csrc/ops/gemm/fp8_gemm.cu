@@ -11,6 +11,11 @@
 
 namespace fusedist {
 
+// The block-scaled form's workspace size and launch (csrc/ops/gemm/fp8_gemm_block.cu, its own
+// translation unit: a second CUTLASS kernel compiles in parallel with this one).
+int64_t fp8_gemm_block_workspace(const Fp8GemmArgs& a);
+void fp8_gemm_block_run(const Fp8GemmArgs& a, cudaStream_t stream);
+
 std::string fp8_gemm_why_not(const Fp8GemmArgs& a) {
   const std::string w = "fp8_gemm: ";
   if (a.out_dtype != DType::kBFloat16)
@@ -27,6 +32,9 @@ std::string fp8_gemm_why_not(const Fp8GemmArgs& a) {
            std::to_string(a.ldw) + ", ldo=" + std::to_string(a.ldo);
   if ((a.xq | a.wq | a.out) % 16 || (a.sx | a.sw) % 16 || a.bias % 16)
     return w + "xq, wq, out, sx, sw and bias must be 16-byte aligned";
+  if (a.block != 0 && a.block != 1)
+    return w + "block must be 0 (per-token x per-channel scales) or 1 (128 x 128 blocks), got " +
+           std::to_string(a.block);
   return "";
 }
 
@@ -77,6 +85,7 @@ int64_t fp8_gemm_workspace_size(const Fp8GemmArgs& a) {
   const std::string why = fp8_gemm_why_not(a);
   FUSEDIST_CHECK_ARG(why.empty(), why);
   if (a.m == 0) return 0;
+  if (a.block) return fp8_gemm_block_workspace(a);
   return int64_t(Gemm::get_workspace_size(gemm_arguments(a)));
 }
 
@@ -86,6 +95,10 @@ void fp8_gemm(const Fp8GemmArgs& a, uintptr_t stream) {
   FUSEDIST_CHECK_ARG(a.xq && a.wq && a.sx && a.sw && a.out,
                      "fp8_gemm: xq, wq, sx, sw and out must be non-null");
   if (a.m == 0) return;
+  if (a.block) {
+    fp8_gemm_block_run(a, reinterpret_cast<cudaStream_t>(stream));
+    return;
+  }
   auto args = gemm_arguments(a);
   Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);

@@ -139,6 +139,9 @@ struct Fp8GemmArgs {
   int64_t ldx = 0, ldw = 0, ldo = 0;
   DType out_dtype = DType::kBFloat16;
   int sms = 0;  // persistent CTAs; 0: the device's SM count
+  // block = 1: the 128 x 128 block-scaled form (fp8_gemm_sm90.cuh Fp8GemmBlockSm90): sx float32
+  // [m, ceil(k / 128)] and sw float32 [ceil(n / 128), ceil(k / 128)], both contiguous.
+  int block = 0;
   // Stream-K partial tiles and their flags: fp8_gemm_workspace_size(args) bytes, 16-byte
   // aligned; calls sharing a workspace run one at a time (stream order).
   uintptr_t workspace = 0;
