@@ -86,6 +86,53 @@ def test_prefill_cpu_rejects_a_page_outside_the_cache(page):
         A.prefill(q, kc, vc, bt, lens, cu)
 
 
+@pytest.mark.parametrize("case", ["one run", "out=", "two runs", "fresh", "fp8 cache"])
+def test_prefill_sdpa_path_poisons_the_bad_rows(case):
+    """The SDPA path's poisoning of the rows a plan's device check marked bad (on CUDA the
+    check kernel's mask; stood in for here on CPU tensors): those sequences' rows are NaN, the
+    others bit for bit the unpoisoned result, whether the output is SDPA's own (one run), the
+    caller's out=, assembled from several runs, read from fresh K/V, or rounded from the fp32
+    SDPA of an FP8 cache."""
+    fp8 = case == "fp8 cache"
+    kc, vc = _cache("cpu", pages=16)
+    kw = {}
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        kw = dict(k_scale=torch.rand(16, PS, Hkv) + 0.5, v_scale=torch.rand(16, PS, Hkv) + 0.5)
+    g = torch.Generator().manual_seed(8)
+    if case == "two runs":
+        ns, Ls = [3, 3, 5], [20, 20, 36]     # runs: sequences 0-1 (3 / 20), sequence 2 (5 / 36)
+    elif case == "fresh":
+        ns, Ls = [6, 6], [6, 6]
+    else:
+        ns, Ls = [4, 4], [30, 30]
+    T = sum(ns)
+    q = torch.randn((T, Hq, D), generator=g).to(torch.bfloat16)
+    bt = torch.arange(len(ns) * 4, dtype=torch.int32).view(len(ns), 4)
+    lens = torch.tensor(Ls, dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor(ns).cumsum(0)), dtype=torch.int32)
+    if case == "fresh":
+        kw = dict(k_new=torch.randn((T, Hkv, D), generator=g).to(torch.bfloat16),
+                  v_new=torch.randn((T, Hkv, D), generator=g).to(torch.bfloat16))
+
+    def run(bad_rows, out=None):
+        plan = A.prefill_plan(bt, lens, cu, tokens=T, page_size=PS, num_pages=16)
+        if bad_rows is not None:
+            plan.bad = torch.tensor(bad_rows)
+        return A.prefill(q, kc, vc, bt, lens, cu, plan=plan, backend="sdpa", out=out, **kw)
+
+    clean = run(None).clone()
+    bad = [False] * len(ns)
+    bad[-1] = True
+    out = torch.zeros_like(q) if case == "out=" else None
+    got = run(bad, out)
+    if out is not None:
+        assert got is out
+    last = int(cu[-2])
+    assert torch.isnan(got[last:].float()).all()
+    assert torch.equal(got[:last], clean[:last])
+
+
 def _rope_inputs(device, T=6, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(11)
     q = torch.randn((T, Hq, D), generator=g).to(device, dtype)
