@@ -86,6 +86,58 @@ def test_prefill_cpu_rejects_a_page_outside_the_cache(page):
         A.prefill(q, kc, vc, bt, lens, cu)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["one run", "out=", "two runs", "fresh", "fp8 cache"])
+def test_prefill_sdpa_path_poisons_the_bad_rows(case, device):
+    """The SDPA path's poisoning of the rows a plan's device check marked bad (the check
+    kernel's mask on CUDA; the same mask stood in for here, on CPU tensors too): those
+    sequences' rows are NaN, the others bit for bit the unpoisoned result, whether the output
+    is SDPA's own (one run), the caller's out=, assembled from several runs, read from fresh
+    K/V, or rounded from the fp32 SDPA of an FP8 cache."""
+    fp8 = case == "fp8 cache"
+    kc, vc = _cache(device, pages=16)
+    kw = {}
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+        kw = dict(k_scale=torch.rand(16, PS, Hkv, device=device) + 0.5,
+                  v_scale=torch.rand(16, PS, Hkv, device=device) + 0.5)
+    g = torch.Generator().manual_seed(8)
+    if case == "two runs":
+        ns, Ls = [3, 3, 5], [20, 20, 36]     # runs: sequences 0-1 (3 / 20), sequence 2 (5 / 36)
+    elif case == "fresh":
+        ns, Ls = [6, 6], [6, 6]
+    else:
+        ns, Ls = [4, 4], [30, 30]
+    T = sum(ns)
+    q = torch.randn((T, Hq, D), generator=g).to(device, torch.bfloat16)
+    bt = torch.arange(len(ns) * 4, dtype=torch.int32, device=device).view(len(ns), 4)
+    lens = torch.tensor(Ls, dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32,
+                      device=device)
+    if case == "fresh":
+        kw = dict(k_new=torch.randn((T, Hkv, D), generator=g).to(device, torch.bfloat16),
+                  v_new=torch.randn((T, Hkv, D), generator=g).to(device, torch.bfloat16))
+
+    def run(bad_rows, out=None):
+        plan = A.prefill_plan(bt, lens, cu, tokens=T, page_size=PS, num_pages=16,
+                              seq_lens_host=Ls, cu_seqlens_q_host=cu.tolist())
+        plan.bad = None if bad_rows is None else torch.tensor(bad_rows, device=device)
+        return A.prefill(q, kc, vc, bt, lens, cu, plan=plan, backend="sdpa", out=out, **kw)
+
+    clean = run(None).clone()
+    bad = [False] * len(ns)
+    bad[-1] = True
+    out = torch.zeros_like(q) if case == "out=" else None
+    got = run(bad, out)
+    if out is not None:
+        assert got is out
+    last = int(cu[-2])
+    assert torch.isnan(got[last:].float()).all()
+    assert torch.equal(got[:last], clean[:last])
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _rope_inputs(device, T=6, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(11)
     q = torch.randn((T, Hq, D), generator=g).to(device, dtype)

@@ -244,13 +244,19 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
         o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
             sdpa._reference_chunk(qb, k, v, scale)
-        if bad is not None:   # in place: o is this call's own result (no second copy)
-            o.masked_fill_(bad[f:l, None, None, None], float("nan"))
-        if out is None and len(runs) == 1 and o.dtype == q.dtype:
-            return o.reshape(q.shape)   # one call covered every sequence: one copy
+        whole = out is None and len(runs) == 1 and o.dtype == q.dtype
+        if whole and bad is None:
+            return o.reshape(q.shape)   # one call covered every sequence: SDPA's own output
         if out is None:
             out = torch.empty_like(q)
-        out[a:e].unflatten(0, (B, n)).copy_(o)
+        dst = out[a:e].unflatten(0, (B, n))
+        if bad is None:
+            dst.copy_(o)
+        elif o.dtype == dst.dtype:   # bad rows NaN in the pass that lays o out as [T, H, D]
+            torch.where(bad[f:l, None, None, None], o.new_full((), float("nan")), o, out=dst)
+        else:   # fp32 SDPA of an FP8 cache: rounded to q's dtype, then the bad rows
+            dst.copy_(o)
+            dst.masked_fill_(bad[f:l, None, None, None], float("nan"))
     return out
 
 
