@@ -119,6 +119,7 @@ void register_gemm(py::module_& m) {
       .def_readwrite("sms", &Fp8GemmArgs::sms)
       .def_readwrite("workspace", &Fp8GemmArgs::workspace)
       .def_readwrite("workspace_bytes", &Fp8GemmArgs::workspace_bytes)
+      .def_readwrite("block", &Fp8GemmArgs::block)
       .def_property(
           "out_dtype", [](const Fp8GemmArgs& a) { return int(a.out_dtype); },
           [](Fp8GemmArgs& a, int v) { a.out_dtype = DType(v); });

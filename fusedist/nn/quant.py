@@ -554,6 +554,9 @@ def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
     if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
             bias_dtype in (None, x_dtype) and not _rowwise_wins(m, n, k, layout, capability):
         return "gemv"
+    if gemv and GEMV_MAX_M < m <= W8A8_GEMV_MAX_M and x_dtype == torch.bfloat16 and \
+            layout != "block" and k % 16 == 0 and bias_dtype in (None, x_dtype):
+        return "gemv_w8a8"   # x quantized per token (quantize_rows), then the W8A8 GEMV
     if blockwise and m > 0 and layout == "block" and x_dtype == torch.bfloat16 and \
             blockwise_shape_ok(n, k) and bias_dtype in (None, x_dtype):
         return "scaled_mm_block"
@@ -589,7 +592,7 @@ def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,
     cap, gemv, blockwise = _device_facts(device)
     return choose_path(m, w.shape[0], w.shape[1], w.layout, x_dtype,
                        None if bias is None else bias.dtype, cap, gemv,
-                       blockwise) == "scaled_mm_rowwise"
+                       blockwise) in ("scaled_mm_rowwise", "gemv_w8a8")
 
 
 def _check_x_scale(x: torch.Tensor, x_scale: Optional[torch.Tensor]) -> bool:
@@ -637,6 +640,9 @@ def fp8_linear(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = Non
         y = _gemv(x2, w.data, scale=w.scale, bias=bias)
     elif path == "scaled_mm_rowwise":
         y = scaled_mm_rowwise(x2, w.data, w.channel_scale, bias)
+    elif path == "gemv_w8a8":
+        xq, sx = quantize_rows(x2)
+        y = _fp8_linear_prequantized(xq, sx, w, bias, "gemv").to(x.dtype)
     elif path == "fp8_gemm" and w.layout == "block":   # x per token and 128 k, 128 x 128 w
         xq, sx = quantize_groups(x2)
         y = _fp8_gemm.fp8_gemm(xq, sx, w.data, w.scale, block=True,

@@ -673,7 +673,8 @@ def test_gpu_paths_against_float64(layout, m):
     b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
     ref = x.double() @ w64.t() + b.double()
     path = quant.fp8_path(x.to(dev), w, b.to(dev))
-    paths = {path, "dequantize"} | ({"fp8_gemm"} if layout != "block" else set())
+    paths = {path, "dequantize"} | ({"fp8_gemm"} if layout != "block" else set()) | \
+        ({"gemv_w8a8"} if layout != "block" and 16 < m <= 64 and quant._gemv else set())
     for p in sorted(paths):
         xd, bd = x.to(dev), b.to(dev)
         y = fp8_linear(xd, w, bd, path=p)
@@ -683,10 +684,9 @@ def test_gpu_paths_against_float64(layout, m):
             out.copy_(fp8_linear(xd, w, bd, path=p))
         graph.replay()
         torch.cuda.synchronize()
-        if p.startswith("scaled_mm") or p == "fp8_gemm":
+        if p.startswith("scaled_mm") or p in ("fp8_gemm", "gemv_w8a8"):
             xa = x.float().abs()
-            sx = (xa.amax(1, keepdim=True) if p.endswith("rowwise") or p == "fp8_gemm"
-                  else xa.amax()) / 448
+            sx = (xa.amax() if p == "scaled_mm_tensor" else xa.amax(1, keepdim=True)) / 448
             bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
                 2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
         elif p == "dequantize":   # the weight rounded to bf16 first: 2^-9 relative more
@@ -819,6 +819,11 @@ def test_prequantized_x_errors():
         quantize_fp8(torch.randn(16, 32), "block"), x_scale=sx, path="gemv")
     y = fp8_linear(xq, w, x_scale=sx, path="gemv")     # the W8A8 GEMV (CPU: its reference)
     assert torch.equal(y, fp8_linear(xq, w, x_scale=sx, path="reference"))
+    x = xq.float() * sx.reshape(-1, 1)     # a bf16 x: quantize_rows, then the same GEMV
+    xb = x.to(torch.bfloat16)
+    q2, s2 = quant.quantize_rows(xb)
+    assert torch.equal(fp8_linear(xb, w, path="gemv_w8a8"),
+                       fp8_linear(q2, w, x_scale=s2, path="gemv").to(torch.bfloat16))
     bad("not block scales", xq, quantize_fp8(torch.randn(16, 32), "block"), x_scale=sx,
         path="scaled_mm_rowwise")
     with pytest.raises(ValueError, match="needs an FP8Weight"):
@@ -861,6 +866,17 @@ def test_choose_path_w8a8_gemv(monkeypatch):
     assert choose_path(65, *ok) == "scaled_mm_rowwise"
     assert choose_path(64, 4096, 4096, "block", FP8, None, (9, 0), True) == "dequantize"
     assert choose_path(64, 4096, 4096, "tensor", FP8, BF, (9, 0), False) == "scaled_mm_rowwise"
+    # a bf16 x past the GEMV's 16 rows: quantized per token, then the W8A8 GEMV
+    bf = (4096, 4096, "channel", BF, None, (9, 0), True)
+    assert choose_path(17, *bf) == "gemv_w8a8" and choose_path(64, *bf) == "gemv_w8a8"
+    assert choose_path(16, *bf) == "gemv" and choose_path(65, *bf) == "scaled_mm_rowwise"
+    assert choose_path(32, 4096, 4096, "block", BF, None, (9, 0), True, True) == \
+        "scaled_mm_block"
+    assert choose_path(32, 4096, 4096, "channel", BF, None, (9, 0), False) == \
+        "scaled_mm_rowwise"
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    ch = FP8Weight.empty(4096, 4096, "channel")
+    assert quant.takes_fp8_rows(32, ch, torch.device("cuda", 0))   # the producer writes e4m3
 
 
 def test_takes_fp8_rows(monkeypatch):

@@ -94,6 +94,20 @@ def test_bad_arguments_name_the_fix():
     assert F.kernel_why_not(xq, wq).startswith("tensors on cpu")
 
 
+def test_binding_carries_every_argument_to_the_host_check():
+    """The host-side check behind the kernel runs without a GPU: every field _args sets
+    reaches it (a field missing from the binding fails here, not first on a GPU)."""
+    from fusedist import _ext
+    if not _ext.available() or not hasattr(_ext.load(), "fp8_gemm_why_not"):
+        pytest.skip("fusedist._C built without fp8_gemm")
+    xq, sx, wq, sw, bias = _operands(4, 128, 256, 7)
+    for block in (False, True):
+        a = F._args(xq, sx, wq, sw, bias, None, block=block)
+        assert a.block == int(block) and (a.m, a.n, a.k) == (4, 128, 256)
+    a.block = 2
+    assert "block must be 0" in _ext.load().fp8_gemm_why_not(a)
+
+
 def test_out_overlapping_an_input_is_refused():
     xq, sx, wq, sw, _ = _operands(4, 16, 32, 6)
     buf = torch.zeros(4 * 16 * 2, dtype=torch.uint8)            # out's bytes
