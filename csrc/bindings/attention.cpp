@@ -95,6 +95,18 @@ void register_attention(py::module_& m) {
       .def_readwrite("num_pages", &PagedCheckArgs::num_pages)
       .def_readwrite("op", &PagedCheckArgs::op);
   m.def("paged_check", &paged_check, py::arg("args"), py::arg("stream"));
+  py::class_<PoisonRowsArgs>(m, "PoisonRowsArgs",
+                             "NaN into the rows of the sequences paged_check marked bad")
+      .def(py::init<>())
+      .def_readwrite("bad_rows", &PoisonRowsArgs::bad_rows)
+      .def_readwrite("out", &PoisonRowsArgs::out)
+      .def_readwrite("token_stride", &PoisonRowsArgs::token_stride)
+      .def_readwrite("row_bytes", &PoisonRowsArgs::row_bytes)
+      .def_readwrite("seqs", &PoisonRowsArgs::seqs)
+      .def_readwrite("tokens", &PoisonRowsArgs::tokens)
+      .def_readwrite("elem_bytes", &PoisonRowsArgs::elem_bytes)
+      .def_readwrite("nan_bits", &PoisonRowsArgs::nan_bits);
+  m.def("poison_rows", &poison_rows, py::arg("args"), py::arg("stream"));
   m.attr("OP_ERROR_RECORD_BYTES") = int(sizeof(OpErrorRecord));
   m.def(
       "attention_decode_ctas_per_sm",

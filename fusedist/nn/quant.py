@@ -352,9 +352,9 @@ def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, 
     m, k = x.shape
     if k % group:
         _fail(f"quantize_groups: K = {k} must be a multiple of the group size {group}")
-    xf = x.float().view(m, k // group, group)
-    s = _scale_of(xf.abs().amax(-1))
-    return _to_fp8(xf / s[..., None]).view(m, k), s
+    # each group a row of quantize_rows (its kernel on CUDA, one pass over x)
+    q, s = quantize_rows(x.unflatten(-1, (k // group, group)))
+    return q.view(m, k), s.view(m, k // group)
 
 
 # ---- the GEMM ------------------------------------------------------------------------------
@@ -529,23 +529,45 @@ def _rowwise_wins(m: int, n: int, k: int, layout: str, capability: tuple) -> boo
             k % 16 == 0 and capability >= (9, 0))
 
 
-# A pre-quantized x of 1..W8A8_GEMV_MAX_M rows takes the W8A8 GEMV (gemv with x_scale=,
-# per-tensor / per-channel weights) instead of row-wise _scaled_mm; 0: never. It stays 0
-# until the GEMV is measured faster there (benchmarks/gemv.py --formats w8a8_channel).
-W8A8_GEMV_MAX_M = 0
+# Where the W8A8 GEMV (gemv with x_scale=: e4m3 x into the FP8 MMA, per-tensor / per-channel
+# weights) replaces row-wise _scaled_mm: 17..W8A8_GEMV_MAX_M rows of a projection with at
+# most W8A8_GEMV_MAX_N outputs, a pre-quantized x as it is and a bf16 x after quantize_rows
+# (path "gemv_w8a8"). Measured on one H200 (benchmarks/gemv.py --formats w8a8_channel, the
+# same x_q into both): Llama-3-8B o and down at 17 and 32 rows 1.06-1.19x; qkv (N = 6144)
+# 0.89-1.00x and gate|up (N = 28672) 0.72-0.76x; every shape at 64 rows 0.30-0.62x (x's
+# fragments are reloaded for every 16 weight rows: a warp's MMA work grows with M, its
+# weight bytes do not). W8A8_GEMV_MAX_M = 0 turns it off.
+W8A8_GEMV_MAX_M = 32
+W8A8_GEMV_MAX_N = 4096
+
+
+def _w8a8_gemv_wins(m: int, n: int) -> bool:
+    return GEMV_MAX_M < m <= W8A8_GEMV_MAX_M and n <= W8A8_GEMV_MAX_N
+
+
+_FP8_GEMM: dict = {}   # device index -> fusedist.ops.fp8_gemm's kernel runs there
+
+
+def _fp8_gemm_runs(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _FP8_GEMM.get(idx)
+    if ok is None:
+        ok = _FP8_GEMM[idx] = _fp8_gemm.kernel_available(torch.device("cuda", idx))
+    return ok
 
 
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
                 bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool,
-                blockwise: bool = False) -> str:
+                blockwise: bool = False, fp8_gemm: bool = False) -> str:
     """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
     "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize" (x_dtype FP8:
     a pre-quantized x, "gemv" within W8A8_GEMV_MAX_M rows, "scaled_mm_rowwise" or
     "dequantize"). `gemv`: the GEMV op and its kernel
     are there for the device; `blockwise`: torch's block-scaled scaled_mm runs there;
-    `capability`: the device's (major, minor)."""
+    `fp8_gemm`: fusedist.ops.fp8_gemm's kernel runs there; `capability`: the device's
+    (major, minor)."""
     if FP8 is not None and x_dtype == FP8:   # a pre-quantized x with per-token scales
-        if gemv and 0 < m <= W8A8_GEMV_MAX_M and layout != "block" and k % 16 == 0 and \
+        if gemv and _w8a8_gemv_wins(m, n) and layout != "block" and k % 16 == 0 and \
                 bias_dtype in (None, torch.bfloat16):
             return "gemv"
         rowwise = m > 0 and layout != "block" and n % 16 == 0 and k % 16 == 0 and \
@@ -554,9 +576,12 @@ def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
     if gemv and 0 < m <= GEMV_MAX_M and x_dtype == torch.bfloat16 and k % 16 == 0 and \
             bias_dtype in (None, x_dtype) and not _rowwise_wins(m, n, k, layout, capability):
         return "gemv"
-    if gemv and GEMV_MAX_M < m <= W8A8_GEMV_MAX_M and x_dtype == torch.bfloat16 and \
+    if gemv and _w8a8_gemv_wins(m, n) and x_dtype == torch.bfloat16 and \
             layout != "block" and k % 16 == 0 and bias_dtype in (None, x_dtype):
         return "gemv_w8a8"   # x quantized per token (quantize_rows), then the W8A8 GEMV
+    if fp8_gemm and m > 0 and layout == "block" and x_dtype == torch.bfloat16 and \
+            k % BLOCK == 0 and n % 8 == 0 and bias_dtype in (None, x_dtype):
+        return "fp8_gemm"    # x per token and 128 k (quantize_groups), the CUTLASS kernel
     if blockwise and m > 0 and layout == "block" and x_dtype == torch.bfloat16 and \
             blockwise_shape_ok(n, k) and bias_dtype in (None, x_dtype):
         return "scaled_mm_block"
@@ -576,7 +601,8 @@ def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None)
         return "reference"
     cap, gemv, blockwise = _device_facts(x.device)
     return choose_path(x.shape[0], w.shape[0], w.shape[1], w.layout, x.dtype,
-                       None if bias is None else bias.dtype, cap, gemv, blockwise)
+                       None if bias is None else bias.dtype, cap, gemv, blockwise,
+                       w.layout == "block" and _fp8_gemm_runs(x.device))
 
 
 def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,

@@ -134,6 +134,13 @@ def _host_why_not(xq, wq, out) -> str:
     return ""
 
 
+def kernel_available(device) -> bool:
+    """Whether the CUTLASS kernel runs on this CUDA device (built in, a Hopper GPU)."""
+    device = torch.device(device)
+    return device.type == "cuda" and _ext.available() and \
+        hasattr(_ext.load(), "fp8_gemm") and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,
                    sx: Optional[torch.Tensor] = None, sw: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None, block: bool = False) -> str:

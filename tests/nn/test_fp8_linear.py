@@ -352,7 +352,15 @@ BF, HF = torch.bfloat16, torch.float16
     ((8, 28672, 4096, "channel", BF, None, (9, 0), True), "gemv"),
     ((16, 28672, 4096, "block", BF, None, (9, 0), True), "gemv"),           # no row-wise form
     ((16, 28672, 8192, "channel", BF, None, (9, 0), True), "gemv"),
-    ((17, 4096, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),
+    ((17, 4096, 4096, "channel", BF, None, (9, 0), True), "gemv_w8a8"),         # measured
+    ((32, 4096, 14336, "channel", BF, None, (9, 0), True), "gemv_w8a8"),
+    ((33, 4096, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),
+    ((17, 6144, 4096, "channel", BF, None, (9, 0), True), "scaled_mm_rowwise"),   # N > 4096
+    ((17, 4096, 4096, "block", BF, None, (9, 0), True, False, True), "fp8_gemm"),
+    ((4096, 4096, 4096, "block", BF, BF, (9, 0), True, True, True), "fp8_gemm"),
+    ((64, 4096, 4160, "block", BF, None, (9, 0), True, True, True), "dequantize"),  # K % 128
+    ((64, 4100, 4096, "block", BF, None, (9, 0), True, False, True), "dequantize"),  # N % 8
+    ((64, 4096, 4096, "block", BF, None, (9, 0), True, True, False), "scaled_mm_block"),
     ((1, 4096, 4096, "channel", BF, None, (9, 0), False), "scaled_mm_rowwise"),   # no GEMV
     ((64, 4096, 4096, "tensor", BF, None, (9, 0), True), "scaled_mm_rowwise"),   # per token
     ((64, 4096, 4096, "tensor", BF, None, (8, 9), True), "scaled_mm_tensor"),
@@ -846,7 +854,12 @@ def test_linear_takes_fp8_rows(layout):
 
 
 @pytest.mark.parametrize("args,want", [
-    ((1, 4096, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),  # never gemv
+    ((1, 4096, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),  # GEMV's rows
+    ((17, 4096, 4096, "channel", FP8, None, (9, 0), True), "gemv"),     # the W8A8 GEMV
+    ((32, 4096, 4096, "tensor", FP8, BF, (9, 0), True), "gemv"),
+    ((33, 4096, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),
+    ((17, 6144, 4096, "channel", FP8, None, (9, 0), True), "scaled_mm_rowwise"),
+    ((17, 4096, 4096, "channel", FP8, None, (9, 0), False), "scaled_mm_rowwise"),  # no GEMV
     ((64, 4096, 4096, "tensor", FP8, BF, (9, 0), True), "scaled_mm_rowwise"),
     ((64, 4096, 4096, "block", FP8, None, (9, 0), True), "dequantize"),
     ((64, 4096, 4104, "channel", FP8, None, (9, 0), True), "dequantize"),   # K % 16
@@ -858,25 +871,23 @@ def test_choose_path_prequantized(args, want):
 
 
 def test_choose_path_w8a8_gemv(monkeypatch):
-    """With W8A8_GEMV_MAX_M set, a pre-quantized x of up to that many rows takes the W8A8
-    GEMV (per-tensor / per-channel weights, K % 16, a bf16 bias or none, the kernel there)."""
+    """W8A8_GEMV_MAX_M / _N bound where the W8A8 GEMV is taken (a pre-quantized x as it is,
+    a bf16 x after quantize_rows); W8A8_GEMV_MAX_M = 0 turns it off."""
     monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 64)
-    ok = (4096, 4096, "channel", FP8, None, (9, 0), True)
+    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_N", 8192)
+    ok = (8192, 4096, "channel", FP8, None, (9, 0), True)
     assert choose_path(64, *ok) == "gemv" and choose_path(17, *ok) == "gemv"
     assert choose_path(65, *ok) == "scaled_mm_rowwise"
     assert choose_path(64, 4096, 4096, "block", FP8, None, (9, 0), True) == "dequantize"
-    assert choose_path(64, 4096, 4096, "tensor", FP8, BF, (9, 0), False) == "scaled_mm_rowwise"
-    # a bf16 x past the GEMV's 16 rows: quantized per token, then the W8A8 GEMV
-    bf = (4096, 4096, "channel", BF, None, (9, 0), True)
+    bf = (8192, 4096, "channel", BF, None, (9, 0), True)
     assert choose_path(17, *bf) == "gemv_w8a8" and choose_path(64, *bf) == "gemv_w8a8"
     assert choose_path(16, *bf) == "gemv" and choose_path(65, *bf) == "scaled_mm_rowwise"
-    assert choose_path(32, 4096, 4096, "block", BF, None, (9, 0), True, True) == \
-        "scaled_mm_block"
-    assert choose_path(32, 4096, 4096, "channel", BF, None, (9, 0), False) == \
-        "scaled_mm_rowwise"
     monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
     ch = FP8Weight.empty(4096, 4096, "channel")
     assert quant.takes_fp8_rows(32, ch, torch.device("cuda", 0))   # the producer writes e4m3
+    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 0)
+    assert choose_path(17, *ok) == "scaled_mm_rowwise"
+    assert choose_path(17, *bf) == "scaled_mm_rowwise"
 
 
 def test_takes_fp8_rows(monkeypatch):
@@ -905,6 +916,44 @@ def test_prequantized_rowwise_is_the_same_gemm(layout):
     xq, sx = quant.quantize_rows(x)
     y_pre = fp8_linear(xq, w, x_scale=sx, path="scaled_mm_rowwise")
     assert torch.equal(y_pre, fp8_linear(x, w, path="scaled_mm_rowwise"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("m", [17, 300])
+def test_gpu_block_weights_take_fp8_gemm(m):
+    """Block weights past the GEMV's rows with K % 128 == 0 on Hopper: x quantized per token
+    and 128 k by the quantize_rows kernel, fusedist.ops.fp8_gemm(block=True); within the W8A8
+    bound taken with each row's amax (a group's scale is at most its row's), eager and
+    replayed in a CUDA graph, and the quantized x the same bits as the CPU's."""
+    dev = torch.device("cuda")
+    n, k = 4096 + 136, 2048
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(m)) * 0.02, "block").to(dev)
+    w64 = deq64(w.to("cpu"))
+    x = (torch.randn(m, k, generator=_gen(m + 1)) *
+         torch.logspace(-2, 1, m)[:, None]).to(torch.bfloat16)
+    b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
+    xd, bd = x.to(dev), b.to(dev)
+    if not quant._fp8_gemm_runs(dev):
+        pytest.skip("fusedist.ops.fp8_gemm's kernel does not run here")
+    assert quant.fp8_path(xd, w, bd) == "fp8_gemm"
+    qc, sc = quant.quantize_groups(x)
+    qd, sd = quant.quantize_groups(xd)
+    assert torch.equal(qd.cpu().view(torch.uint8), qc.view(torch.uint8))
+    assert torch.equal(sd.cpu(), sc)
+    y = fp8_linear(xd, w, bd)
+    out = torch.full_like(y, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fp8_linear(xd, w, bd))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = x.double() @ w64.t() + b.double()
+    sx = x.float().abs().amax(1, keepdim=True) / 448
+    bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
+        2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
+    for got in (y, out):
+        assert_within(got.cpu(), ref, bound, f"fp8_gemm block m={m}")
 
 
 @pytest.mark.gpu

@@ -138,6 +138,32 @@ def test_prefill_sdpa_path_poisons_the_bad_rows(case, device):
         torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_poison_rows_marks_only_the_bad_sequences(device, dtype):
+    """paged.poison_rows: the bad sequences' rows all NaN, every other element untouched
+    (bit for bit), for rows laid out contiguously (the kernel on CUDA), inside a wider buffer
+    (a token stride past the row) and not contiguous (the masked-fill fallback)."""
+    from fusedist.ops.attention import paged
+    g = torch.Generator().manual_seed(3)
+    seqs, tokens, H, Dh = 5, 3, 4, 6
+    bad = torch.tensor([False, True, False, False, True], device=device)
+    wide = torch.randn((seqs * tokens, H, Dh + 2), generator=g).to(device, dtype)
+    for out in (torch.randn((seqs * tokens, H, Dh), generator=g).to(device, dtype),
+                wide[:, :, :Dh],                                  # rows not contiguous
+                torch.randn((seqs * tokens, H * Dh + 8), generator=g).to(device, dtype)[:, :H * Dh]):
+        before = out.clone()
+        paged.poison_rows(out, bad, tokens)
+        rows = bad.cpu().repeat_interleave(tokens)
+        assert torch.isnan(out[rows.to(device)].float()).all()
+        assert torch.equal(out[(~rows).to(device)], before[(~rows).to(device)])
+    paged.poison_rows(out[:0], bad[:0], tokens)                   # nothing to do
+    with pytest.raises(ValueError, match="not 5 sequences x 2"):
+        paged.poison_rows(out, bad, 2)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _rope_inputs(device, T=6, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(11)
     q = torch.randn((T, Hq, D), generator=g).to(device, dtype)

@@ -31,4 +31,25 @@ void paged_check(const PagedCheckArgs& a, uintptr_t stream) {
   FUSEDIST_LAUNCH_CHECK("paged_check_kernel");
 }
 
+void poison_rows(const PoisonRowsArgs& a, uintptr_t stream) {
+  const std::string w = "poison_rows: ";
+  FUSEDIST_CHECK_ARG(a.seqs >= 0 && a.tokens >= 0, w + "need seqs >= 0 and tokens >= 0");
+  FUSEDIST_CHECK_ARG(a.elem_bytes == 2 || a.elem_bytes == 4, w + "elem_bytes must be 2 or 4");
+  FUSEDIST_CHECK_ARG(a.row_bytes > 0 && a.row_bytes % 4 == 0 && a.row_bytes / 4 <= 0x7fffffff,
+                     w + "row_bytes must be a positive multiple of 4");
+  FUSEDIST_CHECK_ARG(a.token_stride >= a.row_bytes && a.token_stride % 4 == 0 && a.out % 4 == 0,
+                     w + "rows must be 4-byte aligned and not overlap (token_stride >= row_bytes)");
+  FUSEDIST_CHECK_ARG(a.bad_rows && a.out, w + "bad_rows and out must be non-null");
+  if (a.seqs == 0 || a.tokens == 0) return;
+  attention::PoisonRowsParams p{};
+  p.bad_rows = reinterpret_cast<const uint8_t*>(a.bad_rows);
+  p.out = reinterpret_cast<char*>(a.out);
+  p.token_stride = a.token_stride;
+  p.seqs = a.seqs, p.tokens = a.tokens, p.row_words = int(a.row_bytes / 4);
+  p.nan_word = a.elem_bytes == 2 ? (a.nan_bits & 0xffffu) * 0x10001u : a.nan_bits;
+  const dim3 grid(unsigned(a.seqs), unsigned(a.tokens < 16 ? a.tokens : 16));
+  attention::poison_rows_kernel<<<grid, 128, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
+  FUSEDIST_LAUNCH_CHECK("poison_rows_kernel");
+}
+
 }  // namespace fusedist

@@ -17,7 +17,7 @@ from . import sdpa
 from ... import _dtypes, _ext
 from .. import device_errors
 from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs,
-                    check_pages_device, check_pages_host, device_check_available)
+                    check_pages_device, check_pages_host, device_check_available, poison_rows)
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
 # auto on CUDA takes the paged kernel (it reads the pages in place; SDPA needs them gathered
@@ -244,19 +244,16 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             v = _gather_seqs(v_cache, pages, L, v_scale, kv_dtype)
         o = sdpa._sdpa_chunk(qb.to(kv_dtype), k, v, scale) if use_sdpa else \
             sdpa._reference_chunk(qb, k, v, scale)
-        whole = out is None and len(runs) == 1 and o.dtype == q.dtype
-        if whole and bad is None:
-            return o.reshape(q.shape)   # one call covered every sequence: SDPA's own output
+        if out is None and len(runs) == 1 and o.dtype == q.dtype:
+            res = o.reshape(q.shape)   # one call covered every sequence: SDPA's own output
+            if bad is not None:
+                poison_rows(res, bad[f:l], n)
+            return res
         if out is None:
             out = torch.empty_like(q)
-        dst = out[a:e].unflatten(0, (B, n))
-        if bad is None:
-            dst.copy_(o)
-        elif o.dtype == dst.dtype:   # bad rows NaN in the pass that lays o out as [T, H, D]
-            torch.where(bad[f:l, None, None, None], o.new_full((), float("nan")), o, out=dst)
-        else:   # fp32 SDPA of an FP8 cache: rounded to q's dtype, then the bad rows
-            dst.copy_(o)
-            dst.masked_fill_(bad[f:l, None, None, None], float("nan"))
+        out[a:e].unflatten(0, (B, n)).copy_(o)
+        if bad is not None:   # the rows of the sequences the device check marked bad
+            poison_rows(out[a:e], bad[f:l], n)
     return out
 
 

@@ -153,8 +153,40 @@ def check_pages_device(op: str, block_table: torch.Tensor, seq_lens: torch.Tenso
     a.page_size, a.num_pages = page_size, num_pages
     a.op = {"decode": 1, "prefill": 3}[op]
     C.paged_check(a, torch.cuda.current_stream(seq_lens.device).cuda_stream)
-    return bad.bool()
+    return bad.view(torch.bool)   # the kernel writes 0 / 1: a bool view, no conversion
 
 
 def device_check_available() -> bool:
     return _ext.available() and hasattr(_ext.load(), "paged_check")
+
+
+_NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+
+
+def poison_rows(out: torch.Tensor, bad: torch.Tensor, tokens: int) -> None:
+    """NaN into out's rows of the sequences `bad` marks: out [seqs * tokens, ...] holds
+    `tokens` rows per sequence in order, bad bool [seqs] (a device check's mask). On CUDA
+    one small kernel that reads the mask and writes only the bad sequences' rows (no
+    synchronization, no pass over the good rows); elsewhere, or for rows it cannot address
+    (a row not contiguous in memory), a masked fill."""
+    seqs = bad.shape[0]
+    if out.shape[0] != seqs * tokens:
+        _fail("poison_rows", f"out has {out.shape[0]} rows, not {seqs} sequences x {tokens}")
+    if seqs == 0 or tokens == 0:
+        return
+    row = out[0].numel()
+    if out.device.type == "cuda" and out.dtype in _NAN_BITS and out.dim() >= 2 and \
+            out[0].is_contiguous() and \
+            (row * out.element_size()) % 4 == 0 and out.data_ptr() % 4 == 0 and \
+            (out.stride(0) * out.element_size()) % 4 == 0 and out.stride(0) >= row and \
+            _ext.available() and hasattr(_ext.load(), "poison_rows"):
+        C = _ext.load()
+        a = C.PoisonRowsArgs()
+        a.bad_rows, a.out = bad.contiguous().data_ptr(), out.data_ptr()
+        a.token_stride, a.row_bytes = out.stride(0) * out.element_size(), row * out.element_size()
+        a.seqs, a.tokens, a.elem_bytes = seqs, tokens, out.element_size()
+        a.nan_bits = _NAN_BITS[out.dtype]
+        C.poison_rows(a, torch.cuda.current_stream(out.device).cuda_stream)
+        return
+    mask = bad[:, None].expand(seqs, tokens).reshape(-1)
+    out.masked_fill_(mask.view(-1, *([1] * (out.dim() - 1))), float("nan"))

@@ -43,6 +43,18 @@ struct PagedCheckArgs {
 };
 void paged_check(const PagedCheckArgs& args, uintptr_t stream);
 
+// The torch paths' NaN for the rows paged_check marked bad (paged_check.cuh): seqs sequences of
+// `tokens` rows each, row t of sequence s at out + (s * tokens + t) * token_stride bytes,
+// row_bytes each (a multiple of 4, 4-byte aligned), filled with NaN of elem_bytes (2 or 4)
+// where bad_rows[s] (uint8) is set.
+struct PoisonRowsArgs {
+  uintptr_t bad_rows = 0, out = 0;
+  int64_t token_stride = 0, row_bytes = 0;
+  int seqs = 0, tokens = 0, elem_bytes = 2;
+  uint32_t nan_bits = 0;   // the dtype's NaN bit pattern (16 or 32 bits)
+};
+void poison_rows(const PoisonRowsArgs& args, uintptr_t stream);
+
 constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;

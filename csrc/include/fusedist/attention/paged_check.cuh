@@ -5,7 +5,8 @@
 // and the block-table entries it reads, columns [0, ceil(len / page_size)), in [0, num_pages).
 // The warp writes bad_rows[r] (1 when either fails, else 0; every row is written, so the
 // buffer needs no clearing) and records the first failure in err (op_error.h). The torch path
-// then reads pages clamped into range and poisons the bad rows' outputs with NaN.
+// then reads pages clamped into range and poisons the bad rows' outputs with NaN
+// (poison_rows_kernel, below).
 #pragma once
 #include <cstdint>
 
@@ -45,6 +46,28 @@ __global__ void paged_check_kernel(const PagedCheckParams p) {
     }
   }
   if (lane == 0) p.bad_rows[r] = bad ? 1 : 0;
+}
+
+// The poison of the bad rows' outputs, after the torch path wrote them: sequence s's `tokens`
+// rows (row t at out + (s * tokens + t) * token_stride bytes, row_words 4-byte words each) are
+// filled with nan_word where bad_rows[s] is set. Blocks (s, j) take rows j, j + gridDim.y, ...
+// of sequence s; a good sequence's blocks read one byte and leave, so the call costs a launch
+// when nothing is bad, not a pass over the output.
+struct PoisonRowsParams {
+  const uint8_t* bad_rows;  // [seqs]
+  char* out;
+  int64_t token_stride;     // bytes
+  int seqs, tokens, row_words;
+  uint32_t nan_word;        // two 16-bit NaNs, or one float32 NaN
+};
+
+__global__ void poison_rows_kernel(const PoisonRowsParams p) {
+  const int s = blockIdx.x;
+  if (!p.bad_rows[s]) return;
+  for (int t = blockIdx.y; t < p.tokens; t += gridDim.y) {
+    uint32_t* row = reinterpret_cast<uint32_t*>(p.out + (int64_t(s) * p.tokens + t) * p.token_stride);
+    for (int i = threadIdx.x; i < p.row_words; i += blockDim.x) row[i] = p.nan_word;
+  }
 }
 
 }  // namespace attention
