@@ -58,6 +58,7 @@ void register_layers(py::module_& m) {
       .def_readwrite("k", &QuantizeRowsArgs::k)
       .def_readwrite("in_stride", &QuantizeRowsArgs::in_stride)
       .def_readwrite("out_stride", &QuantizeRowsArgs::out_stride)
+      .def_readwrite("group", &QuantizeRowsArgs::group)
       .def_property(
           "dtype", [](const QuantizeRowsArgs& a) { return int(a.dtype); },
           [](QuantizeRowsArgs& a, int v) { a.dtype = DType(v); });

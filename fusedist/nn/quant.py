@@ -74,6 +74,7 @@ import torch.nn.functional as F
 
 from .. import _dtypes
 from ..ops import fp8_gemm as _fp8_gemm
+from ..ops.quantize_rows import quantize_groups as _quantize_groups
 from ..ops.quantize_rows import quantize_rows, quantize_rows_reference, to_e4m3, unit_scale
 
 # The decode GEMV op (fusedist/ops/gemv.py), in checkouts that have it: the op, whether its
@@ -352,9 +353,7 @@ def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, 
     m, k = x.shape
     if k % group:
         _fail(f"quantize_groups: K = {k} must be a multiple of the group size {group}")
-    # each group a row of quantize_rows (its kernel on CUDA, one pass over x)
-    q, s = quantize_rows(x.unflatten(-1, (k // group, group)))
-    return q.view(m, k), s.view(m, k // group)
+    return _quantize_groups(x, group)   # fusedist.ops.quantize_groups: one pass on CUDA
 
 
 # ---- the GEMM ------------------------------------------------------------------------------

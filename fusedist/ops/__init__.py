@@ -8,10 +8,10 @@ from .device_errors import check_device_errors, clear_device_errors
 from .gemm import gemm
 from .gemm_comm import ag_gemm, gemm_ar, gemm_rs
 from .gemv import gemv, gemv_reference
-from .quantize_rows import quantize_rows
+from .quantize_rows import quantize_groups, quantize_rows
 from .silu_mul import silu_mul
 
 __all__ = ["check_device_errors", "clear_device_errors", "all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "rmsnorm_reference",
            "gemm", "ag_gemm", "gemm_rs", "gemm_ar", "gemv", "gemv_reference",
            "rope_cos_sin", "rope_append", "DecodePlan", "decode_plan", "decode", "prefill",
-           "add_rmsnorm", "rmsnorm", "silu_mul", "quantize_rows"]
+           "add_rmsnorm", "rmsnorm", "silu_mul", "quantize_rows", "quantize_groups"]

@@ -1,6 +1,7 @@
 """quantize_rows: dynamic per-token FP8 quantization of an activation, one single-GPU kernel.
 
     q, scale = fusedist.ops.quantize_rows(x)     # x [..., K] -> e4m3 [..., K], float32 [..., 1]
+    q, scale = fusedist.ops.quantize_groups(x)   # one scale per 128 k: float32 [..., K / 128]
 
 Per row (token): scale = max(amax |x|, 1e-30) / 448 (1 for a row of zeros), q = e4m3(x / scale)
 in fp32 (IEEE division, round to nearest even, +-448 saturated), so x ~= q * scale. A NaN in a
@@ -46,6 +47,14 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return to_e4m3(x.float() / s), s
 
 
+def quantize_groups_reference(x: torch.Tensor, group: int = 128
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: quantize_rows_reference on each `group` consecutive elements of a row:
+    (e4m3 [..., K], float32 scale [..., K / group])."""
+    q, s = quantize_rows_reference(x.unflatten(-1, (x.shape[-1] // group, group)))
+    return q.flatten(-2), s.squeeze(-1)
+
+
 def _check(x) -> None:
     check_rows_input("quantize_rows", "x", x, "[..., K]")
     if _dtypes.FP8 is None:
@@ -60,6 +69,34 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
         return torch.ops.fusedist.quantize_rows(x)
     return _quantize_rows_impl(x)
+
+
+def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) = x as e4m3 with one float32 scale per `group` consecutive elements of each
+    row (the 1 x 128 activation form of block-scaled FP8 GEMMs): q [..., K], scale
+    [..., K / group], each group quantized as quantize_rows quantizes a row. K % group == 0.
+    CUDA: one pass of the group kernel where a group is 8, 16 or 32 16-byte vectors of x
+    (128 elements of bf16 / fp16 / fp32), else quantize_rows on the groups as rows."""
+    _check(x)
+    k = x.shape[-1]
+    if not isinstance(group, int) or group <= 0 or k % group:
+        raise ValueError(f"fusedist.quantize_groups: group must be a positive divisor of K = "
+                         f"{k}, got {group!r}")
+    if torch.compiler.is_compiling():
+        return torch.ops.fusedist.quantize_groups(x, group)
+    return _quantize_groups_impl(x, group)
+
+
+def _group_vectors_ok(x: torch.Tensor, group: int) -> bool:
+    per = 16 // x.element_size()
+    return group % per == 0 and group // per in (8, 16, 32)
+
+
+def _quantize_groups_impl(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0 or kernel_why_not(x) or not _group_vectors_ok(x, group):
+        q, s = _quantize_rows_impl(x.unflatten(-1, (x.shape[-1] // group, group)))
+        return q.flatten(-2), s.squeeze(-1)
+    return _launch(x, group)
 
 
 def _kernel_ok(t: torch.Tensor) -> bool:
@@ -80,18 +117,25 @@ def kernel_why_not(x: torch.Tensor) -> str:
 def _quantize_rows_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0 or kernel_why_not(x):
         return quantize_rows_reference(x)
+    return _launch(x, 0)
+
+
+def _launch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on x [..., K]: one scale per row (group 0) or per group of K."""
     k = x.shape[-1]
     x2 = rows_view(x)
     if x2 is None:   # rows the kernel cannot address: a fresh contiguous (aligned) copy
         x2 = packed_rows(x)
     q = torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device)
-    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty((*x.shape[:-1], k // group if group else 1), dtype=torch.float32,
+                        device=x.device)
     C = _ext.load()
     a = C.QuantizeRowsArgs()
     a.x, a.out, a.scale = x2.data_ptr(), q.data_ptr(), scale.data_ptr()
     a.tokens, a.k = x2.shape[0], k
     a.in_stride, a.out_stride = x2.stride(0), k
     a.dtype = _dtypes.code(x.dtype)
+    a.group = group
     C.quantize_rows(a, torch.cuda.current_stream(x.device).cuda_stream)
     return q, scale
 
@@ -107,5 +151,17 @@ def _(x):
             torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device))
 
 
-__all__ = ["quantize_rows", "quantize_rows_reference", "kernel_why_not", "unit_scale",
-           "to_e4m3", "MIN_AMAX"]
+@torch.library.custom_op("fusedist::quantize_groups", mutates_args=())
+def _quantize_groups_op(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_groups_impl(x, group)
+
+
+@_quantize_groups_op.register_fake
+def _(x, group):
+    return (torch.empty(x.shape, dtype=_dtypes.FP8, device=x.device),
+            torch.empty((*x.shape[:-1], x.shape[-1] // group), dtype=torch.float32,
+                        device=x.device))
+
+
+__all__ = ["quantize_rows", "quantize_rows_reference", "quantize_groups",
+           "quantize_groups_reference", "kernel_why_not", "unit_scale", "to_e4m3", "MIN_AMAX"]

@@ -45,7 +45,7 @@ class FakeLayersC:
             gate_up=0, out=0, tokens=0, inter=0, in_stride=0, out_stride=0, dtype=2, scale=0,
             fp8_out=False)
         self.QuantizeRowsArgs = lambda: types.SimpleNamespace(
-            x=0, out=0, scale=0, tokens=0, k=0, in_stride=0, out_stride=0, dtype=2)
+            x=0, out=0, scale=0, tokens=0, k=0, in_stride=0, out_stride=0, dtype=2, group=0)
 
     def quantize_rows(self, a, stream):
         self.calls.append(("quantize_rows", vars(a).copy()))
@@ -53,6 +53,14 @@ class FakeLayersC:
         assert k % (16 // dt.itemsize) == 0 and T > 0 and a.x and a.out and a.scale
         x = _rows(a.x, a.in_stride, T, k, dt)
         out = _rows(a.out, a.out_stride, T, k, torch.uint8, vector=16 // dt.itemsize)
+        if a.group:   # one scale per group: scale [T, k / group] (the launcher's rule)
+            per = 16 // dt.itemsize
+            assert k % a.group == 0 and a.group % per == 0 and a.group // per in (8, 16, 32)
+            q, s = quantize_rows_reference(x.clone().unflatten(-1, (k // a.group, a.group)))
+            out.copy_(q.flatten(-2).view(torch.uint8))
+            _rows(a.scale, k // a.group, T, k // a.group, torch.float32,
+                  vector=4).copy_(s.squeeze(-1))
+            return
         q, s = quantize_rows_reference(x.clone())
         _store(types.SimpleNamespace(scale=a.scale), out, q, s)
 

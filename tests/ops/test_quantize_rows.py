@@ -145,6 +145,62 @@ def test_layouts(device):
     assert q.shape == (2, 0, 136) and s.shape == (2, 0, 1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,group", [(1, 128, 128), (7, 384, 128), (33, 4096, 128),
+                                       (300, 2048 + 128, 128), (5, 192, 64), (3, 96, 32)])
+def test_groups_against_reference(device, dtype, m, k, group):
+    """quantize_groups: each group of k quantized as quantize_rows quantizes a row, bit for
+    bit the CPU reference (the group kernel where a group is 8-32 vectors, else the row
+    kernel on the groups or the torch ops), every group within the float64 bound; a group of
+    zeros, a NaN, an infinity and a tiny group stay inside their group."""
+    _need_kernel(device)
+    x = _x((m, k), dtype, "cpu", m * 7 + k + group).float()
+    x[0, :group] = 0.0
+    if k >= 2 * group:
+        x[0, group + 3] = float("nan")
+    if m > 1 and k >= 3 * group:
+        x[1, 2 * group + 1] = float("inf")
+        x[1, :group] *= 1e-36
+    x = x.to(dtype)
+    q, s = QR.quantize_groups(x.to(device), group)
+    assert q.shape == (m, k) and s.shape == (m, k // group) and s.dtype == torch.float32
+    q_ref, s_ref = QR.quantize_groups_reference(x, group)
+    _same(q, s, q_ref, s_ref, f"{device} {dtype} {m}x{k}/{group}")
+    assert s.cpu()[0, 0] == 1.0 and q.cpu()[0, :group].float().eq(0).all()
+    g = k // group
+    fin = ~x.float().unflatten(-1, (g, group)).isnan().any(-1) & \
+        ~x.float().unflatten(-1, (g, group)).isinf().any(-1)
+    xs, qs, ss = (t.cpu().unflatten(-1, (g, group)) if t.shape[-1] == k else t.cpu()
+                  for t in (x, q, s))
+    _check_64(qs[fin], ss[fin], xs[fin], f"{device} {dtype} groups")
+    wide = _x((m, k + 2 * group), dtype, device, 5)[:, group:group + k]   # a strided view
+    _same(*QR.quantize_groups(wide, group), *QR.quantize_groups_reference(wide.cpu(), group),
+          "strided")
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def test_groups_bad_group_and_launch_path(monkeypatch):
+    with pytest.raises(ValueError, match="group must be a positive divisor of K = 384"):
+        QR.quantize_groups(torch.zeros(2, 384), 100)
+    from _fake_layers import install
+
+    fake = install(monkeypatch, importlib.import_module("fusedist.ops.quantize_rows"))
+    x = _x((5, 512), torch.bfloat16, "cpu", 4)
+    q, s = QR.quantize_groups(x)
+    _, a = fake.calls[-1]
+    assert a["group"] == 128 and (a["tokens"], a["k"]) == (5, 512) and s.shape == (5, 4)
+    _same(q, s, *QR.quantize_groups_reference(x), "fake groups")
+    q, s = QR.quantize_groups(x, 256)   # 32 vectors of bf16: the group kernel too
+    assert fake.calls[-1][1]["group"] == 256
+    _same(q, s, *QR.quantize_groups_reference(x, 256), "fake 256")
+    n = len(fake.calls)
+    q, s = QR.quantize_groups(x, 512)   # 64 vectors: the row kernel on the groups
+    assert fake.calls[-1][1]["group"] == 0 and len(fake.calls) == n + 1
+    _same(q, s, *QR.quantize_groups_reference(x, 512), "fake 512")
+
+
 def test_bad_inputs_name_the_fix():
     with pytest.raises(ValueError, match="x has dtype torch.int32"):
         QR.quantize_rows(torch.zeros(2, 8, dtype=torch.int32))

@@ -19,6 +19,24 @@ void launch(const layers::QuantizeRowsParams& p, int64_t tokens, cudaStream_t s)
                 dim3(threads), s, p);
 }
 
+template <typename T, int kGroupVec>
+void launch_groups(const layers::QuantizeRowsParams& p, int64_t tokens, cudaStream_t s) {
+  const int threads = std::min<int>((p.vectors + 31) / 32 * 32, layers::kQuantizeRowsMaxThreads);
+  const dim3 grid(unsigned(tokens), unsigned((p.vectors + threads - 1) / threads));
+  launch_kernel("quantize_groups_kernel", layers::quantize_groups_kernel<T, kGroupVec>, grid,
+                dim3(threads), s, p);
+}
+
+template <typename T>
+void launch_groups(const layers::QuantizeRowsParams& p, int64_t tokens, int group_vec,
+                   cudaStream_t s) {
+  switch (group_vec) {
+    case 8: launch_groups<T, 8>(p, tokens, s); break;
+    case 16: launch_groups<T, 16>(p, tokens, s); break;
+    default: launch_groups<T, 32>(p, tokens, s); break;
+  }
+}
+
 }  // namespace
 
 void quantize_rows(const QuantizeRowsArgs& a, uintptr_t stream) {
@@ -43,6 +61,12 @@ void quantize_rows(const QuantizeRowsArgs& a, uintptr_t stream) {
                          a.in_stride >= a.k && a.out_stride >= a.k,
                      w + "row strides must be whole " + std::to_string(per) +
                          "-element vectors of at least a row");
+  const int group_vec = a.group / per;
+  FUSEDIST_CHECK_ARG(a.group == 0 || (a.group % per == 0 && a.k % a.group == 0 &&
+                                      (group_vec == 8 || group_vec == 16 || group_vec == 32)),
+                     w + "group must be 0 (a scale per row) or divide k into groups of 8, 16 "
+                         "or 32 16-byte vectors, got group=" + std::to_string(a.group) +
+                         " for k=" + std::to_string(a.k));
   if (a.tokens == 0) return;
   layers::QuantizeRowsParams p{};
   p.x = reinterpret_cast<const Vec16*>(a.x);
@@ -51,7 +75,16 @@ void quantize_rows(const QuantizeRowsArgs& a, uintptr_t stream) {
   p.vectors = a.k / per;
   p.in_stride = a.in_stride / per;
   p.out_stride = a.out_stride;
+  p.groups = a.group ? a.k / a.group : 1;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.group) {
+    switch (a.dtype) {
+      case DType::kFloat32: launch_groups<float>(p, a.tokens, group_vec, s); break;
+      case DType::kFloat16: launch_groups<__half>(p, a.tokens, group_vec, s); break;
+      default: launch_groups<__nv_bfloat16>(p, a.tokens, group_vec, s); break;
+    }
+    return;
+  }
   switch (a.dtype) {
     case DType::kFloat32: launch<float>(p, a.tokens, s); break;
     case DType::kFloat16: launch<__half>(p, a.tokens, s); break;

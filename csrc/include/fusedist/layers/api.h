@@ -54,6 +54,10 @@ struct QuantizeRowsArgs {
   int k = 0;
   int64_t in_stride = 0, out_stride = 0;  // elements between rows
   DType dtype = DType::kBFloat16;
+  // 0: one scale per row (scale [tokens]); else one per `group` consecutive elements of a row
+  // (scale [tokens, k / group], contiguous): group a multiple of the 16-byte vector, k of group,
+  // and group / vector elements 8, 16 or 32.
+  int group = 0;
 };
 
 void quantize_rows(const QuantizeRowsArgs& args, uintptr_t stream);
