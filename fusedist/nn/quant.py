@@ -33,14 +33,21 @@ fp8_linear, the dispatch (fusedist.nn.linear.linear calls it for FP8Weight):
     bf16, the weight is dequantized in the kernel) when that op is present in this build and
     its kernel runs on the device; except 9-16 rows of a wide, shallow per-tensor or
     per-channel projection (N >= 14336, K <= 4096), where row-wise _scaled_mm measured faster;
+  * CUDA, 17..W8A8_GEMV_MAX_M rows of a per-tensor / per-channel projection with at most
+    W8A8_GEMV_MAX_N outputs, bf16 x, the GEMV there: x quantized per token (quantize_rows),
+    then the W8A8 GEMV (gemv with x_scale=: e4m3 x into the FP8 MMA), where it measured
+    faster than row-wise _scaled_mm (path "gemv_w8a8");
   * CUDA, else, per-tensor and per-channel weights with K, N multiples of 16: torch._scaled_mm
     with dynamic activation scales (x quantized to e4m3 at run time). Row-wise on sm_90+ for
     bf16 x: one scale per token (row of x) and the weight's scale of each output channel (a
     per-tensor scale broadcast to them), so a token's error depends on its own amax only and a
     NaN in one token stays in that token's row. Per-tensor weights with fp16 x, or on sm_89:
     one scale for all of x (a NaN anywhere in x makes the whole output NaN);
-  * CUDA, block scales past 16 rows (or without the GEMV), bf16 x, K % 512 == 0, N % 128 == 0,
-    on sm_90 where torch's block-scaled scaled_mm runs (probed once per device against
+  * CUDA, block scales past 16 rows (or without the GEMV), bf16 x, K % 128 == 0, N % 8 == 0,
+    on Hopper where fusedist.ops.fp8_gemm's kernel runs: x quantized per token and 128 k
+    (quantize_groups, one pass), then fp8_gemm(..., block=True) (path "fp8_gemm");
+  * CUDA, block scales past 16 rows where that kernel does not run, bf16 x, K % 512 == 0,
+    N % 128 == 0, on sm_90 where torch's block-scaled scaled_mm runs (probed once per device against
     float64; why not, in BLOCKWISE_PROBE[device index]): that GEMM (cuBLASLt), x quantized
     per token and 128 k (1 x 128 scales, x's rows padded to a multiple of 4 for cuBLASLt)
     against the weight's 128 x 128 scales;
@@ -56,12 +63,12 @@ FP8 output of fusedist.add_rmsnorm / rmsnorm / silu_mul, or quantize_rows') goes
 fp8_linear(x_q, w, x_scale=s), s of x_q's leading shape ([...] or [..., 1]), or as
 FP8Rows(x_q, s) to fusedist.nn.linear.linear and TPAttention; the output is bf16. On CUDA,
 per-tensor and per-channel weights with K, N multiples of 16 on sm_90+ take row-wise
-torch._scaled_mm on (x_q, s) as they are: no quantization pass. Everything else
-(block scales, odd sizes, older GPUs) dequantizes x_q * s to bf16 and takes the dequantize
-path; the CPU the reference on x_q * s in float32. The GEMV reads bf16 x only, so a
-pre-quantized x never takes it: takes_fp8_rows(m, w, device) says whether a bf16 x of m rows
-would go through the row-wise _scaled_mm (and be quantized per token there), which is where a
-producer writing e4m3 itself pays; at <= 16 rows the GEMV keeps bf16 x.
+torch._scaled_mm on (x_q, s) as they are (the W8A8 GEMV where the bf16 x above would take
+it): no quantization pass. Everything else (block scales, odd sizes, older GPUs) dequantizes
+x_q * s to bf16 and takes the dequantize path; the CPU the reference on x_q * s in float32.
+takes_fp8_rows(m, w, device) says whether a bf16 x of m rows would be quantized per token
+(for row-wise _scaled_mm or the W8A8 GEMV), which is where a producer writing e4m3 itself
+pays; at <= 16 rows the GEMV keeps bf16 x.
 """
 
 from __future__ import annotations
