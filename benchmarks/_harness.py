@@ -27,6 +27,28 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def llama_projections(models=("8b", "70b"), tps=(1,), lm_head: bool = False) -> list:
+    """(model, tp, projection, K, N) of each projection of Llama-3 8B / 70B (fusedist's shipped
+    configs: "8b" is llama-3-8b) at tensor-parallel degree tp: column-parallel qkv, gate_up
+    (and lm_head) hold N / tp outputs, row-parallel o and down K / tp inputs."""
+    from fusedist.models.llama.config import NAMED
+    out = []
+    for model in models:
+        key = f"llama-3-{model}"
+        if key not in NAMED:
+            raise ValueError(f"unknown model {model!r}: one of 8b, 70b")
+        c = NAMED[key]
+        for tp in tps:
+            out += [(model, tp, "qkv", c.hidden_size,
+                     (c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tp),
+                    (model, tp, "o", c.num_heads * c.head_dim // tp, c.hidden_size),
+                    (model, tp, "gate_up", c.hidden_size, 2 * c.intermediate_size // tp),
+                    (model, tp, "down", c.intermediate_size // tp, c.hidden_size)]
+            if lm_head:
+                out.append((model, tp, "lm_head", c.hidden_size, c.vocab_size // tp))
+    return out
+
+
 def init_gpus(what: str):
     """fusedist.init() for a GPU-only tool: the runtime, or None (after a message and a clean
     shutdown) when the ranks have no GPUs."""

@@ -36,21 +36,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
 import _harness as H  # noqa: E402
 
-# (model, hidden, intermediate, heads, kv_heads, head_dim)
-LLAMA = (("8b", 4096, 14336, 32, 8, 128), ("70b", 8192, 28672, 64, 8, 128))
 MS = (128, 1024, 4096, 16384)
 TARGET = 1.5   # FP8 at M >= 4096: >= 1.5x bf16 cuBLAS
 
 
-def shapes(models=("8b", "70b")) -> list:
-    """(name, K, N) of each TP-1 projection: qkv, o, gate_up, down."""
-    out = []
-    for name, h, inter, heads, kv, d in LLAMA:
-        if name not in models:
-            continue
-        out += [(f"{name}/qkv", h, (heads + 2 * kv) * d), (f"{name}/o", heads * d, h),
-                (f"{name}/gate_up", h, 2 * inter), (f"{name}/down", inter, h)]
-    return out
+def shapes(models=("8b", "70b"), tps=(1,)) -> list:
+    """(name, K, N) of each projection: qkv, o, gate_up, down; one rank's share at TP > 1
+    (named model/tp<N>/projection; model/projection at TP 1)."""
+    return [(f"{model}/{proj}" if tp == 1 else f"{model}/tp{tp}/{proj}", k, n)
+            for model, tp, proj, k, n in H.llama_projections(models, tps)]
 
 
 def run_shape(name, k, n, m, args, Q):
@@ -129,12 +123,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="8B projections at M = 4096")
     ap.add_argument("--ms", default=None, help="comma-separated M (default 128,1024,4096,16384)")
     ap.add_argument("--models", default="8b,70b")
+    ap.add_argument("--tps", default="1", help="comma-separated TP degrees: one rank's shapes")
     ap.add_argument("--ops", type=int, default=3, help="calls per graph")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     ms = [int(v) for v in (args.ms or ("4096" if args.quick else ",".join(map(str, MS)))).split(",")]
     models = ("8b",) if args.quick else tuple(args.models.split(","))
+    tps = (1,) if args.quick else tuple(int(v) for v in args.tps.split(","))
     if not torch.cuda.is_available():
         print("benchmarks/fp8_linear.py needs a GPU")
         return
@@ -144,14 +140,14 @@ def main():
     import fusedist.nn.quant as Q
     torch.cuda.set_device(0)
     rows = []
-    for name, k, n in shapes(models):
+    for name, k, n in shapes(models, tps):
         for m in ms:
             rows.append(run_shape(name, k, n, m, args, Q))
             r = rows[-1]
             print(f"{name} M={m}: " + ", ".join(f"{c} {t:.1f} us" for c, t in r["time_us"].items()
                                                if t is not None), flush=True)
     meta = H.metadata(1)
-    meta.update(quick=args.quick, ms=ms, models=list(models))
+    meta.update(quick=args.quick, ms=ms, models=list(models), tps=list(tps))
     md = markdown(rows)
     why = getattr(Q, "BLOCKWISE_PROBE", {}).get(0)   # why the block-scaled scaled_mm is not used
     if why:

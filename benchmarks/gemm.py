@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import (kernels, metadata, time_graph, time_graphs_interleaved,  # noqa: E402
-                      write_results)
+from _harness import (kernels, llama_projections, metadata, time_graph,  # noqa: E402
+                      time_graphs_interleaved, write_results)
 
 import fusedist  # noqa: E402
 from fusedist import _ext  # noqa: E402
@@ -53,9 +53,7 @@ MS = (1, 16, 32, 64, 96, 112, 128, 160, 192, 256, 320, 384, 512)
 L2_RING_BYTES = 3 << 27  # 384 MB of weights per shape: more than any Hopper L2 many times over
 
 
-# Llama-family projections: (model, hidden, intermediate, heads, kv_heads, head_dim, vocab).
-LLAMA = (("llama3-8b", 4096, 14336, 32, 8, 128, 128256),
-         ("llama3-70b", 8192, 28672, 64, 8, 128, 128256))
+# Llama-3 8B / 70B projections (with the LM head) at these TP degrees: the sweep's shapes.
 LLAMA_TP = (1, 2, 4, 8)
 LLAMA_MS = tuple(1 << i for i in range(15))  # 1 .. 16384
 LLAMA_MAX_FLOP = 1 << 41  # ~3 ms per GEMM on an H200: keeps the sweep to a few minutes
@@ -64,15 +62,8 @@ ROOF_TFLOPS, ROOF_TBPS = 600.0, 4.0  # for the sweep's time estimate and graph s
 
 def llama_shapes() -> list:
     """(model, tp, projection, K, N) of every column- and row-parallel projection."""
-    out = []
-    for model, h, inter, heads, kv, hd, vocab in LLAMA:
-        for tp in LLAMA_TP:
-            out += [(model, tp, "qkv", h, (heads + 2 * kv) * hd // tp),
-                    (model, tp, "o", heads * hd // tp, h),
-                    (model, tp, "gate_up", h, 2 * inter // tp),
-                    (model, tp, "down", inter // tp, h),
-                    (model, tp, "lm_head", h, vocab // tp)]
-    return out
+    return [(f"llama3-{model}", tp, proj, k, n) for model, tp, proj, k, n in
+            llama_projections(("8b", "70b"), LLAMA_TP, lm_head=True)]
 
 
 def est_us(m: int, k: int, n: int) -> float:

@@ -50,8 +50,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # not the checkout: fusedist stays the installed one
 import _harness as H  # noqa: E402
 
-# (model, hidden, intermediate, heads, kv_heads, head_dim)
-LLAMA = (("8b", 4096, 14336, 32, 8, 128), ("70b", 8192, 28672, 64, 8, 128))
 QUICK = ("8b/tp1/o", "8b/tp1/down", "70b/tp2/qkv")
 FORMATS = ("bf16", "fp8_tensor", "fp8_channel", "fp8_block")
 BASELINE = {"bf16": "cublas", "fp8_tensor": "scaled_mm_tensor",
@@ -64,15 +62,8 @@ MS = (1, 4, 16)
 def shapes(quick: bool = False, models=("8b", "70b"), tps=(1, 2)) -> list:
     """(name, K, N) of each projection: qkv, o, gate_up (column-parallel at TP > 1: N / tp),
     down (row-parallel: K / tp)."""
-    out = []
-    for model, h, inter, heads, kv, hd in LLAMA:
-        if model not in models:
-            continue
-        for tp in tps:
-            out += [(f"{model}/tp{tp}/qkv", h, (heads + 2 * kv) * hd // tp),
-                    (f"{model}/tp{tp}/o", heads * hd // tp, h),
-                    (f"{model}/tp{tp}/gate_up", h, 2 * inter // tp),
-                    (f"{model}/tp{tp}/down", inter // tp, h)]
+    out = [(f"{model}/tp{tp}/{proj}", k, n)
+           for model, tp, proj, k, n in H.llama_projections(models, tps)]
     return [s for s in out if s[0] in QUICK] if quick else out
 
 

@@ -755,6 +755,11 @@ def test_benchmark_shapes():
                    "8b/down": (14336, 4096), "70b/qkv": (8192, 10240), "70b/o": (8192, 8192),
                    "70b/gate_up": (8192, 57344), "70b/down": (28672, 8192)}
     assert all(quant.blockwise_shape_ok(n, k) for k, n in got.values())
+    tp8 = {name: (k, n) for name, k, n in mod.shapes(("70b",), (8,))}   # one rank's share
+    assert tp8 == {"70b/tp8/qkv": (8192, 1280), "70b/tp8/o": (1024, 8192),
+                   "70b/tp8/gate_up": (8192, 7168), "70b/tp8/down": (3584, 8192)}
+    with pytest.raises(ValueError, match="unknown model '13b'"):
+        mod.shapes(("13b",))
 
 
 # ---- a pre-quantized activation (e4m3 + per-token scales) ------------------------------------
