@@ -873,6 +873,33 @@ def test_sdpa_priority_leaves_torch_default():
         f"after fusedist's prefill SDPA: {got['fusedist']}; after a plain call: {got['plain']}"
 
 
+def test_sdpa_priority_is_null_when_torch_already_has_that_order(monkeypatch):
+    """sdpa_priority(cuda, order) enters no context when the four CUDA backends are enabled
+    and already in that order (the prefill's order is torch's default on Hopper), and sets
+    and restores the order otherwise (flags are global: checked on a CPU host too)."""
+    import contextlib
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from fusedist.ops.attention import sdpa as S
+    monkeypatch.setattr(S, "_sdpa_default_set", True)   # no probe kernel on this host
+    if not hasattr(torch._C, "_get_sdp_priority_order"):
+        pytest.skip("torch without SDPA priorities")
+    want = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    before = list(torch._C._get_sdp_priority_order())
+    with sdpa_kernel(want, set_priority=True):
+        assert S._state_is(want)
+        assert isinstance(A.sdpa_priority("cuda"), contextlib.nullcontext)
+        assert not S._state_is(want[1:] + want[:1])
+        assert not isinstance(A.sdpa_priority("cuda", ("flash", "cudnn")),
+                              contextlib.nullcontext)
+    with sdpa_kernel(want[:2], set_priority=True):   # efficient and math disabled
+        assert not S._state_is(want)
+        with A.sdpa_priority("cuda"):
+            assert S._state_is(want)
+        assert not torch._C._get_mem_efficient_sdp_enabled()
+    assert list(torch._C._get_sdp_priority_order()) == before
+
+
 def test_sdpa_priority_validates_and_is_null_off_cuda():
     with A.sdpa_priority("cpu"):
         pass

@@ -46,11 +46,31 @@ def _init_sdpa_default(device) -> None:
         pass
 
 
+# torch's flag getters of the four CUDA backends, by the names of SDPA_NAMES
+_ENABLED_FLAG = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient",
+                 "math": "math"}
+
+
+def _state_is(backends) -> bool:
+    """Whether torch's SDPA state already is what sdpa_kernel(backends, set_priority=True)
+    would set for CUDA calls: the four CUDA backends enabled and, among them, in this
+    priority order (other backends do not serve CUDA tensors). Reads five flags: ~2 us,
+    against ~35 us of Python to enter and leave the context."""
+    try:
+        want = [int(b) for b in backends]
+        cur = [int(b) for b in torch._C._get_sdp_priority_order() if int(b) in want]
+        return cur == want and all(getattr(torch._C, f"_get_{flag}_sdp_enabled")()
+                                   for flag in _ENABLED_FLAG.values())
+    except (AttributeError, TypeError, ValueError):   # a torch without these: set it
+        return False
+
+
 def sdpa_priority(device, order: Sequence[str] = SDPA_NAMES):
     """A context in which SDPA calls on `device` try the backends `order` (names of
     SDPA_NAMES) first, in that order, then the others in torch's order (CUDA; a null context
     on other devices or inside torch.compile, where the caller sets it around the compiled
-    call). Leaving it restores torch's own default order (_init_sdpa_default)."""
+    call, and when torch's state already is that: the prefill's order is torch's own default
+    on Hopper). Leaving it restores torch's own default order (_init_sdpa_default)."""
     import contextlib
     device = torch.device(device)
     if device.type != "cuda" or torch.compiler.is_compiling():
@@ -63,6 +83,8 @@ def sdpa_priority(device, order: Sequence[str] = SDPA_NAMES):
         _fail("sdpa_priority", f"unknown SDPA backends {bad}; use names of {SDPA_NAMES}")
     _init_sdpa_default(device)
     backends = [names[n] for n in order] + [b for n, b in names.items() if n not in order]
+    if _state_is(backends):
+        return contextlib.nullcontext()
     try:
         return sdpa_kernel(backends, set_priority=True)
     except TypeError:   # torch without set_priority: the allowed set only
