@@ -100,7 +100,7 @@ except ImportError:   # pragma: no cover
     GEMV_MAX_M = 16
 
 FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
-BLOCK = 128
+BLOCK = _dtypes.FP8_BLOCK
 LAYOUTS = ("tensor", "channel", "block")
 
 
@@ -218,7 +218,7 @@ class FP8Weight:
             return s.view(1, 1)
         if self.layout == "channel":
             return s.view(n, 1)
-        return _block_map(s, n, k)
+        return _dtypes.expand_block_scales(s, n, k)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """data * scale as `dtype` [N, K]: in float32 exact up to one rounding of each product;
@@ -304,11 +304,6 @@ class FP8Rows(NamedTuple):
 
 
 # ---- quantization -------------------------------------------------------------------------
-def _block_map(s: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Block scales [ceil(n/128), ceil(k/128)] expanded to one per element [n, k]."""
-    return s.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
-
-
 # The smallest amax a scale is made from is MIN_AMAX (amax / 448 stays a normal float32); rows
 # and blocks of zeros get scale 1 (fusedist.ops.quantize_rows.unit_scale).
 _scale_of, _to_fp8 = unit_scale, to_e4m3
@@ -343,7 +338,7 @@ def quantize_fp8(w: torch.Tensor, layout: str = "channel", reduce_amax=None) -> 
         padded = F.pad(wf, (0, kb * BLOCK - k, 0, nb * BLOCK - n))
         amax = padded.view(nb, BLOCK, kb, BLOCK).abs().amax(dim=(1, 3))
         s = _scale_of(red(amax))
-        return FP8Weight(_to_fp8(wf / _block_map(s, n, k)), s, layout)
+        return FP8Weight(_to_fp8(wf / _dtypes.expand_block_scales(s, n, k)), s, layout)
     _fail(f"quantize_fp8: layout must be one of {LAYOUTS}, got {layout!r}")
 
 

@@ -44,12 +44,6 @@ def _fail(msg: str, exc=ValueError):
     raise exc(f"fusedist.fp8_gemm: {msg}")
 
 
-def _expand_blocks(s: torch.Tensor, rows: int, cols: int, rows_per: int) -> torch.Tensor:
-    """Block scales s [ceil(rows / rows_per), ceil(cols / 128)] as a float32 [rows, cols]
-    multiplier."""
-    return s.float().repeat_interleave(rows_per, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
-
-
 def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                        bias: Optional[torch.Tensor] = None,
                        out_dtype: torch.dtype = torch.bfloat16, block: bool = False
@@ -58,8 +52,8 @@ def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw:
     matmul, the bias, one rounding to out_dtype."""
     if block:
         (m, k), n = xq.shape, wq.shape[0]
-        x = xq.float() * _expand_blocks(sx, m, k, 1)
-        w = wq.float() * _expand_blocks(sw, n, k, 128)
+        x = xq.float() * _dtypes.expand_block_scales(sx, m, k, 1)
+        w = wq.float() * _dtypes.expand_block_scales(sw, n, k)
     else:
         x = xq.float() * sx.float().reshape(-1, 1)
         w = wq.float() * sw.float().reshape(-1, 1)

@@ -48,7 +48,7 @@ MAX_M = 16          # the kernel's rows (fusedist._C.GEMV_MAX_M)
 MAX_M_FP8_X = 64    # ... with an e4m3 x (fusedist._C.GEMV_MAX_M_FP8_X)
 STAGES_AUTO = -1    # launch(stages=): the default weight pipeline (registers)
 MAX_STAGES = 6      # the deepest ring (fusedist._C.GEMV_MAX_STAGES)
-SCALE_BLOCK = 128   # block scales cover 128 x 128 weights
+SCALE_BLOCK = _dtypes.FP8_BLOCK   # block scales cover 128 x 128 weights
 SCALE_MODES = ("none", "tensor", "channel", "block")
 
 
@@ -100,9 +100,7 @@ def dequantize(w: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     if mode == "channel":
         return wf * scale.reshape(-1, 1)
     if mode == "block":
-        n, k = w.shape
-        s = scale.repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
-        return wf * s
+        return wf * _dtypes.expand_block_scales(scale, *w.shape)
     return wf
 
 

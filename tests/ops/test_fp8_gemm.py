@@ -221,7 +221,7 @@ def _groups(t: torch.Tensor, rows_per: int):
     pad[:r, :k] = t.float()
     amax = pad.abs().view(rb, rows_per, kb, 128).amax(dim=(1, 3))
     s = torch.where(amax == 0, torch.ones_like(amax), amax.clamp_min(1e-30) / 448.0)
-    q = (t.float() / F._expand_blocks(s, r, k, rows_per)).clamp(-448, 448).to(FP8)
+    q = (t.float() / _dtypes.expand_block_scales(s, r, k, rows_per)).clamp(-448, 448).to(FP8)
     return q, s
 
 
@@ -239,8 +239,8 @@ def _bad_block(y, xq, sx, wq, sw, bias=None, wgmma=True) -> int:
     """The module's bound on the block-dequantized operands (each 128-k block's sum is promoted
     to fp32 after its two scales multiply it: at most 2^-13 of its magnitude lost)."""
     (m, k), n = xq.shape, wq.shape[0]
-    x = xq.cpu().double() * F._expand_blocks(sx.cpu(), m, k, 1).double()
-    w = wq.cpu().double() * F._expand_blocks(sw.cpu(), n, k, 128).double()
+    x = xq.cpu().double() * _dtypes.expand_block_scales(sx.cpu(), m, k, 1).double()
+    w = wq.cpu().double() * _dtypes.expand_block_scales(sw.cpu(), n, k).double()
     ref, mag = x @ w.t(), x.abs() @ w.abs().t()
     if bias is not None:
         ref = ref + bias.cpu().double()
