@@ -490,7 +490,7 @@ def _blockwise_check(dev: torch.device) -> tuple[bool, str]:
 
 
 # Per CUDA device index: (compute capability, the gemv kernel runs there, the block-scaled
-# scaled_mm runs there), read once, so that a compiled or captured step (whose first call came
+# scaled_mm runs there, fusedist.ops.fp8_gemm's kernel runs there), read once, so that a compiled or captured step (whose first call came
 # after an eager one) only looks them up.
 _DEVICE: dict = {}
 
@@ -503,15 +503,16 @@ def _device_facts(device: torch.device) -> tuple:
         gemv = _gemv is not None
         if gemv and _gemv_kernel_available is not None:
             gemv = bool(_gemv_kernel_available(torch.device("cuda", idx)))
+        fp8_gemm = _fp8_gemm.kernel_available(torch.device("cuda", idx))
         if torch.cuda.is_current_stream_capturing():
-            return cap, gemv, False   # no probe inside a capture; looked up again later
+            return cap, gemv, False, fp8_gemm   # no probe inside a capture; looked up later
         if cap == (9, 0):
             blockwise = _probe_blockwise(idx)
         else:
             blockwise = False
             BLOCKWISE_PROBE[idx] = (f"compute capability {cap[0]}.{cap[1]}: cuBLASLt's 1 x 128 / "
                                     "128 x 128 scaling is sm_90 only")
-        facts = _DEVICE[idx] = (cap, gemv, blockwise)
+        facts = _DEVICE[idx] = (cap, gemv, blockwise, fp8_gemm)
     return facts
 
 
@@ -545,16 +546,6 @@ W8A8_GEMV_MAX_N = 4096
 def _w8a8_gemv_wins(m: int, n: int) -> bool:
     return GEMV_MAX_M < m <= W8A8_GEMV_MAX_M and n <= W8A8_GEMV_MAX_N
 
-
-_FP8_GEMM: dict = {}   # device index -> fusedist.ops.fp8_gemm's kernel runs there
-
-
-def _fp8_gemm_runs(device: torch.device) -> bool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _FP8_GEMM.get(idx)
-    if ok is None:
-        ok = _FP8_GEMM[idx] = _fp8_gemm.kernel_available(torch.device("cuda", idx))
-    return ok
 
 
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
@@ -600,10 +591,8 @@ def fp8_path(x: torch.Tensor, w: FP8Weight, bias: Optional[torch.Tensor] = None)
     "reference" on the CPU."""
     if not x.is_cuda:
         return "reference"
-    cap, gemv, blockwise = _device_facts(x.device)
     return choose_path(x.shape[0], w.shape[0], w.shape[1], w.layout, x.dtype,
-                       None if bias is None else bias.dtype, cap, gemv, blockwise,
-                       w.layout == "block" and _fp8_gemm_runs(x.device))
+                       None if bias is None else bias.dtype, *_device_facts(x.device))
 
 
 def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,
@@ -616,10 +605,9 @@ def takes_fp8_rows(m: int, w: FP8Weight, device: torch.device,
     scales (their GEMM takes 1 x 128 activation scales) and wherever x stays in x_dtype."""
     if device.type != "cuda" or FP8 is None or not isinstance(w, FP8Weight):
         return False
-    cap, gemv, blockwise = _device_facts(device)
     return choose_path(m, w.shape[0], w.shape[1], w.layout, x_dtype,
-                       None if bias is None else bias.dtype, cap, gemv,
-                       blockwise) in ("scaled_mm_rowwise", "gemv_w8a8")
+                       None if bias is None else bias.dtype, *_device_facts(device)) in \
+        ("scaled_mm_rowwise", "gemv_w8a8")
 
 
 def _check_x_scale(x: torch.Tensor, x_scale: Optional[torch.Tensor]) -> bool:

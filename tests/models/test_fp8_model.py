@@ -434,7 +434,7 @@ def _stand_in_gpu(monkeypatch):
                                     "ops"))
     from _fake_layers import install
 
-    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False, False))
     sm90 = lambda m, w, device, *a: quant.takes_fp8_rows(m, w, torch.device("cuda", 0), *a)  # noqa
     monkeypatch.setattr(attention, "takes_fp8_rows", sm90)
     monkeypatch.setattr(model_mod, "takes_fp8_rows", sm90)

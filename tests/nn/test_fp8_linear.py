@@ -728,7 +728,7 @@ def test_gpu_blockwise_scaled_mm_against_float64(m):
     ref = x.double() @ w64.t() + b.double()
     if m > quant.GEMV_MAX_M:
         assert quant.fp8_path(x.to(dev), w, b.to(dev)) == \
-            ("fp8_gemm" if quant._fp8_gemm_runs(dev) else "scaled_mm_block")
+            ("fp8_gemm" if quant._device_facts(dev)[3] else "scaled_mm_block")
     xd, bd = x.to(dev), b.to(dev)
     y = fp8_linear(xd, w, bd, path="scaled_mm_block")
     out = torch.full_like(y, float("nan"))
@@ -889,7 +889,7 @@ def test_choose_path_w8a8_gemv(monkeypatch):
     bf = (8192, 4096, "channel", BF, None, (9, 0), True)
     assert choose_path(17, *bf) == "gemv_w8a8" and choose_path(64, *bf) == "gemv_w8a8"
     assert choose_path(16, *bf) == "gemv" and choose_path(65, *bf) == "scaled_mm_rowwise"
-    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False, False))
     ch = FP8Weight.empty(4096, 4096, "channel")
     assert quant.takes_fp8_rows(32, ch, torch.device("cuda", 0))   # the producer writes e4m3
     monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 0)
@@ -900,7 +900,7 @@ def test_choose_path_w8a8_gemv(monkeypatch):
 def test_takes_fp8_rows(monkeypatch):
     """Where a producer's FP8 output pays: the bf16 x would go through row-wise _scaled_mm
     (device facts stood in for a CUDA device: sm_90 with the GEMV)."""
-    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False))
+    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False, False))
     dev = torch.device("cuda", 0)
     ch = FP8Weight.empty(4096, 4096, "channel")
     assert quant.takes_fp8_rows(17, ch, dev) and quant.takes_fp8_rows(300, ch, dev)
@@ -909,7 +909,7 @@ def test_takes_fp8_rows(monkeypatch):
     assert not quant.takes_fp8_rows(300, ch, dev, torch.float16)
     assert not quant.takes_fp8_rows(300, ch, torch.device("cpu"))
     assert not quant.takes_fp8_rows(300, torch.empty(4096, 4096), dev)  # a bf16 weight
-    monkeypatch.setitem(quant._DEVICE, 0, ((8, 9), True, False))
+    monkeypatch.setitem(quant._DEVICE, 0, ((8, 9), True, False, False))
     assert not quant.takes_fp8_rows(300, ch, dev)
 
 
@@ -941,7 +941,7 @@ def test_gpu_block_weights_take_fp8_gemm(m):
          torch.logspace(-2, 1, m)[:, None]).to(torch.bfloat16)
     b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
     xd, bd = x.to(dev), b.to(dev)
-    if not quant._fp8_gemm_runs(dev):
+    if not quant._device_facts(dev)[3]:
         pytest.skip("fusedist.ops.fp8_gemm's kernel does not run here")
     assert quant.fp8_path(xd, w, bd) == "fp8_gemm"
     qc, sc = quant.quantize_groups(x)
