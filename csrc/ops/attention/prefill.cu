@@ -141,6 +141,7 @@ void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
   p.group = group, p.tile_tokens = tt, p.q_tiles = int(q_tiles), p.num_splits = a.num_splits;
   p.page_size = a.page_size, p.bt_stride = a.bt_stride, p.bt_cols = a.bt_cols;
   p.num_pages = a.num_pages;
+  p.page_shift = (a.page_size & (a.page_size - 1)) == 0 ? __builtin_ctz(unsigned(a.page_size)) : -1;
   p.scale_log2 = a.scale * 1.4426950408889634f;
   p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -165,6 +165,15 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t w) {
   return __half22float2(*reinterpret_cast<__half2*>(&w));
 }
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: max 2 ulp, results below 2^-126 flush to 0); exp2f
+// without fast math adds a denormal-range fixup around it. For softmax terms, where a term
+// below 2^-126 of the row maximum is 0 to fp32 sums anyway.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two e4m3 bytes (low 16 bits of w, or high) -> fp16x2 (sm_89+: one cvt.rn.f16x2.e4m3x2).
 __device__ __forceinline__ uint32_t fp8x2_to_half2(uint16_t w) {
   __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);

@@ -65,6 +65,7 @@ struct PrefillParams {
   int64_t q_stride;  // elements between tokens of q
   int tokens, batch, q_heads, kv_heads, group, tile_tokens, q_tiles, num_splits;
   int page_size, bt_stride, bt_cols, num_pages;
+  int page_shift;  // log2(page_size) when it is a power of two, else -1 (divisions)
   float scale_log2;
   OpErrorRecord* err;
 };
@@ -184,9 +185,14 @@ __global__ void __launch_bounds__(32 * kWarps)
         const int r = c / kRawChunks, cc = c % kRawChunks;
         const int key = kb * kPrefillKeys + r;
         const bool ok = key < kv_hi;
-        int page = 0;
+        int page = 0, in_page = 0;
         if (ok) {
-          const int col = key / p.page_size;
+          int col;
+          if (p.page_shift >= 0) {
+            col = key >> p.page_shift, in_page = key & (p.page_size - 1);
+          } else {
+            col = key / p.page_size, in_page = key % p.page_size;
+          }
           page = __ldg(bt + col);
           if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) {
             if (cc == 0) record_op_error(p.err, kOpErrPrefill, kOpErrPage, b, col, page, p.num_pages);
@@ -195,7 +201,7 @@ __global__ void __launch_bounds__(32 * kWarps)
           }
         }
         const int64_t off =
-            ((int64_t(page) * p.page_size + key % p.page_size) * tok_stride + int64_t(kvh) * D) *
+            ((int64_t(page) * p.page_size + in_page) * tok_stride + int64_t(kvh) * D) *
                 int64_t(sizeof(KVT)) + cc * 16;
         const uint32_t so = uint32_t(Tr::raw_off(r, cc));
         cp_async16_l2<0>(kdst + so, ok ? kc + off : kc, ok ? 16 : 0);
@@ -320,22 +326,30 @@ __global__ void __launch_bounds__(32 * kWarps)
         }
       }
     }
-    // ---- scale, fp8 key scales, causal mask ----
-    const bool need_mask = kb >= first_masked;
+    // ---- scale, fp8 key scales, causal mask (only on the blocks that reach the diagonal) ----
+    auto scale_scores = [&](auto masked_c) {
+      constexpr bool kMasked = decltype(masked_c)::value;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key_in = 8 * j + 2 * q4 + (e & 1);
-          float f = p.scale_log2;
-          if (kFp8) f *= ksc[key_in];
-          float v = sc[mt][j][e] * f;
-          if (need_mask && kb * kPrefillKeys + key_in > lim[mt][e >> 1]) v = -INFINITY;
-          sc[mt][j][e] = v;
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int key_in = 8 * j + 2 * q4 + (e & 1);
+            float f = p.scale_log2;
+            if (kFp8) f *= ksc[key_in];
+            float v = sc[mt][j][e] * f;
+            if (kMasked && kb * kPrefillKeys + key_in > lim[mt][e >> 1]) v = -INFINITY;
+            sc[mt][j][e] = v;
+          }
+    };
+    if (kb >= first_masked)  // uniform over the CTA
+      scale_scores(std::true_type{});
+    else
+      scale_scores(std::false_type{});
     // ---- online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile ----
+    float alpha[kMT][2];
+    bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -347,19 +361,28 @@ __global__ void __launch_bounds__(32 * kWarps)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_run[mt][h], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(m_run[mt][h] - m_use);
+        alpha[mt][h] = exp2_ftz(m_run[mt][h] - m_use);
+        grew |= alpha[mt][h] != 1.f;
         m_run[mt][h] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          sc[mt][j][2 * h] = exp2f(sc[mt][j][2 * h] - m_use);
-          sc[mt][j][2 * h + 1] = exp2f(sc[mt][j][2 * h + 1] - m_use);
+          sc[mt][j][2 * h] = exp2_ftz(sc[mt][j][2 * h] - m_use);
+          sc[mt][j][2 * h + 1] = exp2_ftz(sc[mt][j][2 * h + 1] - m_use);
           sum += sc[mt][j][2 * h] + sc[mt][j][2 * h + 1];
         }
-        l_run[mt][h] = l_run[mt][h] * alpha + sum;
-#pragma unroll
-        for (int j = 0; j < kDn; ++j) o[mt][j][2 * h] *= alpha, o[mt][j][2 * h + 1] *= alpha;
+        l_run[mt][h] = l_run[mt][h] * alpha[mt][h] + sum;
       }
+    // O is rescaled only when some row's maximum grew in this warp (o * 1 == o: skipping it
+    // changes no bit); past the first blocks the maximum rarely moves.
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < kDn; ++j) o[mt][j][2 * h] *= alpha[mt][h], o[mt][j][2 * h + 1] *= alpha[mt][h];
+    }
     if (kFp8) {
       const float* vsc = ksc + kPrefillKeys;
 #pragma unroll
