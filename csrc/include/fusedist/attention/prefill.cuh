@@ -326,30 +326,22 @@ __global__ void __launch_bounds__(32 * kWarps)
         }
       }
     }
-    // ---- scale, fp8 key scales, causal mask (only on the blocks that reach the diagonal) ----
-    auto scale_scores = [&](auto masked_c) {
-      constexpr bool kMasked = decltype(masked_c)::value;
+    // ---- scale, fp8 key scales, causal mask ----
+    const bool need_mask = kb >= first_masked;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key_in = 8 * j + 2 * q4 + (e & 1);
-            float f = p.scale_log2;
-            if (kFp8) f *= ksc[key_in];
-            float v = sc[mt][j][e] * f;
-            if (kMasked && kb * kPrefillKeys + key_in > lim[mt][e >> 1]) v = -INFINITY;
-            sc[mt][j][e] = v;
-          }
-    };
-    if (kb >= first_masked)  // uniform over the CTA
-      scale_scores(std::true_type{});
-    else
-      scale_scores(std::false_type{});
+        for (int e = 0; e < 4; ++e) {
+          const int key_in = 8 * j + 2 * q4 + (e & 1);
+          float f = p.scale_log2;
+          if (kFp8) f *= ksc[key_in];
+          float v = sc[mt][j][e] * f;
+          if (need_mask && kb * kPrefillKeys + key_in > lim[mt][e >> 1]) v = -INFINITY;
+          sc[mt][j][e] = v;
+        }
     // ---- online softmax, rows g (e = 0, 1) and g + 8 (e = 2, 3) of each m-tile ----
-    float alpha[kMT][2];
-    bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -361,8 +353,7 @@ __global__ void __launch_bounds__(32 * kWarps)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_run[mt][h], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[mt][h] = exp2_ftz(m_run[mt][h] - m_use);
-        grew |= alpha[mt][h] != 1.f;
+        const float alpha = exp2_ftz(m_run[mt][h] - m_use);
         m_run[mt][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -371,18 +362,10 @@ __global__ void __launch_bounds__(32 * kWarps)
           sc[mt][j][2 * h + 1] = exp2_ftz(sc[mt][j][2 * h + 1] - m_use);
           sum += sc[mt][j][2 * h] + sc[mt][j][2 * h + 1];
         }
-        l_run[mt][h] = l_run[mt][h] * alpha[mt][h] + sum;
+        l_run[mt][h] = l_run[mt][h] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < kDn; ++j) o[mt][j][2 * h] *= alpha, o[mt][j][2 * h + 1] *= alpha;
       }
-    // O is rescaled only when some row's maximum grew in this warp (o * 1 == o: skipping it
-    // changes no bit); past the first blocks the maximum rarely moves.
-    if (__any_sync(0xffffffffu, grew)) {
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < kDn; ++j) o[mt][j][2 * h] *= alpha[mt][h], o[mt][j][2 * h + 1] *= alpha[mt][h];
-    }
     if (kFp8) {
       const float* vsc = ksc + kPrefillKeys;
 #pragma unroll
