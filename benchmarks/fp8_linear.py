@@ -5,6 +5,7 @@ same run.
     python3 benchmarks/fp8_linear.py              # Llama-3-8B / 70B (TP 1) projections, M = 128 .. 16384
     python3 benchmarks/fp8_linear.py --quick      # 8B projections, M = 4096
     python3 benchmarks/fp8_linear.py --ms 1024,8192 --models 70b
+    python3 benchmarks/fp8_linear.py --tps 1,2,4,8 --ms 1024,4096 --tag=-tps   # one rank's shapes
 
 Per shape (K x N of W [N, K], an nn.Linear weight) and M, each timed in CUDA graphs,
 interleaved (benchmarks/_harness.py), x [M, K] bf16:
@@ -22,7 +23,7 @@ interleaved (benchmarks/_harness.py), x [M, K] bf16:
 TFLOP/s = 2 M N K / time; "vs bf16" = bf16 time / this time (> 1: FP8 faster). Every output
 is checked against float64 on the dequantized weight (rel_err, the largest error over the
 largest reference value) before it is timed. Results: benchmarks/results/<gpu>-w1/
-fp8_linear.{json,md}.
+fp8_linear<tag>.{json,md}.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def main():
     ap.add_argument("--ops", type=int, default=3, help="calls per graph")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tag", default="", help="results file stem suffix: fp8_linear<tag>")
     args = ap.parse_args()
     ms = [int(v) for v in (args.ms or ("4096" if args.quick else ",".join(map(str, MS)))).split(",")]
     models = ("8b",) if args.quick else tuple(args.models.split(","))
@@ -154,7 +156,7 @@ def main():
         meta["blockwise_probe"] = why
         md += f"\nBlock-scaled scaled_mm not used on this GPU: {why}\n"
     print(md)
-    paths = H.write_results("fp8_linear", meta, rows, md)
+    paths = H.write_results("fp8_linear" + args.tag, meta, rows, md)
     print("results:", ", ".join(str(p) for p in paths))
 
 
