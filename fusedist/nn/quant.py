@@ -490,8 +490,8 @@ def _blockwise_check(dev: torch.device) -> tuple[bool, str]:
 
 
 # Per CUDA device index: (compute capability, the gemv kernel runs there, the block-scaled
-# scaled_mm runs there, fusedist.ops.fp8_gemm's kernel runs there), read once, so that a compiled or captured step (whose first call came
-# after an eager one) only looks them up.
+# scaled_mm runs there, fusedist.ops.fp8_gemm's kernel runs there), read once, so that a
+# compiled or captured step (whose first call came after an eager one) only looks them up.
 _DEVICE: dict = {}
 
 
@@ -551,10 +551,10 @@ def _w8a8_gemv_wins(m: int, n: int) -> bool:
 def choose_path(m: int, n: int, k: int, layout: str, x_dtype: torch.dtype,
                 bias_dtype: Optional[torch.dtype], capability: tuple, gemv: bool,
                 blockwise: bool = False, fp8_gemm: bool = False) -> str:
-    """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv",
-    "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize" (x_dtype FP8:
-    a pre-quantized x, "gemv" within W8A8_GEMV_MAX_M rows, "scaled_mm_rowwise" or
-    "dequantize"). `gemv`: the GEMV op and its kernel
+    """fp8_linear's path for a CUDA call of m rows (module docstring): "gemv", "gemv_w8a8",
+    "fp8_gemm", "scaled_mm_tensor", "scaled_mm_rowwise", "scaled_mm_block" or "dequantize"
+    (x_dtype FP8: a pre-quantized x, "gemv" within W8A8_GEMV_MAX_M rows, "scaled_mm_rowwise"
+    or "dequantize"). `gemv`: the GEMV op and its kernel
     are there for the device; `blockwise`: torch's block-scaled scaled_mm runs there;
     `fp8_gemm`: fusedist.ops.fp8_gemm's kernel runs there; `capability`: the device's
     (major, minor)."""
