@@ -160,12 +160,12 @@ class PagedKV:
 
 
 def time_fusedist(kv, qs, out, hq, hkv, head_dim, kv_dtype, num_splits, ops, reps, stages=0,
-                  fp8_direct=None):
+                  fp8_direct=None, merge=None):
     """(us per call, the plan): fusedist's decode kernel over kv's copies, in a graph."""
     B = kv.table.shape[0]
     plan = ad.plan_kernel(B, hq, hkv, head_dim, kv.page_size, kv.ctx, num_splits=num_splits,
                           dtype=torch.bfloat16, kv_dtype=kv_dtype, stages=stages,
-                          fp8_direct=fp8_direct)
+                          fp8_direct=fp8_direct, merge=merge)
     copies = len(qs)
 
     def step(i):
@@ -356,7 +356,20 @@ def decode_rows(quick: bool, ceiling: float, sweep: bool, fi=None) -> list[dict]
         out = torch.empty_like(qs[0])
         t, plan = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, num_splits, ops, reps)
         splits = plan.num_splits
-        r.update(num_splits=splits, fusedist_us=t, tbs=nbytes / (t * 1e-6) / 1e12)
+        r.update(num_splits=splits, merge=plan.merge, fusedist_us=t,
+                 tbs=nbytes / (t * 1e-6) / 1e12)
+        if plan.merge == "cluster":   # diagnostics: the workspace merge at the same splits and
+            # at the split count its own rule picks (the cluster rule caps at 16)
+            sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+            rule = ad.choose_num_splits(B, hkv, plan.q_tiles, ctx, sms) \
+                if num_splits is None else splits
+            for key, n in (("workspace", splits), ("workspace_rule", rule)):
+                if key == "workspace_rule" and n == splits:
+                    continue
+                tw, pw = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, n, ops, reps,
+                                       merge="workspace")
+                r[f"fusedist_{key}_us"], r[f"fusedist_{key}_splits"] = tw, n
+                del pw
         r["pct_hbm"] = 100 * r["tbs"] / ceiling
         if fp8:   # diagnostics beside the default (direct fragments, 4 CTAs per SM): the
             # fp16 slab in shared memory (2 CTAs per SM) and its 2-stage ring (3 CTAs per SM)
@@ -455,6 +468,7 @@ def markdown(meta: dict, ceiling: float, rows: list[dict]) -> str:
            f"{fi_line}. vs best = the fastest peer's time / fusedist's (above 1: fusedist is "
            "faster).", ""]
     head = ["kind", "q/kv heads", "head_dim", "batch x ctx", "page", "KV", "layout", "splits",
+            "merge",
             "fusedist us", "TB/s", "% HBM", "SDPA cuDNN us", "SDPA flash us"]
     head += ["FlashInfer us"] if fi else []
     head += ["best peer", "vs best", "target", "met"]
@@ -469,6 +483,12 @@ def markdown(meta: dict, ceiling: float, rows: list[dict]) -> str:
             notes.append(f"{r['kind']} {shape}: {r['skipped']}")
             continue
         notes += [f"{r['kind']} {shape}: {n}" for n in r.get("notes", [])]
+        for key in ("workspace", "workspace_rule"):
+            if r.get(f"fusedist_{key}_us") is not None:
+                notes.append(f"{r['kind']} {shape}: the workspace merge at "
+                             f"{r[f'fusedist_{key}_splits']} splits "
+                             f"{r[f'fusedist_{key}_us']:.2f} us (the cluster merge: "
+                             f"{r[f'fusedist_{key}_us'] / r['fusedist_us']:.2f}x its speed)")
         for key, what in (("2stage", "2-stage ring (stages=2)"),
                           ("slab", "fp16 slab (fp8_direct=False)")):
             if r.get(f"fusedist_{key}_us") is not None:
@@ -479,7 +499,8 @@ def markdown(meta: dict, ceiling: float, rows: list[dict]) -> str:
                              f"speed, output {same} vs the default")
         cells = [r["kind"], f"{r['q_heads']}/{r['kv_heads']}", str(r["head_dim"]),
                  f"{r['batch']} x {r['context']}", str(r["page_size"]), r["kv_dtype"],
-                 r["layout"], str(r["num_splits"]), fmt(r["fusedist_us"]), fmt(r["tbs"]),
+                 r["layout"], str(r["num_splits"]), r.get("merge", "-"), fmt(r["fusedist_us"]),
+                 fmt(r["tbs"]),
                  fmt(r["pct_hbm"], 0), fmt(r.get("sdpa_cudnn_us")), fmt(r.get("sdpa_flash_us"))]
         if fi:
             cells.append("-" if r.get("flashinfer_us") is None else

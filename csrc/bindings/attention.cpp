@@ -30,6 +30,7 @@ void register_attention(py::module_& m) {
       .def_readwrite("num_splits", &DecodeArgs::num_splits)
       .def_readwrite("stages", &DecodeArgs::stages)
       .def_readwrite("fp8_direct", &DecodeArgs::fp8_direct)
+      .def_readwrite("cluster", &DecodeArgs::cluster)
       .def_readwrite("bt_cols", &DecodeArgs::bt_cols)
       .def_readwrite("num_pages", &DecodeArgs::num_pages)
       .def_readwrite("err", &DecodeArgs::err)
@@ -118,5 +119,6 @@ void register_attention(py::module_& m) {
       py::arg("fp8_direct") = 0);
   m.attr("ATTENTION_DECODE_MAX_SPLITS") = kAttentionDecodeMaxSplits;
   m.attr("ATTENTION_DECODE_TILE_HEADS") = kAttentionDecodeTileHeads;
+  m.attr("ATTENTION_DECODE_MAX_CLUSTER_SPLITS") = kAttentionDecodeMaxClusterSplits;
   m.attr("ATTENTION_DECODE_SLAB") = kAttentionDecodeSlab;
 }

@@ -128,7 +128,8 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(dec.H, "time_graph", time_graph)
     monkeypatch.setattr(dec.H, "time_eager", lambda step, ops, reps: (step(0), 7.0)[1])
     monkeypatch.setattr(dec.ad, "plan_kernel",
-                        lambda *a, num_splits=None, **k: SimpleNamespace(num_splits=1))
+                        lambda *a, num_splits=None, **k: SimpleNamespace(num_splits=1,
+                                                                         merge="none"))
 
     def run_kernel(plan, q, k, v, bt, lens, out, scale=None, ks=None, vs=None):
         return decode_reference(q, k, v, bt, lens, out=out, k_scale=ks, v_scale=vs)

@@ -36,6 +36,20 @@ def test_choose_num_splits_fills_the_sms_once_and_caps():
     assert ad.choose_num_splits(64, 4, 1, 4096, 132) == 1
     assert ad.choose_num_splits(256, 8, 1, 131072, 132) == 1
     assert ad.choose_num_splits(0, 4, 1, 0, 132) == 1
+    # the cluster merge: at most MAX_CLUSTER_SPLITS (one thread-block cluster)
+    assert ad.choose_num_splits(1, 4, 1, 4096, 132, cluster=True) == ad.MAX_CLUSTER_SPLITS == 16
+    assert ad.choose_num_splits(16, 4, 1, 4096, 132, cluster=True) == 2
+
+
+def test_cluster_merge_needs_a_cuda_device_and_at_most_16_splits():
+    args = dict(batch=1, q_heads=16, kv_heads=4, head_dim=128, page_size=16, max_seq_len=4096,
+                num_sms=132)
+    with pytest.raises(ValueError, match="merge='cluster' needs a CUDA device"):
+        ad.plan_kernel(**args, device="cpu", merge="cluster")
+    with pytest.raises(ValueError, match="merge must be one of"):
+        ad.plan_kernel(**args, device="cpu", merge="dsmem")
+    cpu = ad.plan_kernel(**args, device="cpu")   # no clusters on the CPU: the workspace merge
+    assert cpu.merge == "workspace" and cpu.num_splits == 32 and cpu.o_partial is not None
 
 
 def test_plan_workspace_sized_from_the_plan():
@@ -133,11 +147,12 @@ class Case:
                 self.q_heads, self.D)
         return out
 
-    def plan(self, num_splits=None, max_seq_len=None, stages=0, fp8_direct=None):
+    def plan(self, num_splits=None, max_seq_len=None, stages=0, fp8_direct=None, merge=None):
         return ad.plan_kernel(self.B, self.q_heads, self.kv_heads, self.D, self.P,
                               max(self.lens) if max_seq_len is None else max_seq_len,
                               num_splits=num_splits, dtype=self.dtype,
-                              kv_dtype=self.kv_dtype, stages=stages, fp8_direct=fp8_direct)
+                              kv_dtype=self.kv_dtype, stages=stages, fp8_direct=fp8_direct,
+                              merge=merge)
 
     def run(self, plan, out=None):
         out = torch.full_like(self.q, float("nan")) if out is None else out
@@ -182,6 +197,53 @@ def test_decode_matches_float64_reference(lens, hq, hkv, d, ps, dtype, fp8):
         torch.cuda.synchronize()
         check(case, out, ref, f"num_splits={plan.num_splits}")
         assert int(plan.counters.abs().sum()) == 0 if plan.counters is not None else True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", CASES)
+def test_decode_cluster_merge(lens, hq, hkv, d, ps, dtype, fp8):
+    """The cluster merge (splits combined through the cluster's shared memory) at 2 to 16
+    splits: the reference's result, bitwise the same on a second run, within the tolerance of
+    the workspace merge's result at the same splits; no workspace allocated."""
+    if fp8 and FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    if not ad.cluster_merge_available(torch.device("cuda")):
+        pytest.skip("no cluster merge on this device / build")
+    case = Case(lens, hq, hkv, d, ps, dtype, FP8 if fp8 else dtype)
+    ref = case.reference()
+    for splits in (2, 5, 16):
+        plan = case.plan(num_splits=splits, merge="cluster")
+        assert plan.merge == "cluster" and plan.o_partial is None and plan.counters is None
+        out = case.run(plan)
+        check(case, out, ref, f"cluster merge, num_splits={splits}")
+        assert torch.equal(out, case.run(plan)), f"cluster merge {splits}: not reproducible"
+        ws = case.run(case.plan(num_splits=splits, merge="workspace"))
+        check(case, ws, ref, f"workspace merge, num_splits={splits}")
+    with pytest.raises(ValueError, match="takes 2 to 16 splits"):
+        case.plan(num_splits=17, merge="cluster")
+
+
+@pytest.mark.gpu
+def test_decode_cluster_merge_poisons_a_bad_row():
+    """A bad page id in one split of a cluster-merged sequence: that sequence's rows are NaN,
+    the other sequence's are right, and the error is recorded."""
+    if not ad.cluster_merge_available(torch.device("cuda")):
+        pytest.skip("no cluster merge on this device / build")
+    import fusedist
+    from fusedist.errors import MetadataError
+    case = Case([4000, 3000], 16, 4, 128, 16, torch.bfloat16, torch.bfloat16)
+    ref = case.reference()
+    fusedist.clear_device_errors("all")
+    case.block_table[0, 200] = 2**30   # a page read by a middle split of sequence 0
+    out = case.run(case.plan(num_splits=8, merge="cluster"))
+    torch.cuda.synchronize()
+    assert bool(torch.isnan(out[0].float()).all()), "the bad sequence's rows must be NaN"
+    assert bool(torch.isfinite(out[1].float()).all())
+    err = float(((out[1].double() - ref[1]).norm() / ref[1].norm()))
+    assert err < GEMM_REL[torch.bfloat16]
+    with pytest.raises(MetadataError, match=r"block_table\[0, 200\]"):
+        fusedist.check_device_errors()
+    fusedist.clear_device_errors("all")
 
 
 @pytest.mark.gpu

@@ -18,6 +18,8 @@ using attention::paged_decode_kernel;
 static_assert(attention::kDecodeMaxSplits == kAttentionDecodeMaxSplits, "keep in sync");
 static_assert(attention::kDecodeTileHeads == kAttentionDecodeTileHeads, "keep in sync");
 static_assert(attention::kDecodeSlab == kAttentionDecodeSlab, "keep in sync");
+static_assert(attention::kDecodeMaxClusterSplits == kAttentionDecodeMaxClusterSplits,
+              "keep in sync");
 
 template <int D, typename QT, typename KVT, int S, bool DIR>
 const void* prepared_kernel() {
@@ -35,9 +37,14 @@ template <int D, typename QT, typename KVT, int S, bool DIR>
 void launch(const DecodeParams& p, cudaStream_t stream) {
   prepared_kernel<D, QT, KVT, S, DIR>();
   const dim3 grid(p.num_splits, p.kv_heads * p.q_tiles, p.batch);
-  launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S, DIR>, grid,
-                     dim3(attention::kDecodeThreads),
-                     DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes, stream, p);
+  if (p.cluster)  // the splits of a (sequence, head tile) as one cluster: the cluster merge
+    launch_kernel_cluster("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S, DIR>, grid,
+                          dim3(attention::kDecodeThreads),
+                          DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes, p.num_splits, stream, p);
+  else
+    launch_kernel_smem("paged_decode_kernel", paged_decode_kernel<D, QT, KVT, S, DIR>, grid,
+                       dim3(attention::kDecodeThreads),
+                       DecodeTraits<D, QT, KVT, S, DIR>::kSmemBytes, stream, p);
 }
 
 template <int D, typename QT, typename KVT, int S, bool DIR>
@@ -102,8 +109,16 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
                          std::to_string(a.num_splits));
   FUSEDIST_CHECK_ARG(a.q && a.k_cache && a.v_cache && a.block_table && a.seq_lens && a.out,
                      w + "q, k_cache, v_cache, block_table, seq_lens and out must be non-null");
-  FUSEDIST_CHECK_ARG(a.num_splits == 1 || (a.o_partial && a.lse_partial && a.counters),
-                     w + "num_splits > 1 needs the workspace (o_partial, lse_partial, counters)");
+  FUSEDIST_CHECK_ARG(a.cluster == 0 || a.cluster == 1,
+                     w + "cluster must be 0 or 1, got " + std::to_string(a.cluster));
+  FUSEDIST_CHECK_ARG(!a.cluster || (a.num_splits >= 2 &&
+                                    a.num_splits <= attention::kDecodeMaxClusterSplits),
+                     w + "the cluster merge takes 2 to " +
+                         std::to_string(attention::kDecodeMaxClusterSplits) +
+                         " splits, got " + std::to_string(a.num_splits));
+  FUSEDIST_CHECK_ARG(a.num_splits == 1 || a.cluster || (a.o_partial && a.lse_partial && a.counters),
+                     w + "num_splits > 1 needs the workspace (o_partial, lse_partial, counters) "
+                         "or the cluster merge");
   FUSEDIST_CHECK_ARG(a.kv_dtype != DType::kFloat8E4M3 || (a.k_scale && a.v_scale),
                      w + "an fp8 KV cache needs k_scale and v_scale");
   FUSEDIST_CHECK_ARG(a.bt_stride >= 0, w + "bt_stride must be >= 0");
@@ -135,6 +150,7 @@ void attention_decode(const DecodeArgs& a, uintptr_t stream) {
   p.page_size = a.page_size, p.bt_stride = a.bt_stride, p.num_splits = a.num_splits;
   p.bt_cols = a.bt_cols, p.num_pages = a.num_pages;
   p.err = reinterpret_cast<OpErrorRecord*>(a.err);
+  p.cluster = a.cluster;
   p.scale_log2 = a.scale * 1.4426950408889634f;
   FUSEDIST_CHECK_ARG(int64_t(a.kv_heads) * p.q_tiles <= 65535, w + "too many head tiles");
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -47,6 +47,15 @@ MAX_SPLITS = 128   # csrc: kDecodeMaxSplits
 # wave of CTAs per SM only adds merge work.
 MIN_SLABS_PER_SPLIT = 8
 MAX_MERGE_SPLITS = 32
+# The cluster merge (decode.cuh): the splits of a (sequence, head tile) run as one thread-block
+# cluster and merge through each other's shared memory, without the workspace round trip
+# (partials to global memory, a fence, a counter, the last CTA reading them back: ~2.8 us at
+# batch 1 on H200). A cluster holds at most MAX_CLUSTER_SPLITS CTAs (Hopper's non-portable
+# size), so where it is available the rule caps the splits there. CLUSTER_MERGE=False keeps
+# the workspace merge everywhere.
+MAX_CLUSTER_SPLITS = 16
+CLUSTER_MERGE = True
+MERGES = ("cluster", "workspace")
 
 
 
@@ -56,15 +65,32 @@ def available() -> bool:
 
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
-                      num_sms: int) -> int:
+                      num_sms: int, cluster: bool = False) -> int:
     """Splits per sequence: about one CTA per SM when batch x head tiles alone leaves SMs
     idle, never splits of fewer than MIN_SLABS_PER_SPLIT slabs, never more than
-    MAX_MERGE_SPLITS. A batch that fills the SMs on its own takes 1 split (no merge)."""
+    MAX_MERGE_SPLITS (MAX_CLUSTER_SPLITS with the cluster merge). A batch that fills the SMs
+    on its own takes 1 split (no merge)."""
     ctas = max(1, batch * kv_heads * q_tiles)
     slabs = max(1, math.ceil(max_seq_len / SLAB))
     by_wave = max(1, num_sms) // ctas
     by_len = slabs // MIN_SLABS_PER_SPLIT
-    return max(1, min(by_wave, by_len, MAX_MERGE_SPLITS, MAX_SPLITS))
+    cap = MAX_CLUSTER_SPLITS if cluster else MAX_MERGE_SPLITS
+    return max(1, min(by_wave, by_len, cap, MAX_SPLITS))
+
+
+def cluster_merge_available(device: torch.device) -> bool:
+    """Whether plans for `device` may merge in clusters: CLUSTER_MERGE, a CUDA device of
+    compute capability 9.0 or newer, and a build whose decode launcher takes the flag."""
+    if not CLUSTER_MERGE or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPS:
+        _CAPS[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPS[idx] >= (9, 0) and available() and \
+        hasattr(_ext.load().DecodeArgs(), "cluster")
+
+
+_CAPS: dict = {}
 
 
 _plan_ids = itertools.count()
@@ -91,10 +117,11 @@ class DecodePlan:
     q_tiles: int = 0            # TILE_HEADS-wide query-head tiles per kv head
     stages: int = 0             # the kernel's cp.async ring per warp: 0 default, 2 (FP8 caches)
     fp8_direct: bool = False    # FP8 caches: fragments converted in registers (decode.cuh)
-    # Workspace (None when num_splits <= 1): o_partial float32 [batch, q_heads, num_splits,
-    # head_dim] and lse_partial float32 [batch, q_heads, num_splits], written by the split
-    # CTAs and read by the merging CTA; counters int32 [batch, kv_heads * q_tiles], zero
-    # between calls (the last CTA of each tile puts its counter back to zero).
+    merge: str = "none"         # how splits merge: "none" (1 split), "cluster", "workspace"
+    # Workspace (the "workspace" merge only, else None): o_partial float32 [batch, q_heads,
+    # num_splits, head_dim] and lse_partial float32 [batch, q_heads, num_splits], written by
+    # the split CTAs and read by the merging CTA; counters int32 [batch, kv_heads * q_tiles],
+    # zero between calls (the last CTA of each tile puts its counter back to zero).
     o_partial: Optional[torch.Tensor] = None
     lse_partial: Optional[torch.Tensor] = None
     counters: Optional[torch.Tensor] = None
@@ -313,7 +340,7 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
                 num_splits: Optional[int] = None,
                 dtype: torch.dtype = torch.bfloat16,
                 kv_dtype: Optional[torch.dtype] = None, stages: int = 0,
-                fp8_direct: Optional[bool] = None) -> DecodePlan:
+                fp8_direct: Optional[bool] = None, merge: Optional[str] = None) -> DecodePlan:
     """The kernel's plan: grid and workspace for decode calls of up to `batch` sequences (module
     docstring). Not registered for torch.ops (decode_plan() does that). num_sms defaults to the
     device's SM count; num_splits overrides the rule (benchmarks sweep it). dtype is q's and
@@ -323,7 +350,11 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     in registers, no fp16 copy of the slab in shared memory (51 KB per CTA at head_dim 128: 4
     CTAs per SM; 1.5-1.7x the fp16-slab path's speed on H200, the same output bitwise);
     fp8_direct=False keeps the fp16 slab. benchmarks/attention.py times the other two
-    variants beside every FP8 row."""
+    variants beside every FP8 row. merge: how the splits of a sequence are combined,
+    "cluster" (2 to MAX_CLUSTER_SPLITS splits, one thread-block cluster, no workspace),
+    "workspace" (any count: partials in global memory, the last CTA merges) or None: cluster
+    where cluster_merge_available(device) and the splits allow it (the rule then caps the
+    splits at MAX_CLUSTER_SPLITS), else workspace."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -337,14 +368,28 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     q_tiles = math.ceil(q_heads // kv_heads / TILE_HEADS)
+    if merge not in (None,) + MERGES:
+        raise ValueError(f"fusedist.decode: merge must be one of {MERGES} or None, got "
+                         f"{merge!r}")
+    if merge == "cluster" and not cluster_merge_available(device):
+        raise ValueError(f"fusedist.decode: merge='cluster' needs a CUDA device of compute "
+                         f"capability >= 9.0 and a build with the cluster merge (device "
+                         f"{device}); pass merge='workspace'")
+    clusters = merge == "cluster" or (merge is None and cluster_merge_available(device))
     if num_splits is None:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else 132
-        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms)
+        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms,
+                                       cluster=clusters)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"fusedist.decode: num_splits must be in [1, {MAX_SPLITS}], got "
                          f"{num_splits}")
+    if merge == "cluster" and not 2 <= num_splits <= MAX_CLUSTER_SPLITS:
+        raise ValueError(f"fusedist.decode: merge='cluster' takes 2 to {MAX_CLUSTER_SPLITS} "
+                         f"splits, got num_splits={num_splits}; pass merge='workspace'")
+    merge = "none" if num_splits == 1 else \
+        "cluster" if clusters and num_splits <= MAX_CLUSTER_SPLITS else "workspace"
     if stages not in (0, 2) or (stages == 2 and kv_dtype != FP8):
         raise ValueError(f"fusedist.decode: stages must be 0 (the default ring) or 2 (FP8 "
                          f"caches only), got {stages!r} for a {kv_dtype} cache")
@@ -355,8 +400,8 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
                          f"(stages 0) for FP8 caches; got a {kv_dtype} cache, stages {stages}")
     plan = DecodePlan(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, device,
                       q_dtype, kv_dtype, num_splits=num_splits, q_tiles=q_tiles, stages=stages,
-                      fp8_direct=bool(fp8_direct))
-    if num_splits > 1:
+                      fp8_direct=bool(fp8_direct), merge=merge)
+    if merge == "workspace":
         plan.o_partial = torch.empty((batch, q_heads, num_splits, head_dim),
                                      dtype=torch.float32, device=device)
         plan.lse_partial = torch.empty((batch, q_heads, num_splits), dtype=torch.float32,
@@ -419,7 +464,9 @@ def run_kernel(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor,
     if fp8:
         a.k_scale, a.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
     a.block_table, a.seq_lens, a.out = block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr()
-    if plan.num_splits > 1:
+    if plan.merge == "cluster":
+        a.cluster = 1
+    elif plan.num_splits > 1:
         a.o_partial = plan.o_partial.data_ptr()
         a.lse_partial = plan.lse_partial.data_ptr()
         a.counters = plan.counters.data_ptr()

@@ -20,6 +20,8 @@ struct DecodeArgs {
   int num_splits = 1;
   int stages = 0;                  // cp.async ring per warp: 0 the default, 2 (FP8 caches)
   int fp8_direct = 0;              // FP8 caches: fragments converted in registers (decode.cuh)
+  int cluster = 0;                 // 1: merge the splits in a thread-block cluster (2..16 splits;
+                                   // no workspace needed)
   int bt_cols = 0, num_pages = 0;  // block-table columns in use; pages in the cache
   uintptr_t err = 0;               // OpErrorRecord* (fusedist/common/op_error.h), or 0
   float scale = 0.f;
@@ -58,6 +60,7 @@ void poison_rows(const PoisonRowsArgs& args, uintptr_t stream);
 constexpr int kAttentionDecodeMaxSplits = 128;
 constexpr int kAttentionDecodeTileHeads = 8;
 constexpr int kAttentionDecodeSlab = 16;
+constexpr int kAttentionDecodeMaxClusterSplits = 16;
 
 // ---- prefill.cu --------------------------------------------------------------------------
 // One paged chunked-prefill call (csrc/include/fusedist/attention/prefill.cuh has the layouts).

@@ -25,10 +25,15 @@
 // 8 heads on N: S^T = K q^T (K through ldmatrix), an online softmax per head in the exp2
 // domain, then O^T += V^T P^T (V through ldmatrix.trans, P^T transposed in registers by
 // movmatrix). The four warps merge their (m, l, O) in shared memory. With one split the CTA
-// writes the output; otherwise it writes its normalised O and LSE to the workspace, and the
-// last CTA of the (sequence, head tile) to arrive (a device-scope counter) merges all splits
-// in split order. Every sum runs in a fixed order, so results are bitwise identical run to
-// run and graph replay equals eager.
+// writes the output. Otherwise the splits of a (sequence, head tile) are merged in split
+// order, in one of two ways. Cluster merge (p.cluster, 2 .. kDecodeMaxClusterSplits splits:
+// the grid's splits of a tile are one thread-block cluster): each CTA leaves its normalised O
+// and LSE in its own shared memory, and after a cluster barrier every CTA computes the split
+// weights and writes its share of the tile's output from all CTAs' shared memory (no global
+// round trip). Workspace merge: each CTA writes its normalised O and LSE to the workspace,
+// and the last CTA of the tile to arrive (a device-scope counter) merges all splits. Every
+// sum runs in a fixed order, so results are bitwise identical run to run and graph replay
+// equals eager.
 //
 // Bad metadata (op_error.h): a length outside [0, bt_cols * page_size] reads nothing, a page id
 // outside [0, num_pages) reads page 0 instead; either is recorded in p.err and poisons the
@@ -47,6 +52,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fusedist/common/cluster.cuh"
 #include "fusedist/common/mma.cuh"
 #include "fusedist/common/op_error.h"
 #include "fusedist/common/signals.cuh"
@@ -63,6 +69,7 @@ constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeSlab = 16;        // tokens per slab (one MMA k-step of P V)
 constexpr int kDecodeTileHeads = 8;    // query heads per CTA (the MMA's 8 columns)
 constexpr int kDecodeMaxSplits = 128;  // the merge keeps [16][splits] weights in shared memory
+constexpr int kDecodeMaxClusterSplits = 16;  // the cluster merge: one (non-portable) cluster
 
 struct DecodeParams {
   const void* q;
@@ -80,6 +87,7 @@ struct DecodeParams {
   int bt_cols, num_pages;  // the valid block-table columns and page ids
   float scale_log2;        // softmax scale * log2(e)
   OpErrorRecord* err;      // bad metadata is recorded here (null: not recorded)
+  int cluster;             // 1: launched with clusters of num_splits CTAs (the cluster merge)
 };
 
 // Chunk c of row r of a 16-bit slab (rows of D / 8 >= 8 chunks) sits at c ^ h(r), h(r) =
@@ -135,9 +143,12 @@ struct DecodeTraits {
   static constexpr int kMergeBytes =
       kDecodeWarps * kDecodeTileHeads * (D + 2) * 4;  // per-warp O rows + (m, l)
   static constexpr int kSplitBytes = kDecodeTileHeads * (kDecodeMaxSplits + 1) * 4;
+  // the cluster merge: this split's normalised O [8][D] and LSE [8], read by the cluster
+  static constexpr int kPartBytes = kDecodeTileHeads * (D + 1) * 4;
+  static constexpr int kMergeAll = kMergeBytes + kSplitBytes + kPartBytes;
   static constexpr int kSmemBytes =
-      (kDecodeWarps * kWarpBytes > kMergeBytes + kSplitBytes ? kDecodeWarps * kWarpBytes
-                                                             : kMergeBytes + kSplitBytes);
+      kDecodeWarps * kWarpBytes > kMergeAll ? kDecodeWarps * kWarpBytes : kMergeAll;
+  static_assert((kMergeBytes + kSplitBytes) % 16 == 0, "the cluster part is float4-aligned");
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
 };
 
@@ -508,6 +519,8 @@ __global__ void __launch_bounds__(kDecodeThreads)
   float* sm_o = reinterpret_cast<float*>(smem);                        // [warps][8][D]
   float* sm_ml = sm_o + kDecodeWarps * kDecodeTileHeads * D;           // [warps][8][2]
   float* sm_w = sm_ml + kDecodeWarps * kDecodeTileHeads * 2;           // [8][splits + 1]
+  float* sm_part = sm_w + kDecodeTileHeads * (kDecodeMaxSplits + 1);   // [8][D] (cluster)
+  float* sm_lse = sm_part + kDecodeTileHeads * D;                      // [8] (cluster)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int row = 2 * q4 + e;
@@ -550,18 +563,72 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const int64_t qrow = int64_t(b) * p.q_heads + head0 + row;
     if (cta_bad) acc = make_float4(kNaN, kNaN, kNaN, kNaN), M = kNaN;
+    const float lse = cta_bad ? kNaN : (M == -INFINITY ? -INFINITY : M + __log2f(L));
     if (direct) {
       QT* out = static_cast<QT*>(p.out) + qrow * D + d;
       out[0] = from_f32<QT>(acc.x), out[1] = from_f32<QT>(acc.y);
       out[2] = from_f32<QT>(acc.z), out[3] = from_f32<QT>(acc.w);
+    } else if (p.cluster) {
+      *reinterpret_cast<float4*>(sm_part + row * D + d) = acc;
+      if (d == 0) sm_lse[row] = lse;
     } else {
       *reinterpret_cast<float4*>(p.o_partial + (qrow * p.num_splits + split) * D + d) = acc;
-      if (d == 0)
-        p.lse_partial[qrow * p.num_splits + split] =
-            cta_bad ? kNaN : (M == -INFINITY ? -INFINITY : M + __log2f(L));
+      if (d == 0) p.lse_partial[qrow * p.num_splits + split] = lse;
     }
   }
   if (direct) return;
+
+  // ---- split merge inside the cluster (split = the CTA's rank) ----
+  if (p.cluster) {
+    const int S = p.num_splits;
+    cluster_sync();  // every split's part and LSE are in its shared memory
+    const uint32_t part0 = smem_addr(sm_part), lse0 = smem_addr(sm_lse);
+    for (int i = threadIdx.x; i < rows * S; i += kDecodeThreads) {
+      const int row = i / S, sI = i % S;
+      sm_w[row * (kDecodeMaxSplits + 1) + sI] =
+          ld_cluster_f32(cluster_map(lse0 + 4 * row, uint32_t(sI)));
+    }
+    __syncthreads();
+    __shared__ int c_row_bad[kDecodeTileHeads];
+    if (threadIdx.x < rows) {  // a row's weights, in split order
+      float* w = sm_w + threadIdx.x * (kDecodeMaxSplits + 1);
+      float M = -INFINITY;
+      bool nan_lse = false;
+      for (int sI = 0; sI < S; ++sI) M = fmaxf(M, w[sI]), nan_lse |= isnan(w[sI]);
+      float W = 0.f;
+      for (int sI = 0; sI < S; ++sI) {
+        w[sI] = M == -INFINITY ? 0.f : exp2f(w[sI] - M);
+        W += w[sI];
+      }
+      const float inv = W > 0.f ? 1.f / W : 0.f;
+      for (int sI = 0; sI < S; ++sI) w[sI] *= inv;
+      c_row_bad[threadIdx.x] = nan_lse;
+    }
+    __syncthreads();
+    // this CTA's share of the tile's rows x D / 4 float4 outputs: items split, split + S, ...
+    for (int idx = threadIdx.x * S + split; idx < rows * (D / 4); idx += kDecodeThreads * S) {
+      const int row = idx / (D / 4), d = (idx % (D / 4)) * 4;
+      const float* w = sm_w + row * (kDecodeMaxSplits + 1);
+      float4 v[kDecodeMaxClusterSplits];
+#pragma unroll
+      for (int j = 0; j < kDecodeMaxClusterSplits; ++j)
+        if (j < S) v[j] = ld_cluster_f32x4(cluster_map(part0 + 4 * (row * D + d), uint32_t(j)));
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < kDecodeMaxClusterSplits; ++j) {
+        if (j < S) {
+          const float ws = w[j];
+          acc.x += ws * v[j].x, acc.y += ws * v[j].y, acc.z += ws * v[j].z, acc.w += ws * v[j].w;
+        }
+      }
+      if (c_row_bad[row]) acc = make_float4(kNaN, kNaN, kNaN, kNaN);
+      QT* out = static_cast<QT*>(p.out) + (int64_t(b) * p.q_heads + head0 + row) * D + d;
+      out[0] = from_f32<QT>(acc.x), out[1] = from_f32<QT>(acc.y);
+      out[2] = from_f32<QT>(acc.z), out[3] = from_f32<QT>(acc.w);
+    }
+    cluster_sync();  // the other CTAs are done reading this CTA's shared memory
+    return;
+  }
 
   // ---- split merge by the last CTA of this (sequence, head tile) ----
   __shared__ int is_last;

@@ -14,6 +14,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -88,6 +90,58 @@ void launch_kernel_smem(const char* name, void (*kernel)(KArgs...), dim3 grid, d
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     cudaGetLastError();  // the launch error is not sticky: clear it so later checks are clean
+    throw_cuda_error(err, name, __FILE__, __LINE__);
+  }
+}
+
+// launch_kernel_smem with thread-block clusters of cluster_x CTAs along x (grid.x a multiple
+// of it; PDL as above). Sizes above 8 are allowed on the kernel first (non-portable sizes:
+// 16 on Hopper). Raises when no cluster of this kernel and size fits one GPC (checked once per
+// kernel, size, shared-memory size and device).
+template <typename... KArgs, typename... Args>
+void launch_kernel_cluster(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                           size_t smem_bytes, int cluster_x, cudaStream_t stream,
+                           Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = unsigned(cluster_x);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 2;
+  {
+    static std::mutex mu;
+    static std::map<std::tuple<const void*, int, int, size_t>, int> fits;
+    int dev = 0;
+    FUSEDIST_CUDA_CHECK(cudaGetDevice(&dev));
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), dev, cluster_x,
+                                     smem_bytes);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = fits.find(key);
+    if (it == fits.end()) {
+      if (cluster_x > 8)
+        FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      int n = 0;
+      FUSEDIST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+      it = fits.emplace(key, n).first;
+    }
+    if (it->second < 1)
+      throw std::runtime_error(std::string("fusedist: ") + name + ": no cluster of " +
+                               std::to_string(cluster_x) + " CTAs (" +
+                               std::to_string(smem_bytes) + " bytes of shared memory each) "
+                               "fits this GPU; plan fewer splits or the workspace merge");
+  }
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
     throw_cuda_error(err, name, __FILE__, __LINE__);
   }
 }
