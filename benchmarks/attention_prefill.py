@@ -298,7 +298,7 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
                 None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=128,
                 tile_warps=w), fl, ref)
         # the wgmma mainloop (sm_90a), 64 rows of one warpgroup and 128 rows of two
-        if torch.cuda.get_device_capability() == (9, 0):
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             for r, w in ((64, 4), (128, 8)):
                 _time(row, f"fusedist_wgmma{r}", lambda r=r, w=w: AP.run_paged(
                     None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=r,
