@@ -297,6 +297,12 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
             _time(row, f"fusedist_paged128w{w}", lambda w=w: AP.run_paged(
                 None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=128,
                 tile_warps=w), fl, ref)
+        # the wgmma mainloop (sm_90a), 64 rows of one warpgroup and 128 rows of two
+        if torch.cuda.get_device_capability() == (9, 0):
+            for r, w in ((64, 4), (128, 8)):
+                _time(row, f"fusedist_wgmma{r}", lambda r=r, w=w: AP.run_paged(
+                    None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=r,
+                    tile_warps=w, mainloop="wgmma"), fl, ref)
     saved = (S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA)
     for key, order, expand in SDPA_KNOBS:
         S.PREFILL_SDPA_BACKENDS, S.PREFILL_EXPAND_GQA = order or saved[0], expand
@@ -423,14 +429,15 @@ def markdown(rows, meta=None) -> str:
         out.append("| " + " | ".join(cells) + " |")
     # diagnostics: every variant timed, eager / graph
     keys = ["fusedist_pages"] + [f"fusedist_{b}" for b in prefill_backends()] + \
-        [k for k in ("fusedist_paged128w4", "fusedist_paged128w8")
-         if any(f"{k}_us" in r for r in pr)] + \
+        [k for k in ("fusedist_paged128w4", "fusedist_paged128w8", "fusedist_wgmma64",
+                     "fusedist_wgmma128") if any(f"{k}_us" in r for r in pr)] + \
         [k for k, _, _ in SDPA_KNOBS] + ["sdpa_cudnn_expanded", "sdpa_cudnn_bshd",
                                          "sdpa_flash_expanded"] + \
         ([f"flashinfer_{b}" for b in FLASHINFER_BACKENDS] if fi else [])
     names = {"fusedist_pages": "auto, pages", "fusedist_expand_gqa": "sdpa +expand GQA",
              "fusedist_paged128w4": "paged, 128 rows / 4 warps",
              "fusedist_paged128w8": "paged, 128 rows / 8 warps",
+             "fusedist_wgmma64": "paged wgmma, 64 rows", "fusedist_wgmma128": "paged wgmma, 128 rows",
              "fusedist_flash_first": "sdpa flash first", **PEER_NAMES,
              **{f"flashinfer_{b}": f"FlashInfer {b}" for b in FLASHINFER_BACKENDS}}
     out += ["", "Every variant, TFLOP/s eager / graph (fusedist_<backend>: each of "

@@ -69,6 +69,7 @@ void register_attention(py::module_& m) {
       .def_readwrite("num_splits", &PrefillArgs::num_splits)
       .def_readwrite("tile_rows", &PrefillArgs::tile_rows)
       .def_readwrite("tile_warps", &PrefillArgs::tile_warps)
+      .def_readwrite("mainloop", &PrefillArgs::mainloop)
       .def_readwrite("err", &PrefillArgs::err)
       .def_readwrite("scale", &PrefillArgs::scale)
       .def_property(

@@ -612,6 +612,39 @@ def test_prefill_paged_kernel_tiles(kv, rows, warps):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv, rows, warps", [("bf16", 64, 4), ("bf16", 128, 8), ("fp8", 64, 4),
+                                            ("fp8", 128, 8), ("fp16", 128, 8)])
+def test_prefill_paged_kernel_wgmma(kv, rows, warps):
+    """The wgmma mainloop (Hopper's warpgroup MMA on 128-byte-swizzled tiles) gives the
+    reference's result for GQA groups 1, 4, 7 and 16, with and without key splits, bf16 / fp16
+    queries and 16-bit or FP8 caches, bitwise the same on a second run."""
+    _paged_kernel()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma mainloop is sm_90a")
+    if kv == "fp8" and FP8 is None:
+        pytest.skip("torch without float8_e4m3fn")
+    gen = _gen("cuda")
+    dtype = torch.float16 if kv == "fp16" else torch.bfloat16
+    chunks = [(300, 1000), (1, 1), (130, 130), (0, 40), (77, 2100)]
+    for Hq, Hkv in ((8, 8), (16, 4), (14, 2), (32, 2)):
+        q, kc, vc, ksc, vsc, bt, sl, cu, ref = _paged_inputs(
+            chunks, Hq, Hkv, 128, 16, dtype, gen, cache_dtype=FP8 if kv == "fp8" else None)
+        for splits in (1, 3):
+            outs = []
+            for _ in range(2):
+                out = torch.full_like(q, float("nan"))
+                A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 300, 2100,
+                                     ksc, vsc, num_splits=splits, tile_rows=rows,
+                                     tile_warps=warps, mainloop="wgmma")
+                outs.append(out)
+            assert bad_rows(outs[0], ref, dtype) == 0, f"{Hq}/{Hkv} splits {splits}"
+            assert torch.equal(outs[0], outs[1]), "not reproducible"
+    with pytest.raises(ValueError, match="mainloop='wgmma' is built for head_dim 128"):
+        A._prefill.run_paged(None, q, kc, vc, bt, sl, cu, 1.0, 4, 64, tile_rows=128,
+                             tile_warps=4, mainloop="wgmma")
+
+
+@pytest.mark.gpu
 def test_prefill_paged_kernel_strided_q():
     """q as TPAttention passes it: the q columns of a fused [T, q | k | v] projection."""
     _paged_kernel()

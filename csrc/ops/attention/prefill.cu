@@ -16,26 +16,32 @@ using attention::PrefillTraits;
 
 static_assert(attention::kPrefillMaxSplits == kAttentionPrefillMaxSplits, "keep in sync");
 
-template <int D, typename QT, typename KVT, int W, int MT>
+template <int D, typename QT, typename KVT, int W, int MT, bool WG = false>
 void launch_tile(const PrefillParams& p, cudaStream_t stream) {
-  using Tr = PrefillTraits<D, QT, KVT, W, MT>;
+  using Tr = PrefillTraits<D, QT, KVT, W, MT, WG>;
   static const bool once = [] {
-    FUSEDIST_CUDA_CHECK(cudaFuncSetAttribute(attention::paged_prefill_kernel<D, QT, KVT, W, MT>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             Tr::kSmemBytes));
+    FUSEDIST_CUDA_CHECK(
+        cudaFuncSetAttribute(attention::paged_prefill_kernel<D, QT, KVT, W, MT, WG>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
     return true;
   }();
   (void)once;
   const dim3 grid(p.q_tiles * p.num_splits, p.kv_heads, p.batch);
-  launch_kernel_smem("paged_prefill_kernel", attention::paged_prefill_kernel<D, QT, KVT, W, MT>,
+  launch_kernel_smem("paged_prefill_kernel", attention::paged_prefill_kernel<D, QT, KVT, W, MT, WG>,
                      grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, p);
 }
 
 // 128-row tiles at head_dim 128 only (other head dims would spill or exceed the register file):
 // 8 warps x 1 m-tile, or 4 warps x 2 (16-bit caches: with the FP8 conversion it spills).
 template <int D, typename QT, typename KVT>
-void launch_tiles(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
+void launch_tiles(const PrefillParams& p, int rows, int warps, int mainloop, cudaStream_t stream) {
   constexpr bool kFp8 = std::is_same<KVT, __nv_fp8_e4m3>::value;
+  if (mainloop == 1) {  // wgmma: head_dim 128, one warpgroup per 64 rows (checked by the caller)
+    if constexpr (D == 128) {
+      if (rows == 128) return launch_tile<D, QT, KVT, 8, 1, true>(p, stream);
+      return launch_tile<D, QT, KVT, 4, 1, true>(p, stream);
+    }
+  }
   if constexpr (D == 128) {
     if (rows == 128 && warps == 8) return launch_tile<D, QT, KVT, 8, 1>(p, stream);
     if constexpr (!kFp8) {
@@ -49,8 +55,8 @@ void launch_tiles(const PrefillParams& p, int rows, int warps, cudaStream_t stre
 
 // The tile kernel, then (key splits) the merge of its partial rows, whatever the tile shape.
 template <int D, typename QT, typename KVT>
-void launch(const PrefillParams& p, int rows, int warps, cudaStream_t stream) {
-  launch_tiles<D, QT, KVT>(p, rows, warps, stream);
+void launch(const PrefillParams& p, int rows, int warps, int mainloop, cudaStream_t stream) {
+  launch_tiles<D, QT, KVT>(p, rows, warps, mainloop, stream);
   if (p.num_splits > 1) {
     const int64_t merge_rows = int64_t(p.tokens) * p.q_heads;
     launch_kernel("prefill_merge_kernel", attention::prefill_merge_kernel<D, QT>,
@@ -95,6 +101,12 @@ void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
   FUSEDIST_CHECK_ARG((rows == 64 && warps == 4) || (rows == 128 && (warps == 4 || warps == 8)),
                      w + "tile_warps must be 4 (64 or 128 rows) or 8 (128 rows), got " +
                          std::to_string(warps) + " for " + std::to_string(rows) + " rows");
+  FUSEDIST_CHECK_ARG(a.mainloop == 0 || a.mainloop == 1,
+                     w + "mainloop must be 0 (mma.sync) or 1 (wgmma), got " +
+                         std::to_string(a.mainloop));
+  FUSEDIST_CHECK_ARG(a.mainloop == 0 || (a.head_dim == 128 && (rows == 64 || warps == 8)),
+                     w + "the wgmma mainloop is built for head_dim 128 with 64-row tiles (4 "
+                         "warps) or 128-row tiles of 8 warps");
   const int tt = attention_prefill_tile_tokens(group, rows);
   FUSEDIST_CHECK_ARG(a.page_size > 0, w + "page_size must be > 0");
   FUSEDIST_CHECK_ARG(a.tokens >= 0 && a.max_q_len >= 0 && a.max_q_len <= a.tokens,
@@ -146,7 +158,7 @@ void attention_prefill(const PrefillArgs& a, uintptr_t stream) {
   p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool fp8_ = a.kv_dtype == DType::kFloat8E4M3, bf16_ = a.q_dtype == DType::kBFloat16;
-#define FUSEDIST_PREFILL_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, rows, warps, s)
+#define FUSEDIST_PREFILL_LAUNCH(D_, QT_, KVT_) launch<D_, QT_, KVT_>(p, rows, warps, a.mainloop, s)
   switch (a.head_dim) {
     case 64: FUSEDIST_PREFILL_DTYPES(64, FUSEDIST_PREFILL_LAUNCH); break;
     case 128: FUSEDIST_PREFILL_DTYPES(128, FUSEDIST_PREFILL_LAUNCH); break;

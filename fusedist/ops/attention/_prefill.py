@@ -317,13 +317,16 @@ _SMS: dict = {}
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
               max_q_len, max_keys, k_scale=None, v_scale=None, num_splits=None,
-              tile_rows: Optional[int] = None, tile_warps: Optional[int] = None):
+              tile_rows: Optional[int] = None, tile_warps: Optional[int] = None,
+              mainloop: Optional[str] = None):
     """Launch the paged prefill kernel on the current stream (arguments checked by prefill());
     max_q_len bounds every sequence's new tokens (the grid), max_keys their cached tokens
     (the split plan). tile_rows: query rows per CTA, 64 (4 warps of 16) or, at head_dim 128,
     128: tile_warps=8 (16 rows a warp) or 4 (32 rows a warp, flash-attention 2's shape: each
     K/V fragment feeds two m-tiles; 16-bit caches). Default (None): 128 rows of 8 warps at
-    head_dim 128 (0.6-0.85x the 64-row tile's time on H200), else 64. Returns out."""
+    head_dim 128 (0.6-0.85x the 64-row tile's time on H200), else 64. mainloop: "mma" (the
+    default: mma.sync m16n8k16 per warp) or "wgmma" (Hopper's warpgroup MMA; head_dim 128,
+    tiles of 64 rows / 4 warps or 128 rows / 8 warps). Returns out."""
     if tile_rows is None:
         tile_rows = 128 if q.shape[2] == 128 else 64
     if tile_warps is None:
@@ -349,6 +352,13 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
         _fail("prefill", f"tile_warps must be 4 (64 rows; 128 rows with a 16-bit cache) or 8 "
                          f"(128 rows); got {tile_warps} for {tile_rows} rows, a "
                          f"{k_cache.dtype} cache")
+    if mainloop not in (None, "mma", "wgmma"):
+        _fail("prefill", f"mainloop must be 'mma' or 'wgmma', got {mainloop!r}")
+    wg = mainloop == "wgmma"
+    if wg and (D != 128 or (tile_rows, tile_warps) not in ((64, 4), (128, 8))):
+        _fail("prefill", f"mainloop='wgmma' is built for head_dim 128 with tiles of 64 rows / 4 "
+                         f"warps or 128 rows / 8 warps; got head_dim {D}, {tile_rows} rows / "
+                         f"{tile_warps} warps")
     tt = C.attention_prefill_tile_tokens(Hq // Hkv, tile_rows)
     q_tiles = -(-max_q_len // tt)
     if num_splits is None:
@@ -375,6 +385,8 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     a.page_size, a.bt_stride, a.bt_cols, a.num_pages = ps, bt.stride(0), bt.shape[1], P
     a.max_q_len, a.num_splits, a.tile_rows, a.tile_warps = max_q_len, num_splits, tile_rows, \
         tile_warps
+    if wg:
+        a.mainloop = 1
     a.err = device_errors.record_ptr(dev)
     a.scale = float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)

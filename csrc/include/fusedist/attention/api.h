@@ -72,6 +72,7 @@ struct PrefillArgs {
   int num_splits = 1;  // key splits per tile (a merge kernel combines them)
   int tile_rows = 0;   // query rows per CTA: 64 (0: the default) or 128 (head_dim 128)
   int tile_warps = 0;  // 4 (0: the default; 128 rows: 2 m16 tiles a warp) or 8 (128 rows)
+  int mainloop = 0;    // 0: mma.sync; 1: wgmma (sm_90a; head_dim 128, 64 rows / 4 warps or 128 / 8)
   uintptr_t err = 0;   // OpErrorRecord* (fusedist/common/op_error.h), or 0
   float scale = 0.f;
   DType q_dtype = DType::kBFloat16, kv_dtype = DType::kBFloat16;

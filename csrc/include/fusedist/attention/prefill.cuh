@@ -38,6 +38,7 @@
 // 0 instead. No access leaves the tensors.
 #pragma once
 #include "fusedist/attention/decode.cuh"
+#include "fusedist/common/wgmma.cuh"
 
 namespace fusedist {
 namespace attention {
@@ -70,9 +71,14 @@ struct PrefillParams {
   OpErrorRecord* err;
 };
 
-template <int D, typename QT, typename KVT, int kWarpsT = 4, int kMTT = 1>
+template <int D, typename QT, typename KVT, int kWarpsT = 4, int kMTT = 1, bool kWgT = false>
 struct PrefillTraits {
   static constexpr int kWarps = kWarpsT;
+  // kWg: the two GEMMs on Hopper's warpgroup MMA (wgmma): each group of 4 warps takes 64 query
+  // rows, S = Q K^T with Q and K read by the tensor cores from shared memory, O += P V with P
+  // from registers and V from shared memory; tiles in wgmma's 128-byte-swizzled layout.
+  static constexpr bool kWg = kWgT;
+  static_assert(!kWg || kMTT == 1, "wgmma tiles: one m16 tile per warp (64 rows a warpgroup)");
   static constexpr int kMT = kMTT;                // m16 tiles (16 query rows) per warp
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * kMT * kWarps;
@@ -86,35 +92,50 @@ struct PrefillTraits {
   // stage: K block, V block (raw), then for fp8 the 64 k and 64 v scales
   static constexpr int kStageBytes = 2 * kRawBlock + (kFp8 ? 2 * kPrefillKeys * 4 : 0);
   static constexpr int kConvBytes = kFp8 ? 2 * kBlock16 : 0;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStageBytes + kConvBytes;
+  // the FP8 conversion buffer is what wgmma reads there: 1024-byte aligned like the tiles
+  static constexpr int kConvOffset = (kQBytes + 2 * kStageBytes + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytes =
+      kWg ? kConvOffset + kConvBytes + 1024 : kQBytes + 2 * kStageBytes + kConvBytes;
+  static_assert(!kWg || (kQBytes % 1024 == 0 && (kFp8 || kStageBytes % 1024 == 0)),
+                "wgmma tiles start on 1024-byte boundaries");
   // q in registers up to head_dim 128 with one m-tile per warp; at 256, or with two m-tiles,
   // the O accumulators alone hold 128 registers: q is re-read from shared memory per k-step
-  static constexpr bool kQRegs = D <= 128 && kMT == 1;
+  static constexpr bool kQRegs = !kWg && D <= 128 && kMT == 1;
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-  // Byte offset of 16-byte chunk c of row r of a 16-bit tile: c ^ (r & 7) within each group of
-  // eight chunks, so the eight rows an ldmatrix reads hit eight bank groups.
-  __device__ static int off16(int r, int c) {
-    return r * kRow16 + (((c & ~7) | ((c ^ r) & 7)) << 4);
+  // Byte offset of 16-byte chunk c of row r of a 16-bit tile of kTileRows rows: c ^ (r & 7)
+  // within each group of eight chunks, so the eight rows an ldmatrix reads hit eight bank
+  // groups. mma.sync kernels keep a row's chunks together (r * kRow16); wgmma kernels store
+  // the 64-element slices of all rows one after another (wgmma.cuh's K-major tile).
+  template <int kTileRows>
+  __device__ static int tile_off(int r, int c) {
+    if constexpr (kWg) return (c >> 3) * (kTileRows * 128) + r * 128 + (((c ^ r) & 7) << 4);
+    else return r * kRow16 + (((c & ~7) | ((c ^ r) & 7)) << 4);
   }
+  __device__ static int q_off(int r, int c) { return tile_off<kRows>(r, c); }
+  __device__ static int kv_off(int r, int c) { return tile_off<kPrefillKeys>(r, c); }
   // A raw stage row: swizzled like a 16-bit tile when the cache is 16-bit (the MMAs read the
   // stage directly), plain for fp8 (the conversion reads it row by row).
-  __device__ static int raw_off(int r, int c) { return kFp8 ? r * kRawRow + c * 16 : off16(r, c); }
+  __device__ static int raw_off(int r, int c) { return kFp8 ? r * kRawRow + c * 16 : kv_off(r, c); }
 };
 
-template <int D, typename QT, typename KVT, int kWarps, int kMT>
-__global__ void __launch_bounds__(32 * kWarps)
+// wgmma kernels of 8 warps fit 128 registers: two CTAs (four warpgroups) per SM.
+template <int D, typename QT, typename KVT, int kWarps, int kMT, bool kWg = false>
+__global__ void __launch_bounds__(32 * kWarps, kWg && kWarps == 8 ? 2 : 1)
     paged_prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using Tr = PrefillTraits<D, QT, KVT, kWarps, kMT>;
+  using Tr = PrefillTraits<D, QT, KVT, kWarps, kMT, kWg>;
   constexpr int kPrefillRows = Tr::kRows, kPrefillThreads = Tr::kThreads;
   constexpr int kWarpRows = 16 * kMT;
   constexpr bool kFp8 = Tr::kFp8;
   constexpr int kKs = D / 16;              // k-steps of S = Q K^T
   constexpr int kDn = D / 8;               // n-tiles of O
   constexpr int kRawChunks = Tr::kRawRow / 16;
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // wgmma's swizzled tiles need 1024-byte alignment (kSmemBytes has the room for it)
+  unsigned char* smem =
+      kWg ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
   unsigned char* sq = smem;
   unsigned char* stages = smem + Tr::kQBytes;
-  unsigned char* conv = stages + 2 * Tr::kStageBytes;
+  unsigned char* conv = kWg ? smem + Tr::kConvOffset : stages + 2 * Tr::kStageBytes;
 
   const int tile = blockIdx.x / p.num_splits, split = blockIdx.x % p.num_splits;
   const int kvh = blockIdx.y, b = blockIdx.z;
@@ -171,7 +192,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       const bool ok = r < TT * G && t < n;
       const QT* src = qbase + (int64_t(c0) + (ok ? t : 0)) * p.q_stride +
                       int64_t(kvh * G + r % G) * D + cc * 8;
-      cp_async16_l2<0>(smem_addr(sq + Tr::off16(r, cc)), ok ? src : qbase, ok ? 16 : 0);
+      cp_async16_l2<0>(smem_addr(sq + Tr::q_off(r, cc)), ok ? src : qbase, ok ? 16 : 0);
     }
     cp_async_commit();
   }
@@ -254,13 +275,14 @@ __global__ void __launch_bounds__(32 * kWarps)
     __syncthreads();
 #pragma unroll
     for (int ks = 0; ks < (Tr::kQRegs ? kKs : 1); ++ks)
-      ldmatrix_x4(qf[ks], sq_addr + Tr::off16(qrow, 2 * ks + (lane >> 4)));
+      ldmatrix_x4(qf[ks], sq_addr + Tr::q_off(qrow, 2 * ks + (lane >> 4)));
   }
 
   for (int kb = kb0; kb < kb1; ++kb) {
     const int s = (kb - kb0) & 1;
     issue(kb + 1, s ^ 1);
     cp_async_wait<1>();
+    if constexpr (kWg) wgmma::fence_proxy_async();  // this thread's copies, for the tensor cores
     __syncthreads();
     unsigned char* st = stages + s * Tr::kStageBytes;
     const unsigned char* kbuf = st;
@@ -287,42 +309,61 @@ __global__ void __launch_bounds__(32 * kWarps)
           }
         }
         unsigned char* dst = conv + kv * Tr::kBlock16;
-        *reinterpret_cast<uint4*>(dst + Tr::off16(r, 2 * cc)) = make_uint4(h[0], h[1], h[2], h[3]);
-        *reinterpret_cast<uint4*>(dst + Tr::off16(r, 2 * cc + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+        *reinterpret_cast<uint4*>(dst + Tr::kv_off(r, 2 * cc)) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(dst + Tr::kv_off(r, 2 * cc + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
       }
+      if constexpr (kWg) wgmma::fence_proxy_async();
       __syncthreads();
       kbuf = conv;
       vbuf = conv + Tr::kBlock16;
     }
     const uint32_t kaddr = smem_addr(kbuf), vaddr = smem_addr(vbuf);
 
-    // ---- S = Q K^T: kMT x 16 rows x 64 keys per warp; each K fragment feeds every m-tile ----
     float sc[kMT][8][4];
+    if constexpr (kWg) {
+      // ---- S = Q K^T, the warpgroup's 64 rows x 64 keys: D / 16 wgmmas, Q and K in shared
+      // memory (K-major, 128-byte swizzle: a k step is 32 bytes into a 64-wide slice) ----
+      float (&s32)[32] = *reinterpret_cast<float(*)[32]>(&sc[0][0][0]);
+      const uint32_t qwg = sq_addr + (warp >> 2) * 64 * 128;
+      wgmma::fence();
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKs; ++ks) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        if (Tr::kQRegs) {
-          a[mt][0] = qf[Tr::kQRegs ? ks : 0][0], a[mt][1] = qf[Tr::kQRegs ? ks : 0][1];
-          a[mt][2] = qf[Tr::kQRegs ? ks : 0][2], a[mt][3] = qf[Tr::kQRegs ? ks : 0][3];
-        } else {
-          ldmatrix_x4(a[mt], sq_addr + Tr::off16(qrow + 16 * mt, 2 * ks + (lane >> 4)));
-        }
+      for (int ks = 0; ks < kKs; ++ks) {
+        const uint32_t qa = qwg + (ks >> 2) * (Tr::kRows * 128) + (ks & 3) * 32;
+        const uint32_t ka = kaddr + (ks >> 2) * (kPrefillKeys * 128) + (ks & 3) * 32;
+        wgmma::mma_ss<64, QT>(s32, wgmma::desc_sw128(qa, 16, 1024), wgmma::desc_sw128(ka, 16, 1024),
+                              ks > 0);
       }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(s32);
+    } else {
+      // ---- S = Q K^T: kMT x 16 rows x 64 keys per warp; each K fragment feeds every m-tile ----
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, kaddr + Tr::off16(16 * np + (lane & 7) + ((lane >> 4) << 3),
-                                          2 * ks + ((lane >> 3) & 1)));
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sc[mt][j][0] = sc[mt][j][1] = sc[mt][j][2] = sc[mt][j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kKs; ++ks) {
+        uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<QT>(sc[mt][2 * np], a[mt], bk[0], bk[1]);
-          mma_16816<QT>(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          if (Tr::kQRegs) {
+            a[mt][0] = qf[Tr::kQRegs ? ks : 0][0], a[mt][1] = qf[Tr::kQRegs ? ks : 0][1];
+            a[mt][2] = qf[Tr::kQRegs ? ks : 0][2], a[mt][3] = qf[Tr::kQRegs ? ks : 0][3];
+          } else {
+            ldmatrix_x4(a[mt], sq_addr + Tr::q_off(qrow + 16 * mt, 2 * ks + (lane >> 4)));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4(bk, kaddr + Tr::kv_off(16 * np + (lane & 7) + ((lane >> 4) << 3),
+                                            2 * ks + ((lane >> 3) & 1)));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<QT>(sc[mt][2 * np], a[mt], bk[0], bk[1]);
+            mma_16816<QT>(sc[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          }
         }
       }
     }
@@ -375,25 +416,53 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sc[mt][j][e] *= vsc[8 * j + 2 * q4 + (e & 1)];
     }
-    // ---- O += P V: each V fragment feeds every m-tile ----
+    if constexpr (kWg) {
+      // ---- O += P V: P (this warp's 16 rows x 16 keys per step) from registers, V in shared
+      // memory MN-major (rows = keys: 16 keys a step, 8 at a time SBO = 1024 apart; the D
+      // slices LBO = 64 keys x 128 bytes apart) ----
+      float (&o_all)[kDn * 4] = *reinterpret_cast<float(*)[kDn * 4]>(&o[0][0][0]);
+      uint32_t pa[4][4];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = pack2<QT>(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
-        a[mt][1] = pack2<QT>(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
-        a[mt][2] = pack2<QT>(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<QT>(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+      for (int kk = 0; kk < 4; ++kk) {
+        pa[kk][0] = pack2<QT>(sc[0][2 * kk][0], sc[0][2 * kk][1]);
+        pa[kk][1] = pack2<QT>(sc[0][2 * kk][2], sc[0][2 * kk][3]);
+        pa[kk][2] = pack2<QT>(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
+        pa[kk][3] = pack2<QT>(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
       }
+      wgmma::fence_operands(o_all);
+      wgmma::fence();
 #pragma unroll
-      for (int dn = 0; dn < D / 16; ++dn) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vaddr + Tr::off16(16 * kk + (lane & 15), 2 * dn + (lane >> 4)));
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::mma_rs_t<D, QT>(o_all, pa[kk],
+                               wgmma::desc_sw128(vaddr + kk * 16 * 128, kPrefillKeys * 128, 1024), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(o_all);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma::fence_operand(pa[kk][i]);
+    } else {
+      // ---- O += P V: each V fragment feeds every m-tile ----
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t a[kMT][4];
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_16816<QT>(o[mt][2 * dn], a[mt], bv[0], bv[1]);
-          mma_16816<QT>(o[mt][2 * dn + 1], a[mt], bv[2], bv[3]);
+          a[mt][0] = pack2<QT>(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+          a[mt][1] = pack2<QT>(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+          a[mt][2] = pack2<QT>(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+          a[mt][3] = pack2<QT>(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          uint32_t bv[4];
+          ldmatrix_x4_trans(bv, vaddr + Tr::kv_off(16 * kk + (lane & 15), 2 * dn + (lane >> 4)));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            mma_16816<QT>(o[mt][2 * dn], a[mt], bv[0], bv[1]);
+            mma_16816<QT>(o[mt][2 * dn + 1], a[mt], bv[2], bv[3]);
+          }
         }
       }
     }
