@@ -35,9 +35,10 @@
 // free as long as A and B agree: lane (g, t)'s A registers hold the k of its own 16-byte
 // vectors, its B registers the same k of x row g (+ 8). FP8 weights are widened in registers:
 // e4m3 byte -> bf16 bits (the sign in place; exponent and mantissa shifted into bf16's fields,
-// which is the value times 2^-120) times 2^120 (one bf16x2 multiply: exact, e4m3 subnormals
-// included), as element pairs (0, 2) and (1, 3) of each 4-byte word, x's pairs permuted to
-// match (__byte_perm). Accumulation is fp32 throughout: inside the MMAs and across units in
+// which is the value times 2^-120, e4m3 subnormals as bf16 subnormals), as element pairs
+// (0, 2) and (1, 3) of each 4-byte word, x's pairs permuted to match (__byte_perm) and
+// multiplied by 2^48 (exact for |x| < 2^80); the fp32 sums, products times 2^-72, get their
+// 2^72 back in the epilogue (or in each block's scale): no multiply per weight. Accumulation is fp32 throughout: inside the MMAs and across units in
 // registers; block scales multiply each 128 x 128 block's fp32 sum (a warp's rows of a strip
 // lie in one scale-block row, its k in whole blocks). NaN encodings of e4m3 (0x7f / 0xff) read as +-480.
 //
@@ -197,11 +198,16 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 }
 
 // Bytes 1 and 3 of q (e4m3) as bf16x2, byte 1 in the low half: the sign stays at bit 15 of
-// its half, exponent and mantissa move down by 4 into bf16's fields (the value times 2^-120,
-// a bf16 subnormal for e4m3 subnormals), and a bf16 multiply by 2^120 (0x7b80) restores it.
+// its half, exponent and mantissa move down by 4 into bf16's fields: the value times 2^-120
+// (a bf16 subnormal for e4m3 subnormals), restored by the scaling of x and of the sums below.
 __device__ __forceinline__ uint32_t e4m3_odd_bf16x2(uint32_t q) {
-  return bf16x2_mul((q & 0x80008000u) | ((q & 0x7f007f00u) >> 4), 0x7b807b80u);
+  return (q & 0x80008000u) | ((q & 0x7f007f00u) >> 4);
 }
+// The 2^120 the widening leaves out: x's B registers carry 2^kXShift (exact while |x| <
+// 2^(128 - kXShift)) and every fp32 sum 2^kSumShift more (kXShift - 120: products stay fp32
+// normals down to |w x| = 2^(kSumShift - 126)); the epilogue or the block scale puts it back.
+constexpr uint32_t kXShiftBf16x2 = 0x57805780u;  // 2^48 in both halves
+constexpr float kSumRestore = 4722366482869645213696.f;  // 2^72
 // Bytes 0 and 2 of q as bf16x2, byte 0 in the low half.
 __device__ __forceinline__ uint32_t e4m3_even_bf16x2(uint32_t q) {
   return e4m3_odd_bf16x2(q << 8);
@@ -233,8 +239,8 @@ template <bool kFp8, int s>
 __device__ __forceinline__ void b_regs(const uint4& xv, uint32_t& b0, uint32_t& b1) {
   if constexpr (kFp8) {
     const uint32_t lo = word<2 * (s % 2)>(xv), hi = word<2 * (s % 2) + 1>(xv);
-    b0 = __byte_perm(lo, hi, 0x5410);
-    b1 = __byte_perm(lo, hi, 0x7632);
+    b0 = bf16x2_mul(__byte_perm(lo, hi, 0x5410), kXShiftBf16x2);
+    b1 = bf16x2_mul(__byte_perm(lo, hi, 0x7632), kXShiftBf16x2);
   } else {
     b0 = word<2 * s>(xv);
     b1 = word<2 * s + 1>(xv);
@@ -391,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, kXFp8 ? 1 : kMinBlocks)
             const int nb = strip * kBN;
             const int kc = (ku * C::kKUnit + wk * C::kKWarp) / kScaleBlock + j / C::kJBlock;
             sc = nb < p.n && kc * kScaleBlock < p.k
-                     ? p.scale[int64_t(nb / kScaleBlock) * p.scale_ld + kc]
+                     ? p.scale[int64_t(nb / kScaleBlock) * p.scale_ld + kc] * kSumRestore
                      : 0.f;
           }
 #pragma unroll
@@ -411,6 +417,7 @@ __global__ void __launch_bounds__(kThreads, kXFp8 ? 1 : kMinBlocks)
   auto slot_of = [&](int cc, int strip) { return 2 * cc + (start(cc) / KU == strip ? 0 : 1); };
   auto finish = [&](float v, int m, int n) {  // fp32 sum -> scaled, biased, rounded once
     if constexpr (kXFp8) v *= p.x_scale[m];
+    if constexpr (kFp8 && !kXFp8 && !kBlock) v *= kSumRestore;  // widened weights' 2^-72
     if (p.epi_scale) v *= p.scale[int64_t(n) * p.scale_ld];
     if (p.bias != nullptr) v += __bfloat162float(p.bias[n]);
     return __float2bfloat16_rn(v);
