@@ -587,9 +587,9 @@ def test_prefill_paged_kernel_key_splits(splits):
 @pytest.mark.parametrize("kv, rows, warps", [("bf16", 128, 8), ("fp8", 128, 8), ("bf16", 128, 4),
                                             ("bf16", 64, 4), ("fp8", 64, 4)])
 def test_prefill_paged_kernel_tiles(kv, rows, warps):
-    """Every tile of head_dim 128: 128 rows of 8 warps x 16 (the default) or 4 warps of two
-    m16 tiles, and 64 rows of 4 warps; the reference's result for GQA groups 1, 4, 7 and 16,
-    with and without key splits."""
+    """Every mma.sync tile of head_dim 128: 128 rows of 8 warps x 16 or 4 warps of two m16
+    tiles, and 64 rows of 4 warps; the reference's result for GQA groups 1, 4, 7 and 16, with
+    and without key splits."""
     _paged_kernel()
     if kv == "fp8" and FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
@@ -601,7 +601,8 @@ def test_prefill_paged_kernel_tiles(kv, rows, warps):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             A._prefill.run_paged(out, q, kc, vc, bt, sl, cu, 1 / math.sqrt(128), 300, 2100,
-                                 ksc, vsc, num_splits=splits, tile_rows=rows, tile_warps=warps)
+                                 ksc, vsc, num_splits=splits, tile_rows=rows, tile_warps=warps,
+                                 mainloop="mma")
             assert bad_rows(out, ref, torch.bfloat16) == 0, f"{Hq}/{Hkv} splits {splits}"
     if rows == 64:
         return
@@ -640,7 +641,8 @@ def test_prefill_paged_kernel_wgmma(kv, rows, warps):
             assert bad_rows(outs[0], ref, dtype) == 0, f"{Hq}/{Hkv} splits {splits}"
             assert torch.equal(outs[0], outs[1]), "not reproducible"
     with pytest.raises(ValueError, match="mainloop='wgmma' is built for head_dim 128"):
-        A._prefill.run_paged(None, q, kc, vc, bt, sl, cu, 1.0, 4, 64, tile_rows=128,
+        A._prefill.run_paged(None, q[..., :64].contiguous(), kc[..., :64].contiguous(),
+                             vc[..., :64].contiguous(), bt, sl, cu, 1.0, 4, 64, tile_rows=64,
                              tile_warps=4, mainloop="wgmma")
 
 

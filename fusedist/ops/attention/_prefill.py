@@ -313,6 +313,15 @@ def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int
 
 PREFILL_MAX_SPLITS = 64   # csrc: kAttentionPrefillMaxSplits
 _SMS: dict = {}
+_CAPS: dict = {}
+
+
+def _capability(dev: torch.device) -> tuple:
+    """The device's compute capability (queried once per device)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _CAPS:
+        _CAPS[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPS[idx]
 
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
@@ -324,9 +333,11 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     (the split plan). tile_rows: query rows per CTA, 64 (4 warps of 16) or, at head_dim 128,
     128: tile_warps=8 (16 rows a warp) or 4 (32 rows a warp, flash-attention 2's shape: each
     K/V fragment feeds two m-tiles; 16-bit caches). Default (None): 128 rows of 8 warps at
-    head_dim 128 (0.6-0.85x the 64-row tile's time on H200), else 64. mainloop: "mma" (the
-    default: mma.sync m16n8k16 per warp) or "wgmma" (Hopper's warpgroup MMA; head_dim 128,
-    tiles of 64 rows / 4 warps or 128 rows / 8 warps). Returns out."""
+    head_dim 128 (0.6-0.85x the 64-row tile's time on H200), else 64. mainloop: "mma"
+    (mma.sync m16n8k16 per warp) or "wgmma" (Hopper's warpgroup MMA; head_dim 128, tiles of
+    64 rows / 4 warps or 128 rows / 8 warps); default (None): "wgmma" where it applies on a
+    compute capability 9.0 device (0.7-0.8x the mma.sync kernel's time on H200), else "mma".
+    Returns out."""
     if tile_rows is None:
         tile_rows = 128 if q.shape[2] == 128 else 64
     if tile_warps is None:
@@ -354,6 +365,9 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
                          f"{k_cache.dtype} cache")
     if mainloop not in (None, "mma", "wgmma"):
         _fail("prefill", f"mainloop must be 'mma' or 'wgmma', got {mainloop!r}")
+    if mainloop is None:
+        mainloop = "wgmma" if D == 128 and (tile_rows, tile_warps) in ((64, 4), (128, 8)) and \
+            _capability(dev) == (9, 0) else "mma"
     wg = mainloop == "wgmma"
     if wg and (D != 128 or (tile_rows, tile_warps) not in ((64, 4), (128, 8))):
         _fail("prefill", f"mainloop='wgmma' is built for head_dim 128 with tiles of 64 rows / 4 "
