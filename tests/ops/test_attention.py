@@ -725,15 +725,22 @@ def test_prefill_auto_rule(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     rule, big, new, hd = P._auto_paged, P.PAGED_FRESH_MAX_TOKENS, object(), 32 * 128
     assert not rule(2 * big, [big, big], [0, big, 2 * big], new, hd)      # fresh, long: SDPA
-    assert rule(2 * big, [big, big], [0, big, 2 * big], None, hd)         # no fresh K/V given
+    assert not rule(2 * big, [big, big], [0, big, 2 * big], None, hd)     # gathered, too
+    assert rule(2 * big - 2, [big - 1] * 2, [0, big - 1, 2 * big - 2], new, hd)  # shorter
     assert rule(big + 1, [big, 1], [0, big, big + 1], new, hd)            # one short prompt
     assert rule(big, [big + 4000], [0, big], new, hd)                     # a cached prefix
     assert rule(big, None, None, new, hd)                                 # lengths on device
     assert rule(512, [4096], [0, 512], None, hd)                          # 3.2e10 FLOPs
+    assert rule(8 * 256, [4096] * 8, list(range(0, 2049, 256)), None, hd)  # 1.3e11
     assert not rule(4096, [8096], [0, 4096], None, hd)                    # 4.1e11 FLOPs
     assert not rule(4096, [4096], [0, 4096], None, hd)                    # fresh, 1.4e11
     assert rule(4096, [4096], [0, 4096], new, hd, fp8=True)              # FP8 cache: kernel
     assert rule(4096, [8096], [0, 4096], None, hd, fp8=True)
+    # the mma.sync kernel (no wgmma: head_dim 64 / 256, other GPUs) crosses earlier
+    small = P.MMA_FRESH_MAX_TOKENS
+    assert not rule(2 * small, [small] * 2, [0, small, 2 * small], new, hd, wgmma=False)
+    assert rule(2 * small, [small] * 2, [0, small, 2 * small], None, hd, wgmma=False)
+    assert not rule(8 * 256, [4096] * 8, list(range(0, 2049, 256)), None, hd, wgmma=False)
     monkeypatch.setattr(P, "AUTO_PAGED", False)
     assert not rule(big, [big + 4000], [0, big], new, hd)
     assert rule(big, [big + 4000], [0, big], new, hd, fp8=True)

@@ -21,20 +21,30 @@ from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_se
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
 # auto on CUDA takes the paged kernel (it reads the pages in place; SDPA needs them gathered
-# into contiguous K/V first, ~0.35 ms per call on H200) unless SDPA is measured faster:
+# into contiguous K/V first, ~0.35 ms per call on H200) unless SDPA is measured faster. With
+# the wgmma mainloop (head_dim 128 on H100 / H200; H200, 32 / 8 heads, eager calls):
 #  - a batch of fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each
-#    whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather and is 2.4x the
-#    kernel's speed at 1024 tokens (they tie at 128);
+#    whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather; the kernel took
+#    203 us at 2048 tokens against SDPA's 243, and 604 against 307 at 4096 (a quadratic and a
+#    near-flat fit cross near 2400);
 #  - a step of more than PAGED_MAX_FLOPS causal attention FLOPs (4 * q_heads * head_dim *
-#    query-key pairs): the kernel's ~160 TFLOP/s against SDPA's gather plus ~460 TFLOP/s
-#    cross near 8e10 (H200: 256 new tokens x 8 sequences behind 1792 cost both ~0.38 ms).
+#    query-key pairs): 8 x 512 new tokens behind 4096 (2.6e11) cost both ~0.9 ms; smaller
+#    steps (8 x 256 behind 4096, 4 x 512 behind 4096: 1.3e11) were 0.89-0.95x SDPA's time.
+# Without wgmma (head_dim 64 / 256, other GPUs) the mma.sync kernel's ~160 TFLOP/s crosses
+# earlier: fresh prompts of MMA_FRESH_MAX_TOKENS with their K/V passed (cuDNN 2.4x the kernel
+# at 1024 tokens, a tie at 128), steps above MMA_MAX_FLOPS (8 x 256 new tokens behind 1792
+# cost both ~0.38 ms); fresh prompts without their K/V take it at any length there. With
+# wgmma they take SDPA from PAGED_FRESH_MAX_TOKENS either way (gathered at 4096 tokens: SDPA
+# 479 us against the kernel's 642).
 # FP8 caches always take the kernel: SDPA would run on K/V dequantized to fp32 (fp32 GEMMs and
 # a separate softmax: a 4096-token fresh prompt, 32 / 8 heads, ~10 ms a layer on H200 against
-# the kernel's ~0.9 ms). Inside a CUDA-graph capture always the kernel (the SDPA path needs the
+# the kernel's ~0.7 ms). Inside a CUDA-graph capture always the kernel (the SDPA path needs the
 # lengths on the host). AUTO_PAGED=False restores SDPA outside graphs (bf16 / fp16 caches).
 AUTO_PAGED = True
-PAGED_FRESH_MAX_TOKENS = 256
-PAGED_MAX_FLOPS = 8e10
+PAGED_FRESH_MAX_TOKENS = 2400
+PAGED_MAX_FLOPS = 2.6e11
+MMA_FRESH_MAX_TOKENS = 256
+MMA_MAX_FLOPS = 8e10
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -204,9 +214,9 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         why = paged_why_not(q, k_cache)
         if backend == "paged" and why:
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
-        if not why and (backend == "paged" or _auto_paged(T, lens, cu, k_new,
-                                                          q.shape[1] * q.shape[2],
-                                                          fp8=k_scale is not None)):
+        if not why and (backend == "paged" or _auto_paged(
+                T, lens, cu, k_new, q.shape[1] * q.shape[2], fp8=k_scale is not None,
+                wgmma=q.shape[2] == 128 and _capability(q.device) == (9, 0))):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
@@ -281,9 +291,11 @@ def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return ""
 
 
-def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False) -> bool:
+def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False,
+                wgmma: bool = True) -> bool:
     """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment);
-    heads_x_dim = q_heads * head_dim prices the step's FLOPs; fp8: the cache is FP8."""
+    heads_x_dim = q_heads * head_dim prices the step's FLOPs; fp8: the cache is FP8; wgmma:
+    the kernel runs its wgmma mainloop (else the mma.sync thresholds apply)."""
     if fp8 or torch.cuda.is_current_stream_capturing():
         return True
     if not AUTO_PAGED:
@@ -292,12 +304,13 @@ def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False) -> 
         return True
     ns = [b - a for a, b in zip(cu, cu[1:])]
     pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(ns, lens))
-    if 4 * heads_x_dim * pairs > PAGED_MAX_FLOPS:
+    if 4 * heads_x_dim * pairs > (PAGED_MAX_FLOPS if wgmma else MMA_MAX_FLOPS):
         return False
-    if k_new is None:
+    if k_new is None and not wgmma:
         return True
     fresh = all(n == L for n, L in zip(ns, lens))
-    return not (fresh and min(ns, default=0) >= PAGED_FRESH_MAX_TOKENS)
+    return not (fresh and min(ns, default=0) >= (PAGED_FRESH_MAX_TOKENS if wgmma else
+                                                 MMA_FRESH_MAX_TOKENS))
 
 
 def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int) -> int:

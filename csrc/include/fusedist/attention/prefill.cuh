@@ -1,5 +1,6 @@
 // fusedist/attention/prefill.cuh -- paged chunked-prefill attention for sm_90 (flash-attention 2
-// style, tensor cores through mma.sync), reading K/V straight from the pages.
+// style: tensor cores through mma.sync, or at head_dim 128 through wgmma, the sm_90a default),
+// reading K/V straight from the pages.
 //
 // Sequence b's n_b = cu_seqlens_q[b + 1] - cu_seqlens_q[b] new tokens are the last n_b of its
 // seq_lens[b] = L_b cached tokens: new token t attends causally to cached tokens
