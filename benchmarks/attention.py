@@ -358,18 +358,13 @@ def decode_rows(quick: bool, ceiling: float, sweep: bool, fi=None) -> list[dict]
         splits = plan.num_splits
         r.update(num_splits=splits, merge=plan.merge, fusedist_us=t,
                  tbs=nbytes / (t * 1e-6) / 1e12)
-        if plan.merge == "cluster":   # diagnostics: the workspace merge at the same splits and
-            # at the split count its own rule picks (the cluster rule caps at 16)
-            sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-            rule = ad.choose_num_splits(B, hkv, plan.q_tiles, ctx, sms) \
-                if num_splits is None else splits
-            for key, n in (("workspace", splits), ("workspace_rule", rule)):
-                if key == "workspace_rule" and n == splits:
-                    continue
-                tw, pw = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, n, ops, reps,
-                                       merge="workspace")
-                r[f"fusedist_{key}_us"], r[f"fusedist_{key}_splits"] = tw, n
-                del pw
+        if 2 <= splits <= ad.MAX_CLUSTER_SPLITS and ad.cluster_merge_available(
+                torch.device(DEV)):   # diagnostic: the other merge at the same splits
+            other = "workspace" if plan.merge == "cluster" else "cluster"
+            tw, pw = time_fusedist(kv, qs, out, hq, hkv, head_dim, kvd, splits, ops, reps,
+                                   merge=other)
+            r["fusedist_other_merge"], r["fusedist_other_merge_us"] = other, tw
+            del pw
         r["pct_hbm"] = 100 * r["tbs"] / ceiling
         if fp8:   # diagnostics beside the default (direct fragments, 4 CTAs per SM): the
             # fp16 slab in shared memory (2 CTAs per SM) and its 2-stage ring (3 CTAs per SM)
@@ -483,12 +478,11 @@ def markdown(meta: dict, ceiling: float, rows: list[dict]) -> str:
             notes.append(f"{r['kind']} {shape}: {r['skipped']}")
             continue
         notes += [f"{r['kind']} {shape}: {n}" for n in r.get("notes", [])]
-        for key in ("workspace", "workspace_rule"):
-            if r.get(f"fusedist_{key}_us") is not None:
-                notes.append(f"{r['kind']} {shape}: the workspace merge at "
-                             f"{r[f'fusedist_{key}_splits']} splits "
-                             f"{r[f'fusedist_{key}_us']:.2f} us (the cluster merge: "
-                             f"{r[f'fusedist_{key}_us'] / r['fusedist_us']:.2f}x its speed)")
+        if r.get("fusedist_other_merge_us") is not None:
+            notes.append(f"{r['kind']} {shape}: the {r['fusedist_other_merge']} merge at the "
+                         f"same {r['num_splits']} splits {r['fusedist_other_merge_us']:.2f} us "
+                         f"({r['fusedist_us'] / r['fusedist_other_merge_us']:.2f}x the "
+                         f"default's speed)")
         for key, what in (("2stage", "2-stage ring (stages=2)"),
                           ("slab", "fp16 slab (fp8_direct=False)")):
             if r.get(f"fusedist_{key}_us") is not None:

@@ -36,9 +36,6 @@ def test_choose_num_splits_fills_the_sms_once_and_caps():
     assert ad.choose_num_splits(64, 4, 1, 4096, 132) == 1
     assert ad.choose_num_splits(256, 8, 1, 131072, 132) == 1
     assert ad.choose_num_splits(0, 4, 1, 0, 132) == 1
-    # the cluster merge: at most MAX_CLUSTER_SPLITS (one thread-block cluster)
-    assert ad.choose_num_splits(1, 4, 1, 4096, 132, cluster=True) == ad.MAX_CLUSTER_SPLITS == 16
-    assert ad.choose_num_splits(16, 4, 1, 4096, 132, cluster=True) == 2
 
 
 def test_cluster_merge_needs_a_cuda_device_and_at_most_16_splits():
@@ -50,6 +47,8 @@ def test_cluster_merge_needs_a_cuda_device_and_at_most_16_splits():
         ad.plan_kernel(**args, device="cpu", merge="dsmem")
     cpu = ad.plan_kernel(**args, device="cpu")   # no clusters on the CPU: the workspace merge
     assert cpu.merge == "workspace" and cpu.num_splits == 32 and cpu.o_partial is not None
+    two = ad.plan_kernel(**dict(args, batch=16), device="cpu", merge="workspace")
+    assert two.num_splits == 2 and two.merge == "workspace"
 
 
 def test_plan_workspace_sized_from_the_plan():

@@ -49,12 +49,16 @@ MIN_SLABS_PER_SPLIT = 8
 MAX_MERGE_SPLITS = 32
 # The cluster merge (decode.cuh): the splits of a (sequence, head tile) run as one thread-block
 # cluster and merge through each other's shared memory, without the workspace round trip
-# (partials to global memory, a fence, a counter, the last CTA reading them back: ~2.8 us at
-# batch 1 on H200). A cluster holds at most MAX_CLUSTER_SPLITS CTAs (Hopper's non-portable
-# size), so where it is available the rule caps the splits there. CLUSTER_MERGE=False keeps
-# the workspace merge everywhere.
+# (partials to global memory, a fence, a counter, the last CTA reading them back). A cluster
+# holds at most MAX_CLUSTER_SPLITS CTAs (Hopper's non-portable size). Measured on H200
+# (benchmarks/NOTES.md, "Decode attention"): 1.03-1.08x the workspace merge at 2 splits
+# (16/4 heads, 16 x 4K), 0.76-0.98x at 16 splits (batch 1: a cluster's CTAs must share a GPC,
+# and with two CTAs per SM they land two to an SM while other SMs idle). So a plan takes it
+# for 2 to CLUSTER_MERGE_MAX_SPLITS splits; CLUSTER_MERGE=False keeps the workspace merge
+# everywhere; plan_kernel(merge="cluster") asks for it at any 2 to 16 splits.
 MAX_CLUSTER_SPLITS = 16
 CLUSTER_MERGE = True
+CLUSTER_MERGE_MAX_SPLITS = 2
 MERGES = ("cluster", "workspace")
 
 
@@ -65,17 +69,15 @@ def available() -> bool:
 
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
-                      num_sms: int, cluster: bool = False) -> int:
+                      num_sms: int) -> int:
     """Splits per sequence: about one CTA per SM when batch x head tiles alone leaves SMs
     idle, never splits of fewer than MIN_SLABS_PER_SPLIT slabs, never more than
-    MAX_MERGE_SPLITS (MAX_CLUSTER_SPLITS with the cluster merge). A batch that fills the SMs
-    on its own takes 1 split (no merge)."""
+    MAX_MERGE_SPLITS. A batch that fills the SMs on its own takes 1 split (no merge)."""
     ctas = max(1, batch * kv_heads * q_tiles)
     slabs = max(1, math.ceil(max_seq_len / SLAB))
     by_wave = max(1, num_sms) // ctas
     by_len = slabs // MIN_SLABS_PER_SPLIT
-    cap = MAX_CLUSTER_SPLITS if cluster else MAX_MERGE_SPLITS
-    return max(1, min(by_wave, by_len, cap, MAX_SPLITS))
+    return max(1, min(by_wave, by_len, MAX_MERGE_SPLITS, MAX_SPLITS))
 
 
 def cluster_merge_available(device: torch.device) -> bool:
@@ -353,8 +355,8 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     variants beside every FP8 row. merge: how the splits of a sequence are combined,
     "cluster" (2 to MAX_CLUSTER_SPLITS splits, one thread-block cluster, no workspace),
     "workspace" (any count: partials in global memory, the last CTA merges) or None: cluster
-    where cluster_merge_available(device) and the splits allow it (the rule then caps the
-    splits at MAX_CLUSTER_SPLITS), else workspace."""
+    for 2 to CLUSTER_MERGE_MAX_SPLITS splits where cluster_merge_available(device), else
+    workspace."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -375,21 +377,21 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         raise ValueError(f"fusedist.decode: merge='cluster' needs a CUDA device of compute "
                          f"capability >= 9.0 and a build with the cluster merge (device "
                          f"{device}); pass merge='workspace'")
-    clusters = merge == "cluster" or (merge is None and cluster_merge_available(device))
     if num_splits is None:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else 132
-        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms,
-                                       cluster=clusters)
+        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"fusedist.decode: num_splits must be in [1, {MAX_SPLITS}], got "
                          f"{num_splits}")
     if merge == "cluster" and not 2 <= num_splits <= MAX_CLUSTER_SPLITS:
         raise ValueError(f"fusedist.decode: merge='cluster' takes 2 to {MAX_CLUSTER_SPLITS} "
                          f"splits, got num_splits={num_splits}; pass merge='workspace'")
-    merge = "none" if num_splits == 1 else \
-        "cluster" if clusters and num_splits <= MAX_CLUSTER_SPLITS else "workspace"
+    if merge is None:
+        merge = "cluster" if num_splits <= CLUSTER_MERGE_MAX_SPLITS and \
+            cluster_merge_available(device) else "workspace"
+    merge = "none" if num_splits == 1 else merge
     if stages not in (0, 2) or (stages == 2 and kv_dtype != FP8):
         raise ValueError(f"fusedist.decode: stages must be 0 (the default ring) or 2 (FP8 "
                          f"caches only), got {stages!r} for a {kv_dtype} cache")
