@@ -290,13 +290,13 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
         _time(row, "fusedist_pages", call(fresh=False), fl, ref)
     for b in prefill_backends():
         _time(row, f"fusedist_{b}", call(b), fl, ref)
-    # the paged kernel's 128-row tiles at head_dim 128 (run_paged's tile_rows / tile_warps):
-    # 4 warps x 32 rows and 8 warps x 16
+    # the paged kernel's mma.sync 128-row tiles at head_dim 128 (run_paged's tile_rows /
+    # tile_warps): 4 warps x 32 rows and 8 warps x 16
     if "paged" in prefill_backends() and D == 128:
         for w in (4, 8):
             _time(row, f"fusedist_paged128w{w}", lambda w=w: AP.run_paged(
                 None, q, kc, vc, bt, sl, cu, 1 / math.sqrt(D), n, L, tile_rows=128,
-                tile_warps=w), fl, ref)
+                tile_warps=w, mainloop="mma"), fl, ref)
         # the wgmma mainloop (sm_90a), 64 rows of one warpgroup and 128 rows of two
         if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
             for r, w in ((64, 4), (128, 8)):
@@ -435,8 +435,8 @@ def markdown(rows, meta=None) -> str:
                                          "sdpa_flash_expanded"] + \
         ([f"flashinfer_{b}" for b in FLASHINFER_BACKENDS] if fi else [])
     names = {"fusedist_pages": "auto, pages", "fusedist_expand_gqa": "sdpa +expand GQA",
-             "fusedist_paged128w4": "paged, 128 rows / 4 warps",
-             "fusedist_paged128w8": "paged, 128 rows / 8 warps",
+             "fusedist_paged128w4": "paged mma.sync, 128 rows / 4 warps",
+             "fusedist_paged128w8": "paged mma.sync, 128 rows / 8 warps",
              "fusedist_wgmma64": "paged wgmma, 64 rows", "fusedist_wgmma128": "paged wgmma, 128 rows",
              "fusedist_flash_first": "sdpa flash first", **PEER_NAMES,
              **{f"flashinfer_{b}": f"FlashInfer {b}" for b in FLASHINFER_BACKENDS}}
