@@ -30,8 +30,14 @@ def test_choose_num_splits_fills_the_sms_once_and_caps():
     assert ad.choose_num_splits(1, 8, 1, 4096, 132) == 16
     # short context: never fewer than 8 slabs (128 tokens) a split
     assert ad.choose_num_splits(1, 4, 1, 512, 132) == 4
-    # batch 16 x 4 heads = 64 CTAs: 2 splits
-    assert ad.choose_num_splits(16, 4, 1, 4096, 132) == 2
+    # batch 16 x 4 heads = 64 CTAs: 4 splits of 64 slabs (two CTAs per SM)
+    assert ad.choose_num_splits(16, 4, 1, 4096, 132) == 4
+    # 8 x 4 heads: 8 splits of 32 slabs; 4 x 4 heads at 4K: 32 splits would be 8 slabs each,
+    # so one CTA per SM (8 splits)
+    assert ad.choose_num_splits(8, 4, 1, 4096, 132) == 8
+    assert ad.choose_num_splits(4, 4, 1, 4096, 132) == 8
+    # batch 1 x 8 heads at 32K: 32 splits of 64 slabs
+    assert ad.choose_num_splits(1, 8, 1, 32768, 132) == 32
     # a batch that fills the GPU on its own: no split, no merge
     assert ad.choose_num_splits(64, 4, 1, 4096, 132) == 1
     assert ad.choose_num_splits(256, 8, 1, 131072, 132) == 1
@@ -47,15 +53,15 @@ def test_cluster_merge_needs_a_cuda_device_and_at_most_16_splits():
         ad.plan_kernel(**args, device="cpu", merge="dsmem")
     cpu = ad.plan_kernel(**args, device="cpu")   # no clusters on the CPU: the workspace merge
     assert cpu.merge == "workspace" and cpu.num_splits == 32 and cpu.o_partial is not None
-    two = ad.plan_kernel(**dict(args, batch=16), device="cpu", merge="workspace")
+    two = ad.plan_kernel(**dict(args, batch=16), device="cpu", num_splits=2, merge="workspace")
     assert two.num_splits == 2 and two.merge == "workspace"
 
 
 def test_plan_workspace_sized_from_the_plan():
     p = ad.plan_kernel(3, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
-    assert p.num_splits == 5 and p.grid == (5, 8, 3)
-    assert tuple(p.o_partial.shape) == (3, 32, 5, 128) and p.o_partial.dtype == torch.float32
-    assert tuple(p.lse_partial.shape) == (3, 32, 5)
+    assert p.num_splits == 11 and p.grid == (11, 8, 3)
+    assert tuple(p.o_partial.shape) == (3, 32, 11, 128) and p.o_partial.dtype == torch.float32
+    assert tuple(p.lse_partial.shape) == (3, 32, 11)
     assert tuple(p.counters.shape) == (3, 8) and int(p.counters.abs().sum()) == 0
     one = ad.plan_kernel(64, 32, 8, 128, 16, 8192, device="cpu", num_sms=132)
     assert one.num_splits == 1 and one.o_partial is None

@@ -41,12 +41,14 @@ TILE_HEADS = 8     # query heads one CTA serves (csrc: kDecodeTileHeads)
 MAX_SPLITS = 128   # csrc: kDecodeMaxSplits
 # The rule's knobs: a split covers at least MIN_SLABS_PER_SPLIT slabs (fewer leaves the
 # four warps of a CTA without a pipeline to fill), and at most MAX_MERGE_SPLITS splits are
-# merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA). Measured on
-# one H200 (benchmarks/results/h200-w1/attention.md, "sweep" rows): one CTA per SM (132) is
-# the best or within 3% of the best split count at 16/4 and 32/8 heads, batch 1-16; a second
-# wave of CTAs per SM only adds merge work.
+# merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA).
 MIN_SLABS_PER_SPLIT = 8
 MAX_MERGE_SPLITS = 32
+# Two CTAs per SM (the kernel fits two at head_dim 128) pay when each split stays long: on
+# H200 4 splits of 16 x 4K (16/4 heads) took 37.8 us against 41.5 at 2, 8 of 8 x 4K 22.1
+# against 24.1, 8 of 4 x 16K (32/8) 68.1 against 75.8; at batch 1 x 4K (128-256-token
+# splits) one CTA per SM stays (32/8: 16 splits 9.8 us, 32 splits 10.8).
+LONG_SPLIT_SLABS = 32
 # The cluster merge (decode.cuh): the splits of a (sequence, head tile) run as one thread-block
 # cluster and merge through each other's shared memory, without the workspace round trip
 # (partials to global memory, a fence, a counter, the last CTA reading them back). A cluster
@@ -70,14 +72,18 @@ def available() -> bool:
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
                       num_sms: int) -> int:
-    """Splits per sequence: about one CTA per SM when batch x head tiles alone leaves SMs
-    idle, never splits of fewer than MIN_SLABS_PER_SPLIT slabs, never more than
-    MAX_MERGE_SPLITS. A batch that fills the SMs on its own takes 1 split (no merge)."""
+    """Splits per sequence: about two CTAs per SM when batch x head tiles alone leaves SMs
+    idle and each split keeps at least LONG_SPLIT_SLABS slabs, else about one; never splits
+    of fewer than MIN_SLABS_PER_SPLIT slabs, never more than MAX_MERGE_SPLITS. A batch that
+    fills the SMs on its own takes 1 split (no merge)."""
     ctas = max(1, batch * kv_heads * q_tiles)
     slabs = max(1, math.ceil(max_seq_len / SLAB))
-    by_wave = max(1, num_sms) // ctas
     by_len = slabs // MIN_SLABS_PER_SPLIT
-    return max(1, min(by_wave, by_len, MAX_MERGE_SPLITS, MAX_SPLITS))
+    cap = min(by_len, MAX_MERGE_SPLITS, MAX_SPLITS)
+    two = min(2 * max(1, num_sms) // ctas, cap)
+    if two > 1 and slabs >= two * LONG_SPLIT_SLABS:
+        return two
+    return max(1, min(max(1, num_sms) // ctas, cap))
 
 
 def cluster_merge_available(device: torch.device) -> bool:
