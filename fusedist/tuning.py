@@ -433,3 +433,32 @@ def derive_gemm_rules(points: list, min_ratio: float = 0.99, min_median: float =
             run = None if m is None else {"kernel": kern, "layout": layout, "dtype": dtype,
                                           "k": k, "n": n, "m": [m, m]}
     return rules
+
+
+# ---- the decode attention planner (fusedist.ops.attention._decode) ---------------------------
+# Section "decode": {"min_slabs_per_split": int >= 1, "max_merge_splits": 1..128,
+# "long_split_slabs": int >= 1, "cluster_merge_max_splits": 0..16}; missing keys take
+# DECODE_DEFAULT (the shipped table's values, measured on H200).
+DECODE_DEFAULT = {"min_slabs_per_split": 8, "max_merge_splits": 32, "long_split_slabs": 32,
+                  "cluster_merge_max_splits": 2}
+_DECODE_LIMITS = {"min_slabs_per_split": (1, 1 << 20), "max_merge_splits": (1, 128),
+                  "long_split_slabs": (1, 1 << 20), "cluster_merge_max_splits": (0, 16)}
+
+
+def decode_rule(table: dict) -> dict:
+    """The decode planner's knobs: the table's "decode" section over DECODE_DEFAULT, checked
+    (a ValueError names the key and its range)."""
+    section = table.get("decode", {})
+    rule = dict(DECODE_DEFAULT)
+    for key, value in section.items():
+        if key == "comment":
+            continue
+        if key not in _DECODE_LIMITS:
+            raise ValueError(f"fusedist: tuning table decode section has unknown key {key!r}; "
+                             f"known: {sorted(_DECODE_LIMITS)}")
+        lo, hi = _DECODE_LIMITS[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ValueError(f"fusedist: tuning table decode.{key} must be an int in "
+                             f"[{lo}, {hi}], got {value!r}")
+        rule[key] = value
+    return rule

@@ -436,3 +436,41 @@ def test_choose_gemm_fused_only_up_to_fused_max_n(clean_env):
     assert tuning.choose_gemm(table, "ag_gemm", 8192, 8192, 8192, 2, fused_ok=False,
                               copy_engine_ok=True) == "overlap"
     assert tuning.choose_gemm(table, "gemm_rs", 8192, 8192, 8192, 2, **kw) == "overlap"
+
+
+# ---- the decode planner's section ----------------------------------------------------------
+def test_shipped_decode_section_is_the_planner_default(clean_env):
+    table = tuning.load_table("NVIDIA H200", 1)
+    assert tuning.decode_rule(table) == tuning.DECODE_DEFAULT
+    assert {k for k in table["decode"] if k != "comment"} == set(tuning.DECODE_DEFAULT)
+
+
+def test_decode_section_from_a_tuning_file_changes_the_split_rule(clean_env, monkeypatch,
+                                                                  tmp_path):
+    from fusedist.ops.attention import _decode as ad
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"decode": {"long_split_slabs": 8, "max_merge_splits": 16}}))
+    monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(f))
+    rule = tuning.decode_rule(tuning.load_table("NVIDIA H200", 1))
+    assert rule["long_split_slabs"] == 8 and rule["max_merge_splits"] == 16
+    assert rule["min_slabs_per_split"] == tuning.DECODE_DEFAULT["min_slabs_per_split"]
+    # batch 1 x 4 kv heads at 4K: the shipped rule keeps one CTA per SM (32 splits of 8
+    # slabs); this one caps at 16 splits
+    assert ad.choose_num_splits(1, 4, 1, 4096, 132) == 32
+    assert ad.choose_num_splits(1, 4, 1, 4096, 132, rule) == 16
+    # 4 x 4 heads at 4K: 16 splits of 16 slabs count as long under long_split_slabs = 8
+    assert ad.choose_num_splits(4, 4, 1, 4096, 132) == 8
+    assert ad.choose_num_splits(4, 4, 1, 4096, 132, rule) == 16
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"max_merge_splits": 0}, r"decode.max_merge_splits must be an int in \[1, 128\]"),
+    ({"max_merge_splits": 129}, "max_merge_splits"),
+    ({"long_split_slabs": 2.5}, "long_split_slabs must be an int"),
+    ({"cluster_merge_max_splits": 17}, r"cluster_merge_max_splits must be an int in \[0, 16\]"),
+    ({"min_slabs_per_split": True}, "min_slabs_per_split"),
+    ({"splits": 4}, "unknown key 'splits'"),
+])
+def test_decode_section_is_checked(section, match):
+    with pytest.raises(ValueError, match=match):
+        tuning.decode_rule({"decode": section})

@@ -23,6 +23,7 @@ planner's rule, a pure function (tests run it on the CPU).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ... import _dtypes, _ext
+from ... import _dtypes, _ext, tuning
 from .. import device_errors
 from .paged import (FP8, KV_DTYPES, _check_cache, _check_query, _check_tables, _fail,
                     check_pages_device, check_pages_host, device_check_available, gather_kv)
@@ -39,16 +40,18 @@ HEAD_DIMS = (64, 128, 256)
 SLAB = 16          # tokens per slab (csrc: kDecodeSlab)
 TILE_HEADS = 8     # query heads one CTA serves (csrc: kDecodeTileHeads)
 MAX_SPLITS = 128   # csrc: kDecodeMaxSplits
-# The rule's knobs: a split covers at least MIN_SLABS_PER_SPLIT slabs (fewer leaves the
-# four warps of a CTA without a pipeline to fill), and at most MAX_MERGE_SPLITS splits are
-# merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA).
-MIN_SLABS_PER_SPLIT = 8
-MAX_MERGE_SPLITS = 32
+# The rule's knobs, kept in the tuning table's "decode" section (fusedist/tuning_default.json;
+# FUSEDIST_TUNING_FILE overrides it: tuning.decode_rule); the values below are the shipped
+# ones, used for CPU plans. A split covers at least MIN_SLABS_PER_SPLIT slabs (fewer leaves
+# the four warps of a CTA without a pipeline to fill), and at most MAX_MERGE_SPLITS splits
+# are merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA).
+MIN_SLABS_PER_SPLIT = tuning.DECODE_DEFAULT["min_slabs_per_split"]
+MAX_MERGE_SPLITS = tuning.DECODE_DEFAULT["max_merge_splits"]
 # Two CTAs per SM (the kernel fits two at head_dim 128) pay when each split stays long: on
 # H200 4 splits of 16 x 4K (16/4 heads) took 37.8 us against 41.5 at 2, 8 of 8 x 4K 22.1
 # against 24.1, 8 of 4 x 16K (32/8) 68.1 against 75.8; at batch 1 x 4K (128-256-token
 # splits) one CTA per SM stays (32/8: 16 splits 9.8 us, 32 splits 10.8).
-LONG_SPLIT_SLABS = 32
+LONG_SPLIT_SLABS = tuning.DECODE_DEFAULT["long_split_slabs"]
 # The cluster merge (decode.cuh): the splits of a (sequence, head tile) run as one thread-block
 # cluster and merge through each other's shared memory, without the workspace round trip
 # (partials to global memory, a fence, a counter, the last CTA reading them back). A cluster
@@ -60,7 +63,7 @@ LONG_SPLIT_SLABS = 32
 # everywhere; plan_kernel(merge="cluster") asks for it at any 2 to 16 splits.
 MAX_CLUSTER_SPLITS = 16
 CLUSTER_MERGE = True
-CLUSTER_MERGE_MAX_SPLITS = 2
+CLUSTER_MERGE_MAX_SPLITS = tuning.DECODE_DEFAULT["cluster_merge_max_splits"]
 MERGES = ("cluster", "workspace")
 
 
@@ -71,19 +74,28 @@ def available() -> bool:
 
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
-                      num_sms: int) -> int:
+                      num_sms: int, rule: Optional[dict] = None) -> int:
     """Splits per sequence: about two CTAs per SM when batch x head tiles alone leaves SMs
-    idle and each split keeps at least LONG_SPLIT_SLABS slabs, else about one; never splits
-    of fewer than MIN_SLABS_PER_SPLIT slabs, never more than MAX_MERGE_SPLITS. A batch that
-    fills the SMs on its own takes 1 split (no merge)."""
+    idle and each split keeps at least long_split_slabs slabs, else about one; never splits
+    of fewer than min_slabs_per_split slabs, never more than max_merge_splits. A batch that
+    fills the SMs on its own takes 1 split (no merge). rule: the knobs
+    (tuning.decode_rule; None: the shipped values)."""
+    r = tuning.DECODE_DEFAULT if rule is None else rule
     ctas = max(1, batch * kv_heads * q_tiles)
     slabs = max(1, math.ceil(max_seq_len / SLAB))
-    by_len = slabs // MIN_SLABS_PER_SPLIT
-    cap = min(by_len, MAX_MERGE_SPLITS, MAX_SPLITS)
+    by_len = slabs // r["min_slabs_per_split"]
+    cap = min(by_len, r["max_merge_splits"], MAX_SPLITS)
     two = min(2 * max(1, num_sms) // ctas, cap)
-    if two > 1 and slabs >= two * LONG_SPLIT_SLABS:
+    if two > 1 and slabs >= two * r["long_split_slabs"]:
         return two
     return max(1, min(max(1, num_sms) // ctas, cap))
+
+
+@functools.lru_cache(maxsize=None)
+def device_rule(gpu_name: str) -> dict:
+    """The decode planner's knobs for a GPU model: the tuning table's "decode" section
+    (shipped default, FUSEDIST_TUNING_FILE; tuning.load_table), read once per process."""
+    return tuning.decode_rule(tuning.load_table(gpu_name, 1))
 
 
 def cluster_merge_available(device: torch.device) -> bool:
@@ -376,6 +388,7 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     q_tiles = math.ceil(q_heads // kv_heads / TILE_HEADS)
+    rule = device_rule(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if merge not in (None,) + MERGES:
         raise ValueError(f"fusedist.decode: merge must be one of {MERGES} or None, got "
                          f"{merge!r}")
@@ -387,7 +400,7 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
                 if device.type == "cuda" else 132
-        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms)
+        num_splits = choose_num_splits(batch, kv_heads, q_tiles, max_seq_len, num_sms, rule)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"fusedist.decode: num_splits must be in [1, {MAX_SPLITS}], got "
                          f"{num_splits}")
@@ -395,7 +408,8 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         raise ValueError(f"fusedist.decode: merge='cluster' takes 2 to {MAX_CLUSTER_SPLITS} "
                          f"splits, got num_splits={num_splits}; pass merge='workspace'")
     if merge is None:
-        merge = "cluster" if num_splits <= CLUSTER_MERGE_MAX_SPLITS and \
+        most = CLUSTER_MERGE_MAX_SPLITS if rule is None else rule["cluster_merge_max_splits"]
+        merge = "cluster" if num_splits <= most and \
             cluster_merge_available(device) else "workspace"
     merge = "none" if num_splits == 1 else merge
     if stages not in (0, 2) or (stages == 2 and kv_dtype != FP8):
