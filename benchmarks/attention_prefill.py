@@ -49,7 +49,7 @@ D = 128
 FP8 = getattr(torch, "float8_e4m3fn", None)
 DEV = "cuda"  # where the prefill cases' tensors live (the CPU tests dry-run them on "cpu")
 ROPE_TARGET_US = 2.5          # batch 1, CUDA graph
-PREFILL_TARGET_RATIO = 0.9    # of cuDNN SDPA's TFLOP/s at 4K tokens
+PREFILL_TARGET_RATIO = 0.95   # of cuDNN SDPA's TFLOP/s at 4K tokens (eager, `auto`)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
