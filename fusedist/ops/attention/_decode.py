@@ -34,7 +34,8 @@ import torch
 from ... import _dtypes, _ext, tuning
 from .. import device_errors
 from .paged import (FP8, KV_DTYPES, _check_cache, _check_query, _check_tables, _fail,
-                    check_pages_device, check_pages_host, device_check_available, gather_kv)
+                    capability, check_pages_device, check_pages_host, device_check_available,
+                    gather_kv)
 
 HEAD_DIMS = (64, 128, 256)
 SLAB = 16          # tokens per slab (csrc: kDecodeSlab)
@@ -103,14 +104,8 @@ def cluster_merge_available(device: torch.device) -> bool:
     compute capability 9.0 or newer, and a build whose decode launcher takes the flag."""
     if not CLUSTER_MERGE or device.type != "cuda":
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPS:
-        _CAPS[idx] = tuple(torch.cuda.get_device_capability(idx))
-    return _CAPS[idx] >= (9, 0) and available() and \
+    return capability(device) >= (9, 0) and available() and \
         hasattr(_ext.load().DecodeArgs(), "cluster")
-
-
-_CAPS: dict = {}
 
 
 _plan_ids = itertools.count()

@@ -16,7 +16,7 @@ import torch
 from . import sdpa
 from ... import _dtypes, _ext
 from .. import device_errors
-from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs,
+from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs, capability,
                     check_pages_device, check_pages_host, device_check_available, poison_rows)
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
@@ -216,7 +216,7 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
         if not why and (backend == "paged" or _auto_paged(
                 T, lens, cu, k_new, q.shape[1] * q.shape[2], fp8=k_scale is not None,
-                wgmma=q.shape[2] == 128 and _capability(q.device) == (9, 0))):
+                wgmma=q.shape[2] == 128 and capability(q.device) == (9, 0))):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
@@ -326,15 +326,6 @@ def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int
 
 PREFILL_MAX_SPLITS = 64   # csrc: kAttentionPrefillMaxSplits
 _SMS: dict = {}
-_CAPS: dict = {}
-
-
-def _capability(dev: torch.device) -> tuple:
-    """The device's compute capability (queried once per device)."""
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _CAPS:
-        _CAPS[idx] = tuple(torch.cuda.get_device_capability(idx))
-    return _CAPS[idx]
 
 
 def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale,
@@ -380,7 +371,7 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
         _fail("prefill", f"mainloop must be 'mma' or 'wgmma', got {mainloop!r}")
     if mainloop is None:
         mainloop = "wgmma" if D == 128 and (tile_rows, tile_warps) in ((64, 4), (128, 8)) and \
-            _capability(dev) == (9, 0) else "mma"
+            capability(dev) == (9, 0) else "mma"
     wg = mainloop == "wgmma"
     if wg and (D != 128 or (tile_rows, tile_warps) not in ((64, 4), (128, 8))):
         _fail("prefill", f"mainloop='wgmma' is built for head_dim 128 with tiles of 64 rows / 4 "

@@ -16,6 +16,18 @@ FP8, FP8_MAX = _dtypes.FP8, _dtypes.FP8_MAX
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + ((FP8,) if FP8 is not None else ())
 
 
+_CAPS: dict = {}
+
+
+def capability(dev: torch.device) -> tuple:
+    """A CUDA device's compute capability (queried once per device; the attention ops pick
+    their Hopper paths with it)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _CAPS:
+        _CAPS[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _CAPS[idx]
+
+
 def _fail(op: str, msg: str):
     raise ValueError(f"fusedist.{op}: {msg}")
 
