@@ -16,9 +16,9 @@ from ._version import __version__
 from .comm import c10d as _c10d  # registers the torch.distributed backend "fusedist"
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
-                     ExtensionMissingError, FusedistError, MetadataError, NcclUnavailableError,
-                     NotInitializedError, PeerAccessError, PeerLostError, RendezvousError,
-                     RequestMismatchError)
+                     ExtensionMismatchError, ExtensionMissingError, FusedistError, MetadataError,
+                     NcclUnavailableError, NotInitializedError, PeerAccessError, PeerLostError,
+                     RendezvousError, RequestMismatchError)
 from .comm.fp8 import Fp8Communicator, fp8_all_gather, fp8_all_reduce
 from .comm.hierarchical import HierarchicalCommunicator
 from .comm.streams import AsyncHandle, comm_stream
@@ -39,7 +39,7 @@ __all__ = [
     "silu_mul", "AsyncHandle", "HierarchicalCommunicator", "Fp8Communicator",
     "fp8_all_reduce", "fp8_all_gather",
     "comm_stream", "LaunchEnv", "LaunchEnvError",
-    "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError",
+    "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError", "ExtensionMismatchError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
     "PeerLostError", "RendezvousError", "MetadataError", "check_device_errors", "clear_device_errors",

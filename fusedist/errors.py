@@ -16,6 +16,11 @@ class ExtensionMissingError(FusedistError, ImportError):
     """The CUDA extension fusedist._C is not built or cannot be loaded."""
 
 
+class ExtensionMismatchError(FusedistError):
+    """The compiled fusedist._C was built from another version of fusedist (a stale build):
+    rebuild it from this checkout. Not an ImportError, so that no fallback swallows it."""
+
+
 class PeerAccessError(FusedistError):
     """Symmetric memory cannot be set up: peers are on other nodes or P2P is unavailable."""
 

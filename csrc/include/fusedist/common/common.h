@@ -8,6 +8,11 @@
 
 namespace fusedist {
 
+// The interface version of fusedist._C: bumped whenever an argument struct, a constant or a
+// signature changes in a way an older build would misread. fusedist/_ext.py ABI_VERSION must
+// equal it (a stale extension is one error naming both versions).
+constexpr int kAbiVersion = 2;
+
 // Largest world size a symmetric communicator supports on one NVLink domain.
 constexpr int kMaxRanks = 8;
 
