@@ -435,30 +435,112 @@ def derive_gemm_rules(points: list, min_ratio: float = 0.99, min_median: float =
     return rules
 
 
+# ---- knob sections: every op's measured crossovers and rules -------------------------------
+# A knob section is a flat {key: number} object of the table (plus "comment" and "benchmark":
+# the benchmark and result file that measured it). KNOBS declares each section's keys with the
+# shipped default (the value the CPU path and an unmeasured GPU use), its type and its range;
+# an op reads its section with knobs(name, device) and never keeps a measured threshold as a
+# module constant (tests/test_tuning.py scans fusedist/ops for them). A section of
+# FUSEDIST_TUNING_FILE replaces the shipped one key by key.
+
+class Knob:
+    """One tunable: default, type (int / float / bool) and inclusive range [lo, hi]
+    (None: unbounded); nullable: null in the table means "never" (a disabled crossover)."""
+
+    __slots__ = ("default", "type", "lo", "hi", "nullable", "doc")
+
+    def __init__(self, default, type_=int, lo=None, hi=None, nullable=False, doc=""):
+        self.default, self.type, self.lo, self.hi = default, type_, lo, hi
+        self.nullable, self.doc = nullable, doc
+
+    def check(self, section: str, key: str, value):
+        if value is None and self.nullable:
+            return None
+        ok = isinstance(value, self.type) and not (self.type is not bool and
+                                                   isinstance(value, bool))
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if ok and self.type is not bool:
+            ok = (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+        if not ok:
+            rng = f" in [{self.lo}, {self.hi}]" if self.type is not bool else ""
+            null = " or null" if self.nullable else ""
+            kind = {int: "an int", float: "a float", bool: "a bool"}[self.type]
+            raise ValueError(f"fusedist: tuning table {section}.{key} must be {kind}{rng}{null}, "
+                             f"got {value!r}")
+        return value
+
+
+KNOBS: dict = {}
+
+
+def declare(section: str, **knobs: Knob) -> None:
+    """Declare (or extend) a knob section; ops call this at import with their defaults."""
+    KNOBS.setdefault(section, {}).update(knobs)
+
+
+def section_values(table: dict, section: str) -> dict:
+    """The section's knobs: the table's values over the declared defaults, each checked (a
+    ValueError names the key and its range; an undeclared key is an error too)."""
+    declared = KNOBS.get(section)
+    if declared is None:
+        raise KeyError(f"fusedist.tuning: no knob section {section!r}; declared: "
+                       f"{sorted(KNOBS)}")
+    values = {k: v.default for k, v in declared.items()}
+    for key, value in table.get(section, {}).items():
+        if key in ("comment", "benchmark"):
+            continue
+        if key not in declared:
+            raise ValueError(f"fusedist: tuning table {section} section has unknown key {key!r}; "
+                             f"known: {sorted(declared)}")
+        values[key] = declared[key].check(section, key, value)
+    return values
+
+
+@functools.lru_cache(maxsize=None)
+def _table_for_gpu(gpu_name: str) -> dict:
+    return load_table(gpu_name, 1)
+
+
+def gpu_table(device=None) -> dict:
+    """The single-GPU table (shipped default, overlaid by FUSEDIST_TUNING_FILE) for a CUDA
+    device's model, read once per model and process; the shipped default for None or a CPU
+    device."""
+    if device is not None:
+        import torch
+        device = torch.device(device)
+        if device.type == "cuda":
+            return _table_for_gpu(torch.cuda.get_device_name(device))
+    return _table_for_gpu("")
+
+
+def knobs(section: str, device=None) -> dict:
+    """The knob section `section` for `device` (gpu_table; section_values)."""
+    table = gpu_table(device)
+    cache = table.setdefault("_knobs", {})
+    hit = cache.get(section)
+    if hit is None:
+        hit = cache[section] = section_values(table, section)
+    return hit
+
+
+def clear_cache() -> None:
+    """Forget the tables read so far (tests change FUSEDIST_TUNING_FILE)."""
+    _table_for_gpu.cache_clear()
+
+
 # ---- the decode attention planner (fusedist.ops.attention._decode) ---------------------------
 # Section "decode": {"min_slabs_per_split": int >= 1, "max_merge_splits": 1..128,
-# "long_split_slabs": int >= 1, "cluster_merge_max_splits": 0..16}; missing keys take
-# DECODE_DEFAULT (the shipped table's values, measured on H200).
-DECODE_DEFAULT = {"min_slabs_per_split": 8, "max_merge_splits": 32, "long_split_slabs": 32,
-                  "cluster_merge_max_splits": 2}
-_DECODE_LIMITS = {"min_slabs_per_split": (1, 1 << 20), "max_merge_splits": (1, 128),
-                  "long_split_slabs": (1, 1 << 20), "cluster_merge_max_splits": (0, 16)}
+# "long_split_slabs": int >= 1, "cluster_merge_max_splits": 0..16}.
+declare("decode",
+        min_slabs_per_split=Knob(8, int, 1, 1 << 20),
+        max_merge_splits=Knob(32, int, 1, 128),
+        long_split_slabs=Knob(32, int, 1, 1 << 20),
+        cluster_merge_max_splits=Knob(2, int, 0, 16))
+DECODE_DEFAULT = {k: v.default for k, v in KNOBS["decode"].items()}
 
 
 def decode_rule(table: dict) -> dict:
-    """The decode planner's knobs: the table's "decode" section over DECODE_DEFAULT, checked
-    (a ValueError names the key and its range)."""
-    section = table.get("decode", {})
-    rule = dict(DECODE_DEFAULT)
-    for key, value in section.items():
-        if key == "comment":
-            continue
-        if key not in _DECODE_LIMITS:
-            raise ValueError(f"fusedist: tuning table decode section has unknown key {key!r}; "
-                             f"known: {sorted(_DECODE_LIMITS)}")
-        lo, hi = _DECODE_LIMITS[key]
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise ValueError(f"fusedist: tuning table decode.{key} must be an int in "
-                             f"[{lo}, {hi}], got {value!r}")
-        rule[key] = value
-    return rule
+    """The decode planner's knobs: the table's "decode" section over the declared defaults,
+    checked (a ValueError names the key and its range)."""
+    return section_values(table, "decode")
