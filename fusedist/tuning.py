@@ -504,14 +504,21 @@ def _table_for_gpu(gpu_name: str) -> dict:
 
 def gpu_table(device=None) -> dict:
     """The single-GPU table (shipped default, overlaid by FUSEDIST_TUNING_FILE) for a CUDA
-    device's model, read once per model and process; the shipped default for None or a CPU
-    device."""
+    device's model, read once per model and process; for None or a CPU device (or a machine
+    without CUDA: tests that stand in for a device) the table of no particular GPU."""
     if device is not None:
         import torch
         device = torch.device(device)
-        if device.type == "cuda":
-            return _table_for_gpu(torch.cuda.get_device_name(device))
+        if device.type == "cuda" and torch.cuda.is_available():
+            return _table_for_gpu(_gpu_name(device.index if device.index is not None
+                                            else torch.cuda.current_device()))
     return _table_for_gpu("")
+
+
+@functools.lru_cache(maxsize=16)
+def _gpu_name(index: int) -> str:
+    import torch
+    return torch.cuda.get_device_name(index)
 
 
 def knobs(section: str, device=None) -> dict:

@@ -428,7 +428,7 @@ def _stand_in_gpu(monkeypatch):
 
     import fusedist.models.llama.model as model_mod
     import fusedist.nn.attention as attention
-    import fusedist.nn.quant as quant
+    import fusedist.ops.fp8_linear as quant
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "ops"))
@@ -675,7 +675,7 @@ def test_gpu_norms_hand_fp8_to_qkv_and_gate_up(ckpts, monkeypatch):
     weights agree pairwise within twice the weight-only drift bound (test_gpu_fp8_model's).
     Decode rows (the GEMV's) write bf16, and CUDA-graph decode equals eager."""
     import fusedist
-    import fusedist.nn.quant as quant
+    import fusedist.ops.fp8_linear as quant
     from fusedist.nn.quant import device_capability
     from tolerances import GEMM_REL, gemm_rel_err
 

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
-import fusedist.nn.quant as quant  # noqa: E402
+import fusedist.ops.fp8_linear as quant  # noqa: E402  (the op behind fusedist.nn.quant)
 from fusedist.nn import ColumnParallelLinear, RowParallelLinear, TPAttention  # noqa: E402
 from fusedist.nn.attention import AttentionMetadata  # noqa: E402
 from fusedist.nn.linear import linear  # noqa: E402
@@ -877,24 +877,40 @@ def test_choose_path_prequantized(args, want):
     assert choose_path(*args) == want
 
 
-def test_choose_path_w8a8_gemv(monkeypatch):
-    """W8A8_GEMV_MAX_M / _N bound where the W8A8 GEMV is taken (a pre-quantized x as it is,
-    a bf16 x after quantize_rows); W8A8_GEMV_MAX_M = 0 turns it off."""
-    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 64)
-    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_N", 8192)
+def test_choose_path_w8a8_gemv(monkeypatch, tmp_path):
+    """The "fp8_linear" knobs w8a8_gemv_max_m / _n bound where the W8A8 GEMV is taken (a
+    pre-quantized x as it is, a bf16 x after quantize_rows); w8a8_gemv_max_m = 0 turns it off.
+    The knobs come from the tuning table (a FUSEDIST_TUNING_FILE section overrides them)."""
+    from fusedist import tuning
+    kn = dict(tuning.section_values({}, "fp8_linear"), w8a8_gemv_max_m=64, w8a8_gemv_max_n=8192)
+
+    def path(m, *a):
+        return quant.plan_shape(m, *a, knobs=kn).path
     ok = (8192, 4096, "channel", FP8, None, (9, 0), True)
-    assert choose_path(64, *ok) == "gemv" and choose_path(17, *ok) == "gemv"
-    assert choose_path(65, *ok) == "scaled_mm_rowwise"
-    assert choose_path(64, 4096, 4096, "block", FP8, None, (9, 0), True) == "dequantize"
+    assert path(64, *ok) == "gemv" and path(17, *ok) == "gemv"
+    assert path(65, *ok) == "scaled_mm_rowwise"
+    assert path(64, 4096, 4096, "block", FP8, None, (9, 0), True) == "dequantize"
     bf = (8192, 4096, "channel", BF, None, (9, 0), True)
-    assert choose_path(17, *bf) == "gemv_w8a8" and choose_path(64, *bf) == "gemv_w8a8"
-    assert choose_path(16, *bf) == "gemv" and choose_path(65, *bf) == "scaled_mm_rowwise"
-    monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False, False))
-    ch = FP8Weight.empty(4096, 4096, "channel")
-    assert quant.takes_fp8_rows(32, ch, torch.device("cuda", 0))   # the producer writes e4m3
-    monkeypatch.setattr(quant, "W8A8_GEMV_MAX_M", 0)
-    assert choose_path(17, *ok) == "scaled_mm_rowwise"
-    assert choose_path(17, *bf) == "scaled_mm_rowwise"
+    assert path(17, *bf) == "gemv_w8a8" and path(64, *bf) == "gemv_w8a8"
+    assert path(16, *bf) == "gemv" and path(65, *bf) == "scaled_mm_rowwise"
+    kn["w8a8_gemv_max_m"] = 0
+    assert path(17, *ok) == "scaled_mm_rowwise"
+    assert path(17, *bf) == "scaled_mm_rowwise"
+    # Through the table: a tuning file's section reaches the device plans.
+    f = tmp_path / "t.json"
+    f.write_text('{"fp8_linear": {"w8a8_gemv_max_m": 0}}')
+    monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(f))
+    tuning.clear_cache()
+    monkeypatch.setattr(quant, "_PLANS", {})
+    try:
+        monkeypatch.setitem(quant._DEVICE, 0, ((9, 0), True, False, False))
+        ch = FP8Weight.empty(4096, 4096, "channel")
+        monkeypatch.setattr(tuning, "gpu_table", lambda device=None: tuning._table_for_gpu(""))
+        assert quant.takes_fp8_rows(32, ch, torch.device("cuda", 0))   # row-wise, not W8A8
+        assert quant._device_plan(torch.device("cuda", 0), 32, 4096, 4096, "channel", BF,
+                                  None).path == "scaled_mm_rowwise"
+    finally:
+        tuning.clear_cache()
 
 
 def test_takes_fp8_rows(monkeypatch):
