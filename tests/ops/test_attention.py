@@ -719,11 +719,14 @@ def test_prefill_paged_backend_needs_cuda():
 
 
 def test_prefill_auto_rule(monkeypatch):
-    """auto's CUDA choice: the paged kernel, except fresh prompts of PAGED_FRESH_MAX_TOKENS
-    tokens or more whose new K/V are passed, and steps of more than PAGED_MAX_FLOPS (SDPA)."""
+    """auto's CUDA choice: the paged kernel, except fresh prompts of paged_fresh_max_tokens
+    tokens or more whose new K/V are passed, and steps of more than paged_max_flops (SDPA):
+    the tuning table's "prefill" knobs."""
+    from fusedist import tuning
     P = A._prefill
+    kn = tuning.section_values({}, "prefill")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    rule, big, new, hd = P._auto_paged, P.PAGED_FRESH_MAX_TOKENS, object(), 32 * 128
+    rule, big, new, hd = P._auto_paged, kn["paged_fresh_max_tokens"], object(), 32 * 128
     assert not rule(2 * big, [big, big], [0, big, 2 * big], new, hd)      # fresh, long: SDPA
     assert not rule(2 * big, [big, big], [0, big, 2 * big], None, hd)     # gathered, too
     assert rule(2 * big - 2, [big - 1] * 2, [0, big - 1, 2 * big - 2], new, hd)  # shorter
@@ -737,13 +740,16 @@ def test_prefill_auto_rule(monkeypatch):
     assert rule(4096, [4096], [0, 4096], new, hd, fp8=True)              # FP8 cache: kernel
     assert rule(4096, [8096], [0, 4096], None, hd, fp8=True)
     # the mma.sync kernel (no wgmma: head_dim 64 / 256, other GPUs) crosses earlier
-    small = P.MMA_FRESH_MAX_TOKENS
+    small = kn["mma_fresh_max_tokens"]
     assert not rule(2 * small, [small] * 2, [0, small, 2 * small], new, hd, wgmma=False)
     assert rule(2 * small, [small] * 2, [0, small, 2 * small], None, hd, wgmma=False)
     assert not rule(8 * 256, [4096] * 8, list(range(0, 2049, 256)), None, hd, wgmma=False)
-    monkeypatch.setattr(P, "AUTO_PAGED", False)
-    assert not rule(big, [big + 4000], [0, big], new, hd)
-    assert rule(big, [big + 4000], [0, big], new, hd, fp8=True)
+    off = dict(kn, auto_paged=False)
+    assert not rule(big, [big + 4000], [0, big], new, hd, knobs=off)
+    assert rule(big, [big + 4000], [0, big], new, hd, fp8=True, knobs=off)
+    # a table's section moves the crossover
+    near = dict(kn, paged_fresh_max_tokens=big - 1)
+    assert not rule(2 * big - 2, [big - 1] * 2, [0, big - 1, 2 * big - 2], new, hd, knobs=near)
 
 
 def test_prefill_split_plan():

@@ -14,37 +14,49 @@ from typing import Optional, Sequence
 import torch
 
 from . import sdpa
-from ... import _dtypes, _ext
+from ... import _dtypes, _ext, tuning
 from .. import device_errors
 from .paged import (_check_cache, _check_query, _check_tables, _fail, _gather_seqs, capability,
                     check_pages_device, check_pages_host, device_check_available, poison_rows)
 
 PREFILL_BACKENDS = ("auto", "paged", "sdpa", "reference")
 # auto on CUDA takes the paged kernel (it reads the pages in place; SDPA needs them gathered
-# into contiguous K/V first, ~0.35 ms per call on H200) unless SDPA is measured faster. With
-# the wgmma mainloop (head_dim 128 on H100 / H200; H200, 32 / 8 heads, eager calls):
-#  - a batch of fresh prompts (no cached prefix) of at least PAGED_FRESH_MAX_TOKENS tokens each
-#    whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather; the kernel took
-#    203 us at 2048 tokens against SDPA's 243, and 604 against 307 at 4096 (a quadratic and a
-#    near-flat fit cross near 2400);
-#  - a step of more than PAGED_MAX_FLOPS causal attention FLOPs (4 * q_heads * head_dim *
+# into contiguous K/V first, ~0.35 ms per call on H200) unless SDPA is measured faster. The
+# crossovers are the tuning table's "prefill" knobs (measured on H200 with
+# benchmarks/attention_prefill.py: benchmarks/NOTES.md, "Paged prefill"). With the wgmma
+# mainloop (head_dim 128 on H100 / H200; H200, 32 / 8 heads, eager calls):
+#  - a batch of fresh prompts (no cached prefix) of at least paged_fresh_max_tokens tokens
+#    each whose new K/V the caller passes: SDPA (cuDNN) on those needs no gather; the kernel
+#    took 203 us at 2048 tokens against SDPA's 243, and 604 against 307 at 4096 (a quadratic
+#    and a near-flat fit cross near 2400);
+#  - a step of more than paged_max_flops causal attention FLOPs (4 * q_heads * head_dim *
 #    query-key pairs): 8 x 512 new tokens behind 4096 (2.6e11) cost both ~0.9 ms; smaller
 #    steps (8 x 256 behind 4096, 4 x 512 behind 4096: 1.3e11) were 0.89-0.95x SDPA's time.
 # Without wgmma (head_dim 64 / 256, other GPUs) the mma.sync kernel's ~160 TFLOP/s crosses
-# earlier: fresh prompts of MMA_FRESH_MAX_TOKENS with their K/V passed (cuDNN 2.4x the kernel
-# at 1024 tokens, a tie at 128), steps above MMA_MAX_FLOPS (8 x 256 new tokens behind 1792
+# earlier: fresh prompts of mma_fresh_max_tokens with their K/V passed (cuDNN 2.4x the kernel
+# at 1024 tokens, a tie at 128), steps above mma_max_flops (8 x 256 new tokens behind 1792
 # cost both ~0.38 ms); fresh prompts without their K/V take it at any length there. With
-# wgmma they take SDPA from PAGED_FRESH_MAX_TOKENS either way (gathered at 4096 tokens: SDPA
+# wgmma they take SDPA from paged_fresh_max_tokens either way (gathered at 4096 tokens: SDPA
 # 479 us against the kernel's 642).
 # FP8 caches always take the kernel: SDPA would run on K/V dequantized to fp32 (fp32 GEMMs and
 # a separate softmax: a 4096-token fresh prompt, 32 / 8 heads, ~10 ms a layer on H200 against
 # the kernel's ~0.7 ms). Inside a CUDA-graph capture always the kernel (the SDPA path needs the
-# lengths on the host). AUTO_PAGED=False restores SDPA outside graphs (bf16 / fp16 caches).
-AUTO_PAGED = True
-PAGED_FRESH_MAX_TOKENS = 2400
-PAGED_MAX_FLOPS = 2.6e11
-MMA_FRESH_MAX_TOKENS = 256
-MMA_MAX_FLOPS = 8e10
+# lengths on the host). auto_paged false restores SDPA outside graphs (bf16 / fp16 caches).
+# split_min_keys: the paged kernel splits a query tile's keys (plan_splits) only into runs of
+# at least that many keys (8 key blocks of 64).
+tuning.declare(
+    "prefill",
+    auto_paged=tuning.Knob(True, bool, doc="auto takes the paged kernel where it wins"),
+    paged_fresh_max_tokens=tuning.Knob(2400, int, 0, 1 << 30,
+                                       doc="wgmma: fresh prompts from this length take SDPA"),
+    paged_max_flops=tuning.Knob(2.6e11, float, 0.0, None,
+                                doc="wgmma: steps above this many FLOPs take SDPA"),
+    mma_fresh_max_tokens=tuning.Knob(256, int, 0, 1 << 30,
+                                     doc="mma.sync: fresh prompts from this length take SDPA"),
+    mma_max_flops=tuning.Knob(8e10, float, 0.0, None,
+                              doc="mma.sync: steps above this many FLOPs take SDPA"),
+    split_min_keys=tuning.Knob(512, int, 64, 1 << 30, doc="keys per split, at least"),
+)
 
 
 def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,7 +75,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (with out=None and one sequence, SDPA's own output, no copy).
     backend: "paged" (the paged prefill kernel, CUDA), "sdpa" (torch SDPA on the gathered KV),
     "reference" (fp32 plain torch), "auto" (CPU: reference; CUDA: the paged kernel, SDPA for
-    long fresh prompts and large steps of bf16/fp16 caches; the AUTO_PAGED comment).
+    long fresh prompts and large steps of bf16/fp16 caches; the PREFILL_BACKENDS comment).
     The paged kernel reads lengths and tables on the device (one CUDA graph replays with new
     ones): max_q_len (the longest new-token span; default the host lists' maximum, else every
     token) sizes its grid. The sdpa and reference paths need the lengths on the host: pass
@@ -216,7 +228,8 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
             _fail("prefill", f"backend='paged' cannot take this call: {why}")
         if not why and (backend == "paged" or _auto_paged(
                 T, lens, cu, k_new, q.shape[1] * q.shape[2], fp8=k_scale is not None,
-                wgmma=q.shape[2] == 128 and capability(q.device) == (9, 0))):
+                wgmma=q.shape[2] == 128 and capability(q.device) == (9, 0),
+                knobs=tuning.knobs("prefill", q.device))):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
@@ -267,15 +280,18 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     return out
 
 
-def paged_available() -> bool:
-    """The extension has the paged prefill kernel."""
-    return _ext.available() and hasattr(_ext.load(), "attention_prefill")
+def paged_available(device=None) -> bool:
+    """The extension has the paged prefill kernel (and, given a device, it runs there)."""
+    if device is None:
+        return _ext.capabilities().has("attention_prefill")
+    return _ext.kernel_runs("attention_prefill", device)
 
 
 def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     """Why the paged kernel cannot take a (valid) prefill call; "" when it can."""
-    if not paged_available():
-        return "fusedist._C was built without the paged prefill kernel"
+    why = _ext.why_not("attention_prefill", q.device)
+    if why:
+        return why
     T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -292,35 +308,41 @@ def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 
 def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False,
-                wgmma: bool = True) -> bool:
+                wgmma: bool = True, knobs: Optional[dict] = None) -> bool:
     """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment);
     heads_x_dim = q_heads * head_dim prices the step's FLOPs; fp8: the cache is FP8; wgmma:
-    the kernel runs its wgmma mainloop (else the mma.sync thresholds apply)."""
+    the kernel runs its wgmma mainloop (else the mma.sync thresholds apply); knobs: the
+    tuning table's "prefill" section (None: the shipped values)."""
+    kn = tuning.section_values({}, "prefill") if knobs is None else knobs
     if fp8 or torch.cuda.is_current_stream_capturing():
         return True
-    if not AUTO_PAGED:
+    if not kn["auto_paged"]:
         return False
     if lens is None or cu is None:
         return True
     ns = [b - a for a, b in zip(cu, cu[1:])]
     pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(ns, lens))
-    if 4 * heads_x_dim * pairs > (PAGED_MAX_FLOPS if wgmma else MMA_MAX_FLOPS):
+    if 4 * heads_x_dim * pairs > (kn["paged_max_flops"] if wgmma else kn["mma_max_flops"]):
         return False
     if k_new is None and not wgmma:
         return True
     fresh = all(n == L for n, L in zip(ns, lens))
-    return not (fresh and min(ns, default=0) >= (PAGED_FRESH_MAX_TOKENS if wgmma else
-                                                 MMA_FRESH_MAX_TOKENS))
+    return not (fresh and min(ns, default=0) >= (kn["paged_fresh_max_tokens"] if wgmma else
+                                                 kn["mma_fresh_max_tokens"]))
 
 
-def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int) -> int:
+def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int,
+                min_keys: Optional[int] = None) -> int:
     """Key splits per query tile of the paged kernel: enough CTAs for two per SM when the
-    query tiles alone do not fill the GPU, at least 8 key blocks (512 keys) per split."""
+    query tiles alone do not fill the GPU, at least min_keys keys per split (the "prefill"
+    knob split_min_keys when None)."""
+    if min_keys is None:
+        min_keys = tuning.KNOBS["prefill"]["split_min_keys"].default
     ctas = max(1, q_tiles * kv_heads * batch)
     if ctas >= 2 * sms:
         return 1
     want = -(-2 * sms // ctas)
-    by_keys = max(1, max_keys // 512)
+    by_keys = max(1, max_keys // min_keys)
     return max(1, min(want, by_keys, PREFILL_MAX_SPLITS))
 
 
@@ -383,7 +405,8 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in _SMS:
             _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-        num_splits = plan_splits(q_tiles, Hkv, B, max_keys, _SMS[idx])
+        num_splits = plan_splits(q_tiles, Hkv, B, max_keys, _SMS[idx],
+                                 tuning.knobs("prefill", dev)["split_min_keys"])
     bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     sl = seq_lens.contiguous()
     cu = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
