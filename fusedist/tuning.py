@@ -66,7 +66,7 @@ def merge_tables(tables: list) -> dict:
     for t in tables:
         src = t.get("source", "?")
         for section, value in t.items():
-            if section in ("source", "sources", "comment"):
+            if section in ("source", "sources", "comment", "measured_on"):
                 continue
             if section in _KEYED_SECTIONS and isinstance(value, dict):
                 merged.setdefault(section, {}).update(value)

@@ -349,8 +349,8 @@ def test_decode_zero_length_and_no_plan(device):
 
 
 def test_closed_plan_is_refused():
-    """A closed plan leaves the registry (its workspace is released) and is refused, eager and
-    through torch.ops.fusedist, instead of planning anew or reading freed memory."""
+    """A closed plan releases its workspace and is refused, eager and under torch.compile,
+    instead of planning anew or reading freed memory."""
     kc = torch.randn(4, 16, 2, 64).to(torch.bfloat16)
     q = torch.randn(3, 8, 64).to(torch.bfloat16)
     bt = torch.zeros(3, 2, dtype=torch.int32)
@@ -358,14 +358,13 @@ def test_closed_plan_is_refused():
     plan = A.decode_plan(3, 8, 2, 64, 16, 32)
     out = A.decode(q, kc, kc, bt, sl, plan)
     assert not plan.closed and bool(torch.isfinite(out).all())
-    pid = plan.plan_id
     plan.close()
-    assert plan.closed and pid not in A._decode._plans
+    assert plan.closed and plan.o_partial is None and plan.num_splits == 0
     with pytest.raises(ValueError, match="plan was closed"):
         A.decode(q, kc, kc, bt, sl, plan)
-    with pytest.raises(ValueError, match="was closed"):
-        torch.ops.fusedist.attention_decode(torch.empty_like(q), q, kc, kc, bt, sl, 0.125,
-                                            None, None, pid)
+    f = torch.compile(lambda q: A.decode(q, kc, kc, bt, sl, plan), fullgraph=True)
+    with pytest.raises(Exception, match="plan was closed"):
+        f(q)
 
 
 def test_decode_bad_inputs():

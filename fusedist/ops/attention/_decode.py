@@ -23,8 +23,6 @@ planner's rule, a pure function (tests run it on the CPU).
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,18 +39,16 @@ HEAD_DIMS = (64, 128, 256)
 SLAB = 16          # tokens per slab (csrc: kDecodeSlab)
 TILE_HEADS = 8     # query heads one CTA serves (csrc: kDecodeTileHeads)
 MAX_SPLITS = 128   # csrc: kDecodeMaxSplits
-# The rule's knobs, kept in the tuning table's "decode" section (fusedist/tuning_default.json;
-# FUSEDIST_TUNING_FILE overrides it: tuning.decode_rule); the values below are the shipped
-# ones, used for CPU plans. A split covers at least MIN_SLABS_PER_SPLIT slabs (fewer leaves
-# the four warps of a CTA without a pipeline to fill), and at most MAX_MERGE_SPLITS splits
-# are merged (the merge reads num_splits x heads x head_dim fp32 values in one CTA).
-MIN_SLABS_PER_SPLIT = tuning.DECODE_DEFAULT["min_slabs_per_split"]
-MAX_MERGE_SPLITS = tuning.DECODE_DEFAULT["max_merge_splits"]
-# Two CTAs per SM (the kernel fits two at head_dim 128) pay when each split stays long: on
-# H200 4 splits of 16 x 4K (16/4 heads) took 37.8 us against 41.5 at 2, 8 of 8 x 4K 22.1
-# against 24.1, 8 of 4 x 16K (32/8) 68.1 against 75.8; at batch 1 x 4K (128-256-token
-# splits) one CTA per SM stays (32/8: 16 splits 9.8 us, 32 splits 10.8).
-LONG_SPLIT_SLABS = tuning.DECODE_DEFAULT["long_split_slabs"]
+# The planner's rule (choose_num_splits, plan_kernel's merge) reads the tuning table's "decode"
+# knobs (fusedist/tuning_default.json; FUSEDIST_TUNING_FILE overrides them; declared in
+# fusedist.tuning with the shipped values, which CPU plans use). A split covers at least
+# min_slabs_per_split slabs (fewer leaves the four warps of a CTA without a pipeline to fill),
+# and at most max_merge_splits splits are merged (the merge reads num_splits x heads x
+# head_dim fp32 values in one CTA). Two CTAs per SM (the kernel fits two at head_dim 128) pay
+# when each split keeps long_split_slabs slabs: on H200 4 splits of 16 x 4K (16/4 heads) took
+# 37.8 us against 41.5 at 2, 8 of 8 x 4K 22.1 against 24.1, 8 of 4 x 16K (32/8) 68.1 against
+# 75.8; at batch 1 x 4K (128-256-token splits) one CTA per SM stays (32/8: 16 splits 9.8 us,
+# 32 splits 10.8).
 # The cluster merge (decode.cuh): the splits of a (sequence, head tile) run as one thread-block
 # cluster and merge through each other's shared memory, without the workspace round trip
 # (partials to global memory, a fence, a counter, the last CTA reading them back). A cluster
@@ -60,18 +56,31 @@ LONG_SPLIT_SLABS = tuning.DECODE_DEFAULT["long_split_slabs"]
 # (benchmarks/NOTES.md, "Decode attention"): 1.03-1.08x the workspace merge at 2 splits
 # (16/4 heads, 16 x 4K), 0.76-0.98x at 16 splits (batch 1: a cluster's CTAs must share a GPC,
 # and with two CTAs per SM they land two to an SM while other SMs idle). So a plan takes it
-# for 2 to CLUSTER_MERGE_MAX_SPLITS splits; CLUSTER_MERGE=False keeps the workspace merge
-# everywhere; plan_kernel(merge="cluster") asks for it at any 2 to 16 splits.
+# for 2 to cluster_merge_max_splits splits (0 keeps the workspace merge everywhere);
+# plan_kernel(merge="cluster") asks for it at any 2 to 16 splits.
 MAX_CLUSTER_SPLITS = 16
-CLUSTER_MERGE = True
-CLUSTER_MERGE_MAX_SPLITS = tuning.DECODE_DEFAULT["cluster_merge_max_splits"]
 MERGES = ("cluster", "workspace")
 
 
 
-def available() -> bool:
-    """True when fusedist._C carries the decode kernel."""
-    return _ext.available() and hasattr(_ext.load(), "attention_decode")
+def available(device=None) -> bool:
+    """fusedist._C carries the decode kernel (and, given a device, it runs there)."""
+    if device is None:
+        return _ext.capabilities().has("attention_decode")
+    return _ext.kernel_runs("attention_decode", device)
+
+
+def why_not(device, head_dim: int, page_size: int, dtype: torch.dtype,
+            kv_dtype: torch.dtype) -> str:
+    """Why the decode kernel does not serve this shape on `device` ("" when it does)."""
+    why = _ext.why_not("attention_decode", device)
+    if why:
+        return why
+    if not _decode_kernel_fits(head_dim, page_size, dtype, kv_dtype):
+        return (f"head_dim {head_dim}, page size {page_size}, {dtype} / {kv_dtype}: the kernel "
+                f"takes head_dim {HEAD_DIMS}, pages of a multiple of {SLAB} tokens, bf16 / "
+                "fp16 queries over a cache of their dtype or e4m3")
+    return ""
 
 
 def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
@@ -80,7 +89,7 @@ def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
     idle and each split keeps at least long_split_slabs slabs, else about one; never splits
     of fewer than min_slabs_per_split slabs, never more than max_merge_splits. A batch that
     fills the SMs on its own takes 1 split (no merge). rule: the knobs
-    (tuning.decode_rule; None: the shipped values)."""
+    (tuning.knobs("decode"); None: the shipped values)."""
     r = tuning.DECODE_DEFAULT if rule is None else rule
     ctas = max(1, batch * kv_heads * q_tiles)
     slabs = max(1, math.ceil(max_seq_len / SLAB))
@@ -92,24 +101,13 @@ def choose_num_splits(batch: int, kv_heads: int, q_tiles: int, max_seq_len: int,
     return max(1, min(max(1, num_sms) // ctas, cap))
 
 
-@functools.lru_cache(maxsize=None)
-def device_rule(gpu_name: str) -> dict:
-    """The decode planner's knobs for a GPU model: the tuning table's "decode" section
-    (shipped default, FUSEDIST_TUNING_FILE; tuning.load_table), read once per process."""
-    return tuning.decode_rule(tuning.load_table(gpu_name, 1))
-
-
 def cluster_merge_available(device: torch.device) -> bool:
-    """Whether plans for `device` may merge in clusters: CLUSTER_MERGE, a CUDA device of
-    compute capability 9.0 or newer, and a build whose decode launcher takes the flag."""
-    if not CLUSTER_MERGE or device.type != "cuda":
+    """Whether plans for `device` may merge in clusters: a CUDA device of compute capability
+    9.0 or newer and a build with the cluster merge (the capability table's
+    attention_decode_cluster)."""
+    if device.type != "cuda":
         return False
-    return capability(device) >= (9, 0) and available() and \
-        hasattr(_ext.load().DecodeArgs(), "cluster")
-
-
-_plan_ids = itertools.count()
-_plans: dict[int, "DecodePlan"] = {}
+    return capability(device) >= (9, 0) and _ext.kernel_runs("attention_decode_cluster", device)
 
 
 @dataclass
@@ -140,18 +138,14 @@ class DecodePlan:
     o_partial: Optional[torch.Tensor] = None
     lse_partial: Optional[torch.Tensor] = None
     counters: Optional[torch.Tensor] = None
-    plan_id: int = field(default=-1)
+    closed: bool = field(default=False)
 
     def close(self) -> None:
-        """Release the workspace: the plan leaves the registry torch.ops.fusedist calls find it
-        in (plans are kept until closed). Never close a plan a captured graph still replays."""
-        _plans.pop(self.plan_id, None)
+        """Release the workspace; the plan is refused afterwards. Never close a plan a
+        captured graph still replays."""
         self.o_partial = self.lse_partial = self.counters = None
         self.num_splits = 0
-
-    @property
-    def closed(self) -> bool:
-        return self.plan_id < 0 or self.plan_id not in _plans
+        self.closed = True
 
     @property
     def max_pages(self) -> int:
@@ -194,14 +188,11 @@ def decode_plan(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         _fail(op, f"kv_dtype {kv_dtype} is not supported; use one of {KV_DTYPES}")
     plan = DecodePlan(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len, device,
                       dtype, kv_dtype)
-    if device.type == "cuda" and _decode_kernel_fits(head_dim, page_size, dtype, kv_dtype) \
-            and available():
+    if device.type == "cuda" and not why_not(device, head_dim, page_size, dtype, kv_dtype):
         plan = plan_kernel(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len,
                            device=device, dtype=dtype, kv_dtype=kv_dtype)
     if device.type == "cuda":
         device_errors.record_ptr(device)   # made here, outside any graph the plan is used in
-    plan.plan_id = next(_plan_ids)
-    _plans[plan.plan_id] = plan
     return plan
 
 
@@ -238,10 +229,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if plan is not None and plan.closed:
         _fail(op, "plan was closed (DecodePlan.close()); make a new one with decode_plan()")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    pid = -1 if plan is None else plan.plan_id
     if torch.compiler.is_compiling():
+        # The plan travels as its plain fields (and its workspace tensors): no registry.
         torch.ops.fusedist.attention_decode(out, q, k_cache, v_cache, block_table, seq_lens,
-                                            scale, k_scale, v_scale, pid)
+                                            scale, k_scale, v_scale, *_plan_fields(plan))
     else:
         device_errors.check_before_launch(q)   # an error an earlier kernel recorded
         _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale,
@@ -316,20 +307,33 @@ def decode_reference(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, 
     return out
 
 
+def _plan_fields(plan: Optional[DecodePlan]) -> tuple:
+    """A plan as the custom op's arguments: (batch, max_seq_len, num_splits, q_tiles, stages,
+    fp8_direct, merge, o_partial, lse_partial, counters); batch -1: no plan."""
+    if plan is None:
+        return (-1, 0, 0, 0, 0, False, "none", None, None, None)
+    return (plan.batch, plan.max_seq_len, plan.num_splits, plan.q_tiles, plan.stages,
+            plan.fp8_direct, plan.merge, plan.o_partial, plan.lse_partial, plan.counters)
+
+
 @torch.library.custom_op("fusedist::attention_decode", mutates_args=("out",))
 def _decode_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-               plan_id: int) -> None:
-    plan = _plans.get(plan_id) if plan_id >= 0 else None
-    if plan_id >= 0 and plan is None:
-        _fail("decode", f"plan {plan_id} was closed (DecodePlan.close()); make a new one with "
-              "decode_plan()")
+               batch: int, max_seq_len: int, num_splits: int, q_tiles: int, stages: int,
+               fp8_direct: bool, merge: str, o_partial: Optional[torch.Tensor],
+               lse_partial: Optional[torch.Tensor], counters: Optional[torch.Tensor]) -> None:
+    plan = None
+    if batch >= 0:
+        plan = DecodePlan(batch, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+                          max_seq_len, q.device, q.dtype, k_cache.dtype, num_splits=num_splits,
+                          q_tiles=q_tiles, stages=stages, fp8_direct=fp8_direct, merge=merge,
+                          o_partial=o_partial, lse_partial=lse_partial, counters=counters)
     _decode_impl(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, plan)
 
 
 @_decode_op.register_fake
-def _(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, plan_id):
+def _(out, q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, *plan_fields):
     return None
 
 
@@ -368,8 +372,8 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     variants beside every FP8 row. merge: how the splits of a sequence are combined,
     "cluster" (2 to MAX_CLUSTER_SPLITS splits, one thread-block cluster, no workspace),
     "workspace" (any count: partials in global memory, the last CTA merges) or None: cluster
-    for 2 to CLUSTER_MERGE_MAX_SPLITS splits where cluster_merge_available(device), else
-    workspace."""
+    for 2 to the "decode" knob cluster_merge_max_splits splits where
+    cluster_merge_available(device), else workspace."""
     _check_shape(batch, q_heads, kv_heads, head_dim, page_size, max_seq_len)
     q_dtype = dtype
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
@@ -383,7 +387,7 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     q_tiles = math.ceil(q_heads // kv_heads / TILE_HEADS)
-    rule = device_rule(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    rule = tuning.knobs("decode", device) if device.type == "cuda" else None
     if merge not in (None,) + MERGES:
         raise ValueError(f"fusedist.decode: merge must be one of {MERGES} or None, got "
                          f"{merge!r}")
@@ -403,7 +407,7 @@ def plan_kernel(batch: int, q_heads: int, kv_heads: int, head_dim: int, page_siz
         raise ValueError(f"fusedist.decode: merge='cluster' takes 2 to {MAX_CLUSTER_SPLITS} "
                          f"splits, got num_splits={num_splits}; pass merge='workspace'")
     if merge is None:
-        most = CLUSTER_MERGE_MAX_SPLITS if rule is None else rule["cluster_merge_max_splits"]
+        most = (tuning.DECODE_DEFAULT if rule is None else rule)["cluster_merge_max_splits"]
         merge = "cluster" if num_splits <= most and \
             cluster_merge_available(device) else "workspace"
     merge = "none" if num_splits == 1 else merge
