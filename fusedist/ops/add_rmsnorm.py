@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from .. import _align, _dtypes, _ext
+from ._plan import KernelPlan, kernel_plan
 from ._rows import (DTYPES, check_out_dtype, check_rows_input, fp8_rows, overlaps, packed_rows,
                     rows_view)
 
@@ -149,20 +150,34 @@ def _check_aliases(out, x, residual) -> None:
         _fail("residual partially overlaps x; pass separate tensors")
 
 
-def _kernel_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "add_rmsnorm")
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+reference = add_rmsnorm_reference
 
 
-def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0,
-                      scale: Optional[torch.Tensor] = None) -> None:
-    """out (x's dtype), or with scale (float32 [...]) out e4m3: a fresh contiguous tensor."""
+def available(device) -> bool:
+    """The add_rmsnorm kernel runs on `device`."""
+    return _ext.kernel_runs("add_rmsnorm", device)
+
+
+def why_not(x: torch.Tensor) -> str:
+    """Why the kernel does not take a (valid) call on x; "" when it does."""
+    return _ext.why_not("add_rmsnorm", x.device)
+
+
+def plan(x: torch.Tensor) -> KernelPlan:
+    return kernel_plan("add_rmsnorm", why_not(x))
+
+
+def run(p: KernelPlan, out, x, residual, weight, eps, vectors_per_thread: int = 0,
+        scale: Optional[torch.Tensor] = None) -> None:
+    """Execute p on validated arguments: out (x's dtype), or with scale (float32 [...]) out
+    e4m3, a fresh contiguous tensor; residual updated in place."""
     if x.numel() == 0:
         return
     fp8 = scale is not None
     _check_aliases(out, x, residual)
-    if not _kernel_ok(x):
-        if x.device.type == "cuda":
-            _ext.warn_reference("add_rmsnorm", "fusedist._C without the add_rmsnorm kernel")
+    if not p.kernel:
+        p.warn_if_reference(x.device)
         r = add_rmsnorm_reference(x, residual, weight, eps, out.dtype if fp8 else None)
         if residual is not None:
             residual.copy_(r[1])
@@ -202,6 +217,11 @@ def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0
         residual.copy_(rs.view(residual.shape))
     if o_copy:
         out.copy_(o2.view(out.shape))
+
+
+def _add_rmsnorm_impl(out, x, residual, weight, eps, vectors_per_thread: int = 0,
+                      scale: Optional[torch.Tensor] = None) -> None:
+    run(plan(x), out, x, residual, weight, eps, vectors_per_thread, scale)
 
 
 @torch.library.custom_op("fusedist::add_rmsnorm", mutates_args=("out", "residual"))

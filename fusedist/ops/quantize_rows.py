@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import _dtypes, _ext
+from ._plan import KernelPlan, kernel_plan
 from ._rows import check_rows_input, packed_rows, rows_view
 
 MIN_AMAX = 1e-30   # the smallest amax a scale is made from (amax / 448 stays a normal float32)
@@ -93,21 +94,49 @@ def _group_vectors_ok(x: torch.Tensor, group: int) -> bool:
 
 
 def _quantize_groups_impl(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.numel() == 0 or kernel_why_not(x) or not _group_vectors_ok(x, group):
-        q, s = _quantize_rows_impl(x.unflatten(-1, (x.shape[-1] // group, group)))
-        return q.flatten(-2), s.squeeze(-1)
-    return _launch(x, group)
+    return run(plan(x, group), x, group)
 
 
-def _kernel_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "quantize_rows")
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+reference = quantize_rows_reference
+
+
+def available(device) -> bool:
+    """The quantize_rows kernel runs on `device`."""
+    return _ext.kernel_runs("quantize_rows", device)
+
+
+def why_not(x: torch.Tensor, group: int = 0) -> str:
+    """Why the kernel cannot take x (a valid input) with one scale per row (group 0) or per
+    `group` elements; "" when it can."""
+    why = kernel_why_not(x)
+    if not why and group and not _group_vectors_ok(x, group):
+        why = (f"group {group} is not 8, 16 or 32 16-byte vectors of {x.dtype} (the group "
+               "kernel's widths): groups run as rows")
+    return why
+
+
+def plan(x: torch.Tensor, group: int = 0) -> KernelPlan:
+    return kernel_plan("quantize_rows", why_not(x, group))
+
+
+def run(p: KernelPlan, x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Execute p: (q, scale) of x per row (group 0) or per `group` elements."""
+    if group:
+        if x.numel() == 0 or not p.kernel:
+            q, s = _quantize_rows_impl(x.unflatten(-1, (x.shape[-1] // group, group)))
+            return q.flatten(-2), s.squeeze(-1)
+        return _launch(x, group)
+    if x.numel() == 0 or not p.kernel:
+        return quantize_rows_reference(x)
+    return _launch(x, 0)
 
 
 def kernel_why_not(x: torch.Tensor) -> str:
-    """Why the kernel cannot take x (a valid input); "" when it can."""
-    if not _kernel_ok(x):
-        return (f"x is on {x.device}" if x.device.type != "cuda" else
-                "fusedist._C was built without the quantize_rows kernel")
+    """Why the kernel cannot take x (a valid input) with one scale per row; "" when it can."""
+    why = _ext.why_not("quantize_rows", x.device)
+    if why:
+        return why
     per = 16 // x.element_size()
     if x.shape[-1] % per:
         return f"K = {x.shape[-1]} is not a multiple of {per} (16-byte vectors of {x.dtype})"
@@ -115,9 +144,7 @@ def kernel_why_not(x: torch.Tensor) -> str:
 
 
 def _quantize_rows_impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.numel() == 0 or kernel_why_not(x):
-        return quantize_rows_reference(x)
-    return _launch(x, 0)
+    return run(plan(x), x)
 
 
 def _launch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,4 +191,5 @@ def _(x, group):
 
 
 __all__ = ["quantize_rows", "quantize_rows_reference", "quantize_groups",
-           "quantize_groups_reference", "kernel_why_not", "unit_scale", "to_e4m3", "MIN_AMAX"]
+           "quantize_groups_reference", "kernel_why_not", "unit_scale", "to_e4m3", "MIN_AMAX",
+           "available", "why_not", "plan", "run", "reference"]

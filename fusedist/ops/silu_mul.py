@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _dtypes, _ext
+from ._plan import KernelPlan, kernel_plan
 from ._rows import check_out_dtype, check_rows_input, fp8_rows, overlaps, packed_rows, rows_view
 
 
@@ -82,8 +83,22 @@ def silu_mul(gate_up: torch.Tensor, *, out: Optional[torch.Tensor] = None,
     return out
 
 
-def _kernel_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "silu_mul")
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+reference = silu_mul_reference
+
+
+def available(device) -> bool:
+    """The silu_mul kernel runs on `device`."""
+    return _ext.kernel_runs("silu_mul", device)
+
+
+def why_not(gate_up: torch.Tensor) -> str:
+    """Why the kernel does not take a (valid) call on gate_up; "" when it does."""
+    return _ext.why_not("silu_mul", gate_up.device)
+
+
+def plan(gate_up: torch.Tensor) -> KernelPlan:
+    return kernel_plan("silu_mul", why_not(gate_up))
 
 
 def _silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,16 +112,20 @@ def _silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _silu_mul_impl(out: torch.Tensor, gate_up: torch.Tensor,
                    scale: Optional[torch.Tensor] = None) -> None:
-    """out (gate_up's dtype), or with scale (float32 [...]) out e4m3: a fresh contiguous
-    tensor."""
+    run(plan(gate_up), out, gate_up, scale)
+
+
+def run(p: KernelPlan, out: torch.Tensor, gate_up: torch.Tensor,
+        scale: Optional[torch.Tensor] = None) -> None:
+    """Execute p on validated arguments: out (gate_up's dtype), or with scale (float32 [...])
+    out e4m3, a fresh contiguous tensor."""
     if out.numel() == 0:
         return
     fp8 = scale is not None
     if overlaps(out, gate_up):
         _fail("out overlaps gate_up; pass a separate out")
-    if not _kernel_ok(gate_up):
-        if gate_up.device.type == "cuda":
-            _ext.warn_reference("silu_mul", "fusedist._C without the silu_mul kernel")
+    if not p.kernel:
+        p.warn_if_reference(gate_up.device)
         if fp8:
             q, s = silu_mul_reference(gate_up, out.dtype)
             out.copy_(q)
