@@ -37,6 +37,7 @@ before it is timed (rel_err). Results: benchmarks/results/<gpu>-w1/gemv<tag>.{js
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import math
 import os
@@ -191,7 +192,7 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
                 return gemv(x, sh.w[i % sh.ring_bf16], out=outs[i % 2])
             capped = lambda c, st=-1: lambda i: G.launch(  # noqa: E731
                 outs[i % 2], x, sh.w[i % sh.ring_bf16], None, None, max_ctas=c, stages=st)
-            info[fmt] = G.plan(x, sh.w[0])
+            info[fmt] = dataclasses.asdict(G.plan(x, sh.w[0]))
         elif fmt == "w8a8_channel":
             s = sh.s[fmt]
             QR = importlib.import_module("fusedist.ops.quantize_rows")
@@ -203,7 +204,7 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
             capped = (lambda s, xq, sx: lambda c, st=-1: lambda i: G.launch(  # noqa: E731
                 outs[i % 2], xq, sh.w8[i % sh.ring_fp8], s, None, max_ctas=c, stages=st,
                 x_scale=sx))(s, xq, sx)
-            info[fmt] = G.plan(xq, sh.w8[0], s)
+            info[fmt] = dataclasses.asdict(G.plan(xq, sh.w8[0], s, x_scale=sx))
 
             def smm(i, xq=xq, sx=sx, s=s):   # the same product by row-wise _scaled_mm
                 return torch._scaled_mm(xq, sh.w8[i % sh.ring_fp8].t(), scale_a=sx,
@@ -217,7 +218,7 @@ def time_shape(name: str, k: int, n: int, m: int, sh: Shape, args, gen) -> list:
                 return gemv(x, sh.w8[i % sh.ring_fp8], scale=s, out=outs[i % 2])
             capped = (lambda s: lambda c, st=-1: lambda i: G.launch(  # noqa: E731
                 outs[i % 2], x, sh.w8[i % sh.ring_fp8], s, None, max_ctas=c, stages=st))(s)
-            info[fmt] = G.plan(x, sh.w8[0], s)
+            info[fmt] = dataclasses.asdict(G.plan(x, sh.w8[0], s))
         if check(f"fusedist:{fmt}", call, ref):
             steps[f"fusedist:{fmt}"] = call
         for cps in args.ctas_per_sm:

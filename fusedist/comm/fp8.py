@@ -91,8 +91,7 @@ def _codec(t: torch.Tensor, use_kernel: Optional[bool], fmt: str):
     with them for `fmt`; use_kernel=False forces the torch path), else None."""
     if use_kernel is False or t.device.type != "cuda":
         return None
-    # FP8_FORMAT_*: the codec with the format argument (older builds had e4m3 only).
-    if not _ext.available() or not hasattr(_ext.load(), "FP8_FORMAT_E3M4"):
+    if not _ext.capabilities().has("fp8_codec"):
         if use_kernel:
             _ext.load()  # raises ExtensionMissingError with the build instructions
             raise RuntimeError(f"fusedist.fp8: this fusedist._C has no {fmt} codec; rebuild it")

@@ -115,13 +115,9 @@ def _args(xq, sx, wq, sw, bias, out, block=False):
 
 def _host_why_not(xq, wq, out) -> str:
     """The device, build and layout reasons the kernel cannot run ("" when none)."""
-    dev = xq.device
-    if dev.type != "cuda":
-        return f"tensors on {dev} (the kernel is CUDA)"
-    if not _ext.available() or not hasattr(_ext.load(), "fp8_gemm"):
-        return "fusedist._C was built without fp8_gemm"
-    if torch.cuda.get_device_capability(dev)[0] != 9:
-        return "the kernel needs a Hopper (sm_90) GPU"
+    why = _ext.why_not("fp8_gemm", xq.device)
+    if why:
+        return why
     for name, t in (("xq", xq), ("wq", wq), ("out", out)):
         if t is not None and t.stride(1) != 1:
             return f"{name}'s rows are not contiguous (stride {tuple(t.stride())})"
@@ -129,10 +125,8 @@ def _host_why_not(xq, wq, out) -> str:
 
 
 def kernel_available(device) -> bool:
-    """Whether the CUTLASS kernel runs on this CUDA device (built in, a Hopper GPU)."""
-    device = torch.device(device)
-    return device.type == "cuda" and _ext.available() and \
-        hasattr(_ext.load(), "fp8_gemm") and torch.cuda.get_device_capability(device)[0] == 9
+    """Whether the CUTLASS kernel runs on this CUDA device (the capability table)."""
+    return _ext.kernel_runs("fp8_gemm", device)
 
 
 def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tensor] = None,

@@ -26,7 +26,7 @@ benchmarks/gemm_comm.py at the GEMM + collective shapes).
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,13 +35,6 @@ from .. import _align, _dtypes, _ext, tuning
 
 KERNELS = ("auto", "decode", "sm90")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _table(gpu_name: str) -> dict:
-    """The tuning table's "gemm" rules for this GPU (shipped default, the --tune cache,
-    FUSEDIST_TUNING_FILE: tuning.load_table), read once per process."""
-    return tuning.load_table(gpu_name, 1)
 
 
 def layout_name(w: torch.Tensor) -> str:
@@ -163,7 +156,49 @@ def launch_sm90(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
 
 
 def sm90_available(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    """The Hopper GEMM (and the decode kernel) run on `device` (the capability table)."""
+    return _ext.kernel_runs("gemm_sm90", device)
+
+
+available = sm90_available
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The kernel of a gemm call: "decode", "sm90", "torch" (cuBLAS through torch.matmul, where
+    no fusedist kernel measured faster) or "reference" (CPU); why not a fusedist kernel."""
+    kernel: str
+    why: str = ""
+
+
+def why_not(x: torch.Tensor, kernel: str = "sm90") -> str:
+    """Why fusedist's GEMM kernels do not run for x ("" when they do)."""
+    return _ext.why_not("gemm_sm90" if kernel == "sm90" else "gemm_ar_fused", x.device)
+
+
+def plan(x: torch.Tensor, w: torch.Tensor, kernel: str = "auto",
+         accumulate: bool = False) -> GemmPlan:
+    """The kernel for x @ w (validated arguments): kernel="auto" reads the tuning table's
+    "gemm" rules for the device (auto_kernel); an explicit kernel is checked."""
+    if x.device.type == "cpu":
+        return GemmPlan("reference", f"tensors on {x.device}")
+    m, k = x.shape
+    n = w.shape[1]
+    if kernel != "auto":
+        why = why_not(x, kernel)
+        if why:
+            raise ValueError(f"fusedist.gemm: kernel={kernel!r} cannot run here: {why}; use "
+                             "kernel='auto'")
+        return GemmPlan(kernel)
+    why = why_not(x)
+    if why or m == 0:
+        return GemmPlan("torch", why or "no rows")
+    kern = auto_kernel(m, k, n, layout_name(w), x.dtype, accumulate, True,
+                       tuning.gpu_table(x.device))
+    if kern == "decode" and m > _ext.load().GEMM_AR_FUSED_MAX_M:
+        return GemmPlan("torch", f"{m} rows: a rule wider than this build's decode kernel")
+    return GemmPlan(kern, "" if kern != "torch" else
+                    "no tuning-table rule where a fusedist kernel beat torch.matmul")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
@@ -239,30 +274,22 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
             out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"fusedist.gemm: out must be a contiguous ({m}, {n}) tensor of "
                          f"{x.dtype} on {x.device}")
-    if x.device.type == "cpu":
-        if kernel != "auto":
-            raise ValueError(f"fusedist.gemm: kernel={kernel!r} needs CUDA tensors; CPU tensors "
-                             "take kernel='auto' (the plain-torch reference)")
-        return reference(x, w, bias, out, accumulate)
-    if kernel != "auto" and not sm90_available(x.device):
-        raise ValueError(f"fusedist.gemm: kernel={kernel!r} needs a Hopper (sm_90) GPU, "
-                         f"{x.device} is sm_"
-                         f"{''.join(map(str, torch.cuda.get_device_capability(x.device)))}; "
-                         "use kernel='auto'")
-    if m == 0:
-        return out  # nothing to compute: no kernel takes an empty grid
-    if k == 0:
-        return reference(x, w, bias, out, accumulate)  # x @ w is all zeros
-    if kernel == "auto":
-        kernel = auto_kernel(m, k, n, layout_name(w), x.dtype, accumulate,
-                             sm90_available(x.device),
-                             _table(torch.cuda.get_device_name(x.device)))
-        if kernel == "decode" and m > _ext.load().GEMM_AR_FUSED_MAX_M:
-            kernel = "torch"  # a rule wider than this build's decode kernel
-        if kernel == "torch":
-            return reference(x, w, bias, out, accumulate)
+    if x.device.type == "cpu" and kernel != "auto":
+        raise ValueError(f"fusedist.gemm: kernel={kernel!r} needs CUDA tensors; CPU tensors "
+                         "take kernel='auto' (the plain-torch reference)")
+    return run(plan(x, w, kernel, accumulate), x, w, bias, out, accumulate)
+
+
+def run(p: GemmPlan, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+        out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    """Execute p on validated arguments (out allocated)."""
+    m, k = x.shape
+    if p.kernel in ("reference", "torch") or m == 0 or k == 0:
+        if m == 0:
+            return out  # nothing to compute: no kernel takes an empty grid
+        return reference(x, w, bias, out, accumulate)   # k == 0: x @ w is all zeros
     stream = torch.cuda.current_stream(x.device)
-    if kernel == "decode":
+    if p.kernel == "decode":
         if accumulate:
             raise ValueError("fusedist.gemm: kernel='decode' does not accumulate; use "
                              "kernel='sm90'")

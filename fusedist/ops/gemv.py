@@ -37,6 +37,7 @@ workspace. Also torch.ops.fusedist.gemv (torch.compile(fullgraph=True)).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -197,17 +198,68 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, scale: Optional[torch.Tensor] = No
 
 # ---- the kernel ---------------------------------------------------------------------------
 def kernel_available(device: torch.device) -> bool:
-    """The gemv kernel runs on `device`: CUDA, a Hopper GPU (the build's sm_90a), _C with it."""
-    return (device.type == "cuda" and _ext.available() and hasattr(_ext.load(), "gemv") and
-            torch.cuda.get_device_capability(device)[0] == 9)
+    """The gemv kernel runs on `device` (the capability table: CUDA, a build with it, an
+    architecture of the build that runs there)."""
+    return _ext.kernel_runs("gemv", device)
+
+
+available = kernel_available
+reference = gemv_reference
+
+
+def why_not(x: torch.Tensor, w: torch.Tensor, x_scale: Optional[torch.Tensor] = None) -> str:
+    """Why the kernel does not take this (valid) call; "" when it does: a device or build
+    without it, or more rows than it takes (MAX_M; MAX_M_FP8_X with an e4m3 x)."""
+    why = _ext.why_not("gemv", x.device)
+    if why:
+        return why
+    if x_scale is not None:
+        why = _ext.why_not("gemv_w8a8", x.device)
+        if why:
+            return why
+    most = MAX_M if x_scale is None else MAX_M_FP8_X
+    if x.shape[0] > most:
+        return f"{x.shape[0]} rows: the kernel takes at most {most}"
+    return ""
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """path "kernel" or "reference" and why not the kernel; for the kernel, what the launcher
+    will do (C.gemv_plan): the grid cap asked for (max_ctas, 0: one wave of resident CTAs) and
+    the weight pipeline asked for (stages_asked, STAGES_AUTO: the default), and what they give:
+    grid, workspace_floats, counters, strip_rows, ctas_per_sm, stages (0: registers; else the
+    shared-memory ring's depth), smem_bytes."""
+    path: str
+    why: str = ""
+    max_ctas: int = 0
+    stages_asked: int = STAGES_AUTO
+    grid: int = 0
+    workspace_floats: int = 0
+    counters: int = 0
+    strip_rows: int = 0
+    ctas_per_sm: int = 0
+    stages: int = 0
+    smem_bytes: int = 0
+
+
+def plan(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
+         max_ctas: int = 0, stages: int = STAGES_AUTO,
+         x_scale: Optional[torch.Tensor] = None) -> GemvPlan:
+    """The plan of a gemv call on these (valid) arguments: the path, and for the kernel its
+    launch (a property of the build and the GPU, computed once per shape)."""
+    why = why_not(x, w, x_scale)
+    if why:
+        return GemvPlan("reference", why, max_ctas, stages)
+    mode = SCALE_MODES.index(scale_mode(w, scale))
+    g, f, c, rows, occ, st, smem = _plan(x.device.index or 0, x.shape[0], w.shape[0],
+                                         w.shape[1], _dtypes.code(w.dtype), mode, max_ctas,
+                                         stages, _dtypes.code(x.dtype))
+    return GemvPlan("kernel", "", max_ctas, stages, g, f, c, rows, occ, st, smem)
 
 
 def _why_not_kernel(device: torch.device) -> Optional[str]:
-    if not _ext.available() or not hasattr(_ext.load(), "gemv"):
-        return "fusedist._C without the gemv kernel"
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return "the kernel needs a Hopper (sm_90) GPU"
-    return None
+    return _ext.why_not("gemv", device) or None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -225,19 +277,6 @@ def _plan(device: int, m: int, n: int, k: int, w_code: int, mode: int, max_ctas:
         p = C.gemv_plan(a)
     return (p.grid, p.workspace_floats, p.counters, p.strip_rows, p.ctas_per_sm, p.stages,
             p.smem_bytes)
-
-
-def plan(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
-         max_ctas: int = 0, stages: int = STAGES_AUTO) -> dict:
-    """The kernel's plan for these arguments: grid, workspace_floats, counters, strip_rows,
-    ctas_per_sm, stages (0: the register pipeline), smem_bytes (benchmarks and tests read
-    it)."""
-    mode = SCALE_MODES.index(scale_mode(w, scale))
-    g, f, c, rows, occ, st, smem = _plan(x.device.index or 0, x.shape[0], w.shape[0],
-                                         w.shape[1], _dtypes.code(w.dtype), mode, max_ctas,
-                                         stages, _dtypes.code(x.dtype))
-    return {"grid": g, "workspace_floats": f, "counters": c, "strip_rows": rows,
-            "ctas_per_sm": occ, "stages": st, "smem_bytes": smem}
 
 
 class _Workspace:
@@ -345,14 +384,16 @@ def _gemv_impl(out, x, w, scale, bias, x_scale=None) -> None:
     for name, t in (("x", x), ("w", w), ("scale", scale), ("bias", bias), ("x_scale", x_scale)):
         if t is not None and overlaps(out, t):
             _fail(f"out overlaps {name}; pass a separate out")
-    if x.device.type == "cuda" and m <= (MAX_M if x_scale is None else MAX_M_FP8_X):
-        why = _why_not_kernel(x.device)
-        if why is None and x_scale is not None and not hasattr(_ext.load(), "GEMV_MAX_M_FP8_X"):
-            why = "fusedist._C without the W8A8 gemv kernels"
-        if why is None:
-            launch(out, x, w, scale, bias, x_scale=x_scale)
-            return
-        _ext.warn_reference("gemv", why)
+    run(plan(x, w, scale, x_scale=x_scale), out, x, w, scale, bias, x_scale)
+
+
+def run(p: GemvPlan, out, x, w, scale, bias, x_scale=None) -> None:
+    """Execute p on validated, non-empty arguments."""
+    if p.path == "kernel":
+        launch(out, x, w, scale, bias, p.max_ctas, p.stages_asked, x_scale=x_scale)
+        return
+    if x.device.type == "cuda" and not p.why.startswith(f"{x.shape[0]} rows"):
+        _ext.warn_reference("gemv", p.why)
     out.copy_(gemv_reference(x, w, scale, bias, x_scale))
 
 

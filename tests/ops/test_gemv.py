@@ -319,12 +319,12 @@ def test_gemv_split_strips_match_float64(wdt, mode):
             x, w, s, b, _ = _run_case(m, n, k, wdt, mode, gen, bias=True)
             for cap in (1, 2, 3, 7, 64, 100000):
                 p = G.plan(x, w, s, max_ctas=cap)
-                assert 1 <= p["grid"] <= cap and p["ctas_per_sm"] >= 1
+                assert 1 <= p.grid <= cap and p.ctas_per_sm >= 1
                 out = torch.full((m, n), float("nan"), dtype=BF, device="cuda")
                 G.launch(out, x, w, s, b, max_ctas=cap)
                 torch.cuda.synchronize()
                 _check(out, _ref64(x, w, s, mode, b), f"{wdt} {mode} M={m} N={n} K={k} "
-                       f"max_ctas={cap} grid={p['grid']}")
+                       f"max_ctas={cap} grid={p.grid}")
     _counters_zero()
 
 
@@ -348,7 +348,7 @@ def test_gemv_pipelines_agree_bitwise(wdt, mode):
             for stages in (0, 1, 2, 3, G.MAX_STAGES, G.STAGES_AUTO):
                 p = G.plan(x, w, s, max_ctas=cap, stages=stages)
                 if stages != G.STAGES_AUTO:
-                    assert (p["stages"] == 0) == (stages == 0) and p["stages"] <= stages, p
+                    assert (p.stages == 0) == (stages == 0) and p.stages <= stages, p
                 out = torch.full((m, n), float("nan"), dtype=BF, device="cuda")
                 G.launch(out, x, w, s, None, max_ctas=cap, stages=stages)
                 torch.cuda.synchronize()
@@ -560,7 +560,7 @@ def test_gemv_plan_fills_the_gpu():
     x = torch.zeros(1, 4096, dtype=BF, device="cuda")
     for n in (4096, 6144, 28672):
         p = G.plan(x, torch.empty(n, 4096, dtype=BF, device="cuda"))
-        assert p["grid"] == sms * p["ctas_per_sm"], p
+        assert p.grid == sms * p.ctas_per_sm, p
     print("gemv plan:", G.plan(x, torch.empty(4096, 4096, dtype=BF, device="cuda")))
 
 

@@ -169,7 +169,7 @@ def check_pages_device(op: str, block_table: torch.Tensor, seq_lens: torch.Tenso
 
 
 def device_check_available() -> bool:
-    return _ext.available() and hasattr(_ext.load(), "paged_check")
+    return _ext.capabilities().has("paged_check")
 
 
 _NAN_BITS = {torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
@@ -191,7 +191,7 @@ def poison_rows(out: torch.Tensor, bad: torch.Tensor, tokens: int) -> None:
             out[0].is_contiguous() and \
             (row * out.element_size()) % 4 == 0 and out.data_ptr() % 4 == 0 and \
             (out.stride(0) * out.element_size()) % 4 == 0 and out.stride(0) >= row and \
-            _ext.available() and hasattr(_ext.load(), "poison_rows"):
+            _ext.kernel_runs("poison_rows", out.device):
         C = _ext.load()
         a = C.PoisonRowsArgs()
         a.bad_rows, a.out = bad.contiguous().data_ptr(), out.data_ptr()

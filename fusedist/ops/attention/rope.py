@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ... import _align, _dtypes, _ext
+from .._plan import KernelPlan, kernel_plan
 from ...errors import MetadataError
 from .. import device_errors
 from .paged import FP8, FP8_MAX, _check_cache, _fail
@@ -135,16 +136,33 @@ def _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
                       f"{k_cache.device}")
 
 
-def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
-    """The shapes csrc/ops/attention/rope_append.cu serves; others take the plain-torch path."""
-    if q.device.type != "cuda" or not _ext.available() or not hasattr(_ext.load(),
-                                                                      "rope_append"):
-        return False
+def available(device) -> bool:
+    """The rope_append kernel runs on `device`."""
+    return _ext.kernel_runs("rope_append", device)
+
+
+def why_not(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> str:
+    """Why csrc/ops/attention/rope_append.cu does not serve this (valid) call ("" when it
+    does); such calls take the plain-torch path."""
+    why = _ext.why_not("rope_append", q.device)
+    if why:
+        return why
     D = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+    if not (q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
             and cos_sin.shape[1] % 16 == 0 and _align.is_aligned(cos_sin)
             and _align.is_aligned(k_cache) and all(_rows_ok(t) for t in (q, k, v))
-            and positions.is_contiguous() and slot_mapping.is_contiguous())
+            and positions.is_contiguous() and slot_mapping.is_contiguous()):
+        return "a dtype, head_dim, layout or alignment the kernel does not serve"
+    return ""
+
+
+def plan(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> KernelPlan:
+    return kernel_plan("rope_append", why_not(q, k, v, positions, cos_sin, k_cache,
+                                              slot_mapping))
+
+
+def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
+    return not why_not(q, k, v, positions, cos_sin, k_cache, slot_mapping)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -158,8 +176,15 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
                       k_scale, v_scale) -> None:
     if q.shape[0] == 0:
         return
+    run(plan(q, k, v, positions, cos_sin, k_cache, slot_mapping), q, k, v, positions, cos_sin,
+        k_cache, v_cache, slot_mapping, style, k_scale, v_scale)
+
+
+def run(p: KernelPlan, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
+        k_scale, v_scale) -> None:
+    """Execute p on validated, non-empty arguments."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping):
+    if p.kernel:
         device_errors.check_before_launch(q)
         C = _ext.load()
         a = C.RopeAppendArgs()
@@ -179,10 +204,7 @@ def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappin
         a.dtype, a.cache_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
         C.rope_append(a, torch.cuda.current_stream(q.device).cuda_stream)
         return
-    if q.device.type == "cuda":
-        _ext.warn_reference("rope_append", "fusedist._C without the rope_append kernel"
-                        if not _ext.available() or not hasattr(_ext.load(), "rope_append") else
-                        "a dtype, head_dim, layout or alignment the kernel does not serve")
+    p.warn_if_reference(q.device)
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         check_rope_host(positions, slot_mapping, cos_sin.shape[0], num_slots)
     rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
