@@ -12,11 +12,69 @@ CPU tensors (after fusedist.init(backend='gloo')) take the plain-torch reference
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .. import _ext
 from ..comm.communicator import GroupLike, communicator_by_name, get_communicator
+
+
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+# The algorithm (one_shot / two_shot over symmetric memory, or NCCL) is the communicator's
+# choice from the tuning table's "allreduce" rules (Communicator.choose_algo): plan() asks it.
+
+def available(device) -> bool:
+    """The symmetric-memory all-reduce kernels run on `device`."""
+    return _ext.kernel_runs("allreduce", device)
+
+
+def why_not(x: torch.Tensor, group: GroupLike = None) -> str:
+    """Why the call goes to NCCL (or the CPU reference) instead of fusedist's kernels ("" when
+    a kernel takes it)."""
+    comm = get_communicator(group)
+    if x.device.type != "cuda":
+        return f"tensors on {x.device}: the plain-torch reference over gloo"
+    why = _ext.why_not("allreduce", x.device)
+    if why:
+        return why
+    if comm.symm is None:
+        return f"group {comm.group.name} has no symmetric memory (its ranks are not NVLink peers)"
+    algo = comm.choose_algo(x.numel() * x.element_size(), x.dtype)
+    return "" if algo != "nccl" else "the tuning table (or the buffers' capacity) picks NCCL"
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    """The algorithm of one call: "one_shot", "two_shot", "nccl" or "reference" (CPU)."""
+    algo: str
+    group: str
+
+
+def plan(x: torch.Tensor, group: GroupLike = None, algo: str = "auto") -> AllReducePlan:
+    comm = get_communicator(group)
+    if x.device.type != "cuda":
+        return AllReducePlan("reference", comm.name)
+    return AllReducePlan(comm.choose_algo(x.numel() * x.element_size(), x.dtype, algo),
+                         comm.name)
+
+
+def run(p: AllReducePlan, x: torch.Tensor, out: Optional[torch.Tensor] = None,
+        async_op: bool = False):
+    """Execute p: the all-reduce of x over p's communicator."""
+    comm = communicator_by_name(p.group)
+    return comm.all_reduce(x, algo="auto" if p.algo == "reference" else p.algo, out=out,
+                           async_op=async_op)
+
+
+def reference(xs: list) -> torch.Tensor:
+    """What every algorithm computes, given every rank's x: the sum in float32 in rank order,
+    rounded once to x's dtype (so every rank holds bitwise the same result)."""
+    acc = xs[0].float()
+    for t in xs[1:]:
+        acc = acc + t.float()
+    return acc.to(xs[0].dtype)
 
 
 def _compiling() -> bool:

@@ -24,6 +24,7 @@ every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -62,13 +63,70 @@ def _validate(comm: Communicator, x, residual, weight, eps, out_dtype):
                          f"torch.float8_e4m3fn, got {out_dtype}")
 
 
-def _fused_ok(comm: Communicator, x: torch.Tensor) -> bool:
-    if comm.symm is None or comm.device.type != "cuda":
-        return False
+def _fused_why_not(comm: Communicator, x: torch.Tensor) -> str:
+    if comm.device.type != "cuda":
+        return f"tensors on {comm.device}: the plain-torch reference over gloo"
+    why = _ext.why_not("allreduce_rmsnorm", comm.device)
+    if why:
+        return why
+    if comm.symm is None:
+        return f"group {comm.group.name} has no symmetric memory (its ranks are not NVLink peers)"
     hidden = x.shape[-1]
     per = 16 // x.element_size()
-    return (hidden % per == 0 and hidden // per <= MAX_FUSED_VECTORS and
-            x.numel() * x.element_size() <= comm.capacity("one_shot", x.dtype))
+    if hidden % per or hidden // per > MAX_FUSED_VECTORS:
+        return (f"hidden {hidden}: the fused kernel takes whole 16-byte vectors, at most "
+                f"{MAX_FUSED_VECTORS} of them")
+    if x.numel() * x.element_size() > comm.capacity("one_shot", x.dtype):
+        return f"x ({x.numel() * x.element_size()} bytes) exceeds the one-shot capacity"
+    return ""
+
+
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+def available(device) -> bool:
+    """The fused all-reduce + RMSNorm kernel runs on `device`."""
+    return _ext.kernel_runs("allreduce_rmsnorm", device)
+
+
+def why_not(x: torch.Tensor, group: GroupLike = None) -> str:
+    """Why the fused kernel does not take x over `group` ("" when it does): the call then runs
+    all_reduce and add_rmsnorm back to back (or the two-level form over nodes)."""
+    comm, _ = hierarchical.resolve(group)
+    return _fused_why_not(comm, x)
+
+
+@dataclass(frozen=True)
+class AllReduceRmsNormPlan:
+    """"fused" (one kernel), "unfused" (all-reduce, then the add_rmsnorm epilogue),
+    "two_level" (the hierarchical all-reduce, then the epilogue) or "reference" (CPU)."""
+    path: str
+    why: str = ""
+
+
+def plan(x: torch.Tensor, group: GroupLike = None,
+         fused: Optional[bool] = None) -> AllReduceRmsNormPlan:
+    explicit = isinstance(group, hierarchical.HierarchicalCommunicator)
+    comm, hc = hierarchical.resolve(group)
+    why = _fused_why_not(comm, x)
+    if not why and fused is not False and not explicit:
+        return AllReduceRmsNormPlan("fused")
+    if hc is not None and (explicit or comm.symm is None):
+        return AllReduceRmsNormPlan("two_level", why or "a two-level group")
+    if comm.device.type != "cuda":
+        return AllReduceRmsNormPlan("reference", why)
+    return AllReduceRmsNormPlan("unfused", why or "fused=False")
+
+
+def reference(xs: list, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+              out_dtype=None) -> tuple:
+    """What every path computes from every rank's partial: h = round(sum in fp32 in rank order
+    + residual), normed = round(rmsnorm(h) * weight) (fp32 math)."""
+    acc = xs[0].float()
+    for t in xs[1:]:
+        acc = acc + t.float()
+    ar = acc.to(xs[0].dtype)
+    h = (ar.float() + residual.float()).to(ar.dtype)
+    normed, scale = rmsnorm_reference(h, weight, eps, out_dtype)
+    return (normed, h) if scale is None else (normed, h, scale)
 
 
 def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -100,8 +158,8 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                              "kernel over NVLink symmetric memory; group= a "
                              "HierarchicalCommunicator asks for the two-level form. Pass "
                              "fused=None, or the group itself for the fused kernel")
-        can_fuse = _fused_ok(comm, x)
-        if fused and not can_fuse:
+        p = plan(x, group, fused)
+        if fused and p.path != "fused":
             spans = (f"; group {comm.group.name} spans nodes (its two-level form is not fused: "
                      "pass fused=None)") if hc is not None else ""
             raise ValueError(
@@ -110,19 +168,27 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                 f"of the 16-byte vector and <= {MAX_FUSED_VECTORS} vectors, and x within the one-shot "
                 f"capacity){spans}; "
                 "pass fused=None")
-        if can_fuse and fused is not False and not explicit:
-            return _fused(comm, x, residual, weight, eps, fp8)
-        # A group with symmetric memory has every rank an NVLink peer (nodes emulated on one
-        # host): its one-level all-reduce beats a two-level form unless one is asked for.
-        if hc is not None and (explicit or comm.symm is None):
-            return _two_level(hc, comm, x, residual, weight, eps, out_dtype)
-        if fused is None and comm.device.type == "cuda" and comm.group.size > 1:
+        if p.path == "unfused" and fused is None and comm.group.size > 1:
             tuning.warn_once(
                 comm, "rmsnorm_unfused",
                 f"all_reduce_add_rmsnorm runs unfused (all_reduce + add_rmsnorm) for x "
                 f"{tuple(x.shape)} {x.dtype}: the fused kernel needs NVLink symmetric memory, "
                 "hidden a multiple of the 16-byte vector and x within the one-shot capacity")
-        return _epilogue(comm.all_reduce(x), residual, weight, eps, out_dtype)
+        return run(p, x, residual, weight, eps, out_dtype, group)
+
+
+def run(p: AllReduceRmsNormPlan, x: torch.Tensor, residual: torch.Tensor,
+        weight: torch.Tensor, eps: float, out_dtype=None, group: GroupLike = None) -> tuple:
+    """Execute p on validated arguments (plan's docstring names the paths). A group with
+    symmetric memory has every rank an NVLink peer (nodes emulated on one host): its one-level
+    all-reduce beats a two-level form unless one is asked for (plan decides)."""
+    comm, hc = hierarchical.resolve(group)
+    fp8 = out_dtype is not None and out_dtype == FP8
+    if p.path == "fused":
+        return _fused(comm, x, residual, weight, eps, fp8)
+    if p.path == "two_level":
+        return _two_level(hc, comm, x, residual, weight, eps, out_dtype)
+    return _epilogue(comm.all_reduce(x), residual, weight, eps, out_dtype)
 
 
 def _epilogue(ar: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from .. import _dtypes, _ext
+from ._plan import KernelPlan, kernel_plan
 from ._rows import overlaps
 
 
@@ -137,6 +138,17 @@ def kernel_why_not(xq: torch.Tensor, wq: torch.Tensor, out: Optional[torch.Tenso
         _ext.load().fp8_gemm_why_not(_args(xq, sx, wq, sw, bias, out, block))
 
 
+# ---- the op's shape: available / why_not / plan / run / reference ----------------------------
+available = kernel_available
+why_not = kernel_why_not
+reference = fp8_gemm_reference
+
+
+def plan(xq, sx, wq, sw, bias=None, out=None, block: bool = False) -> KernelPlan:
+    """"kernel" (the CUTLASS GEMM) or "reference", on prepared arguments (run's)."""
+    return kernel_plan("fp8_gemm", kernel_why_not(xq, wq, out, sx, sw, bias, block))
+
+
 def fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, *,
              bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, block: bool = False) -> torch.Tensor:
@@ -164,15 +176,16 @@ def _fp8_gemm_impl(out, xq, sx, wq, sw, bias, block=False) -> None:
     else:
         sx, sw = sx.reshape(-1).contiguous(), sw.reshape(-1).contiguous()
     bias = None if bias is None else bias.contiguous()
-    why, args = _host_why_not(xq, wq, out), None
-    if not why:   # one argument struct, checked and then launched
-        args = _args(xq, sx, wq, sw, bias, out, block)
-        why = _ext.load().fp8_gemm_why_not(args)
-    if why:
-        if xq.device.type == "cuda":
-            _ext.warn_reference("fp8_gemm", why)
+    run(plan(xq, sx, wq, sw, bias, out, block), out, xq, sx, wq, sw, bias, block)
+
+
+def run(p: KernelPlan, out, xq, sx, wq, sw, bias=None, block: bool = False) -> None:
+    """Execute p on prepared arguments (scales contiguous as the kernel reads them)."""
+    if not p.kernel:
+        p.warn_if_reference(xq.device)
         out.copy_(fp8_gemm_reference(xq, sx, wq, sw, bias, block=block))
         return
+    args = _args(xq, sx, wq, sw, bias, out, block)
     C = _ext.load()
     stream = torch.cuda.current_stream(xq.device)
     need = C.fp8_gemm_workspace_size(args)

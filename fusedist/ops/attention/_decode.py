@@ -500,3 +500,9 @@ def run_kernel(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor,
     a.q_dtype, a.kv_dtype = _dtypes.code(plan.dtype), _dtypes.code(plan.kv_dtype)
     C.attention_decode(a, torch.cuda.current_stream(q.device).cuda_stream)
     return out
+
+
+# ---- the op's shape: available / why_not (above) / plan / run / reference -------------------
+plan = decode_plan
+run = run_kernel
+reference = decode_reference

@@ -482,3 +482,11 @@ def _prefill_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 def _(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, max_q_len, k_scale,
       v_scale, backend):
     return None
+
+
+# ---- the op's shape (paged prefill): available / why_not / plan / run / reference -----------
+available = paged_available
+why_not = paged_why_not
+plan = prefill_plan
+run = run_paged
+reference = prefill_reference

@@ -291,3 +291,6 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 @_rope_append_op.register_fake
 def _(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style, k_scale, v_scale):
     return None
+
+
+reference = rope_append_reference   # the op's shape: available / why_not / plan / run above
