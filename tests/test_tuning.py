@@ -475,3 +475,98 @@ def test_decode_section_from_a_tuning_file_changes_the_split_rule(clean_env, mon
 def test_decode_section_is_checked(section, match):
     with pytest.raises(ValueError, match=match):
         tuning.decode_rule({"decode": section})
+
+
+# ---- one place decides: the knob sections, and no measured threshold as a module constant ---
+import ast as _ast  # noqa: E402
+import pathlib as _pathlib  # noqa: E402
+
+import fusedist as _fusedist  # noqa: E402
+
+_PKG = _pathlib.Path(_fusedist.__file__).parent
+# Module-level numbers that are NOT measured crossovers: limits of a kernel (mirroring a _C
+# constant), formats and protocol constants, defaults of an API. A new number in fusedist/ops,
+# nn or models that decides between kernels belongs in the tuning table instead
+# (tuning.declare, docs/tuning.md).
+_NOT_MEASURED = {
+    "ops/add_rmsnorm.py": {"MAX_VECTORS"},                  # _C.ADD_RMSNORM_MAX_VECTORS
+    "ops/allreduce_rmsnorm.py": {"MAX_FUSED_VECTORS"},      # the kernel's row in registers
+    "ops/quantize_rows.py": {"MIN_AMAX"},                   # the FP8 scale convention
+    "ops/_rows.py": {"FP8_MIN_AMAX"},                       # ... of the layer kernels
+    "models/llama/config.py": {"FP8_BLOCK"},                # the checkpoint format's block
+    "ops/gemv.py": {"MAX_M", "MAX_M_FP8_X", "STAGES_AUTO", "MAX_STAGES"},   # _C.GEMV_*
+    "ops/attention/_decode.py": {"SLAB", "TILE_HEADS", "MAX_SPLITS", "MAX_CLUSTER_SPLITS",
+                                 "HEAD_DIMS"},              # _C.ATTENTION_DECODE_*
+    "ops/attention/_prefill.py": {"PREFILL_MAX_SPLITS", "PREFILL_GATHER_TOKENS"},
+    "ops/device_errors.py": set(),
+    "models/runner.py": {"PREFILL_GRAPH_TOKENS"},           # an API default (a capture size)
+}
+
+
+def _numeric_constants(path: _pathlib.Path) -> set:
+    """Names bound at module level to a number (or an arithmetic of numbers)."""
+    names = set()
+    for node in _ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, _ast.Assign) else \
+            [node.target] if isinstance(node, _ast.AnnAssign) and node.value is not None else []
+        value = getattr(node, "value", None)
+        if value is None or not targets:
+            continue
+        leaves = [n for n in _ast.walk(value) if isinstance(n, (_ast.Constant, _ast.Name,
+                                                                 _ast.Attribute, _ast.Call))]
+        numeric = leaves and all(isinstance(n, _ast.Constant) and
+                                 isinstance(n.value, (int, float)) and
+                                 not isinstance(n.value, bool) for n in leaves)
+        if numeric:
+            names.update(t.id for t in targets if isinstance(t, _ast.Name))
+    return names
+
+
+def test_no_measured_threshold_is_a_module_constant():
+    found = []
+    for area in ("ops", "nn", "models"):
+        for p in (_PKG / area).rglob("*.py"):
+            rel = str(p.relative_to(_PKG))
+            extra = _numeric_constants(p) - _NOT_MEASURED.get(rel, set())
+            found += [f"{rel}: {name}" for name in sorted(extra)]
+    assert not found, ("numbers that decide between kernels live in the tuning table "
+                       "(tuning.declare + fusedist/tuning_default.json), not in:\n" +
+                       "\n".join(found))
+
+
+def test_the_constant_scan_finds_a_threshold(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("X = 2400\nY = 2.6e11\nZ = 1 << 19\nOK = ('a', 'b')\nW = f(3)\n")
+    assert _numeric_constants(p) == {"X", "Y", "Z"}
+
+
+def test_every_shipped_section_is_declared_and_names_its_benchmark(clean_env):
+    table = tuning.load_table("NVIDIA H200", 1)
+    import fusedist.ops  # noqa: F401  (the ops declare their sections at import)
+    for section in tuning.KNOBS:
+        if section in table:
+            tuning.section_values(table, section)        # every value checked
+            assert table[section].get("benchmark"), f"{section}: which benchmark measured it?"
+    for section in ("decode", "prefill", "fp8_linear", "gemm", "gemm_comm"):
+        assert table[section].get("benchmark"), section
+
+
+def test_knobs_come_from_a_tuning_file(clean_env, monkeypatch, tmp_path):
+    import fusedist.ops  # noqa: F401
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"prefill": {"paged_fresh_max_tokens": 1000},
+                             "fp8_linear": {"w8a8_gemv_max_m": 0}}))
+    monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(f))
+    tuning.clear_cache()
+    try:
+        assert tuning.knobs("prefill")["paged_fresh_max_tokens"] == 1000
+        assert tuning.knobs("prefill")["paged_max_flops"] == 2.6e11      # the shipped value
+        assert tuning.knobs("fp8_linear")["w8a8_gemv_max_m"] == 0
+        f.write_text(json.dumps({"prefill": {"paged_fresh_max_tokens": -1}}))
+        tuning.clear_cache()
+        with pytest.raises(ValueError, match=r"prefill.paged_fresh_max_tokens must be an int"):
+            tuning.knobs("prefill")
+        with pytest.raises(KeyError, match="no knob section 'nope'"):
+            tuning.knobs("nope")
+    finally:
+        tuning.clear_cache()

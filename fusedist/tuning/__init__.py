@@ -1,16 +1,24 @@
-"""All-reduce algorithm choice per (bytes, world size, dtype, peer access).
+"""The tuning table: every measured crossover and rule that decides which kernel runs.
 
-The table maps a world size to ascending byte thresholds: the first rule whose `max_bytes`
-is >= the message size names the algorithm. Sources, highest priority first:
-  1. FUSEDIST_ALLREDUCE_ALGO=one_shot|two_shot|nccl forces one algorithm (auto = the table);
-  2. FUSEDIST_TUNING_FILE=path.json;
-  3. the cache written by `python benchmarks/allreduce.py --tune`
-     (~/.cache/fusedist/allreduce-<gpu>-w<world>.json);
-  4. the shipped default, fusedist/tuning_default.json (measured on 2x H200 NVLink).
-Files merge per section (merge_tables): a cache holding only the all-reduce rules leaves the
-shipped GEMM sections in force. A world size without measured rules takes those of the table's
-alpha-beta model (model_rules), with a warning. A Communicator takes rank 0's table at
-creation, so every rank makes the same choice.
+One JSON table, fusedist/tuning_default.json (measured on the GPU its "measured_on" names;
+each section names the benchmark that produced it), overlaid section by section by
+FUSEDIST_TUNING_FILE=path.json. The ops read it and nothing else: no measured threshold lives
+as a module constant (tests/test_tuning.py scans the package).
+
+  * "allreduce": per world size, ascending byte thresholds; the first rule whose `max_bytes`
+    is >= the message size names the algorithm (one_shot, two_shot, nccl). Sources, highest
+    priority first: FUSEDIST_ALLREDUCE_ALGO forces one; FUSEDIST_TUNING_FILE; the cache written
+    by `python benchmarks/allreduce.py --tune` (~/.cache/fusedist/allreduce-<gpu>-w<world>.json);
+    the shipped default. A world size without measured rules takes those of the table's
+    alpha-beta model ("allreduce_model", model_rules), with a warning. A Communicator takes
+    rank 0's table at creation, so every rank makes the same choice.
+  * "gemm" (fusedist.gemm's kernel="auto" rules), "gemm_comm" (the GEMM + collective engines).
+  * knob sections, declared by the op that reads them (declare / knobs below): "decode"
+    (the decode attention planner), "prefill" (the paged prefill's crossovers with SDPA),
+    "fp8_linear" (the FP8 projections' dispatch), "moe" (the grouped GEMMs) ...
+
+`python -m fusedist.tuning --explain "fp8_linear m=16 n=28672 k=4096"` prints which kernel a
+shape takes and why; `--caps` the capability table of the build; `--table` the merged table.
 """
 
 from __future__ import annotations
@@ -24,10 +32,10 @@ import weakref
 from pathlib import Path
 from typing import Optional
 
-from . import envs
+from .. import envs
 
 ALGOS = ("one_shot", "two_shot", "nccl")
-_DEFAULT = Path(__file__).with_name("tuning_default.json")
+_DEFAULT = Path(__file__).parent.parent / "tuning_default.json"   # fusedist/tuning_default.json
 
 
 def cache_path(gpu_name: str, world: int) -> Path:
