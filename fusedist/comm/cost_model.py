@@ -475,15 +475,17 @@ def ep_bytes(tokens: int, hidden: int, top_k: int, itemsize: int = 2, fp8: bool 
 
 
 def ep_predict(m: Machine, mode: str, nodes: int, gpus: int, tokens: int, hidden: int,
-               top_k: int, itemsize: int = 2, fp8: bool = False, num_experts: int = 0
-               ) -> dict:
+               top_k: int, itemsize: int = 2, fp8: bool = False, num_experts: int = 0,
+               two_level: Optional[bool] = None) -> dict:
     """Predicted dispatch and combine times (us) of fusedist.ep for `tokens` tokens per rank.
     low_latency: one symmetric-memory kernel each way (one node only; FP8 dispatch rows with
     fp8). high_throughput: a small all-to-all of counts, the host round trip, and the payload
-    all-to-all; two-level across nodes, where stage 1 carries each token once per node it
-    reaches (the expected number of distinct nodes of k experts drawn uniformly from
-    num_experts, when given; else k) and stage 2 a row per pair. Returns dispatch_us,
-    combine_us and the bytes each direction moves per rank."""
+    all-to-all, flat or (several nodes of several ranks) two-level, where stage 1 carries each
+    token once per node it reaches (the expected number of distinct nodes of k experts drawn
+    uniformly from num_experts, when given; else min(k, nodes)) and stage 2 a row per pair.
+    two_level: force one form (None: the faster by the model). Returns dispatch_us,
+    combine_us, the bytes each direction moves per rank, and "how" (low_latency, flat or
+    two_level)."""
     if mode not in EP_MODES:
         raise ValueError(f"cost_model.ep_predict: mode must be one of {EP_MODES}, got {mode!r}")
     d_bytes, c_bytes = ep_bytes(tokens, hidden, top_k, itemsize, fp8 and
@@ -494,11 +496,14 @@ def ep_predict(m: Machine, mode: str, nodes: int, gpus: int, tokens: int, hidden
                              "node (nodes=1)")
         return {"dispatch_us": ep_symmetric(m, gpus, d_bytes),
                 "combine_us": ep_symmetric(m, gpus, c_bytes),
-                "dispatch_bytes": d_bytes, "combine_bytes": c_bytes}
+                "dispatch_bytes": d_bytes, "combine_bytes": c_bytes, "how": "low_latency"}
     p = nodes * gpus
     counts = all_to_all(m, nodes, gpus, 8.0 * p * 16) + EP_HOST_SYNC_US
-    if nodes > 1 and gpus > 1:
-        reach = float(top_k)
+    flat_t = (counts + all_to_all(m, nodes, gpus, d_bytes),
+              counts + all_to_all(m, nodes, gpus, c_bytes), "flat")
+    cands = [flat_t] if two_level is not True else []
+    if nodes > 1 and gpus > 1 and two_level is not False:
+        reach = float(min(top_k, nodes))
         if num_experts:
             per_node = num_experts / nodes
             # expected distinct nodes among k experts without replacement
@@ -506,10 +511,12 @@ def ep_predict(m: Machine, mode: str, nodes: int, gpus: int, tokens: int, hidden
                              for i in range(top_k)) if num_experts - per_node >= top_k else 0.0
             reach = nodes * (1.0 - miss)
         tok = tokens * hidden * itemsize
-        d = counts + all_to_all_two_level(m, nodes, gpus, tok * reach, d_bytes)
-        c = counts + all_to_all_two_level(m, nodes, gpus, c_bytes, c_bytes)
-    else:
-        d = counts + all_to_all(m, nodes, gpus, d_bytes)
-        c = counts + all_to_all(m, nodes, gpus, c_bytes)
+        cands.append((counts + all_to_all_two_level(m, nodes, gpus, tok * reach, d_bytes),
+                      counts + all_to_all_two_level(m, nodes, gpus, c_bytes, c_bytes),
+                      "two_level"))
+    if not cands:
+        raise ValueError("cost_model.ep_predict: two_level=True needs several nodes of several "
+                         "ranks")
+    d, c, how = min(cands, key=lambda x: x[0] + x[1])
     return {"dispatch_us": d, "combine_us": c, "dispatch_bytes": d_bytes,
-            "combine_bytes": c_bytes}
+            "combine_bytes": c_bytes, "how": how}

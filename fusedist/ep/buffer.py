@@ -117,7 +117,10 @@ class Buffer:
     source rank's rows for one destination rank; default max_tokens_per_rank x min(top_k,
     local experts), which never overflows with distinct ids per token; smaller saves memory,
     and a dispatch that overflows it raises EpCapacityError naming the expert and the count).
-    chunk_rows: rows per peer and NCCL group call of the high-throughput exchange. timeout_s:
+    chunk_rows: rows per peer and NCCL group call of the high-throughput exchange. two_level:
+    the high-throughput exchange in two levels (route by node, then within it) where the
+    group spans several nodes of several ranks each (None: where the cost model predicts it
+    faster at max_tokens_per_rank; True where it cannot is an error naming why). timeout_s:
     bounded waits (default FUSEDIST_TIMEOUT_S). machine: the cost model's link file.
 
     Collective: every rank of the group creates it with the same arguments
@@ -127,8 +130,8 @@ class Buffer:
     def __init__(self, group=None, hidden: int = 0, max_tokens_per_rank: int = 0,
                  num_experts: int = 0, top_k: int = 0, dtype: torch.dtype = torch.bfloat16, *,
                  fp8: bool = False, mode: str = "auto", rows_per_source: Optional[int] = None,
-                 chunk_rows: int = 4096, timeout_s: Optional[float] = None,
-                 machine: Optional[str] = None):
+                 chunk_rows: int = 4096, two_level: Optional[bool] = None,
+                 timeout_s: Optional[float] = None, machine: Optional[str] = None):
         rt = get_runtime()
         g: Group = rt.world if group is None else resolve_group(group)
         if not g.is_member:
@@ -145,6 +148,8 @@ class Buffer:
             _fail(f"fp8 must be a bool, got {fp8!r}", TypeError)
         if mode not in MODES:
             _fail(f"mode must be one of {MODES}, got {mode!r}")
+        if two_level not in (None, True, False):
+            _fail(f"two_level must be None, True or False, got {two_level!r}", TypeError)
         self.chunk_rows = _positive_int("chunk_rows", chunk_rows)
         self.placement = Placement(self.num_experts, g.size)
         L = self.placement.local_experts
@@ -162,7 +167,8 @@ class Buffer:
         fields = {"hidden": str(self.hidden), "max_tokens_per_rank": str(max_tokens_per_rank),
                   "num_experts": str(num_experts), "top_k": str(top_k), "dtype": str(dtype),
                   "fp8": str(fp8), "mode": mode, "rows_per_source": str(self.rows_per_source),
-                  "chunk_rows": str(chunk_rows), "timeout_s": f"{self.timeout_s:g}",
+                  "chunk_rows": str(chunk_rows), "two_level": str(two_level),
+                  "timeout_s": f"{self.timeout_s:g}",
                   "machine": self.machine_name, "device": self.device.type}
         every = g.all_gather_object(fields)
         if any(f != fields for f in every):
@@ -173,6 +179,8 @@ class Buffer:
 
         # ---- where the ranks are: nodes for the two-level path ----
         rank_at, why_flat = two_level_layout(g)
+        if two_level and not rank_at:
+            _fail(f"two_level=True, but the exchange has one level here: {why_flat}")
         self.rank_at = rank_at
         self.nodes = len(rank_at) if rank_at else 1
         self.gpus = g.size // self.nodes
@@ -203,7 +211,7 @@ class Buffer:
         self._nccl: list = []
         self.ht: Optional[ht.HighThroughput] = None
         try:
-            self.why_not["high_throughput"] = self._build_high_throughput(rt, g, why_flat)
+            self.why_not["high_throughput"] = self._build_high_throughput(rt, g, two_level)
         except BaseException:
             if self.ll is not None:
                 self.ll.close()
@@ -213,9 +221,17 @@ class Buffer:
         if self.device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()
             self.stream = torch.cuda.Stream(device=self.device, priority=min(lo, hi))
-        self.mode = self._resolve_mode(mode)
+        try:
+            self.mode = self._resolve_mode(mode)
+        except BaseException:
+            self.closed = False
+            self.close()
+            raise
         self.closed = False
         self._calls = 0
+        # Every rank is done creating (allocations that may wait for the GPU included) before
+        # any launches a kernel that waits for its peers.
+        g.barrier()
 
     # ---- construction -----------------------------------------------------------------------
     def _why_not_low_latency(self, mode: str) -> str:
@@ -234,7 +250,7 @@ class Buffer:
         return _ext.load().ep_why_not(self.hidden, self.num_experts, g.size, self.top_k,
                                       self.max_tokens_per_rank, self.fp8)
 
-    def _build_high_throughput(self, rt, g: Group, why_flat: str) -> str:
+    def _build_high_throughput(self, rt, g: Group, two_level: Optional[bool]) -> str:
         """Create the all-to-all transports (collective); returns why there is none ("")."""
         if self.device.type == "cpu":
             if g.size > 1 and g.pg is None:
@@ -250,12 +266,18 @@ class Buffer:
                 self._nccl.append(nc)
             return ht.Level(grp, self.chunk_rows, nc)
 
+        if two_level is None and self.rank_at:
+            two_level = self.predict("high_throughput")["how"] == "two_level"
         try:
             levels = {"flat": level(g)}
             intra, inter = rt.intra_node, rt.inter_node
-            if self.rank_at and g.ranks == tuple(range(rt.world_size)) and inter is not None \
-                    and intra.ranks == tuple(g.ranks[r] for r in self.rank_at[self.node]) \
-                    and inter.ranks == tuple(g.ranks[n[self.local]] for n in self.rank_at):
+            if two_level:
+                # The runtime's node groups are the levels: the group is the world.
+                if not (g.ranks == tuple(range(rt.world_size)) and inter is not None and
+                        intra.ranks == tuple(g.ranks[r] for r in self.rank_at[self.node]) and
+                        inter.ranks == tuple(g.ranks[n[self.local]] for n in self.rank_at)):
+                    _fail(f"two_level=True needs the group to be the world (the runtime's "
+                          f"intra- and inter-node groups are its levels); group {g.name} is not")
                 levels.update(intra=level(intra), inter=level(inter), rank_at=self.rank_at)
         except NcclUnavailableError as e:
             return str(e)
@@ -291,8 +313,13 @@ class Buffer:
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         nodes = 1 if mode == "low_latency" else self.nodes
         gpus = self.group.size if mode == "low_latency" else self.gpus
+        two_level = None
+        if mode == "high_throughput" and getattr(self, "ht", None) is not None and \
+                self.nodes > 1 and self.gpus > 1:
+            two_level = self.ht.two_level      # the form the buffer runs
         return cost_model.ep_predict(self.machine, mode, nodes, gpus, t, self.hidden,
-                                     self.top_k, itemsize, self.fp8, self.num_experts)
+                                     self.top_k, itemsize, self.fp8, self.num_experts,
+                                     two_level)
 
     def footprint_bytes(self) -> int:
         """Symmetric memory this rank holds for the low-latency path (0 without it)."""

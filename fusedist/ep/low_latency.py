@@ -164,16 +164,22 @@ class LowLatency:
         W, r = group.size, group.rank
         probe = C.ep_config(W, r, buf.hidden, buf.num_experts, buf.top_k,
                             buf.max_tokens_per_rank, buf.rows_per_source, bool(buf.fp8), 1)
+        # The record first: a host allocation may wait for the GPU, and the symmetric memory's
+        # exchanges after it keep every rank from launching until all have allocated.
+        self.status = StatusRecord(group)
         symm_class = group.symmetric_memory_class or SymmetricMemory
-        self.symm: SymmetricMemory = symm_class(group, 16, int(probe.slot_bytes),
-                                                buf.timeout_s, 0)
+        try:
+            self.symm: SymmetricMemory = symm_class(group, 16, int(probe.slot_bytes),
+                                                    buf.timeout_s, 0)
+        except BaseException:
+            self.status.free()
+            raise
         try:
             self.cfg = C.ep_config(W, r, buf.hidden, buf.num_experts, buf.top_k,
                                    buf.max_tokens_per_rank, buf.rows_per_source, bool(buf.fp8),
                                    int(self.symm.max_blocks))
-            self.status = StatusRecord(group)
         except BaseException:
-            self.symm.close()
+            self.close()
             raise
         self.rows = W * buf.rows_per_source       # recv_x's rows
 

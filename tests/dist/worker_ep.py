@@ -186,15 +186,18 @@ def high_throughput_matches_references(rt, seed):
         if k > E:
             continue
         for dtype in dtypes:
-            buf = ep.Buffer(None, H, T_max, E, k, dtype, mode="high_throughput")
-            assert buf.mode == "high_throughput"
-            want_two_level = rt.topology.num_nodes > 1
-            assert buf.ht.two_level == want_two_level, (buf.ht.two_level, want_two_level)
-            for kind in ROUTINGS:
-                if kind == "one_rank" and k > L:
-                    continue
-                run_roundtrip(rt, seed, buf, H, E, k, T_max, dtype, kind, None, "ht")
-            buf.close()
+            # several nodes: both forms (flat, and route by node then within it)
+            for two_level in ((False, True) if rt.topology.num_nodes > 1 else (None,)):
+                buf = ep.Buffer(None, H, T_max, E, k, dtype, mode="high_throughput",
+                                two_level=two_level)
+                assert buf.mode == "high_throughput"
+                assert buf.ht.two_level == bool(two_level), (buf.ht.two_level, two_level)
+                for kind in ROUTINGS:
+                    if kind == "one_rank" and k > L:
+                        continue
+                    run_roundtrip(rt, seed, buf, H, E, k, T_max, dtype, kind, None,
+                                  f"ht{'2' if two_level else ''}")
+                buf.close()
 
 
 @check
