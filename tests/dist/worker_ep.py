@@ -39,10 +39,12 @@ def gen(seed, *parts) -> torch.Generator:
 
 
 def tokens_of(rank: int, world: int, max_tokens: int, ragged: bool) -> int:
-    """Token counts differ by rank (the last rank may have none: it still takes part)."""
+    """Token counts differ by rank; from 3 ranks on, the last has none (it still takes part)."""
     if not ragged:
         return max_tokens
-    return max(0, max_tokens - rank * max(1, max_tokens // max(1, world - 1)))
+    if world >= 3 and rank == world - 1:
+        return 0
+    return max(1, max_tokens - rank * (max_tokens // world))
 
 
 def routing(kind: str, T: int, E: int, L: int, k: int, g: torch.Generator) -> torch.Tensor:
