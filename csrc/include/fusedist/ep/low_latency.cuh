@@ -322,7 +322,9 @@ __global__ void __launch_bounds__(kEpThreads, 1)
       const int s = i / L;
       const uint32_t* counts =
           reinterpret_cast<const uint32_t*>(ep_slot(v, v.rank, epoch, s) + c.counts_off);
-      rcnt[i] = int(ld_volatile_u32(counts + i % L));
+      // At most cap + 1: a count past the slot is an overflow either way, and a word that a
+      // mismatched peer never wrote (a failed call) cannot send the copies past the slot.
+      rcnt[i] = int(min(ld_volatile_u32(counts + i % L), uint32_t(cap) + 1u));
     }
     __syncthreads();
     for (int s = warp; s < W; s += warps) warp_exclusive_scan(rcnt + s * L, soff + s * L, L);
