@@ -405,3 +405,118 @@ def fit_link(points: Iterable[tuple[float, float]], *, factor: float, steps: int
 
 def relative_error(pred: float, measured: float) -> float:
     return (pred - measured) / measured
+
+
+# ---- all-to-all (expert parallelism: fusedist.ep) ---------------------------------------------
+# The EP modes' host round trip: a high-throughput call waits on the host for the counts
+# before it can size the payload exchange (assumed, not measured: a device-to-host copy and
+# its event poll).
+EP_HOST_SYNC_US = 15.0
+EP_MODES = ("low_latency", "high_throughput")
+
+
+def all_to_all(m: Machine, nodes: int, gpus: int, nbytes: float) -> float:
+    """NCCL all-to-all(-v) over nodes x gpus ranks of `nbytes` per rank spread evenly over the
+    p ranks (the rank's own share stays): (gpus - 1) / p of it crosses the intra level,
+    (p - gpus) / p the rank's NIC (the inter level at nic_efficiency). Every peer's message is
+    in flight at once (one step of each level's latency); the two levels run side by side, so
+    the slower one decides."""
+    for name, v in (("nodes", nodes), ("gpus", gpus)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"cost_model: {name} must be a positive int, got {v!r}")
+    if nbytes < 0:
+        raise ValueError(f"cost_model: nbytes must be >= 0, got {nbytes!r}")
+    p = nodes * gpus
+    if p == 1:
+        return 0.0
+    t = m.link("intra").time_us((gpus - 1) / p * nbytes, 1) if gpus > 1 else 0.0
+    if nodes > 1:
+        inter = m.link("inter")
+        t = max(t, min(q.alpha_us + inter.step_us + (p - gpus) / p * nbytes /
+                       (m.nic_efficiency * q.gbps * 1e3) for q in inter.protocols))
+    return t
+
+
+def all_to_all_two_level(m: Machine, nodes: int, gpus: int, inter_bytes: float,
+                         intra_bytes: float) -> float:
+    """The two-level all-to-all of fusedist.ep (route by node, then within it): stage 1 sends
+    `inter_bytes` per rank to its counterparts on the other nodes ((nodes - 1) / nodes of it
+    crosses its NIC), stage 2 `intra_bytes` per rank inside the node ((gpus - 1) / gpus over
+    the intra level). The stages follow each other (stage 2 forwards what stage 1 brought)."""
+    if nodes < 2:
+        return all_to_all(m, 1, gpus, intra_bytes)
+    inter = m.link("inter")
+    t1 = min(q.alpha_us + inter.step_us + (nodes - 1) / nodes * inter_bytes /
+             (m.nic_efficiency * q.gbps * 1e3) for q in inter.protocols)
+    t2 = m.link("intra").time_us((gpus - 1) / gpus * intra_bytes, 1) if gpus > 1 else 0.0
+    return t1 + t2
+
+
+def ep_symmetric(m: Machine, gpus: int, nbytes: float) -> float:
+    """fusedist's low-latency kernels inside one node: each rank stores `nbytes` of rows
+    straight into its peers' symmetric buffers ((gpus - 1) / gpus of them over NVLink) and
+    waits for theirs: one kernel, priced by the link of fusedist's one-shot all-reduce (the
+    same NVLink stores into peers' slots, one launch), the intra level where it is missing."""
+    if gpus <= 1:
+        return m.link("fusedist_one_shot").protocols[0].alpha_us \
+            if "fusedist_one_shot" in m.links else 0.0
+    link = m.link("fusedist_one_shot") if "fusedist_one_shot" in m.links else m.link("intra")
+    return link.time_us((gpus - 1) / gpus * nbytes, 0)
+
+
+def ep_bytes(tokens: int, hidden: int, top_k: int, itemsize: int = 2, fp8: bool = False
+             ) -> tuple[float, float]:
+    """(dispatch, combine) payload bytes one rank sends for `tokens` tokens: a row per
+    (token, slot) pair; dispatch rows are FP8 (a byte per element and a 4-byte scale per 128)
+    with fp8, else `itemsize` bytes per element; combine rows are bf16 / the dtype."""
+    rows = tokens * top_k
+    d = rows * (hidden + FP8_SCALE_BYTES * math.ceil(hidden / 128) if fp8 else hidden * itemsize)
+    return float(d), float(rows * hidden * itemsize)
+
+
+def ep_predict(m: Machine, mode: str, nodes: int, gpus: int, tokens: int, hidden: int,
+               top_k: int, itemsize: int = 2, fp8: bool = False, num_experts: int = 0,
+               two_level: Optional[bool] = None) -> dict:
+    """Predicted dispatch and combine times (us) of fusedist.ep for `tokens` tokens per rank.
+    low_latency: one symmetric-memory kernel each way (one node only; FP8 dispatch rows with
+    fp8). high_throughput: a small all-to-all of counts, the host round trip, and the payload
+    all-to-all, flat or (several nodes of several ranks) two-level, where stage 1 carries each
+    token once per node it reaches (the expected number of distinct nodes of k experts drawn
+    uniformly from num_experts, when given; else min(k, nodes)) and stage 2 a row per pair.
+    two_level: force one form (None: the faster by the model). Returns dispatch_us,
+    combine_us, the bytes each direction moves per rank, and "how" (low_latency, flat or
+    two_level)."""
+    if mode not in EP_MODES:
+        raise ValueError(f"cost_model.ep_predict: mode must be one of {EP_MODES}, got {mode!r}")
+    d_bytes, c_bytes = ep_bytes(tokens, hidden, top_k, itemsize, fp8 and
+                                mode == "low_latency")
+    if mode == "low_latency":
+        if nodes != 1:
+            raise ValueError("cost_model.ep_predict: the low-latency kernels run inside one "
+                             "node (nodes=1)")
+        return {"dispatch_us": ep_symmetric(m, gpus, d_bytes),
+                "combine_us": ep_symmetric(m, gpus, c_bytes),
+                "dispatch_bytes": d_bytes, "combine_bytes": c_bytes, "how": "low_latency"}
+    p = nodes * gpus
+    counts = all_to_all(m, nodes, gpus, 8.0 * p * 16) + EP_HOST_SYNC_US
+    flat_t = (counts + all_to_all(m, nodes, gpus, d_bytes),
+              counts + all_to_all(m, nodes, gpus, c_bytes), "flat")
+    cands = [flat_t] if two_level is not True else []
+    if nodes > 1 and gpus > 1 and two_level is not False:
+        reach = float(min(top_k, nodes))
+        if num_experts:
+            per_node = num_experts / nodes
+            # expected distinct nodes among k experts without replacement
+            miss = math.prod((num_experts - per_node - i) / (num_experts - i)
+                             for i in range(top_k)) if num_experts - per_node >= top_k else 0.0
+            reach = nodes * (1.0 - miss)
+        tok = tokens * hidden * itemsize
+        cands.append((counts + all_to_all_two_level(m, nodes, gpus, tok * reach, d_bytes),
+                      counts + all_to_all_two_level(m, nodes, gpus, c_bytes, c_bytes),
+                      "two_level"))
+    if not cands:
+        raise ValueError("cost_model.ep_predict: two_level=True needs several nodes of several "
+                         "ranks")
+    d, c, how = min(cands, key=lambda x: x[0] + x[1])
+    return {"dispatch_us": d, "combine_us": c, "dispatch_bytes": d_bytes,
+            "combine_bytes": c_bytes, "how": how}
