@@ -22,10 +22,10 @@ Layout (docs/design/attention.md):
                     then their sin (any rope scaling baked in).
 
 Every function has a plain-torch path (fp32 accumulation): CPU tensors always take it. On CUDA,
-decode runs the split-KV kernel (_decode.py) when the extension has it,
-rope_append its fused kernel (csrc/ops/attention/rope_append.cu), and prefill runs torch SDPA
+decode runs the split-KV kernel (_decode.py) when the extension has it, rope_append its fused
+kernel (csrc/ops/attention/rope_append.cu), and prefill the paged prefill kernel, or torch SDPA
 on the KV gathered from the pages (cuDNN / flash backends; lower-right causal alignment for a
-chunk behind a cached prefix). The functions are also torch.ops.fusedist.rope_append /
+chunk behind a cached prefix) where the tuning table's "prefill" knobs say SDPA is faster. The functions are also torch.ops.fusedist.rope_append /
 attention_decode / attention_prefill (torch.compile(fullgraph=True) and CUDA graphs: plans and
 cos_sin are built outside the graph; the ops read lengths and tables from device tensors).
 
