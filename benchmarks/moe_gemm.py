@@ -278,7 +278,7 @@ def time_case(c: Case, fmt: str, wts: Weights, args, gen) -> dict:
         try:
             plans[label], steps[label] = fusedist_step(path)
         except ValueError as e:   # that kernel does not take this form
-            plans[label] = f"n/a ({str(e)[:80]})"
+            plans[label] = f"n/a ({str(e).split(': ', 1)[-1][:160]})"
     for name, st in _baselines(c, fmt, ins, wts, args).items():
         steps[name] = st
     ref = ins[0].reference(w, s)

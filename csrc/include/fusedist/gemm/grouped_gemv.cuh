@@ -11,11 +11,11 @@
 // min(8, counts[e] - 8c)), all of K: kunits units of kBN x kKUnit weights, as gemv's strips.
 // Tasks are numbered expert-major, then strip, then chunk (so an expert with more than 8 rows
 // reads each weight unit twice in a row, the second time from L2). After griddepcontrol.wait
-// (the routing comes from the kernels just before) every CTA reads counts [E] into shared
-// memory and takes an exclusive prefix of the experts' task counts (strips x ceil(counts / 8));
-// the U = tasks x kunits units of the call are then cut into G runs of consecutive units
-// whose lengths differ by at most one, CTA c taking run c, exactly as gemv's stream-K over
-// strips. The grid G is fixed on the host (resident CTAs, at most the worst case's units: all
+// (the routing comes from the kernels just before) every CTA reads counts and offsets into
+// shared memory and takes an exclusive prefix of the experts' task counts (strips x
+// ceil(counts / 8)); the U = tasks x kunits units of the call are then cut into G runs of
+// consecutive units whose lengths differ by at most one, CTA c taking run c, exactly as
+// gemv's stream-K over strips. The grid G is fixed on the host (resident CTAs, at most the worst case's units: all
 // pairs on distinct experts); a CTA whose run is empty -- the routing has fewer units than
 // the worst case -- exits at once. Everything a CTA computes depends on the routing only
 // through counts and offsets, so the same routing gives the same bits (run to run, and in a
@@ -81,6 +81,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   static_assert(kPer >= 1 && kMp * kBN % kThreads == 0, "a flush gives every thread elements");
   __shared__ float red[kWarpsK][kMp][kRS];      // the K-warps' sums at a flush
   __shared__ int first_task[kMaxExperts + 1];   // exclusive prefix of the experts' tasks
+  __shared__ int e_rows[kMaxExperts];            // each expert's rows (0: none or invalid)
+  __shared__ int e_first[kMaxExperts];           // ... and its first row
   __shared__ int s_last;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -92,17 +94,18 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   pdl_trigger();
 
   // ---- the work list: tasks per expert, their prefix, the call's units -----------------------
-  // An expert whose segment lies outside [0, rows) or whose count is negative has no tasks.
-  auto expert_rows = [&](int e) {
-    const int c = p.counts[e];
-    const int64_t o = p.offsets[e];
-    return c > 0 && o >= 0 && o + c <= p.rows ? c : 0;
-  };
+  // One read of counts and offsets (the routing) into shared memory; an expert whose segment
+  // lies outside [0, rows) or whose count is negative has no rows.
   // Task counts are capped at max_tasks (the counters' length) and summed in 64 bits, so no
   // routing overflows the prefix; tasks past the cap are not run.
   const int64_t cap = p.max_tasks;
   for (int e = tid; e < E; e += kThreads) {
-    const int64_t n = int64_t((expert_rows(e) + kTaskRows - 1) / kTaskRows) * p.strips;
+    const int cnt = p.counts[e];
+    const int64_t off = p.offsets[e];
+    const int rows = cnt > 0 && off >= 0 && off + cnt <= p.rows ? cnt : 0;
+    e_rows[e] = rows;
+    e_first[e] = rows ? int(off) : 0;
+    const int64_t n = int64_t((rows + kTaskRows - 1) / kTaskRows) * p.strips;
     first_task[e + 1] = int(min(n, cap));
   }
   __syncthreads();
@@ -148,12 +151,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     Task tk;
     tk.e = lo;
-    const int rows = expert_rows(lo);  // > 0: the expert holds task q
+    const int rows = e_rows[lo];  // > 0: the expert holds task q
     const int chunks = (rows + kTaskRows - 1) / kTaskRows;
     const int local = q - first_task[lo];
     tk.strip = local / chunks;
     const int chunk = local - tk.strip * chunks;
-    tk.row0 = p.offsets[lo] + chunk * kTaskRows;
+    tk.row0 = e_first[lo] + chunk * kTaskRows;
     tk.m = min(kTaskRows, rows - chunk * kTaskRows);
     return tk;
   };
@@ -220,6 +223,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     escale = p.scale != nullptr ? p.scale + int64_t(ct.e) * p.scale_expert_stride : nullptr;
   };
+  uint4 ra[kG][2][kJ], rb[kG][2][kJ];
+  load(ra);      // the first unit's weights, before the task's x rows are looked up
   begin_task();
 
   // ---- one unit: x vectors through L1, MMAs into acc (block scales: via blk) ----------------
@@ -370,8 +375,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       ++ku;
     }
   };
-  uint4 ra[kG][2][kJ], rb[kG][2][kJ];
-  load(ra);
   for (int u = u0; u < u1; u += 2) {  // unit u + 1 is requested before unit u is consumed
     if (u + 1 < u1) load(rb);
     step(ra, u);
