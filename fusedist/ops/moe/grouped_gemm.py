@@ -22,6 +22,16 @@ fp8_gemm's docstring): 2^-8 |ref| for the bf16 rounding plus (2^-13 + (K + 2) 2^
 
 Nothing synchronizes with the host on the kernel paths: counts and offsets are read on the
 device, so a captured graph replays with new routings.
+
+Kernels (Hopper; docs/design/moe.md): the CUTLASS grouped GEMM (bf16 x bf16; e4m3 x per row
+with e4m3 w per expert / channel; e4m3 x per 128 columns with 128 x 128 block w) for prefill,
+and the grouped decode GEMV (bf16 x with bf16 or e4m3 w, any scale layout; gather=True reads
+the token-order x directly), which streams only the routed experts' weights. plan() takes the
+GEMV up to the tuning table's moe.gemv_max_pairs (token, slot) pairs and the GEMM above,
+hands a call one kernel cannot take to the other, and the reference what neither takes. On the
+kernel paths a new out's padding rows are left as allocated. Both kernels keep a workspace per
+device and stream (workspace()): calls on one stream run in order; do not run calls on two
+streams at once with one stream object's workspace.
 """
 
 from __future__ import annotations
