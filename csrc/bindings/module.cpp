@@ -22,6 +22,7 @@ void register_attention(py::module_& m);
 void register_rope(py::module_& m);
 void register_layers(py::module_& m);
 void register_fp8_codec(py::module_& m);
+void register_moe(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
@@ -38,4 +39,5 @@ PYBIND11_MODULE(_C, m) {
   register_rope(m);
   register_layers(m);
   register_fp8_codec(m);
+  register_moe(m);
 }
