@@ -178,9 +178,12 @@ def _same_layout(lay: MoeLayout, want, what=""):
         a = a.cpu()
         assert a.dtype == torch.int32, f"{n} dtype {a.dtype} {what}"
         assert a.shape == b.shape, f"{n} shape {tuple(a.shape)} != {tuple(b.shape)} {what}"
-        bad = (a != b.cpu()).nonzero()
-        assert bad.numel() == 0, f"{n}: {bad.shape[0]} entries differ, first at " \
-                                 f"{bad[0].tolist()}: {a[tuple(bad[0])]} != {b.cpu()[tuple(bad[0])]} {what}"
+        b = b.cpu()
+        bad = (a != b).nonzero()
+        if bad.numel():
+            i = tuple(bad[0])
+            raise AssertionError(f"{n}: {bad.shape[0]} entries differ, first at "
+                                 f"{bad[0].tolist()}: {a[i]} != {b[i]} {what}")
 
 
 # ---- CPU tier: the references ---------------------------------------------------------------

@@ -129,7 +129,8 @@ moe::SortParams sort_params(const MoeSortArgs& a) {
 template <typename... KArgs, typename... Args>
 void launch_smem(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                  cudaStream_t s, Args&&... args) {
-  if (smem > 48 * 1024) blocks_per_sm(reinterpret_cast<const void*>(kernel), int(block.x), int(smem));
+  if (smem > 48 * 1024)
+    blocks_per_sm(reinterpret_cast<const void*>(kernel), int(block.x), int(smem));
   launch_kernel_smem(name, kernel, grid, block, smem, s, std::forward<Args>(args)...);
 }
 

@@ -520,7 +520,8 @@ def _sort_op(ids: torch.Tensor, num_experts: int, align: int, rows: int
 
 def _fake_layout(like: torch.Tensor, pairs, num_experts, rows):
     i32 = torch.int32
-    return (like.new_empty((num_experts,), dtype=i32), like.new_empty((num_experts + 1,), dtype=i32),
+    return (like.new_empty((num_experts,), dtype=i32),
+            like.new_empty((num_experts + 1,), dtype=i32),
             like.new_empty((rows,), dtype=i32), like.new_empty((pairs,), dtype=i32))
 
 

@@ -230,7 +230,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return v if v is not None else packed_rows(t)
 
 
-def _unpermute_impl(y_perm, dest_index, weights, residual, out=None, p: Optional[PermutePlan] = None):
+def _unpermute_impl(y_perm, dest_index, weights, residual, out=None,
+                    p: Optional[PermutePlan] = None):
     p = plan(y_perm) if p is None else p
     if p.path == "reference":
         if y_perm.is_cuda:

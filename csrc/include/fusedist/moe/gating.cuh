@@ -375,7 +375,9 @@ __device__ __forceinline__ int block_exclusive_scan(int* data, int n, int* tmp) 
   return total;
 }
 
-__device__ __forceinline__ int round_up(int v, int align) { return (v + align - 1) / align * align; }
+__device__ __forceinline__ int round_up(int v, int align) {
+  return (v + align - 1) / align * align;
+}
 
 // src_index = -1 on expert e's padding rows, for experts first, first + step, ..., and on the
 // unused rows past used = offsets[E]: those rows r = used + tail_first, + tail_step, ...
