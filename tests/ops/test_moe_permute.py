@@ -35,12 +35,12 @@ from fusedist import _ext  # noqa: E402
 from fusedist.errors import MetadataError  # noqa: E402
 from fusedist.ops import device_errors  # noqa: E402
 from fusedist.ops.moe import gating as G  # noqa: E402
-from fusedist.ops.moe import permute as P  # noqa: E402
 from fusedist.ops.moe.gating import MoeLayout, RouterSpec, route_and_sort  # noqa: E402
 from fusedist.ops.moe.permute import (permute, permute_reference, unpermute,  # noqa: E402
                                       unpermute_reference)
 
 QR = importlib.import_module("fusedist.ops.quantize_rows")
+P = importlib.import_module("fusedist.ops.moe.permute")   # the module (moe.permute: the function)
 FP8 = getattr(torch, "float8_e4m3fn", None)
 U = 2.0 ** -24
 HALF_ULP = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
