@@ -80,7 +80,7 @@ KERNELS = {
     "silu_mul": Kernel("silu_mul", _FLOATS, (7, 0), "SwiGLU activation"),
     "quantize_rows": Kernel("quantize_rows", _FLOATS, (8, 9), "per-token / per-group FP8"),
     # mixture of experts (moe/)
-    "moe_gating": Kernel("moe_gating", ("float32",), (7, 0), "router top-k and sort"),
+    "moe_gating": Kernel("moe_gating", _FLOATS, (7, 0), "router top-k and the layout by expert"),
     "moe_permute": Kernel("moe_permute", _FLOATS, (7, 0), "token permute / unpermute"),
     "moe_grouped_gemm": Kernel("moe_grouped_gemm", ("bfloat16", "float8_e4m3fn"), (9, 0),
                                "CUTLASS grouped GEMM over experts"),

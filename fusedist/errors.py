@@ -55,7 +55,8 @@ class CommunicatorClosedError(FusedistError):
 
 class MetadataError(FusedistError, ValueError):
     """A kernel met metadata it must not follow (a page id outside the cache, a sequence longer
-    than its block-table row, a slot or position out of range). The kernel touched no memory
+    than its block-table row, a slot or position out of range, an expert id or a MoE layout
+    index out of range). The kernel touched no memory
     outside its tensors and poisoned the affected outputs with NaN; the message names the op,
     the row and the value. Raised at the next check after the kernel ran; the record stays set
     until fusedist.clear_device_errors()."""

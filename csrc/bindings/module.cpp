@@ -24,6 +24,7 @@ void register_layers(py::module_& m);
 void register_fp8_codec(py::module_& m);
 void register_ep(py::module_& m);
 void register_moe_gemm(py::module_& m);
+void register_moe(py::module_& m);
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedist CUDA kernels (raw pointers + cudaStream_t; no torch inside)";
@@ -42,4 +43,5 @@ PYBIND11_MODULE(_C, m) {
   register_fp8_codec(m);
   register_ep(m);
   register_moe_gemm(m);
+  register_moe(m);
 }

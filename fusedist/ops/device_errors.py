@@ -1,7 +1,8 @@
 """The input-error record of the single-GPU ops on CUDA (csrc/include/fusedist/common/op_error.h).
 
 A kernel that meets bad paged metadata (a page id outside the cache, a length longer than its
-block-table row, a slot or position out of range) touches no memory outside its tensors,
+block-table row, a slot or position out of range) or a bad MoE layout (an expert id outside
+[0, num_experts), a permuted-row index out of range) touches no memory outside its tensors,
 poisons the affected outputs with NaN and records the first such event in a host-mapped
 record, one per device. The host reads it without a copy or a synchronization:
 
@@ -25,7 +26,9 @@ import torch
 from .. import _ext
 from ..errors import MetadataError
 
-OPS = {1: "decode", 2: "rope_append", 3: "prefill"}
+OPS = {1: "decode", 2: "rope_append", 3: "prefill", 4: "ops.moe.sort_by_expert",
+       5: "ops.moe.permute", 6: "ops.moe.unpermute"}
+_MOE_OPS = (4, 5, 6)
 
 
 class _Record(ctypes.Structure):
@@ -78,6 +81,15 @@ def _describe(r: _Record) -> str:
     if r.what == 5:
         return (f"fusedist.{op}: sequence {r.row} has {r.value} new tokens (cu_seqlens_q) "
                 f"outside [0, {r.limit}] (its seq_lens, the q tokens and max_q_len bound it)")
+    if r.what == 6:
+        return (f"fusedist.{op}: ids[{r.row}, {r.index}] = {r.value} is outside the "
+                f"{r.limit} experts (ids 0..{r.limit - 1})")
+    if r.what == 7 and r.op == 5:
+        return (f"fusedist.{op}: layout.src_index[{r.row}] = {r.value} is outside [-1, "
+                f"{r.limit}) (-1 or a (token, slot) pair t * top_k + j)")
+    if r.what == 7:
+        return (f"fusedist.{op}: layout.dest_index[{r.row} * top_k + {r.index}] = {r.value} is "
+                f"outside the {r.limit} rows of y_perm")
     return f"fusedist.{op}: bad metadata (code {r.what}) at row {r.row}: {r.value}"
 
 
@@ -97,10 +109,12 @@ def check_device_errors(device=None) -> None:
     r = _Record.from_address(rec[0])
     if r.state != 1:
         return
+    fix = ("the routing (the ids passed to sort_by_expert, or the MoeLayout passed on)"
+           if r.op in _MOE_OPS else
+           "the metadata (block tables, seq_lens, slot_mapping, positions) the engine passes")
     raise MetadataError(
         _describe(r) + ". The kernel read and wrote nothing outside its tensors and set that "
-        "row's outputs to NaN. Fix the metadata (block tables, seq_lens, slot_mapping, "
-        "positions) the engine passes; fusedist.clear_device_errors() resets the record.")
+        f"row's outputs to NaN. Fix {fix}; fusedist.clear_device_errors() resets the record.")
 
 
 def clear_device_errors(device=None) -> None:

@@ -4,6 +4,7 @@ sorted by expert.
     spec = RouterSpec(top_k=8, scoring="softmax", renormalize=True)          # Qwen3-MoE
     ids, weights = route(logits, spec)                  # logits [T, E] -> int32 / float32 [T, k]
     layout = sort_by_expert(ids, num_experts=E, align=1)  # counts, offsets, src / dest rows
+    ids, weights, layout = route_and_sort(logits, spec, align=1)  # both (one launch in decode)
 
 Routing schemes (RouterSpec), with the models that use them:
   * softmax then top-k, weights = the top-k probabilities (Qwen2-MoE, `norm_topk_prob: false`),
@@ -25,6 +26,18 @@ src_index[r] is the pair (t * k + slot) row r holds (-1: padding), dest_index[t 
 row. The buffer has capacity(T, E, k, align) rows, a bound that holds for any routing, so the
 layout of a CUDA graph's fixed token count never overflows. Nothing here synchronizes with the
 host on CUDA (captured decode steps replay with new routings).
+
+CUDA tensors take the kernels of csrc/ops/moe/gating.cu (docs/design/moe.md, "Gating"): one warp
+a token for the routing (up to 1024 experts, top_k <= 32, num_groups <= 32; why_not() says
+when a call is outside), a stable counting sort for the layout (one CTA for decode sizes,
+chunks for prefill; route_and_sort routes and sorts in one launch for decode). The ids equal
+route_reference's, the weights agree to fp32 rounding (the bound is in the design note). On
+the kernel path sort_by_expert checks the ids' range on the device: an id outside
+[0, num_experts) is recorded (MetadataError at the next check: fusedist.check_device_errors()
+or the next MoE op's launch), its pair left out of the layout (dest_index -1) and its token's
+unpermute output NaN; the reference path raises ValueError before anything runs. The
+torch.library ops fusedist::moe_route, moe_sort_by_expert and moe_route_sort (with fakes)
+carry the three under torch.compile(fullgraph=True).
 """
 
 from __future__ import annotations
@@ -34,7 +47,8 @@ from typing import Optional
 
 import torch
 
-from ... import _ext
+from ... import _dtypes, _ext, tuning
+from .. import device_errors
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -176,6 +190,23 @@ def sort_by_expert_reference(ids: torch.Tensor, num_experts: int, align: int = 1
 
 # ---- the op ----------------------------------------------------------------------------------
 
+# The layout kernels' choices (docs/design/moe.md, "Gating"): route_and_sort routes and sorts in
+# one CTA up to fused_max_tokens tokens; sort_by_expert sorts in one CTA up to
+# sort_one_cta_max_pairs (token, slot) pairs, in chunks of sort_chunk_pairs pairs above.
+tuning.declare(
+    "moe_gating",
+    fused_max_tokens=tuning.Knob(64, int, 0, 8192,
+                                 doc="route_and_sort: one fused CTA up to this many tokens"),
+    sort_one_cta_max_pairs=tuning.Knob(2048, int, 0, 8192,
+                                       doc="sort_by_expert: one CTA up to this many pairs"),
+    sort_chunk_pairs=tuning.Knob(1024, int, 512, 16384,
+                                 doc="sort_by_expert above one CTA: pairs a chunk (x 512)"))
+
+
+def _knobs(device) -> dict:
+    return tuning.knobs("moe_gating", device)
+
+
 def available(device) -> bool:
     """The gating kernel runs on `device`."""
     return _ext.kernel_runs("moe_gating", device)
@@ -199,6 +230,35 @@ class GatingPlan:
 def plan(logits: torch.Tensor, spec: RouterSpec) -> GatingPlan:
     why = why_not(logits, spec)
     return GatingPlan("reference" if why else "kernel", why)
+
+
+@dataclass(frozen=True)
+class SortPlan:
+    """How sort_by_expert runs (plain data): "kernel" or "reference" (why: the reason), and the
+    kernel's chunk_pairs (0: one CTA)."""
+    path: str
+    chunk_pairs: int = 0
+    why: str = ""
+
+
+def sort_plan(ids: torch.Tensor, num_experts: int, chunk_pairs: Optional[int] = None
+              ) -> SortPlan:
+    """The layout kernel's plan for ids [T, k] (chunk_pairs: force one, 0 = one CTA; the
+    benchmark's variants), or the reference with the reason."""
+    why = _ext.why_not("moe_gating", ids.device)
+    if not why and num_experts > _ext.load().MOE_MAX_EXPERTS:
+        why = (f"the layout kernel takes up to {_ext.load().MOE_MAX_EXPERTS} experts, got "
+               f"{num_experts}")
+    if why:
+        return SortPlan("reference", 0, why)
+    C = _ext.load()
+    pairs = ids.shape[0] * ids.shape[1]
+    if chunk_pairs is None:
+        kn = _knobs(ids.device)
+        one_cta = min(kn["sort_one_cta_max_pairs"], C.MOE_SORT_SMALL_MAX_PAIRS)
+        q = C.MOE_SORT_CHUNK_QUANTUM
+        chunk_pairs = 0 if pairs <= one_cta else max(q, kn["sort_chunk_pairs"] // q * q)
+    return SortPlan("kernel", int(chunk_pairs))
 
 
 def _check_logits(logits, spec: RouterSpec, bias) -> None:
@@ -236,14 +296,57 @@ def route(logits: torch.Tensor, spec: RouterSpec, bias: Optional[torch.Tensor] =
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int32 [T, k], weights float32 [T, k]) of each token's experts (module docstring)."""
     _check_logits(logits, spec, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.fusedist.moe_route(logits, bias, *_spec_args(spec))
     return run(plan(logits, spec), logits, spec, bias)
 
 
-def _route_kernel(logits, spec, bias):  # pragma: no cover - needs the kernel
-    raise NotImplementedError("fusedist.ops.moe: the gating kernel is not wired yet")
+def _spec_args(spec: RouterSpec) -> tuple:
+    return (spec.top_k, spec.scoring, bool(spec.renormalize), spec.num_groups, spec.topk_groups,
+            float(spec.routed_scaling))
+
+
+def _spec_of(top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling) -> RouterSpec:
+    return RouterSpec(top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling)
+
+
+def _logits_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits as rows the kernel can address (unit column stride, element-aligned rows)."""
+    if logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1]:
+        return logits
+    return logits.contiguous()
+
+
+def _gating_args(C, logits, spec, bias, ids, weights):
+    x = _logits_rows(logits)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    a = C.MoeGatingArgs()
+    a.logits, a.logit_stride = x.data_ptr(), max(x.stride(0), x.shape[1])
+    a.dtype = _dtypes.code(x.dtype)
+    a.bias = 0 if b is None else b.data_ptr()
+    a.ids, a.weights = ids.data_ptr(), weights.data_ptr()
+    a.tokens, a.experts, a.top_k = x.shape[0], x.shape[1], spec.top_k
+    a.scoring = SCORINGS.index(spec.scoring)
+    a.renormalize = bool(spec.renormalize)
+    a.num_groups, a.topk_groups = spec.num_groups, spec.topk_groups
+    a.routed_scaling = float(spec.routed_scaling)
+    return a, (x, b)   # the tensors the call reads: alive until the launch is queued
+
+
+def _route_kernel(logits, spec, bias, out=None):
+    """The gating kernel; out: (ids, weights) to write (tests poison them), else fresh."""
+    T, k = logits.shape[0], spec.top_k
+    ids, weights = out if out is not None else (
+        torch.empty(T, k, dtype=torch.int32, device=logits.device),
+        torch.empty(T, k, dtype=torch.float32, device=logits.device))
+    C = _ext.load()
+    a, _keep = _gating_args(C, logits, spec, bias, ids, weights)
+    C.moe_gating(a, torch.cuda.current_stream(logits.device).cuda_stream)
+    return ids, weights
 
 
 def _check_ids(ids, num_experts: int, align: int, rows: Optional[int]) -> None:
+    """The arguments of sort_by_expert (the ids' values: check_id_values, or on the device)."""
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
         _fail(f"num_experts must be a positive int, got {num_experts!r}")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or \
@@ -252,13 +355,26 @@ def _check_ids(ids, num_experts: int, align: int, rows: Optional[int]) -> None:
               f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
     if ids.shape[1] < 1:
         _fail("ids has top_k = 0 columns")
+    _check_layout_args(ids.shape[0], ids.shape[1], num_experts, align, rows)
+
+
+def _check_layout_args(tokens, top_k, num_experts, align, rows) -> None:
     if not isinstance(align, int) or isinstance(align, bool) or align < 1:
         _fail(f"align must be a positive int (the grouped GEMM's row tile), got {align!r}")
-    need = capacity(ids.shape[0], num_experts, ids.shape[1], align)
-    if rows is not None and (not isinstance(rows, int) or rows < need):
-        _fail(f"rows={rows!r} cannot hold every routing of {ids.shape[0]} tokens x top_k "
-              f"{ids.shape[1]} over {num_experts} experts at align {align}: pass rows >= {need} "
+    need = capacity(tokens, num_experts, top_k, align)
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or
+                             rows < need):
+        _fail(f"rows={rows!r} cannot hold every routing of {tokens} tokens x top_k "
+              f"{top_k} over {num_experts} experts at align {align}: pass rows >= {need} "
               "(fusedist.ops.moe.capacity)")
+    if (need if rows is None else rows) >= 2 ** 31:
+        _fail(f"the layout would have {need if rows is None else rows} rows; at most 2^31 - 1 "
+              "(fewer tokens a call)")
+
+
+def check_id_values(ids: torch.Tensor, num_experts: int) -> None:
+    """Host check of the ids' range (the reference path: it would index out of range). Reads
+    the ids (a synchronization on CUDA); skipped while a CUDA graph is being captured."""
     if ids.numel() and not (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:
@@ -269,12 +385,171 @@ def _check_ids(ids, num_experts: int, align: int, rows: Optional[int]) -> None:
 def sort_by_expert(ids: torch.Tensor, num_experts: int, align: int = 1,
                    rows: Optional[int] = None) -> MoeLayout:
     """The pairs of `ids` [T, k] laid out by expert (module docstring); rows: the buffer's
-    capacity (default capacity(T, E, k, align))."""
+    capacity (default capacity(T, E, k, align)). On the kernel path the ids' range is checked
+    on the device: an id outside [0, num_experts) is left out of the layout (dest_index -1,
+    its token's unpermute output NaN) and raises MetadataError at the next check
+    (fusedist.check_device_errors(), or the next MoE op's launch)."""
     _check_ids(ids, num_experts, align, rows)
-    # The kernel path lands with the gating kernel; the reference is sync-free on CUDA.
-    return sort_by_expert_reference(ids, num_experts, align, rows)
+    T, k = ids.shape
+    rows = capacity(T, num_experts, k, align) if rows is None else rows
+    if torch.compiler.is_compiling():
+        t = torch.ops.fusedist.moe_sort_by_expert(ids, num_experts, align, rows)
+    else:
+        t = _sort_impl(ids, num_experts, align, rows)
+    return MoeLayout(*t, k, align)
 
 
-__all__ = ["RouterSpec", "MoeLayout", "GatingPlan", "SCORINGS", "route", "route_reference",
-           "sort_by_expert", "sort_by_expert_reference", "capacity", "available", "why_not",
-           "plan", "run"]
+def _sort_impl(ids, num_experts, align, rows, p: Optional[SortPlan] = None, out=None):
+    """(counts, offsets, src_index, dest_index) of sort_by_expert."""
+    p = sort_plan(ids, num_experts) if p is None else p
+    if p.path == "reference":
+        if ids.is_cuda:
+            _ext.warn_reference("moe.sort_by_expert", p.why)
+        check_id_values(ids, num_experts)
+        lay = sort_by_expert_reference(ids, num_experts, align, rows)
+        return lay.counts, lay.offsets, lay.src_index, lay.dest_index
+    return _sort_kernel(ids, num_experts, align, rows, p.chunk_pairs, out)
+
+
+def _layout_out(T, k, E, rows, device):
+    return (torch.empty(E, dtype=torch.int32, device=device),
+            torch.empty(E + 1, dtype=torch.int32, device=device),
+            torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(T * k, dtype=torch.int32, device=device))
+
+
+def _sort_args(C, T, k, E, align, rows, lay, device):
+    a = C.MoeSortArgs()
+    a.counts, a.offsets, a.src_index, a.dest_index = (t.data_ptr() for t in lay)
+    a.tokens, a.rows, a.top_k, a.experts, a.align = T, rows, k, E, align
+    a.err = device_errors.record_ptr(device)
+    return a
+
+
+def _sort_kernel(ids, num_experts, align, rows, chunk_pairs, out=None):
+    T, k = ids.shape
+    dev = ids.device
+    lay = out if out is not None else _layout_out(T, k, num_experts, rows, dev)
+    C = _ext.load()
+    device_errors.check_before_launch(ids)
+    a = _sort_args(C, T, k, num_experts, align, rows, lay, dev)
+    idc = ids.contiguous()
+    a.ids, a.ids_int64 = idc.data_ptr(), idc.dtype == torch.int64
+    ws = None
+    if chunk_pairs:
+        ws = torch.empty(C.moe_sort_workspace_ints(T * k, num_experts, chunk_pairs),
+                         dtype=torch.int32, device=dev)
+        a.workspace, a.chunk_pairs = ws.data_ptr(), chunk_pairs
+    C.moe_sort(a, torch.cuda.current_stream(dev).cuda_stream)
+    return lay
+
+
+def route_and_sort(logits: torch.Tensor, spec: RouterSpec, bias: Optional[torch.Tensor] = None,
+                   *, align: int = 1, rows: Optional[int] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, MoeLayout]:
+    """route(logits, spec, bias) and sort_by_expert(ids, E, align, rows) of its ids in one
+    call: (ids, weights, layout). Up to the tuning table's moe_gating.fused_max_tokens tokens
+    the kernel does both in one launch (decode); above, the routing and the sort kernels run one
+    after the other. The results are those of the two calls."""
+    _check_logits(logits, spec, bias)
+    T, E = logits.shape
+    _check_layout_args(T, spec.top_k, E, align, rows)
+    rows = capacity(T, E, spec.top_k, align) if rows is None else rows
+    if torch.compiler.is_compiling():
+        t = torch.ops.fusedist.moe_route_sort(logits, bias, *_spec_args(spec), align, rows)
+    else:
+        t = _route_sort_impl(logits, spec, bias, align, rows)
+    return t[0], t[1], MoeLayout(*t[2:], spec.top_k, align)
+
+
+def fused_ok(logits: torch.Tensor, spec: RouterSpec) -> bool:
+    """route_and_sort takes the one-launch kernel for this (kernel-path) call."""
+    T = logits.shape[0]
+    return T <= _knobs(logits.device)["fused_max_tokens"] and \
+        T * spec.top_k <= _ext.load().MOE_SORT_SMALL_MAX_PAIRS
+
+
+def _route_sort_impl(logits, spec, bias, align, rows, fused: Optional[bool] = None, out=None):
+    """(ids, weights, counts, offsets, src_index, dest_index); fused: force the one-launch
+    kernel (True) or route then sort (False) on the kernel path (the benchmark's variants);
+    out: the six tensors to write (tests poison them)."""
+    p = plan(logits, spec)
+    T, E = logits.shape
+    k = spec.top_k
+    if p.path == "reference" or not (fused if fused is not None else fused_ok(logits, spec)):
+        if out is not None and p.path == "kernel":   # tests: the two kernels into out
+            ids, w = _route_kernel(logits, spec, bias, out[:2])
+        else:
+            ids, w = run(p, logits, spec, bias)
+        lay = _sort_impl(ids, E, align, rows, None, None if out is None else out[2:])
+        return (ids, w, *lay)
+    dev = logits.device
+    ids, w, *lay = out if out is not None else (
+        torch.empty(T, k, dtype=torch.int32, device=dev),
+        torch.empty(T, k, dtype=torch.float32, device=dev), *_layout_out(T, k, E, rows, dev))
+    C = _ext.load()
+    device_errors.check_before_launch(logits)
+    g, _keep = _gating_args(C, logits, spec, bias, ids, w)
+    a = _sort_args(C, T, k, E, align, rows, lay, dev)
+    C.moe_route_sort(g, a, torch.cuda.current_stream(dev).cuda_stream)
+    return (ids, w, *lay)
+
+
+# ---- torch.library registrations (torch.compile(fullgraph=True)) -----------------------------
+
+@torch.library.custom_op("fusedist::moe_route", mutates_args=())
+def _route_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, scoring: str,
+              renormalize: bool, num_groups: int, topk_groups: int, routed_scaling: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec_of(top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling)
+    return run(plan(logits, spec), logits, spec, bias)
+
+
+@_route_op.register_fake
+def _(logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling):
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.int32),
+            logits.new_empty((T, top_k), dtype=torch.float32))
+
+
+@torch.library.custom_op("fusedist::moe_sort_by_expert", mutates_args=())
+def _sort_op(ids: torch.Tensor, num_experts: int, align: int, rows: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_sort_impl(ids, num_experts, align, rows))
+
+
+def _fake_layout(like: torch.Tensor, pairs, num_experts, rows):
+    i32 = torch.int32
+    return (like.new_empty((num_experts,), dtype=i32),
+            like.new_empty((num_experts + 1,), dtype=i32),
+            like.new_empty((rows,), dtype=i32), like.new_empty((pairs,), dtype=i32))
+
+
+@_sort_op.register_fake
+def _(ids, num_experts, align, rows):
+    return _fake_layout(ids, ids.shape[0] * ids.shape[1], num_experts, rows)
+
+
+@torch.library.custom_op("fusedist::moe_route_sort", mutates_args=())
+def _route_sort_op(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, scoring: str,
+                   renormalize: bool, num_groups: int, topk_groups: int, routed_scaling: float,
+                   align: int, rows: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor]:
+    spec = _spec_of(top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling)
+    return tuple(_route_sort_impl(logits, spec, bias, align, rows))
+
+
+@_route_sort_op.register_fake
+def _(logits, bias, top_k, scoring, renormalize, num_groups, topk_groups, routed_scaling, align,
+      rows):
+    T, E = logits.shape
+    return (logits.new_empty((T, top_k), dtype=torch.int32),
+            logits.new_empty((T, top_k), dtype=torch.float32),
+            *_fake_layout(logits, T * top_k, E, rows))
+
+
+__all__ = ["RouterSpec", "MoeLayout", "GatingPlan", "SortPlan", "SCORINGS", "route",
+           "route_reference", "sort_by_expert", "sort_by_expert_reference", "route_and_sort",
+           "capacity", "available", "why_not", "plan", "run", "sort_plan", "fused_ok",
+           "check_id_values"]

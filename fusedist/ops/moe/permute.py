@@ -16,6 +16,16 @@ unpermute adds each token's k expert outputs in slot order j = 0 .. k-1 in float
 weights [T, k] (float32), adds the residual (if any) in float32 and rounds once to y_perm's
 dtype: the same bits on every run, and the same on every rank. Rows of y_perm that hold no pair
 (padding) are never read.
+
+CUDA tensors whose hidden size is whole 16-byte vectors take the kernels of
+csrc/ops/moe/permute.cu (docs/design/moe.md, "Permute / unpermute"), with the references' bits:
+permute one pass (the FP8 forms quantize in it), unpermute one pass with the products and sums
+rounded as the reference rounds them. No host synchronization: CUDA graphs capture both. The
+kernels check the layout they follow: a src_index outside [-1, T k) makes its row NaN (scale
+NaN), a dest_index outside [0, rows) its token's output NaN, and the first is recorded
+(fusedist.check_device_errors() raises MetadataError); an id that sort_by_expert left out
+(dest_index -1) poisons its token the same way. Also torch.ops.fusedist.moe_permute,
+moe_permute_fp8 and moe_unpermute (torch.compile(fullgraph=True)).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ from typing import Optional
 import torch
 
 from ... import _dtypes, _ext
+from .. import device_errors
+from .._rows import overlaps, packed_rows, rows_view
 from ..quantize_rows import quantize_groups_reference, quantize_rows_reference
 from .gating import MoeLayout
 
@@ -41,9 +53,13 @@ def _fail(msg: str, exc=ValueError):
 
 def permute_reference(x: torch.Tensor, layout: MoeLayout, quant: Optional[str] = None):
     """Plain torch, no host synchronization (module docstring)."""
-    src = layout.src_index.long()
+    return _permute_ref(x, layout.src_index, layout.top_k, quant)
+
+
+def _permute_ref(x, src_index, top_k, quant):
+    src = src_index.long()
     valid = (src >= 0)[:, None]
-    rows = x.index_select(0, src.clamp_min(0) // layout.top_k)
+    rows = x.index_select(0, src.clamp_min(0) // top_k)
     xp = torch.where(valid, rows, torch.zeros((), dtype=x.dtype, device=x.device))
     if quant is None:
         return xp
@@ -54,8 +70,12 @@ def permute_reference(x: torch.Tensor, layout: MoeLayout, quant: Optional[str] =
 def unpermute_reference(y_perm: torch.Tensor, layout: MoeLayout, weights: torch.Tensor,
                         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain torch (module docstring)."""
+    return _unpermute_ref(y_perm, layout.dest_index, weights, residual)
+
+
+def _unpermute_ref(y_perm, dest_index, weights, residual):
     T, k = weights.shape
-    g = y_perm.index_select(0, layout.dest_index.long()).view(T, k, -1).float()
+    g = y_perm.index_select(0, dest_index.long()).view(T, k, -1).float()
     w = weights.float()
     acc = w[:, 0, None] * g[:, 0]
     for j in range(1, k):
@@ -147,12 +167,12 @@ def plan(x: torch.Tensor) -> PermutePlan:
 def permute(x: torch.Tensor, layout: MoeLayout, *, quant: Optional[str] = None):
     """x's rows in the layout's permuted order (module docstring); with quant, (e4m3, scale)."""
     _check_permute(x, layout, quant)
-    p = plan(x)
-    if p.path == "reference":
-        if x.is_cuda:
-            _ext.warn_reference("moe.permute", p.why)
-        return permute_reference(x, layout, quant)
-    return _permute_kernel(x, layout, quant)
+    if torch.compiler.is_compiling():
+        if quant is None:
+            return torch.ops.fusedist.moe_permute(x, layout.src_index, layout.top_k)
+        return torch.ops.fusedist.moe_permute_fp8(x, layout.src_index, layout.top_k,
+                                                  quant == "group")
+    return _permute_impl(x, layout.src_index, layout.top_k, quant)
 
 
 def unpermute(y_perm: torch.Tensor, layout: MoeLayout, weights: torch.Tensor, *,
@@ -160,25 +180,124 @@ def unpermute(y_perm: torch.Tensor, layout: MoeLayout, weights: torch.Tensor, *,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each token's weighted sum of its experts' rows (+ residual) (module docstring)."""
     _check_unpermute(y_perm, layout, weights, residual, out)
-    p = plan(y_perm)
-    if p.path == "reference":
-        if y_perm.is_cuda:
-            _ext.warn_reference("moe.unpermute", p.why)
-        y = unpermute_reference(y_perm, layout, weights, residual)
+    if torch.compiler.is_compiling():
+        y = torch.ops.fusedist.moe_unpermute(y_perm, layout.dest_index, weights, residual)
     else:
-        y = _unpermute_kernel(y_perm, layout, weights, residual, out)
+        y = _unpermute_impl(y_perm, layout.dest_index, weights, residual, out)
     if out is not None and y is not out:
         out.copy_(y)
         return out
     return y
 
 
-def _permute_kernel(x, layout, quant):  # pragma: no cover - needs the kernel
-    raise NotImplementedError("fusedist.ops.moe: the permute kernel is not wired yet")
+def _permute_impl(x, src_index, top_k, quant, p: Optional[PermutePlan] = None, out=None):
+    """permute on x's rows; out: the output (and scale) to write (tests poison them)."""
+    p = plan(x) if p is None else p
+    if p.path == "reference":
+        if x.is_cuda:
+            _ext.warn_reference("moe.permute", p.why)
+        return _permute_ref(x, src_index, top_k, quant)
+    rows, H = src_index.shape[0], x.shape[1]
+    dev = x.device
+    if out is None:
+        if quant is None:
+            out = torch.empty(rows, H, dtype=x.dtype, device=dev)
+        else:
+            out = (torch.empty(rows, H, dtype=_dtypes.FP8, device=dev),
+                   torch.empty((rows,) if quant == "token" else (rows, H // _dtypes.FP8_BLOCK),
+                               dtype=torch.float32, device=dev))
+    q, scale = (out, None) if quant is None else out
+    x2 = _rows(x)
+    C = _ext.load()
+    device_errors.check_before_launch(x)
+    a = C.MoePermuteArgs()
+    a.x, a.x_stride = x2.data_ptr(), x2.stride(0) if x2.shape[0] > 1 else H  # 1 row: moot
+    a.src_index, a.out = src_index.data_ptr(), q.data_ptr()
+    a.scale = 0 if scale is None else scale.data_ptr()
+    a.out_stride = H
+    a.tokens, a.rows, a.top_k, a.hidden = x.shape[0], rows, top_k, H
+    a.quant = QUANTS.index(quant)
+    a.dtype = _dtypes.code(x.dtype)
+    a.err = device_errors.record_ptr(dev)
+    C.moe_permute(a, torch.cuda.current_stream(dev).cuda_stream)
+    return out
 
 
-def _unpermute_kernel(y_perm, layout, weights, residual, out):  # pragma: no cover
-    raise NotImplementedError("fusedist.ops.moe: the unpermute kernel is not wired yet")
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [n, H] as rows the kernels address (16-byte aligned start and row stride), or a fresh
+    contiguous copy."""
+    v = rows_view(t) if t.shape[0] else t
+    return v if v is not None else packed_rows(t)
+
+
+def _unpermute_impl(y_perm, dest_index, weights, residual, out=None,
+                    p: Optional[PermutePlan] = None):
+    p = plan(y_perm) if p is None else p
+    if p.path == "reference":
+        if y_perm.is_cuda:
+            _ext.warn_reference("moe.unpermute", p.why)
+        return _unpermute_ref(y_perm, dest_index, weights, residual)
+    T, k = weights.shape
+    H = y_perm.shape[1]
+    dev = y_perm.device
+    # out itself where the kernel can write it (in place over the residual is fine: each thread
+    # reads its residual vector before it writes that vector of out), else a fresh tensor
+    ov = rows_view(out) if out is not None and T and not overlaps(out, y_perm) else None
+    o = ov if ov is not None else torch.empty(T, H, dtype=y_perm.dtype, device=dev)
+    y2 = _rows(y_perm)
+    r2 = None if residual is None else _rows(residual)
+    w = weights.contiguous()
+    d = dest_index.contiguous()
+    C = _ext.load()
+    device_errors.check_before_launch(y_perm)
+    a = C.MoeUnpermuteArgs()
+    a.y, a.y_stride = y2.data_ptr(), y2.stride(0) if y2.shape[0] > 1 else H  # 1 row: moot
+    a.dest_index, a.weights, a.out = d.data_ptr(), w.data_ptr(), o.data_ptr()
+    a.out_stride = o.stride(0) if T > 1 else H
+    if r2 is not None:
+        a.residual, a.res_stride = r2.data_ptr(), r2.stride(0) if r2.shape[0] > 1 else H
+    a.tokens, a.rows, a.top_k, a.hidden = T, y_perm.shape[0], k, H
+    a.dtype = _dtypes.code(y_perm.dtype)
+    a.err = device_errors.record_ptr(dev)
+    C.moe_unpermute(a, torch.cuda.current_stream(dev).cuda_stream)
+    return out if ov is not None else o
+
+
+# ---- torch.library registrations (torch.compile(fullgraph=True)) -----------------------------
+
+@torch.library.custom_op("fusedist::moe_permute", mutates_args=())
+def _permute_op(x: torch.Tensor, src_index: torch.Tensor, top_k: int) -> torch.Tensor:
+    return _permute_impl(x, src_index, top_k, None)
+
+
+@_permute_op.register_fake
+def _(x, src_index, top_k):
+    return x.new_empty((src_index.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("fusedist::moe_permute_fp8", mutates_args=())
+def _permute_fp8_op(x: torch.Tensor, src_index: torch.Tensor, top_k: int, group: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(_permute_impl(x, src_index, top_k, "group" if group else "token"))
+
+
+@_permute_fp8_op.register_fake
+def _(x, src_index, top_k, group):
+    rows, H = src_index.shape[0], x.shape[1]
+    return (x.new_empty((rows, H), dtype=_dtypes.FP8),
+            x.new_empty((rows, H // _dtypes.FP8_BLOCK) if group else (rows,),
+                        dtype=torch.float32))
+
+
+@torch.library.custom_op("fusedist::moe_unpermute", mutates_args=())
+def _unpermute_op(y_perm: torch.Tensor, dest_index: torch.Tensor, weights: torch.Tensor,
+                  residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return _unpermute_impl(y_perm, dest_index, weights, residual)
+
+
+@_unpermute_op.register_fake
+def _(y_perm, dest_index, weights, residual):
+    return y_perm.new_empty((weights.shape[0], y_perm.shape[1]))
 
 
 __all__ = ["permute", "unpermute", "permute_reference", "unpermute_reference", "PermutePlan",

@@ -2,7 +2,8 @@
 // host layout; no torch).
 //
 // A kernel that meets metadata it must not follow (a page id outside the cache, a sequence
-// longer than its block-table row, a slot or position outside the cache or the RoPE table)
+// longer than its block-table row, a slot or position outside the cache or the RoPE table, an
+// expert id or a permuted-row index out of range)
 // never touches memory outside its tensors: it substitutes a safe value, poisons the outputs
 // that depend on the bad value (NaN), and records the first such event here. The record lives
 // in host-mapped memory, one per device, allocated once (fusedist/ops/device_errors.py): the
@@ -14,7 +15,8 @@
 //   u32 state   0 clear, 2 being written, 1 complete (the host reads the fields only at 1)
 //   u32 op      OpErrorOp
 //   u32 what    OpErrorWhat
-//   i32 row     batch row (decode, prefill) or token (rope_append)
+//   i32 row     batch row (decode, prefill), token (rope_append, MoE sort / unpermute) or
+//               permuted row (MoE permute)
 //   i64 value   the bad value
 //   i64 limit   the valid range: [0, limit) (a length: [0, limit])
 //   i32 index   e.g. the block-table column; -1 when none
@@ -24,13 +26,23 @@
 
 namespace fusedist {
 
-enum OpErrorOp : uint32_t { kOpErrDecode = 1, kOpErrRopeAppend = 2, kOpErrPrefill = 3 };
+enum OpErrorOp : uint32_t {
+  kOpErrDecode = 1,
+  kOpErrRopeAppend = 2,
+  kOpErrPrefill = 3,
+  kOpErrMoeSort = 4,       // moe/gating.cuh: sort_by_expert
+  kOpErrMoePermute = 5,    // moe/permute.cuh
+  kOpErrMoeUnpermute = 6,  // moe/permute.cuh
+};
 enum OpErrorWhat : uint32_t {
   kOpErrPage = 1,      // a block-table entry outside [0, num_pages)
   kOpErrSeqLen = 2,    // a sequence length outside [0, block-table columns * page_size]
   kOpErrSlot = 3,      // a slot_mapping entry >= num_pages * page_size
   kOpErrPosition = 4,  // a position outside [0, max_position)
   kOpErrQuerySpan = 5, // a prefill query span (cu_seqlens_q) outside [0, seq_len] or the tokens
+  kOpErrExpertId = 6,  // an expert id outside [0, num_experts) (row: token, index: slot)
+  kOpErrRowIndex = 7,  // a MoE layout index outside its range: src_index (row: permuted row) or
+                       // dest_index (row: token, index: slot)
 };
 
 struct OpErrorRecord {
