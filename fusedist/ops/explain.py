@@ -187,7 +187,27 @@ def explain_allreduce(t: Target, a: dict) -> str:
             f"  from: {src} in {table.get('source', '?')}")
 
 
+def explain_moe(t: Target, a: dict) -> str:
+    tokens, k = _int(a, "tokens", 1), _int(a, "top_k", 8)
+    pairs = tokens * k
+    kn = tuning.section_values(t.table, "moe")
+    if not (t.runs("moe_grouped_gemm") or t.runs("moe_grouped_gemv")):
+        path, why = "reference", "the grouped kernels do not run here"
+    elif pairs <= kn["gemv_max_pairs"]:
+        path = "grouped GEMV (reads only the routed experts' weights)"
+        why = f"{pairs} (token, slot) pairs <= gemv_max_pairs"
+    else:
+        path, why = "grouped GEMM (CUTLASS ptr-array)", f"{pairs} pairs > gemv_max_pairs"
+    return (f"moe grouped GEMM, {tokens} tokens x top-{k}
+  path: {path}
+  why: {why} (an "
+            "e4m3 x always takes the GEMM, bf16 x with e4m3 weights the GEMV)
+"
+            + _knobs_line(t, "moe"))
+
+
 EXPLAINERS: dict[str, Callable[[Target, dict], str]] = {
+    "moe": explain_moe,
     "fp8_linear": explain_fp8_linear, "gemm": explain_gemm, "decode": explain_decode,
     "prefill": explain_prefill, "allreduce": explain_allreduce,
 }

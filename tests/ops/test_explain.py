@@ -19,7 +19,8 @@ OP_MODULES = [
     "fusedist.ops.gemv", "fusedist.ops.gemm", "fusedist.ops.fp8_gemm", "fusedist.ops.fp8_linear",
     "fusedist.ops.allreduce", "fusedist.ops.allreduce_rmsnorm",
     "fusedist.ops.attention._prefill", "fusedist.ops.attention._decode",
-    "fusedist.ops.attention.rope",
+    "fusedist.ops.attention.rope", "fusedist.ops.moe.gating", "fusedist.ops.moe.permute",
+    "fusedist.ops.moe.grouped_gemm",
 ]
 
 
@@ -54,6 +55,8 @@ def test_cpu_plans_say_why():
     ("prefill new=128 context=4128", "path: paged kernel"),
     ("prefill new=4096 heads=32/8", "path: sdpa"),
     ("allreduce bytes=65536 world=2", "algorithm: one_shot"),
+    ("moe tokens=1 top_k=8", "path: grouped GEMV"),
+    ("moe tokens=4096 top_k=8", "path: grouped GEMM"),
     ("allreduce bytes=67108864 world=2", "algorithm: two_shot"),
 ])
 def test_explain_names_the_shipped_choice(shape, want):

@@ -553,3 +553,6 @@ __all__ = ["RouterSpec", "MoeLayout", "GatingPlan", "SortPlan", "SCORINGS", "rou
            "route_reference", "sort_by_expert", "sort_by_expert_reference", "route_and_sort",
            "capacity", "available", "why_not", "plan", "run", "sort_plan", "fused_ok",
            "check_id_values"]
+
+
+reference = route_reference   # the op's shape: available / why_not / plan / run above

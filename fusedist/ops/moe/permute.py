@@ -302,3 +302,13 @@ def _(y_perm, dest_index, weights, residual):
 
 __all__ = ["permute", "unpermute", "permute_reference", "unpermute_reference", "PermutePlan",
            "QUANTS", "available", "why_not", "plan"]
+
+
+# ---- the op's shape: available / why_not / plan (above) / run / reference --------------------
+reference = permute_reference
+
+
+def run(p: PermutePlan, x: torch.Tensor, layout: MoeLayout, quant: Optional[str] = None):
+    """Execute p: permute x by the layout (validated arguments); unpermute's is
+    _unpermute_impl(y_perm, layout.dest_index, weights, residual, out, p)."""
+    return _permute_impl(x, layout.src_index, layout.top_k, quant, p)
