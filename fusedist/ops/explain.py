@@ -198,11 +198,8 @@ def explain_moe(t: Target, a: dict) -> str:
         why = f"{pairs} (token, slot) pairs <= gemv_max_pairs"
     else:
         path, why = "grouped GEMM (CUTLASS ptr-array)", f"{pairs} pairs > gemv_max_pairs"
-    return (f"moe grouped GEMM, {tokens} tokens x top-{k}
-  path: {path}
-  why: {why} (an "
-            "e4m3 x always takes the GEMM, bf16 x with e4m3 weights the GEMV)
-"
+    return (f"moe grouped GEMM, {tokens} tokens x top-{k}\n  path: {path}\n  why: {why} (an "
+            "e4m3 x always takes the GEMM, bf16 x with e4m3 weights the GEMV)\n"
             + _knobs_line(t, "moe"))
 
 
