@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
-import fusedist.ops.fp8_linear as quant  # noqa: E402  (the op behind fusedist.nn.quant)
+quant = importlib.import_module("fusedist.ops.fp8_linear")  # the op behind fusedist.nn.quant
 from fusedist.nn import ColumnParallelLinear, RowParallelLinear, TPAttention  # noqa: E402
 from fusedist.nn.attention import AttentionMetadata  # noqa: E402
 from fusedist.nn.linear import linear  # noqa: E402
