@@ -383,13 +383,19 @@ class MoE(torch.nn.Module):
         """The routed experts' outputs, [layout.rows, H] in the layout's (permuted) order."""
         w13, s13 = _experts_of(self.w13)
         w2, s2 = _experts_of(self.w2)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if w13.dtype not in GEMM_W_DTYPES:   # float32 / float16: the op's reference
+            if capturing:
+                _fail(f"a CUDA-graph capture needs the grouped GEMM kernel, which takes "
+                      f"bfloat16 or FP8 experts; these are {w13.dtype} (the plain-torch "
+                      "reference reads the routing on the host): run this step eagerly "
+                      "(Runner(cuda_graphs=False))", RuntimeError)
             h = grouped_gemm_reference(permute(x, layout), w13, layout)
             return grouped_gemm_reference(_silu_mul(h), w2, layout)
         up_plan = gemm_plan(x, w13, layout, gather=True)
         gather = up_plan.path == "gemv"
         path = up_plan.path if gather else gemm_plan(x, w13, layout).path
-        if x.is_cuda and torch.cuda.is_current_stream_capturing() and path == "reference":
+        if capturing and path == "reference":
             _fail("a CUDA-graph capture needs the grouped GEMM kernel: its plain-torch "
                   f"reference reads the routing on the host ({gemm_why_not(x, w13)}); "
                   "run this step eagerly (Runner(cuda_graphs=False))", RuntimeError)

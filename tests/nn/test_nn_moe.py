@@ -146,6 +146,68 @@ def test_fp8_experts_match_float64_loop(layout):
     _check(m(x), moe_reference(m, x, w), f"fp8 {layout}")
 
 
+def _force_path(monkeypatch, path):
+    """The grouped GEMM's plan as the layer sees it: `path` ("gemv": the decode GEMV reading x
+    in token order; "gemm": the kernel that multiplies e4m3 activations). The op itself still
+    runs its reference on the CPU, which takes the same arguments (gather=True, e4m3 x with
+    x_scale), so the layer's wiring of each path is checked here."""
+    from fusedist.ops.moe.grouped_gemm import GroupedGemmPlan
+
+    calls = []
+
+    def plan(x, w, layout, gather=False):
+        calls.append(gather)
+        return GroupedGemmPlan(path)
+    monkeypatch.setattr(nn_moe, "gemm_plan", plan)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_path_reads_tokens_in_order(monkeypatch, dtype):
+    """Where the plan for x in token order is the decode GEMV, gate|up reads x as it is
+    (gather=True: no permute pass) and the result is the same."""
+    calls = _force_path(monkeypatch, "gemv")
+    g = _gen()
+    w = _weights(g)
+    m = _layer(w, RouterSpec(top_k=3, renormalize=True), torch.bfloat16)
+    permuted = []
+    monkeypatch.setattr(nn_moe, "permute", lambda *a, **k: permuted.append(1))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    _check(m(x), moe_reference(m, x, w), "gather")
+    assert calls[0] is True and not permuted
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn")
+@pytest.mark.parametrize("layout", ["tensor", "channel", "block"])
+def test_fp8_activations_where_the_kernel_takes_them(monkeypatch, layout):
+    """Where the plan is the grouped GEMM kernel, FP8 experts get e4m3 activations: permute
+    quantizes x (per token; per 128 columns for block weights) and the down projection takes
+    silu_mul's e4m3 rows (quantize_groups' for block weights). Against the float64 loop over
+    the dequantized weights: each activation element is rounded to e4m3 (up to 2^-4 relative,
+    3 mantissa bits); K independent roundings move a GEMM's output by about 2^-4 / sqrt(3) of
+    its size, two GEMMs in a row, so the bound is 2^-3 in relative Frobenius norm (a wrong
+    scale, expert or row gives errors of order 1)."""
+    _force_path(monkeypatch, "gemm")
+    seen = []
+    real = nn_moe.grouped_gemm
+
+    def spy(x, w, layout_, **kw):
+        seen.append((x.dtype, None if kw.get("x_scale") is None else tuple(kw["x_scale"].shape)))
+        return real(x, w, layout_, **kw)
+    monkeypatch.setattr(nn_moe, "grouped_gemm", spy)
+    g = _gen()
+    w = _weights(g, h=256, i=128, s=0)
+    m = _layer(w, RouterSpec(top_k=2, renormalize=True), torch.bfloat16, fp8_layout=layout)
+    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+    got, ref = m(x), moe_reference(m, x, w)
+    rows = T * 2
+    want = [(FP8, (rows, 2)), (FP8, (rows, 1))] if layout == "block" else \
+        [(FP8, (rows,)), (FP8, (rows,))]
+    assert seen == want
+    assert torch.isfinite(got).all()
+    assert gemm_rel_err(got, ref) <= 2.0 ** -3
+
+
 def test_float32_model_with_fp8_experts_returns_float32():
     if FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
