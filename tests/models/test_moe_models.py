@@ -303,6 +303,26 @@ def test_named_shapes_and_tp(rt):
     assert ids["fusedist"] == ids["torch"]
 
 
+def test_memory_estimate_counts_every_expert():
+    """fusedist.generate's memory check holds every expert: bf16 weights within 1% above 2
+    bytes a parameter (RoPE tables, float32 routers), FP8 ones (per-channel) within 3% above
+    1 byte a projection parameter plus the bf16 rest."""
+    from fusedist.generate import memory_estimate
+    from fusedist.models.llama import WeightQuant
+
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+        cfg = LlamaConfig.named(name)
+        kw = dict(tp=1, dtype=torch.bfloat16, batch=1, seq_len=4160, page_size=16,
+                  prefill_chunk=8192)
+        bf16 = memory_estimate(cfg, **kw)["weights"]
+        assert 2 * cfg.num_params() <= bf16 <= 1.01 * 2 * cfg.num_params(), name
+        fp8 = memory_estimate(cfg, quant=WeightQuant("quantize", "channel"), **kw)["weights"]
+        rest = 2 * cfg.vocab_size * cfg.hidden_size * 2
+        assert cfg.num_params() <= fp8 <= 1.03 * cfg.num_params() + rest, name
+        half = memory_estimate(cfg, **dict(kw, tp=2))["weights"]
+        assert half < 0.55 * bf16, name
+
+
 def test_torch_baseline_forms_agree(rt):
     """The baseline's expert loop (eager) and its gather form (what a captured or compiled
     step runs where torch._grouped_mm does not) give the same layer output."""

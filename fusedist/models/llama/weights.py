@@ -17,7 +17,10 @@ would not apply; the error names the tensor and its file.
 
 The sharding rules: Transformer.load (model.py) names which dimension of which tensor is split;
 fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated when tp > kv
-heads), for the model, TPAttention and the tests alike.
+heads), for the model, TPAttention and the tests alike. A mixture of experts (cfg.moe:
+moe_names gives Mixtral's and Qwen-MoE's tensor names) splits every expert's gate / up by rows
+and down by columns like the dense MLP, the shared expert likewise; the routers are
+replicated (moe.py).
 
 FP8 (the projections q/k/v/o, gate/up, down; docs/design/fp8.md): resolve_quant says how a run
 holds them (config.quant.WeightQuant, or None for the model dtype): read from an FP8 checkpoint
