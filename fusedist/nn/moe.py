@@ -169,8 +169,11 @@ class FP8Experts:
                    ) -> torch.Tensor:
         """data * scale in `dtype`: [E, N, K], or with experts (an index tensor of any shape)
         the weights of those experts [*experts.shape, N, K]."""
-        data, scale = (self.data, self.scale) if experts is None else \
-            (self.data[experts], self.scale[experts])
+        if experts is None:
+            data, scale = self.data, self.scale
+        else:   # gathered as bytes: every torch indexes uint8 (not every one e4m3)
+            data = self.data.view(torch.uint8)[experts].view(self.data.dtype)
+            scale = self.scale[experts]
         w = data.to(dtype)
         n, k = self.shape[1], self.shape[2]
         if self.layout == "tensor":
