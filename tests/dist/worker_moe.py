@@ -1,7 +1,8 @@
 """fusedist.models' mixture-of-experts decoders at TP > 1 (gloo on CPU): logits and greedy ids
 against Hugging Face on the tiny checkpoints tests/models/test_moe_models.py creates (paths
 in FUSEDIST_MOE_CKPTS), both backends; the MoE layer's partial sums over the ranks equal to the
-layer at TP 1; random weights identical to slices of the full random model."""
+layer at TP 1; a block-scaled FP8 checkpoint's shards; random weights identical to slices of
+the full random model."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from hf_tiny import assert_greedy_matches, load_hf  # noqa: E402
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
 CKPTS = json.loads(os.environ.get("FUSEDIST_MOE_CKPTS", "{}"))
+# {"bf16": dir, "hf-block": dir}: a tiny Qwen3-MoE and its block-scaled FP8 checkpoint.
+FP8_CKPTS = json.loads(os.environ.get("FUSEDIST_MOE_FP8_CKPTS", "{}"))
 
 
 def _model(rt, path, backend):
@@ -89,6 +92,29 @@ def partial_sums_equal_tp1(rt, seed):
     dist.all_reduce(got, group=rt.tp.pg)
     err = gemm_rel_err(got, want)
     assert err <= GEMM_REL[torch.float32], f"partials summed vs TP 1: rel err {err:.2e}"
+
+
+@check
+def fp8_block_checkpoint_shards(rt, seed):
+    """At TP 2 each rank reads its 128-row blocks of every expert's e4m3 weights and the
+    matching rows / columns of their 128 x 128 scales: the same FP8 experts, and the same
+    logits, as quantizing this rank's shard of the bf16 checkpoint at load."""
+    assert FP8_CKPTS, "FUSEDIST_MOE_FP8_CKPTS names no checkpoints"
+    ckpt, bf16 = FP8_CKPTS["hf-block"], FP8_CKPTS["bf16"]
+    got = build_model(LlamaConfig.from_dir(ckpt), SafetensorsWeights(ckpt), group=rt.tp,
+                      dtype=torch.float32, device=rt.device)
+    want = build_model(LlamaConfig.from_dir(bf16), SafetensorsWeights(bf16), group=rt.tp,
+                       dtype=torch.float32, device=rt.device, quantize="fp8-block")
+    for a, b in ((got.layers[1].mlp.w13, want.layers[1].mlp.w13),
+                 (got.layers[0].mlp.w2, want.layers[0].mlp.w2)):
+        assert a.layout == b.layout == "block" and torch.equal(a.scale, b.scale)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+    assert got.layers[0].mlp.w13.shape == (5, 256, 256)   # 128 gate + 128 up rows a rank
+    g = torch.Generator().manual_seed(seed % 1000)
+    prompt = torch.randint(0, 320, (17,), generator=g).tolist()
+    a = Runner(got, max_batch=1, max_seq_len=32).prefill([prompt], all_logits=True)[0]
+    b = Runner(want, max_batch=1, max_seq_len=32).prefill([prompt], all_logits=True)[0]
+    assert torch.equal(a, b)
 
 
 @check
