@@ -1,5 +1,6 @@
 """Decode and prefill of the Llama-3-8B shape (random weights, bf16) through
-`python -m fusedist.generate`, fusedist beside its baselines in the same process.
+`python -m fusedist.generate`, fusedist beside its baselines in the same process; with --moe,
+the mixtures of experts (MOE_RUNS: Qwen3-30B-A3B bf16 and FP8, Mixtral-8x7B FP8).
 
     python benchmarks/model.py                      # batch 1 (4K prompt) and batch 64 (4K context)
     python benchmarks/model.py --rows 1:4096:0:64   # batch:prompt_len:context_fill:new_tokens
@@ -9,6 +10,8 @@
                                                     # behind 0 / 4000 cached, prefill graphs on
     python benchmarks/model.py --quantize fp8 --baselines torch   # FP8, both default rows
     python benchmarks/model.py --quantize fp8 --kv-dtype fp8 --baselines torch  # + FP8 KV cache
+    python benchmarks/model.py --moe                # MOE_RUNS, each with the default rows
+    python benchmarks/model.py --config qwen3-30b-a3b --quantize fp8   # one of them
 
 Baselines (--baselines, default torch,torch-compile): "torch", the same model in plain torch
 ops with its decode step in the same CUDA graphs; "torch-compile", that decode step under
@@ -28,6 +31,16 @@ model-<quantize>.{json,md}. Memory of the batch-64 row (4048-token context, bf16
 backend, one after the other in one process: FP8 weights ~8.5 GiB (bf16 ~15.0), KV cache 31.6
 GiB, activations ~4.3 GiB (fusedist.generate.memory_estimate; the torch baseline's static cache
 is as large), well within an H200's 141 GB.
+--config names a shipped shape (fusedist.models.llama.NAMED); another config than llama-3-8b
+writes model-<config>[-<quantize>].{json,md}. --moe runs MOE_RUNS one after the other, each
+with the default rows (batch 1 over a 4K prompt, batch 64 behind 4000 cached tokens) beside
+torch and torch.compile, into its own file; its targets (MOE_TARGETS, one H200, TP 1): step
+ms at batch 1 Qwen3-30B-A3B bf16 <= 2.0, FP8 <= 1.4, Mixtral-8x7B FP8 <= 3.4, each >= 1.5x
+torch.compile ("target_vs_compile"); batch 64 Qwen3-30B-A3B FP8 <= 9.0. The MoE weights
+random-initialized, quantized at load and compiled three times a row take minutes: --moe's
+rows time out after MOE_TIMEOUT seconds (--timeout overrides it). Memory, one backend at a
+time: Qwen3-30B-A3B 61 GB bf16 / 31 GB FP8, Mixtral-8x7B 47 GB FP8, plus the batch-64 KV cache
+(25 GB / 34 GB).
 --ttft: rows of batch 1, prompts of 1, 128 and 4096 tokens behind 0 and 4000 cached tokens,
 beside the torch baseline, fusedist with --prefill-graph-tokens (fusedist.generate's default
 512, every row; 0 replays nothing); a table of prefill ms (the first token's forward: the median of 3 warm prefills,
@@ -50,6 +63,14 @@ from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  
 
 TARGETS = {1: 3.7, 64: 11.0}          # ms per decode step by batch, bf16 weights
 FP8_TARGETS = {1: 2.1, 64: 10.0}      # the same, FP8 projection weights (--quantize fp8*)
+# The mixtures of experts: (config, FP8 weights) -> ms per decode step by batch; at batch 1
+# also fusedist's speedup over torch.compile of the same model (MOE_VS_COMPILE).
+MOE_TARGETS = {("qwen3-30b-a3b", False): {1: 2.0}, ("qwen3-30b-a3b", True): {1: 1.4, 64: 9.0},
+               ("mixtral-8x7b", True): {1: 3.4}}
+MOE_VS_COMPILE = 1.5
+MOE_RUNS = [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "fp8"), ("mixtral-8x7b", "fp8")]
+MOE_TIMEOUT = 1800
+DEFAULT_CONFIG = "llama-3-8b"
 TTFT_ROWS = ["1:1:0:2", "1:128:0:2", "1:4096:0:2", "1:1:4000:2", "1:128:4000:2", "1:4096:4000:2"]
 TTFT_TARGET = {"ms": 6.0, "vs_torch": 1.5}   # 128 tokens behind 4000
 PREFILL_TARGET = 550.0
@@ -92,13 +113,17 @@ def report_of(cmd, p: subprocess.CompletedProcess) -> dict:
     return out
 
 
-def targets(quantize: str = "none") -> dict:
-    """The step-time targets (ms by batch) of the weights --quantize names."""
+def targets(quantize: str = "none", config: str = DEFAULT_CONFIG) -> dict:
+    """The step-time targets (ms by batch) of `config` with the weights --quantize names."""
+    if config != DEFAULT_CONFIG:
+        return MOE_TARGETS.get((config, quantize != "none"), {})
     return TARGETS if quantize == "none" else FP8_TARGETS
 
 
-def rows_of(spec: tuple, cmd: str, out: dict, quantize: str = "none") -> list[dict]:
-    """One result row per backend of one generate run (its targets: targets(quantize))."""
+def rows_of(spec: tuple, cmd: str, out: dict, quantize: str = "none",
+            config: str = DEFAULT_CONFIG) -> list[dict]:
+    """One result row per backend of one generate run (its targets: targets(quantize,
+    config); a mixture of experts' batch-1 fusedist row also target_vs_compile)."""
     b, L, fill, new = spec
     t = out["timings"]
     bases = [k for k in t if k != "fusedist"]
@@ -118,7 +143,10 @@ def rows_of(spec: tuple, cmd: str, out: dict, quantize: str = "none") -> list[di
                            if "step_ms" in t[k]} if backend == "fusedist" else {},
             "fusedist_speedup": round(r["step_ms"] / fd["step_ms"], 3)
             if backend != "fusedist" and "step_ms" in fd else None,
-            "target_step_ms": targets(quantize).get(b) if backend == "fusedist" else None,
+            "target_step_ms": targets(quantize, config).get(b) if backend == "fusedist"
+            else None,
+            "target_vs_compile": MOE_VS_COMPILE if backend == "fusedist" and b == 1 and
+            (config, quantize != "none") in MOE_TARGETS else None,
             **{k: v for k, v in r.items() if k not in ("profile_us", "prefill_profile_us")},
             "profile_us": {k: v for k, v in prof.items() if k != "top"},
             "top_kernels_us": prof.get("top"),
@@ -169,10 +197,13 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
 SPEC = ("batch", "prompt_len", "context_fill", "new_tokens")
 
 
-def stem(quantize: str = "none", ttft: bool = False, kv_dtype: str = "auto") -> str:
+def stem(quantize: str = "none", ttft: bool = False, kv_dtype: str = "auto",
+         config: str = DEFAULT_CONFIG) -> str:
     """The results file's stem: model, model-<quantize> for FP8 runs; model-ttft[-<quantize>]
-    for the --ttft rows; -kv<dtype> with --kv-dtype (fusedist's KV cache)."""
+    for the --ttft rows; -kv<dtype> with --kv-dtype (fusedist's KV cache); a config other than
+    llama-3-8b after "model" (model-qwen3-30b-a3b-fp8)."""
     base = "model-ttft" if ttft else "model"
+    base = base if config == DEFAULT_CONFIG else f"{base}-{config}"
     base = base if quantize == "none" else f"{base}-{quantize}"
     return base if kv_dtype == "auto" else f"{base}-kv{kv_dtype}"
 
@@ -199,12 +230,12 @@ def ttft_markdown(rows: list[dict]) -> str:
 
 
 def merged(rows: list[dict], meta: dict, quantize: str = "none", ttft: bool = False,
-           kv_dtype: str = "auto") -> list[dict]:
+           kv_dtype: str = "auto", config: str = DEFAULT_CONFIG) -> list[dict]:
     """rows added to the current results file's rows of other specs (--merge): rows of one
     commit, measured by several commands (one row per command keeps each within a time
     limit). meta's command and reproduce name every command."""
     path = Path(os.environ.get("FUSEDIST_RESULTS_DIR") or RESULTS) / machine_dir(meta) / \
-        f"{stem(quantize, ttft, kv_dtype)}.json"
+        f"{stem(quantize, ttft, kv_dtype, config)}.json"
     if not path.is_file():
         return rows
     doc = json.loads(path.read_text())
@@ -220,7 +251,7 @@ def merged(rows: list[dict], meta: dict, quantize: str = "none", ttft: bool = Fa
     return keep + rows
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, config: str = DEFAULT_CONFIG) -> None:
     """Step time per backend and batch, stacked by kernel class where the row was profiled
     (GEMM, attention, communication, other; the rest of the step, launch gaps included, on
     top): one panel per (batch, context)."""
@@ -250,7 +281,8 @@ def plot(rows: list[dict], path) -> None:
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=len(labels))
     w = {f"{r['weights'].get('format', '?')} ({r['weights'].get('scales', '?')})"
          for r in rows if isinstance(r.get("weights"), dict)}
-    fig.suptitle("Llama-3-8B shape, TP 1" + (f", {', '.join(sorted(w))} weights" if w else "") +
+    name = "Llama-3-8B" if config == DEFAULT_CONFIG else config
+    fig.suptitle(f"{name} shape, TP 1" + (f", {', '.join(sorted(w))} weights" if w else "") +
                  ":\none decode step (CUDA graphs) and its kernel time", fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=110)
@@ -259,7 +291,9 @@ def plot(rows: list[dict], path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="llama-3-8b")
+    ap.add_argument("--config", default=DEFAULT_CONFIG,
+                    help="a shipped shape: llama-3-8b (default), qwen3-30b-a3b, mixtral-8x7b, "
+                    "...")
     ap.add_argument("--rows", nargs="*", default=["1:4096:0:64", "64:16:4000:32"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--baselines", default="torch,torch-compile",
@@ -282,13 +316,18 @@ def main():
     ap.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8"),
                     help="fusedist.generate --kv-dtype: fusedist's KV cache (results to "
                     "<stem>-kvfp8)")
+    ap.add_argument("--moe", action="store_true",
+                    help="the mixture-of-experts runs (MOE_RUNS: qwen3-30b-a3b bf16 and fp8, "
+                    "mixtral-8x7b fp8), each with --rows, to its own results file")
     ap.add_argument("--merge", action="store_true",
                     help="keep the results file's rows of other specs (same commit): one "
                     "command per row, one file")
     args = ap.parse_args()
     if args.plot_only:
         src = Path(args.plot_only)
-        plot(json.loads(src.read_text())["rows"], src.with_suffix(".png"))
+        doc = json.loads(src.read_text())
+        plot(doc["rows"], src.with_suffix(".png"), doc.get("meta", {}).get("config",
+                                                                          DEFAULT_CONFIG))
         print(f"wrote {src.with_suffix('.png')}")
         return
     graphs = args.prefill_graph_tokens
@@ -299,29 +338,54 @@ def main():
             args.baselines = "torch"   # torch-compile's prefill is the eager torch one
     graphs = 512 if graphs is None else graphs   # fusedist.generate's default
     bases = [b.strip() for b in args.baselines.split(",") if b.strip() and b.strip() != "none"]
+    if not args.moe:
+        run_set(args, args.config, args.quantize, bases, graphs)
+        return
+    if args.timeout == ap.get_default("timeout"):
+        args.timeout = MOE_TIMEOUT
+    for config, quantize in MOE_RUNS:
+        run_set(args, config, quantize, bases, graphs)
+
+
+def target_text(quantize: str, config: str) -> str:
+    """The results' line of targets for `config` with `quantize` weights."""
+    goal = targets(quantize, config)
+    steps = ", ".join(f"batch {b} <= {ms}" for b, ms in sorted(goal.items()))
+    if not goal:
+        return f"No targets for {config} with these weights."
+    if config == DEFAULT_CONFIG:
+        return (f"Targets: step ms at {steps}; prefill of 4K tokens >= {PREFILL_TARGET} "
+                "TFLOP/s.")
+    return (f"Targets: step ms at {steps} (one H200, TP 1); at batch 1 fusedist >= "
+            f"{MOE_VS_COMPILE}x torch.compile of the same model.")
+
+
+def run_set(args, config: str, quantize: str, bases: list, graphs: int) -> None:
+    """args.rows of one (config, weights), into one results file."""
     rows = []
     for spec in args.rows:
         b, L, fill, new = map(int, spec.split(":"))
         try:
-            cmd, out = run_row(args.config, b, L, fill, new, args.tp, args.baselines,
-                               args.timeout, args.compile_backend, args.quantize, graphs,
+            cmd, out = run_row(config, b, L, fill, new, args.tp, args.baselines,
+                               args.timeout, args.compile_backend, quantize, graphs,
                                args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
-            print(f"row {spec}: {e}", flush=True)
+            print(f"{config} {quantize} row {spec}: {e}", flush=True)
             continue
-        got = rows_of((b, L, fill, new), cmd, out, args.quantize)
+        got = rows_of((b, L, fill, new), cmd, out, quantize, config)
         rows += got
-        print(f"row {spec}: ids equal across backends: {out.get('ids_match')}", flush=True)
+        print(f"{config} {quantize} row {spec}: ids equal across backends: "
+              f"{out.get('ids_match')}", flush=True)
         print(markdown(got, bases), flush=True)
         print(json.dumps({k: v.get("profile_us", {}).get("top") for k, v in
                           out["timings"].items()}), flush=True)
     meta = metadata(args.tp)
-    meta["config"] = args.config
-    meta["quantize"] = args.quantize
+    meta["config"] = config
+    meta["quantize"] = quantize
     meta["prefill_graph_tokens"] = graphs
     meta["kv_dtype"] = args.kv_dtype
     if args.merge:
-        rows = merged(rows, meta, args.quantize, args.ttft, args.kv_dtype)
+        rows = merged(rows, meta, quantize, args.ttft, args.kv_dtype, config)
     if args.ttft:
         for r in rows:
             if r["backend"] == "fusedist":
@@ -331,17 +395,14 @@ def main():
             f"included); fusedist with --prefill-graph-tokens {graphs}. Target: 128 tokens "
             f"behind 4000 <= {TTFT_TARGET['ms']} ms and >= {TTFT_TARGET['vs_torch']}x torch.")
         print(text, flush=True)
-        for p in write_results(stem(args.quantize, True, args.kv_dtype), meta, rows, text):
+        for p in write_results(stem(quantize, True, args.kv_dtype, config), meta, rows, text):
             print(f"wrote {p}")
         return
-    goal = targets(args.quantize)
-    text = markdown(rows, bases) + (
-        f"\n\nTargets: step ms at batch 1 <= {goal[1]}, batch 64 <= {goal[64]}; prefill "
-        f"of 4K tokens >= {PREFILL_TARGET} TFLOP/s. prefill ms: the median of 3 warm "
-        "prefills; torch-compile's prefill runs eagerly.")
+    text = markdown(rows, bases) + "\n\n" + target_text(quantize, config) + (
+        " prefill ms: the median of 3 warm prefills; torch-compile's prefill runs eagerly.")
     print(text, flush=True)
-    for p in write_results(stem(args.quantize, kv_dtype=args.kv_dtype), meta, rows, text,
-                           plot=lambda path: plot(rows, path)):
+    for p in write_results(stem(quantize, kv_dtype=args.kv_dtype, config=config), meta, rows,
+                           text, plot=lambda path: plot(rows, path, config)):
         print(f"wrote {p}")
 
 

@@ -1,4 +1,5 @@
-"""python -m fusedist.generate: generate tokens with a tensor-parallel Llama-family model.
+"""python -m fusedist.generate: generate tokens with a tensor-parallel Llama-family model (dense,
+or a mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE).
 
     python -m fusedist.generate                                  # GPU: Llama-3-8B shape, random
                                                                  # weights, beside plain torch;
@@ -62,7 +63,8 @@ def parse_args(argv=None):
     src = p.add_argument_group("model")
     src.add_argument("--model",
                      help="Hugging Face checkpoint directory (config.json + safetensors)")
-    src.add_argument("--config", help="named config: llama-3-8b, llama-3.1-8b, llama-3-70b, tiny")
+    src.add_argument("--config", help="named config: llama-3-8b, llama-3.1-8b, llama-3-70b, "
+                     "tiny; mixtures of experts: qwen3-30b-a3b, mixtral-8x7b, tiny-moe")
     src.add_argument("--random-weights", action="store_true", help="seeded random weights")
     src.add_argument("--weights-seed", type=int, default=0)
     src.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
@@ -303,20 +305,34 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
     q, kv = cfg.num_heads // tp * hd, kv_heads_per_rank(cfg.num_kv_heads, tp) * hd
     inter = cfg.intermediate_size // tp
     vocab = padded_vocab(cfg, tp)
-    proj = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]   # qkv, o, gate|up, down
-    layer = 2 * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    # Every projection of every layer as (rows, columns, stacked from parts): qkv, o, and the
+    # MLP's gate|up, down (each expert's and the shared expert's in a mixture of experts).
+    proj, extra, mlp_act = [], 0, 0
+    for i in range(L):
+        proj += [(q + 2 * kv, h, True), (h, q, False)]
+        if not cfg.sparse(i):
+            proj += [(2 * inter, h, True), (h, inter, False)]
+            mlp_act = max(mlp_act, 3 * inter)
+            continue
+        m = cfg.moe
+        e_i, s_i = m.intermediate_size // tp, m.shared_intermediate_size // tp
+        proj += [(2 * e_i, h, True), (h, e_i, False)] * m.num_experts
+        if s_i:
+            proj += [(2 * s_i, h, True), (h, s_i, False)]
+        extra += 4 * (m.num_experts + (1 if s_i else 0)) * h   # float32 router, shared gate
+        mlp_act = max(mlp_act, m.top_k * (3 * e_i + 2 * h) + 3 * s_i)
+    layer = 2 * h + ((q + 2 * kv) if cfg.qkv_bias else 0) + (2 * hd if cfg.qk_norm else 0)
     if quant is None:
-        layer += sum(n * k for n, k in proj)
-        fp8_bytes = 0
+        proj_bytes = elt * sum(n * k for n, k, _ in proj)
     else:
         blocks = lambda n: -(-n // 128)   # noqa: E731
         scales = {"tensor": lambda n, k, stacked: n if stacked else 1,
                   "channel": lambda n, k, stacked: n,
                   "block": lambda n, k, stacked: blocks(n) * blocks(k)}[quant.layout]
-        fp8_bytes = L * sum(n * k + 4 * scales(n, k, i in (0, 2)) for i, (n, k) in
-                            enumerate(proj))
+        proj_bytes = sum(n * k + 4 * scales(n, k, stacked) for n, k, stacked in proj)
     rope = (max_position or seq_len) * hd * 4 * L        # float32 cos|sin per layer
-    weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope + fp8_bytes
+    weights = (L * layer + cfg.vocab_size * h + vocab // tp * h + h) * elt + rope + \
+        proj_bytes + extra
     rows = 1 << (batch - 1).bit_length()
     kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp)
     page_bytes = 2 * L * (kv + 4 * kv_heads if kv_fp8 else kv * elt) * page_size
@@ -324,7 +340,7 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
     kv_cache = need if kv_budget_bytes is None else \
         max(need, int(kv_budget_bytes // page_bytes) * page_bytes)
     tokens = min(prefill_chunk, batch * seq_len)
-    per_token = 4 * h + 2 * q + 2 * kv + 3 * inter
+    per_token = 4 * h + 2 * q + 2 * kv + mlp_act
     activations = 2 * tokens * per_token * max(elt, 4) + 2 * rows * vocab * (elt + 4)
     return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
             "total": weights + kv_cache + activations}
@@ -420,8 +436,8 @@ def prefill_flops(cfg, prompt_lens, context: int) -> float:
     """Model FLOPs of prefilling these prompts (2 per multiply-add; causal attention counted
     over the cached context plus the prompt's own triangle; the LM head on one token each)."""
     h, L = cfg.hidden_size, cfg.num_layers
-    per_tok = 2.0 * L * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h +
-                         3 * h * cfg.intermediate_size)
+    per_tok = 2.0 * (L * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h) +
+                     sum(cfg.mlp_params(i)[1] for i in range(L)))   # a token's routed experts
     total = 0.0
     for n in prompt_lens:
         attn = 4.0 * L * cfg.q_size * (n * context + n * (n + 1) / 2)

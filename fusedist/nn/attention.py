@@ -30,6 +30,10 @@ as fusedist.nn.quant.FP8Rows (e4m3 rows + per-token scales, from a norm's FP8 ou
 module: the qkv GEMM takes it as it is. takes_fp8_input(rows) says where that pays: where the
 qkv GEMM would quantize a bf16 x per token itself (row-wise torch._scaled_mm: per-tensor or
 per-channel scales, past the GEMV's rows, sm_90+).
+
+qk_norm=True (Qwen3): each head of q and of k is RMS-normalized over head_dim with a learned
+[head_dim] weight (q_norm, k_norm: replicated, load_qk_norm) after the qkv GEMM and before RoPE,
+in float32 and rounded once to the module's dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 
 from ..comm.communicator import Communicator, GroupLike, get_communicator, resolve_group
 from ..ops.attention import DecodePlan, PrefillPlan, decode, prefill, rope_append, rope_cos_sin
@@ -107,7 +112,8 @@ class TPAttention(torch.nn.Module):
                  rope_base: float = 10000.0, rope_scaling: Optional[dict] = None,
                  max_position: int = 8192, rope_style: str = "neox", group: GroupLike = None,
                  dtype=None, device=None, rotary_dim: Optional[int] = None,
-                 softmax_scale: Optional[float] = None, fp8_layout: Optional[str] = None):
+                 softmax_scale: Optional[float] = None, fp8_layout: Optional[str] = None,
+                 qk_norm: bool = False, qk_norm_eps: float = 1e-6):
         super().__init__()
         self.comm = None
         if group is not None or is_initialized():
@@ -151,6 +157,13 @@ class TPAttention(torch.nn.Module):
             self.o_weight = FP8Weight.empty(hidden_size, self.q_heads * head_dim, fp8_layout,
                                             device)
         self.qkv_bias = p(rows) if qkv_bias else None
+        if qk_norm and not (isinstance(qk_norm_eps, float) and qk_norm_eps > 0):
+            raise ValueError(f"TPAttention: qk_norm_eps must be a float > 0, got {qk_norm_eps!r}")
+        self.qk_norm_eps = qk_norm_eps
+        ones = lambda: torch.nn.Parameter(torch.ones(head_dim, dtype=dtype, device=device),  # noqa
+                                          requires_grad=False)
+        self.q_norm = ones() if qk_norm else None
+        self.k_norm = ones() if qk_norm else None
         self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_position, rope_base,
                                                      rope_scaling, device=device,
                                                      rotary_dim=rotary_dim), persistent=False)
@@ -213,6 +226,20 @@ class TPAttention(torch.nn.Module):
             self.qkv_bias.copy_(torch.cat([q_b, k_b, v_b]))
         return self
 
+    @torch.no_grad()
+    def load_qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor):
+        """The [head_dim] weights of the q and k head norms (qk_norm=True modules)."""
+        if self.q_norm is None:
+            raise ValueError("TPAttention.load_qk_norm: this module was built with "
+                             "qk_norm=False")
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if tuple(w.shape) != (self.head_dim,):
+                raise ValueError(f"TPAttention.load_qk_norm: {name} must be [{self.head_dim}], "
+                                 f"got {list(w.shape)}")
+        self.q_norm.copy_(q_norm)
+        self.k_norm.copy_(k_norm)
+        return self
+
     def _check_kinds(self, op: str, **weights) -> None:
         """FP8Weights (of the module's scale layout) exactly when fp8_layout is set."""
         for name, w in weights.items():
@@ -266,6 +293,9 @@ class TPAttention(torch.nn.Module):
         q = qkv[:, :hq * D].view(T, hq, D)
         k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
         v = qkv[:, (hq + hk) * D:].view(T, hk, D)
+        if self.q_norm is not None:
+            q = F.rms_norm(q.float(), (D,), self.q_norm.float(), self.qk_norm_eps).to(q.dtype)
+            k = F.rms_norm(k.float(), (D,), self.k_norm.float(), self.qk_norm_eps).to(k.dtype)
         k_cache, v_cache, k_scale, v_scale = cache.layer(layer)
         rope_append(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
                     style=self.rope_style, k_scale=k_scale, v_scale=v_scale)
@@ -290,4 +320,5 @@ class TPAttention(torch.nn.Module):
         return (f"hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads} "
                 f"(per rank {self.q_heads}/{self.kv_heads}), head_dim={self.head_dim}, "
                 f"tp={self.tp_size}, rope={self.rope_style}"
-                + (f", fp8 {self.fp8_layout} scales" if self.fp8_layout else ""))
+                + (f", fp8 {self.fp8_layout} scales" if self.fp8_layout else "")
+                + (", q/k norm" if self.q_norm is not None else ""))

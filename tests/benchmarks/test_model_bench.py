@@ -125,3 +125,30 @@ def test_ttft_table():
     assert model.stem("none", ttft=True) == "model-ttft"
     assert model.stem("fp8", ttft=True) == "model-ttft-fp8"
     assert [tuple(map(int, s.split(":"))) for s in model.TTFT_ROWS][4] == (1, 128, 4000, 2)
+
+
+def test_moe_rows_targets_and_stems():
+    """The mixture-of-experts runs: each (config, weights) its own file and targets; the
+    batch-1 fusedist row carries the 1.5x-torch.compile target; Llama's stay as they were."""
+    assert model.stem("none", config="qwen3-30b-a3b") == "model-qwen3-30b-a3b"
+    assert model.stem("fp8", config="mixtral-8x7b") == "model-mixtral-8x7b-fp8"
+    assert model.stem("fp8") == "model-fp8" and model.stem() == "model"
+    assert [(c, q) for c, q in model.MOE_RUNS] == [("qwen3-30b-a3b", "none"),
+                                                  ("qwen3-30b-a3b", "fp8"),
+                                                  ("mixtral-8x7b", "fp8")]
+    for (config, quantize), b1, b64 in ((("qwen3-30b-a3b", "none"), 2.0, None),
+                                        (("qwen3-30b-a3b", "fp8"), 1.4, 9.0),
+                                        (("mixtral-8x7b", "fp8"), 3.4, None)):
+        one = model.rows_of((1, 4096, 0, 64), "cmd", _out(), quantize, config)
+        many = model.rows_of((64, 16, 4000, 32), "cmd", _out(), quantize, config)
+        assert one[0]["target_step_ms"] == b1 and many[0]["target_step_ms"] == b64
+        assert one[0]["target_vs_compile"] == model.MOE_VS_COMPILE == 1.5
+        assert many[0]["target_vs_compile"] is None and one[2]["target_vs_compile"] is None
+        assert "at batch 1 fusedist >= 1.5x torch.compile" in model.target_text(quantize, config)
+    llama = model.rows_of((1, 16, 0, 8), "cmd", _out())
+    assert llama[0]["target_vs_compile"] is None and llama[0]["target_step_ms"] == 3.7
+    assert model.target_text("none", "llama-3-8b").startswith(
+        "Targets: step ms at batch 1 <= 3.7, batch 64 <= 11.0; prefill of 4K tokens >= ")
+    assert model.target_text("none", "tiny-moe") == "No targets for tiny-moe with these weights."
+    assert model.rows_of((1, 16, 0, 8), "cmd", _out(), "none", "tiny-moe")[0][
+        "target_vs_compile"] is None

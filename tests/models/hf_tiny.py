@@ -44,11 +44,46 @@ FP8_KINDS = {
 }
 
 
+# Mixtures of experts and dense Qwen3 (q/k RMSNorm), kept out of KINDS too
+# (tests/models/test_moe_models.py iterates them): odd expert counts, top-k 2 and 3, expert
+# intermediate sizes whose TP 2 shards are not whole 16-byte vectors, a dense layer beside a
+# sparse one (decoder_sparse_step, mlp_only_layers), a shared expert, tied embeddings.
+MOE_KINDS = {
+    "mixtral": ("Mixtral", dict(vocab_size=256, hidden_size=64, intermediate_size=48,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                num_local_experts=5, num_experts_per_tok=2,
+                                sliding_window=None), {}),
+    # layer 0 dense (decoder_sparse_step 2), layer 1 sparse with the shared expert
+    "qwen2_moe": ("Qwen2Moe", dict(vocab_size=250, hidden_size=64, intermediate_size=80,
+                                   num_attention_heads=4, num_key_value_heads=4, num_experts=6,
+                                   num_experts_per_tok=3, moe_intermediate_size=40,
+                                   shared_expert_intermediate_size=56, norm_topk_prob=False,
+                                   decoder_sparse_step=2, tie_word_embeddings=True), {}),
+    # layer 0 sparse, layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3Moe", dict(vocab_size=256, hidden_size=64, intermediate_size=80,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_experts=7, num_experts_per_tok=2,
+                                   moe_intermediate_size=40, norm_topk_prob=True,
+                                   mlp_only_layers=[1]), {}),
+    "qwen3": ("Qwen3", dict(vocab_size=256, hidden_size=64, intermediate_size=96,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32), {}),
+}
+# A Qwen3-MoE whose projections are whole 128 x 128 blocks at TP 1 and 2 (experts' gate / up
+# 256 rows: 128 per rank), for the FP8 checkpoints.
+MOE_FP8_KINDS = {
+    "qwen3_moe_fp8": ("Qwen3Moe", dict(vocab_size=320, hidden_size=256, intermediate_size=512,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=128, num_experts=5, num_experts_per_tok=2,
+                                       moe_intermediate_size=256, norm_topk_prob=True), {}),
+}
+
+
 def make_checkpoint(kind: str, path: str, seed: int = 0, dtype=None) -> str:
-    """kind of KINDS or FP8_KINDS, saved in `dtype` (default: as created, float32)."""
+    """kind of KINDS, FP8_KINDS, MOE_KINDS or MOE_FP8_KINDS, saved in `dtype` (default: as
+    created, float32)."""
     import transformers
 
-    cls_name, kw, save_kw = {**KINDS, **FP8_KINDS}[kind]
+    cls_name, kw, save_kw = {**KINDS, **FP8_KINDS, **MOE_KINDS, **MOE_FP8_KINDS}[kind]
     cfg_cls = getattr(transformers, f"{cls_name}Config")
     model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
     cfg = cfg_cls(num_hidden_layers=2, max_position_embeddings=256, initializer_range=INIT,

@@ -1,17 +1,22 @@
-"""Llama-family decoders (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5) on fusedist: config.py
-(LlamaConfig from config.json), weights.py (checkpoint readers and the TP shard rules),
-model.py (fusedist's model), baseline.py (the plain-torch baseline on the same weights)."""
+"""Llama-family decoders (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3) and their
+mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE) on fusedist: config.py
+(LlamaConfig from config.json, MoeConfig), weights.py (checkpoint readers and the TP shard
+rules), model.py (fusedist's model), baseline.py (the plain-torch baseline on the same
+weights), moe.py (both with a mixture of experts in the sparse layers)."""
 
 import torch
 
 from .baseline import TorchTransformer
-from .config import NAMED, SUPPORTED_ARCHITECTURES, LlamaConfig, WeightQuant
+from .config import NAMED, SUPPORTED_ARCHITECTURES, LlamaConfig, MoeConfig, WeightQuant
 from .model import Transformer
+from .moe import MoeTransformer, TorchMoeTransformer
 from .weights import (QUANTIZE, RandomWeights, SafetensorsWeights, WeightSource, open_weights,
                       resolve_quant)
 
 # backend -> the model class (the CLI's --baseline torch / torch-compile build "torch").
 BACKENDS = {"fusedist": Transformer, "torch": TorchTransformer}
+# The same for a config with a mixture of experts (cfg.moe).
+MOE_BACKENDS = {"fusedist": MoeTransformer, "torch": TorchMoeTransformer}
 
 
 def build_model(cfg: LlamaConfig, src: WeightSource, *, backend: str = "fusedist", group=None,
@@ -26,11 +31,13 @@ def build_model(cfg: LlamaConfig, src: WeightSource, *, backend: str = "fusedist
     if backend not in BACKENDS:
         raise ValueError(f"fusedist.models: backend must be one of {tuple(BACKENDS)}, got "
                          f"{backend!r}")
-    m = BACKENDS[backend](cfg, group=group, dtype=dtype, device=device,
-                          max_position=max_position, quant=resolve_quant(cfg, quantize, src))
+    classes = MOE_BACKENDS if cfg.moe is not None else BACKENDS
+    m = classes[backend](cfg, group=group, dtype=dtype, device=device,
+                         max_position=max_position, quant=resolve_quant(cfg, quantize, src))
     return m.load(src, progress).eval()
 
 
-__all__ = ["LlamaConfig", "NAMED", "SUPPORTED_ARCHITECTURES", "Transformer", "TorchTransformer",
-           "build_model", "BACKENDS", "WeightSource", "SafetensorsWeights", "RandomWeights",
+__all__ = ["LlamaConfig", "MoeConfig", "NAMED", "SUPPORTED_ARCHITECTURES", "Transformer",
+           "TorchTransformer", "MoeTransformer", "TorchMoeTransformer", "build_model", "BACKENDS",
+           "MOE_BACKENDS", "WeightSource", "SafetensorsWeights", "RandomWeights",
            "open_weights", "WeightQuant", "QUANTIZE", "resolve_quant"]

@@ -177,6 +177,11 @@ class TorchAttention(torch.nn.Module):
             self.wqkv = FP8Weight.empty(n, cfg.hidden_size, fp8_layout, device)
             self.wo = FP8Weight.empty(cfg.hidden_size, self.heads * hd, fp8_layout, device)
         self.bqkv = p(n) if cfg.qkv_bias else None
+        self.norm_eps = cfg.rms_norm_eps
+        self.q_norm = torch.nn.Parameter(torch.ones(hd, dtype=dtype, device=device),
+                                         requires_grad=False) if cfg.qk_norm else None
+        self.k_norm = torch.nn.Parameter(torch.ones(hd, dtype=dtype, device=device),
+                                         requires_grad=False) if cfg.qk_norm else None
         cos, sin = rope_tables(hd, max_position, cfg.rope_theta, cfg.rope_scaling, device, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -192,13 +197,22 @@ class TorchAttention(torch.nn.Module):
         if self.bqkv is not None:
             self.bqkv.copy_(torch.cat((q_b, k_b, v_b)))
 
+    @torch.no_grad()
+    def load_qk_norm(self, q_norm, k_norm):
+        self.q_norm.copy_(q_norm)
+        self.k_norm.copy_(k_norm)
+
     def forward(self, x, positions, cache: StaticKVCache, layer: int, meta, seq_rows=None):
         T, H, KH, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = torch_linear(x, self.wqkv, self.bqkv)
         q, k, v = qkv.split((H * D, KH * D, KH * D), dim=-1)
+        q, k = q.view(T, H, D), k.view(T, KH, D)
+        if self.q_norm is not None:   # Qwen3: RMSNorm of each head, in fp32
+            q = F.rms_norm(q.float(), (D,), self.q_norm.float(), self.norm_eps).to(q.dtype)
+            k = F.rms_norm(k.float(), (D,), self.k_norm.float(), self.norm_eps).to(k.dtype)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        q = _rotate(q.view(T, H, D), cos, sin)
-        k = _rotate(k.view(T, KH, D), cos, sin)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
         v = v.view(T, KH, D)
         kc, vc = cache.k[layer], cache.v[layer]
         with sdpa_priority(x.device, SDPA_BACKENDS):
@@ -284,7 +298,7 @@ class TorchTransformer(Transformer):
         return TorchAttention(self.cfg, self.tp, self.rank, self.max_position, self.dtype,
                               self.device, self.fp8_layout)
 
-    def _mlp(self) -> torch.nn.Module:
+    def _mlp(self, layer: int) -> torch.nn.Module:
         return TorchMLP(self.cfg, self.tp, self.dtype, self.device, self.fp8_layout)
 
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):

@@ -4,8 +4,16 @@
     cfg = LlamaConfig.from_hf_config(json.load(open(path)))  # the parsed dict
     cfg = LlamaConfig.named("llama-3-8b")                    # shipped shapes (no network)
 
-Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"), MistralForCausalLM and
-Qwen2ForCausalLM (Qwen2 / 2.5: biases on q, k, v). Anything else raises with the list.
+Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"), MistralForCausalLM,
+Qwen2ForCausalLM (Qwen2 / 2.5: biases on q, k, v) and Qwen3ForCausalLM (a per-head RMSNorm of q
+and k: qk_norm), and the mixture-of-experts decoders built on the same attention (cfg.moe, a
+MoeConfig): MixtralForCausalLM (every layer's MLP 8 experts, top 2, renormalized),
+Qwen2MoeForCausalLM (q/k/v biases; a shared expert gated by sigmoid(shared_expert_gate(x));
+norm_topk_prob; decoder_sparse_step / mlp_only_layers leave some layers dense) and
+Qwen3MoeForCausalLM (q/k RMSNorm, norm_topk_prob, mlp_only_layers). Anything else raises with
+the list, and so does a router the model does not serve (MoeConfig.UNSUPPORTED_KEYS: scoring
+other than softmax, group-limited or biased selection, a routed scaling factor, jitter at
+inference).
 
 FP8 checkpoints (cfg.quant, a WeightQuant, from config.json's quantization_config; the
 projections q/k/v/o, gate/up, down are e4m3 with float32 scales, everything else is
@@ -34,9 +42,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM") + MOE_ARCHITECTURES
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Architectures whose attention RMS-normalizes each head of q and k (over head_dim, with a
+# learned [head_dim] weight each) before RoPE.
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # config.json keys without a default (Hugging Face's names).
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
@@ -193,6 +208,92 @@ def _parse_compressed_tensors(q: dict, fail) -> WeightQuant:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts decoder. Each sparse layer routes every token to
+    top_k of num_experts SwiGLU experts (intermediate_size each) by softmax over the router's
+    logits, the top_k probabilities renormalized to sum to 1 when `renormalize`, and adds a
+    shared SwiGLU expert of shared_intermediate_size scaled by sigmoid(shared_expert_gate(x))
+    when that is > 0 (Qwen2-MoE). Layers in dense_layers have the decoder's dense MLP
+    (LlamaConfig.intermediate_size) instead."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool = True
+    shared_intermediate_size: int = 0
+    dense_layers: tuple = ()
+
+    # config.json keys of routers fusedist does not serve (DeepSeek-style scoring, group-limited
+    # selection, a routed scaling factor, shared experts counted as experts); each with the
+    # value that means "not used".
+    UNSUPPORTED_KEYS = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1,
+                        "topk_group": 1, "routed_scaling_factor": 1.0, "n_shared_experts": 0,
+                        "num_shared_experts": 0, "moe_layer_freq": 1}
+
+    def __post_init__(self):
+        for k in ("num_experts", "top_k", "intermediate_size"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"MoeConfig: {k} must be a positive int, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoeConfig: top_k={self.top_k} exceeds num_experts="
+                             f"{self.num_experts}")
+        s = self.shared_intermediate_size
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"MoeConfig: shared_intermediate_size must be an int >= 0, got "
+                             f"{s!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts."""
+        return layer not in self.dense_layers
+
+
+def _parse_moe(arch: str, d: dict, size, fail, num_layers: int) -> MoeConfig:
+    """The MoeConfig of a mixture-of-experts config.json (Hugging Face's keys)."""
+    for key, neutral in MoeConfig.UNSUPPORTED_KEYS.items():
+        v = d.get(key)
+        if v is not None and v != neutral:
+            fail(f"{key}={v!r} is not supported; fusedist's {arch} routes by softmax top-k "
+                 f"({key} {neutral!r} or absent)")
+    def need(key: str, what: str) -> int:
+        if d.get(key) is None:
+            fail(f"has no {key!r}; {arch} needs it ({what})")
+        return size(key)
+
+    names = ("num_local_experts", "num_experts")
+    given = {k: d[k] for k in names if d.get(k) is not None}
+    if not given:
+        fail(f"has no 'num_local_experts' or 'num_experts'; {arch} needs the expert count")
+    if len(set(given.values())) > 1:
+        fail(f"num_local_experts={given['num_local_experts']!r} and num_experts="
+             f"{given['num_experts']!r} disagree")
+    num_experts = size(next(iter(given)))
+    top_k = need("num_experts_per_tok", "the experts each token is routed to")
+    if top_k > num_experts:
+        fail(f"num_experts_per_tok={top_k} exceeds the {num_experts} experts")
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(num_experts, top_k, size("intermediate_size"), renormalize=True)
+    inter = need("moe_intermediate_size", "each expert's intermediate size")
+    renorm = d.get("norm_topk_prob", False)
+    if not isinstance(renorm, bool):
+        fail(f"norm_topk_prob must be true or false, got {renorm!r}")
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = need("shared_expert_intermediate_size",
+                      "the shared expert's intermediate size")
+    step = size("decoder_sparse_step", required=False, default=1)
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+            for i in only):
+        fail(f"mlp_only_layers must be a list of layer indices in [0, {num_layers}), got "
+             f"{d.get('mlp_only_layers')!r}")
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return MoeConfig(num_experts, top_k, inter, renormalize=renorm,
+                     shared_intermediate_size=shared, dense_layers=dense)
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int
@@ -212,6 +313,8 @@ class LlamaConfig:
     eos_token_ids: tuple = ()
     sliding_window: Optional[int] = None  # Mistral: sequences stay within it (not applied)
     quant: Optional[WeightQuant] = None  # FP8 projections of the checkpoint (quantization_config)
+    qk_norm: bool = False              # Qwen3: RMSNorm of each q / k head before RoPE
+    moe: Optional[MoeConfig] = None    # the sparse MLP of a mixture-of-experts decoder
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -226,6 +329,10 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
+        if self.moe is not None and any(not 0 <= i < self.num_layers
+                                        for i in self.moe.dense_layers):
+            raise ValueError(f"LlamaConfig: moe.dense_layers {list(self.moe.dense_layers)} "
+                             f"must be layer indices in [0, {self.num_layers})")
 
     @property
     def q_size(self) -> int:
@@ -235,11 +342,36 @@ class LlamaConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (cfg.moe)."""
+        return self.moe is not None and self.moe.sparse(layer)
+
+    def mlp_params(self, layer: int) -> tuple[int, int]:
+        """(parameters, those a token uses) of `layer`'s MLP."""
+        h = self.hidden_size
+        if not self.sparse(layer):
+            return 3 * h * self.intermediate_size, 3 * h * self.intermediate_size
+        m = self.moe
+        expert, router = 3 * h * m.intermediate_size, m.num_experts * h
+        shared = 3 * h * m.shared_intermediate_size + h if m.shared_intermediate_size else 0
+        return m.num_experts * expert + router + shared, m.top_k * expert + router + shared
+
+    def _params(self, active: bool) -> int:
+        h, v = self.hidden_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h + \
+            (2 * self.head_dim if self.qk_norm else 0)
+        mlp = sum(self.mlp_params(i)[int(active)] for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return self.num_layers * layer + v * h + head + h
+        return self.num_layers * attn + mlp + v * h + head + h
+
+    def num_params(self) -> int:
+        """Every parameter of the model (all experts of a mixture of experts)."""
+        return self._params(active=False)
+
+    def active_params(self) -> int:
+        """The parameters one token's forward multiplies by: num_params() less the experts it
+        is not routed to (top_k of num_experts in each sparse layer)."""
+        return self._params(active=True)
 
     def replace(self, **kw) -> "LlamaConfig":
         return dataclasses.replace(self, **kw)
@@ -339,14 +471,23 @@ class LlamaConfig:
         quant = parse_quantization(d.get("quantization_config"), fail)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        qkv_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias = True
+        elif arch == "Qwen2MoeForCausalLM":
+            qkv_bias = d.get("qkv_bias", True)    # Hugging Face's default: biases on q, k, v
+            if not isinstance(qkv_bias, bool):
+                fail(f"qkv_bias must be true or false, got {qkv_bias!r}")
+        else:
+            qkv_bias = bool(d.get("attention_bias", False))
+        moe = _parse_moe(arch, d, size, fail, layers) if arch in MOE_ARCHITECTURES else None
         return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                    num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=number("rms_norm_eps", 1e-6), rope_theta=rope_theta,
                    rope_scaling=scaling, max_position=max_position,
                    qkv_bias=qkv_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
-                   sliding_window=window, quant=quant, name=name, extra=dict(d))
+                   sliding_window=window, quant=quant, qk_norm=arch in _QK_NORM, moe=moe,
+                   name=name, extra=dict(d))
 
     @classmethod
     def from_dir(cls, path: str) -> "LlamaConfig":
@@ -387,4 +528,28 @@ NAMED = {
     "tiny": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=2,
                         num_heads=4, num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
                         max_position=2048, name="tiny"),
+    # Mixtures of experts: the published config.json of Qwen/Qwen3-30B-A3B and
+    # mistralai/Mixtral-8x7B-v0.1 (30.5 B and 46.7 B parameters, 3.3 B and 12.9 B per token).
+    "qwen3-30b-a3b": LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                 rms_norm_eps=1e-6, rope_theta=1000000.0, max_position=40960,
+                                 bos_token_id=151643, eos_token_ids=(151645,), qk_norm=True,
+                                 moe=MoeConfig(num_experts=128, top_k=8, intermediate_size=768,
+                                               renormalize=True),
+                                 architecture="Qwen3MoeForCausalLM", name="qwen3-30b-a3b"),
+    "mixtral-8x7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, rms_norm_eps=1e-5,
+                                rope_theta=1000000.0, max_position=32768, bos_token_id=1,
+                                eos_token_ids=(2,),
+                                moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=14336,
+                                              renormalize=True),
+                                architecture="MixtralForCausalLM", name="mixtral-8x7b"),
+    # A Qwen3-MoE shape small enough for the CPU at TP 2 (8 experts, top 2).
+    "tiny-moe": LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                            rms_norm_eps=1e-6, rope_theta=10000.0, max_position=2048,
+                            qk_norm=True, moe=MoeConfig(num_experts=8, top_k=2,
+                                                        intermediate_size=128,
+                                                        renormalize=True),
+                            architecture="Qwen3MoeForCausalLM", name="tiny-moe"),
 }

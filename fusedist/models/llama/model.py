@@ -172,8 +172,8 @@ class Transformer(torch.nn.Module):
         self.embed = _param(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                         device=device))
         self.layers = torch.nn.ModuleList(
-            Block(self._attention(), self._mlp(), cfg.hidden_size, dtype, device)
-            for _ in range(cfg.num_layers))
+            Block(self._attention(), self._mlp(i), cfg.hidden_size, dtype, device)
+            for i in range(cfg.num_layers))
         self.norm = _param(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
         self.lm_head = _param(torch.empty(self.vocab_shard, cfg.hidden_size, dtype=dtype,
                                           device=device))
@@ -184,7 +184,8 @@ class Transformer(torch.nn.Module):
                            qkv_bias=cfg.qkv_bias, rope_base=cfg.rope_theta,
                            rope_scaling=cfg.rope_scaling, max_position=self.max_position,
                            rope_style="neox", group=self.comm, dtype=self.dtype,
-                           device=self.device, fp8_layout=self.fp8_layout)
+                           device=self.device, fp8_layout=self.fp8_layout,
+                           qk_norm=cfg.qk_norm, qk_norm_eps=cfg.rms_norm_eps)
 
     # ---- weights -------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,7 +216,6 @@ class Transformer(torch.nn.Module):
                 self.lm_head[:v1 - v0].copy_(rd("lm_head.weight", 0, v0, v1))
         hd, qn = cfg.head_dim, self.local_heads * cfg.head_dim
         k0, k1 = self.kv_first * hd, (self.kv_first + self.local_kv_heads) * hd
-        inter = cfg.intermediate_size // self.tp
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -226,15 +226,24 @@ class Transformer(torch.nn.Module):
                 q.update(q_b=rd(a + "q_proj.bias", 0, r * qn, (r + 1) * qn),
                          k_b=rd(a + "k_proj.bias", 0, k0, k1), v_b=rd(a + "v_proj.bias", 0, k0, k1))
             load_attention_shard(layer.attn, **q)
+            if cfg.qk_norm:
+                layer.attn.load_qk_norm(rd(a + "q_norm.weight"), rd(a + "k_norm.weight"))
             layer.input_norm.copy_(rd(p + "input_layernorm.weight"))
             layer.post_norm.copy_(rd(p + "post_attention_layernorm.weight"))
-            m = p + "mlp."
-            i0, i1 = r * inter, (r + 1) * inter
-            layer.mlp.load_shard(proj(m + "gate_proj", 0, i0, i1), proj(m + "up_proj", 0, i0, i1),
-                                 proj(m + "down_proj", 1, i0, i1))
+            self._load_mlp(i, layer.mlp, src, rd, proj)
             if progress is not None:
                 progress(i + 1, cfg.num_layers)
         return self
+
+    def _load_mlp(self, i: int, mlp, src: WeightSource, rd, proj) -> None:
+        """Layer i's MLP from src: rd(name, dim, start, stop) reads a tensor in the model
+        dtype, proj(name, dim, start, stop) a projection as self.quant holds it (the MoE
+        decoders override this)."""
+        m, r = f"model.layers.{i}.mlp.", self.rank
+        inter = self.cfg.intermediate_size // self.tp
+        i0, i1 = r * inter, (r + 1) * inter
+        mlp.load_shard(proj(m + "gate_proj", 0, i0, i1), proj(m + "up_proj", 0, i0, i1),
+                       proj(m + "down_proj", 1, i0, i1))
 
     def _max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """t's elementwise max over the tensor-parallel group (weights quantized at load take
@@ -269,7 +278,8 @@ class Transformer(torch.nn.Module):
         return logits[:, :self.cfg.vocab_size]
 
     # ---- the ops of a step (the torch baseline overrides these) ---------------------------
-    def _mlp(self) -> torch.nn.Module:
+    def _mlp(self, layer: int) -> torch.nn.Module:
+        """Layer `layer`'s MLP module."""
         return MLP(self.cfg, self.tp, self.dtype, self.device, self.fp8_layout)
 
     def _attend(self, attn, x, positions, cache, layer, meta, seq_rows):
@@ -346,7 +356,7 @@ class Transformer(torch.nn.Module):
         """Model FLOPs of one token at `context` cached tokens (2 per multiply-add; attention
         counted at its causal average when used for a prefill of `context` tokens)."""
         c = self.cfg
-        return 2.0 * (c.num_params() - c.vocab_size * c.hidden_size) + \
+        return 2.0 * (c.active_params() - c.vocab_size * c.hidden_size) + \
             4.0 * c.num_layers * c.q_size * context
 
 

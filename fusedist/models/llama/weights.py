@@ -17,7 +17,10 @@ would not apply; the error names the tensor and its file.
 
 The sharding rules: Transformer.load (model.py) names which dimension of which tensor is split;
 fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated when tp > kv
-heads), for the model, TPAttention and the tests alike.
+heads), for the model, TPAttention and the tests alike. A mixture of experts (cfg.moe:
+moe_names gives Mixtral's and Qwen-MoE's tensor names) splits every expert's gate / up by rows
+and down by columns like the dense MLP, the shared expert likewise; the routers are
+replicated (moe.py).
 
 FP8 (the projections q/k/v/o, gate/up, down; docs/design/fp8.md): resolve_quant says how a run
 holds them (config.quant.WeightQuant, or None for the model dtype): read from an FP8 checkpoint
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -54,41 +57,87 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+class MoeNames(NamedTuple):
+    """A sparse layer's tensors as Hugging Face names them: the router's weight, each expert's
+    (gate, up, down) projections and the shared expert's (Qwen2-MoE; None without one), as
+    projection names (`<name>.weight` is the tensor), and the shared expert's gate weight."""
+    router: str
+    experts: list
+    shared: Optional[tuple]
+    shared_gate: Optional[str]
+
+
+def moe_names(cfg: LlamaConfig, layer: int) -> MoeNames:
+    """The tensors of sparse layer `layer`: Mixtral's block_sparse_moe.experts.{e}.w1 (gate),
+    w3 (up), w2 (down); Qwen-MoE's mlp.experts.{e}.gate_proj / up_proj / down_proj and
+    mlp.shared_expert.* / mlp.shared_expert_gate."""
+    m = cfg.moe
+    if cfg.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        experts = [tuple(f"{p}experts.{e}.{w}" for w in ("w1", "w3", "w2"))
+                   for e in range(m.num_experts)]
+    else:
+        p = f"model.layers.{layer}.mlp."
+        experts = [tuple(f"{p}experts.{e}.{w}_proj" for w in ("gate", "up", "down"))
+                   for e in range(m.num_experts)]
+    shared = tuple(f"{p}shared_expert.{w}_proj" for w in ("gate", "up", "down")) \
+        if m.shared_intermediate_size else None
+    return MoeNames(p + "gate.weight", experts, shared,
+                    p + "shared_expert_gate.weight" if shared else None)
+
+
+def _mlp_projections(cfg: LlamaConfig, layer: int) -> list[tuple[str, str]]:
+    """(projection name, "gate" | "up" | "down") of every projection of `layer`'s MLP."""
+    if not cfg.sparse(layer):
+        return [(f"model.layers.{layer}.mlp.{x}_proj", x) for x in ("gate", "up", "down")]
+    n = moe_names(cfg, layer)
+    groups = n.experts + ([n.shared] if n.shared else [])
+    return [(name, kind) for g in groups for name, kind in zip(g, ("gate", "up", "down"))]
+
+
 def hf_names(cfg: LlamaConfig) -> list[str]:
     """Every tensor a checkpoint of cfg must hold (HF names)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        if cfg.qkv_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    return names
+    return list(expected_tensors(cfg))
 
 
 def projection_names(cfg: LlamaConfig) -> list[str]:
-    """The FP8-able projections' weight names (q/k/v/o, gate/up, down of every layer)."""
-    return [f"model.layers.{i}.{p}.weight" for i in range(cfg.num_layers) for p in PROJECTIONS]
+    """The FP8-able projections' weight names: q/k/v/o and the MLP's gate/up, down of every
+    layer (every expert's, and the shared expert's; not the routers)."""
+    return [f"model.layers.{i}.self_attn.{x}_proj.weight" for i in range(cfg.num_layers)
+            for x in "qkvo"] + \
+        [name + ".weight" for i in range(cfg.num_layers) for name, _ in _mlp_projections(cfg, i)]
+
+
+def _mlp_splits(cfg: LlamaConfig) -> list[tuple[str, int]]:
+    """(config key, size) of every intermediate dimension tensor parallelism splits: the dense
+    MLP's (when a layer has one), each expert's and the shared expert's."""
+    out = []
+    if any(not cfg.sparse(i) for i in range(cfg.num_layers)):
+        out.append(("intermediate_size", cfg.intermediate_size))
+    m = cfg.moe
+    if m is not None:
+        out.append(("intermediate_size" if cfg.architecture == "MixtralForCausalLM" else
+                    "moe_intermediate_size", m.intermediate_size))
+        if m.shared_intermediate_size:
+            out.append(("shared_expert_intermediate_size", m.shared_intermediate_size))
+    return list(dict.fromkeys(out))
 
 
 def check_tp(cfg: LlamaConfig, tp: int, quant: Optional[WeightQuant] = None) -> None:
-    for what, n in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+    for what, n in [("num_heads", cfg.num_heads)] + _mlp_splits(cfg):
         if n % tp:
             raise ValueError(f"fusedist.models: {what}={n} of {cfg.name or 'the model'} is not "
                              f"divisible by tp={tp}; pick a tp that divides it")
     kv_head_range(cfg.num_kv_heads, tp, 0)   # raises when the kv heads do not split evenly
     if quant is not None and quant.layout == "block":
         hd = cfg.head_dim
-        for what, n in ((f"q rows (o_proj columns) per rank: num_attention_heads / tp x head_dim "
+        mlp = [(f"gate / up rows (down_proj columns) per rank: {what} / tp = {n} / {tp}",
+                n // tp) for what, n in _mlp_splits(cfg)]
+        for what, n in [(f"q rows (o_proj columns) per rank: num_attention_heads / tp x head_dim "
                          f"= {cfg.num_heads} / {tp} x {hd}", cfg.num_heads // tp * hd),
                         (f"k / v rows per rank: kv heads per rank x head_dim = "
                          f"{kv_heads_per_rank(cfg.num_kv_heads, tp)} x {hd}",
-                         kv_heads_per_rank(cfg.num_kv_heads, tp) * hd),
-                        (f"gate / up rows (down_proj columns) per rank: intermediate_size / tp = "
-                         f"{cfg.intermediate_size} / {tp}", cfg.intermediate_size // tp)):
+                         kv_heads_per_rank(cfg.num_kv_heads, tp) * hd)] + mlp:
             if n % 128:
                 raise ValueError(
                     f"fusedist.models: FP8 weights with 128 x 128 block scales are split and "
@@ -343,9 +392,16 @@ def expected_tensors(cfg: LlamaConfig) -> dict:
     def t(*dims):
         return tuple(d for d, _ in dims), "[" + ", ".join(w for _, w in dims) + "]"
 
+    D = (cfg.head_dim, "head_dim")
     s = {"model.embed_tokens.weight": t(V, H), "model.norm.weight": t(H)}
     if not cfg.tie_word_embeddings:
         s["lm_head.weight"] = t(V, H)
+    m = cfg.moe
+    if m is not None:
+        E = (m.num_experts, "num_experts")
+        EI = (m.intermediate_size, "intermediate_size" if cfg.architecture ==
+              "MixtralForCausalLM" else "moe_intermediate_size")
+        S = (m.shared_intermediate_size, "shared_expert_intermediate_size")
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
         s[p + "input_layernorm.weight"] = t(H)
@@ -358,9 +414,21 @@ def expected_tensors(cfg: LlamaConfig) -> dict:
             s[p + "self_attn.q_proj.bias"] = t(q)
             s[p + "self_attn.k_proj.bias"] = t(kv)
             s[p + "self_attn.v_proj.bias"] = t(kv)
-        s[p + "mlp.gate_proj.weight"] = t(I, H)
-        s[p + "mlp.up_proj.weight"] = t(I, H)
-        s[p + "mlp.down_proj.weight"] = t(H, I)
+        if cfg.qk_norm:
+            s[p + "self_attn.q_norm.weight"] = t(D)
+            s[p + "self_attn.k_norm.weight"] = t(D)
+        if not cfg.sparse(n):
+            s[p + "mlp.gate_proj.weight"] = t(I, H)
+            s[p + "mlp.up_proj.weight"] = t(I, H)
+            s[p + "mlp.down_proj.weight"] = t(H, I)
+            continue
+        names = moe_names(cfg, n)
+        s[names.router] = t(E, H)
+        for name, kind in _mlp_projections(cfg, n):
+            inner = S if ".shared_expert." in name else EI
+            s[name + ".weight"] = t(H, inner) if kind == "down" else t(inner, H)
+        if names.shared_gate:
+            s[names.shared_gate] = t((1, "1"), H)
     return s
 
 
@@ -424,8 +492,8 @@ def check_weights(src: WeightSource, cfg: LlamaConfig, quant=_DEFAULT) -> None:
             if fp8:
                 raise ValueError(
                     f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8); "
-                    "fusedist keeps embeddings, norms and the LM head in the model dtype: a "
-                    "checkpoint that quantizes them is not read")
+                    "fusedist keeps embeddings, norms and the LM head (and MoE routers) in the "
+                    "model dtype: a checkpoint that quantizes them is not read")
             raise ValueError(
                 f"fusedist.models: tensor {name!r} in {src.location(name)} is {dt} (FP8), but "
                 f"config.json has no quantization_config that says how; {_NO_FP8}")
