@@ -640,6 +640,8 @@ def test_cuda_graph_replays_new_routings(T, path, wdt, xq):
     _need_kernels()
     if xq is not None and path == "gemv":
         pytest.skip("an e4m3 x runs the grouped GEMM")
+    if wdt == "block" and path == "gemm":
+        xq = "group"   # the GEMM takes block weights with x in e4m3 per 128 k (a bf16 x: the GEMV)
     gen = _gen("cuda")
     E, k, N, K = 64, 8 if path == "gemv" else 4, 512, 1024
     ids, layout = _layout(T, E, k, "balanced", gen, "cuda", align=8)
