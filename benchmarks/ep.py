@@ -87,6 +87,9 @@ def bench_low_latency(rt, buf, x, ids, w, ops: int, reps: int, emulated: bool):
     with torch.cuda.graph(gd, stream=torch.cuda.Stream(dev), capture_error_mode=mode):
         for _ in range(ops):
             buf.dispatch(x, ids, w)
+    # Entering a capture synchronizes the device: no rank may be inside one then (ranks
+    # emulated as threads of one process share the device).
+    rt.world.barrier()
     with torch.cuda.graph(gc, stream=torch.cuda.Stream(dev), capture_error_mode=mode):
         for _ in range(ops):
             buf.combine(y, h)

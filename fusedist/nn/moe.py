@@ -73,6 +73,7 @@ from ..ops.moe import (MoeLayout, RouterSpec, grouped_gemm, grouped_gemm_referen
                        route, sort_by_expert, unpermute)
 from ..ops.moe.grouped_gemm import W_DTYPES as GEMM_W_DTYPES
 from ..ops.moe.grouped_gemm import plan as gemm_plan
+from ..ops.moe.grouped_gemm import preferred_path
 from ..ops.moe.grouped_gemm import why_not as gemm_why_not
 from ..ops.quantize_rows import quantize_groups, quantize_rows
 from ..ops.silu_mul import silu_mul
@@ -395,9 +396,16 @@ class MoE(torch.nn.Module):
                       "(Runner(cuda_graphs=False))", RuntimeError)
             h = grouped_gemm_reference(permute(x, layout), w13, layout)
             return grouped_gemm_reference(_silu_mul(h), w2, layout)
-        up_plan = gemm_plan(x, w13, layout, gather=True)
-        gather = up_plan.path == "gemv"
-        path = up_plan.path if gather else gemm_plan(x, w13, layout).path
+        # The tuning table's choice for this many pairs decides the activations' form: bf16 x
+        # read in token order by the grouped GEMV (gather), or permuted rows for the GEMM, in
+        # e4m3 where the experts are FP8 (the GEMM multiplies e4m3 operands only).
+        want = preferred_path(x.device, layout.tokens * layout.top_k) if x.is_cuda else None
+        if want == "gemv" or (want is None and
+                              gemm_plan(x, w13, layout, gather=True).path == "gemv"):
+            path, gather = "gemv", True
+        else:
+            gather = False
+            path = want if want is not None else gemm_plan(x, w13, layout).path
         if capturing and path == "reference":
             _fail("a CUDA-graph capture needs the grouped GEMM kernel: its plain-torch "
                   f"reference reads the routing on the host ({gemm_why_not(x, w13)}); "
@@ -410,7 +418,7 @@ class MoE(torch.nn.Module):
         else:
             xq, sx = permute(x, layout, quant=quant)
             h = grouped_gemm(xq, w13, layout, w_scale=s13, x_scale=sx)
-        down_quant = self._x_quant(gemm_plan(h[:, :self.inter], w2, layout).path)
+        down_quant = self._x_quant(path)
         if down_quant is None:
             return grouped_gemm(_silu_mul(h), w2, layout, w_scale=s2)
         if down_quant == "token" and self.inter % 8 == 0:

@@ -300,6 +300,19 @@ def why_not(x: torch.Tensor, w: torch.Tensor, path: str = "gemm",
     return _kernel_answer(x, w, layout, path, w_scale, x_scale, gather)[0]
 
 
+def preferred_path(device, pairs: int) -> str:
+    """The kernel the tuning table picks for `pairs` (token, slot) pairs on `device` before the
+    operands are known: "gemv" up to moe.gemv_max_pairs, "gemm" above (where it runs), else
+    "reference". A layer with FP8 experts asks this to decide whether to quantize its
+    activations for the GEMM (which takes e4m3 x only) or keep them bf16 for the GEMV."""
+    device = torch.device(device)
+    gemv = _ext.kernel_runs("moe_grouped_gemv", device)
+    gemm = _ext.kernel_runs("moe_grouped_gemm", device)
+    if gemv and (pairs <= tuning.knobs("moe", device)["gemv_max_pairs"] or not gemm):
+        return "gemv"
+    return "gemm" if gemm else "reference"
+
+
 def plan(x: torch.Tensor, w: torch.Tensor, layout: MoeLayout, gather: bool = False, *,
          w_scale: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
          path: Optional[str] = None, max_ctas: int = 0) -> GroupedGemmPlan:
