@@ -236,6 +236,19 @@ def test_models_refuse_bad_ep(rt):
         Runner(ref, max_batch=2, max_seq_len=32).generate(prompts, 4).ids
 
 
+def test_llm_ep(rt):
+    """LLM(ep=True): refused on a dense model before anything is built; over one rank the
+    model's experts are all here and its ids those of ep=False."""
+    from fusedist.models import LLM
+
+    with pytest.raises(ValueError, match=r"tiny is a dense model"):
+        LLM(config="tiny", random_weights=True, ep=True)
+    kw = dict(config="tiny-moe", random_weights=True, max_batch=1, max_seq_len=32)
+    with LLM(ep=True, **kw) as a, LLM(**kw) as b:
+        assert a.model.ep and not b.model.ep
+        assert a.generate([1, 2, 3], 6).ids == b.generate([1, 2, 3], 6).ids
+
+
 # ---- GPU tier ------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
