@@ -12,7 +12,8 @@ or a mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE).
     python -m fusedist.generate --model /ckpt/Meta-Llama-3-8B --quantize fp8   # FP8 weights
 
 Launched like every fusedist job (torchrun, mpirun, srun: fusedist.init()); --tp defaults to
-the launcher's world size. Progress goes to stderr on rank 0; results to stdout on rank 0
+the launcher's world size. --ep shards a mixture of experts' experts over that group (expert
+parallelism; attention stays tensor-parallel): num_experts must divide by it. Progress goes to stderr on rank 0; results to stdout on rank 0
 (one JSON object with --json).
 
 Baselines run in the same process after fusedist, on the same weights: "torch" is the same
@@ -68,6 +69,10 @@ def parse_args(argv=None):
     src.add_argument("--random-weights", action="store_true", help="seeded random weights")
     src.add_argument("--weights-seed", type=int, default=0)
     src.add_argument("--tp", type=int, help="tensor-parallel size (default: the world size)")
+    src.add_argument("--ep", action="store_true",
+                     help="expert parallelism: a mixture of experts' experts sharded over the "
+                     "tensor-parallel group (num_experts / tp whole experts a rank), attention "
+                     "tensor-parallel; the baselines keep tensor-parallel experts")
     src.add_argument("--dtype", default="auto", choices=["auto"] + sorted(DTYPES),
                      help="auto (default): the checkpoint's torch_dtype on GPU (bfloat16 when "
                      "it names float32 or none), float32 on CPU")
@@ -256,7 +261,7 @@ def _load(args, tp: int):
         src = open_weights(args.model if not args.random_weights else None, cfg,
                            args.weights_seed if args.random_weights else None)
         args.quant = resolve_quant(cfg, args.quantize, src)
-        check_tp(cfg, tp, args.quant)
+        check_tp(cfg, tp, args.quant, ep=args.ep)
         check_weights(src, cfg, args.quant)   # headers only; Transformer.load checks the same
     except (ValueError, KeyError, OSError) as e:
         _fail(_message(e))
@@ -501,7 +506,7 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
     model = build_model(cfg, src, backend="torch" if backend.startswith("torch") else backend,
                         group=rt.tp, dtype=dtype, device=device,
                         max_position=max_position, progress=prog.stage(f"[{backend}] loading"),
-                        quantize=args.quantize)
+                        quantize=args.quantize, ep=args.ep and backend == "fusedist")
     load_s = time.perf_counter() - t0
     budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
     runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
@@ -566,6 +571,9 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                     out[key] = _round(what())
                 except Exception as e:  # noqa: BLE001 - the timings stand without it
                     out[key.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
+        if getattr(model, "ep", False):
+            out["ep"] = True
+            model.close()   # the expert-parallel Buffers (collective)
     finally:
         del runner, model
         if compiled:
@@ -694,7 +702,8 @@ def weight_format(quant, dtype) -> dict:
 
 def report(args, cfg, rt, dtype, prompts, results, tok):
     fd = results["fusedist"]
-    summary = {"model": args.model or args.config, "tp": rt.tp.size, "world": rt.world_size,
+    summary = {"model": args.model or args.config, "tp": rt.tp.size, "ep": args.ep,
+               "world": rt.world_size,
                "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
                "weights": weight_format(getattr(args, "quant", None), dtype),
                "batch": len(prompts), "prompt_len": len(prompts[0]), "prompt_ids": prompts[0],

@@ -76,7 +76,9 @@ class LLM:
     the default sampling; generate() and stream() override them per call.
     prefill_graph_tokens: Runner's (prompts of up to that many tokens prefill through CUDA
     graphs; default 512, 0 prefills eagerly). kv_dtype: Runner's (torch.float8_e4m3fn for an
-    e4m3 KV cache with per-token-head scales; default the model's dtype)."""
+    e4m3 KV cache with per-token-head scales; default the model's dtype). ep=True: a mixture
+    of experts' experts sharded over the tp group (expert parallelism; attention stays
+    tensor-parallel; num_experts must divide by the group's size)."""
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[str] = None,
                  random_weights: bool = False, weights_seed: int = 0, dtype="auto",
@@ -84,7 +86,7 @@ class LLM:
                  max_seq_len: Optional[int] = None, page_size: int = 16,
                  cuda_graphs: Optional[bool] = None, quantize: str = "none",
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
-                 kv_dtype: Optional[torch.dtype] = None):
+                 kv_dtype: Optional[torch.dtype] = None, ep: bool = False):
         if (model is None) == (config is None):
             raise ValueError("fusedist.LLM: pass exactly one of model (a checkpoint directory) "
                              "and config (a named shape, with random_weights=True)")
@@ -105,7 +107,7 @@ class LLM:
             src = open_weights(None if random_weights else model, cfg,
                                weights_seed if random_weights else None)
             quant = resolve_quant(cfg, quantize, src)
-            check_tp(cfg, rt.tp.size, quant)
+            check_tp(cfg, rt.tp.size, quant, ep=ep)
             check_weights(src, cfg, quant)
             self.cfg = cfg
             self.dtype = resolve_dtype(dtype, cfg, self.device)
@@ -115,7 +117,7 @@ class LLM:
             self.max_seq_len = min(limit, 4096) if max_seq_len is None else max_seq_len
             self.model = build_model(cfg, src, group=rt.tp, dtype=self.dtype,
                                      device=self.device, max_position=self.max_seq_len,
-                                     quantize=quantize)
+                                     quantize=quantize, ep=ep)
             self.runner = Runner(self.model, max_batch=max_batch, max_seq_len=self.max_seq_len,
                                  page_size=page_size, cuda_graphs=cuda_graphs,
                                  prefill_graph_tokens=prefill_graph_tokens,
@@ -224,11 +226,15 @@ class LLM:
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the runner (graphs, KV cache); shut fusedist down if this LLM started it."""
+        """Release the runner (graphs, KV cache) and the expert-parallel Buffers (ep); shut
+        fusedist down if this LLM started it."""
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
             self.runner = None
+        model = getattr(self, "model", None)
+        if getattr(model, "ep", False):
+            model.close()
         if self._owns_runtime and runtime.is_initialized():
             self._owns_runtime = False
             runtime.shutdown()

@@ -239,6 +239,15 @@ class Runner:
         self.prefill_graph_tokens = prefill_graph_tokens if self.cuda_graphs and \
             _prefill_graphs_fit(model) else 0
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
+        # A model whose MoE layers exchange tokens (expert parallelism) sizes its Buffers from
+        # the largest step and the largest captured step (collective: every rank builds the
+        # same runner).
+        reserve = getattr(model, "reserve_tokens", None)
+        if reserve is not None:
+            graph_tokens = max(self.max_rows if self.cuda_graphs else 0,
+                               prefill_token_bucket(min(prefill_chunk, self.prefill_graph_tokens))
+                               if self.prefill_graph_tokens else 0)
+            reserve(max(prefill_chunk, self.max_rows, graph_tokens), graph_tokens)
         page_bytes = model.kv_bytes_per_token(self.kv_dtype) * page_size
         need = self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:

@@ -35,11 +35,32 @@ reduces together with the residual add and the next RMSNorm (all_reduce_add_rmsn
 does the dense MLP's down projection: one exchange per layer. The shared expert's gate is
 replicated: sum_r sigmoid(g x) p_r = sigmoid(g x) sum_r p_r.
 
+Expert parallelism (ep=True): the experts are sharded over the group instead, expert e on
+rank e // (E / world) (fusedist.ep's balanced map; E % world == 0), each rank holding its
+experts' whole intermediate (w13 [E/world, 2 I, H], w2 [E/world, H, I]); load_expert takes
+this rank's experts only (self.experts). x is replicated, so every rank routes all T tokens
+(the same logits and ids, to the bit, as one rank holding every expert) and takes a balanced
+contiguous share of them (token_share: any T, shares may be empty). The share goes through a
+fusedist.ep.Buffer (ExpertExchange: sized once from the runner's largest steps, shared by a
+model's sparse layers): dispatch brings each rank the rows of its experts, grouped by local
+expert, which the grouped GEMMs take as they are (a MoeLayout of the received segments:
+per-local-expert counts and offsets, identity rows), and combine returns each token's
+weighted sum in slot order, bitwise fusedist.ops.moe.unpermute's. The rows land in an
+otherwise-zero partial [T, H] (plus the shared expert's tensor-parallel partial, which stays
+split over its intermediate), so the model's all_reduce_add_rmsnorm adds exact zeros to one
+nonzero partial per row. Every expert's received segment holds exactly that expert's rows of
+the one-rank layout, in the same order, so without a shared expert the layer's output is
+bitwise the output of the layer holding every expert wherever the experts' GEMMs give a
+segment bits that depend on that segment alone: the per-expert reference matmul (float32 and
+the CPU) and the grouped GEMM kernel do; the grouped GEMV splits K by every expert's count,
+so decode-size bf16 steps agree within bf16 rounding.
+
 CUDA graphs: the buffer's rows depend on T alone, the counts and offsets stay on the device,
 and the shared expert's stream is forked from and joined to the caller's by events, so a
 captured step replays with new routings. A path that reads the routing on the host (the
 grouped GEMM's plain-torch reference, where its kernel does not run) refuses to be captured
-with an error saying why.
+with an error saying why. With ep a captured step uses the Buffer's low-latency kernels (no
+host synchronization); where they cannot run, capture is refused by name.
 
 FP8 (fp8_layout "tensor" | "channel" | "block"): every expert's weights are e4m3 with float32
 scales that multiply, as fusedist.nn.quant.FP8Weight holds a dense weight, stacked by
@@ -69,11 +90,13 @@ from .. import _dtypes
 from ..comm.communicator import Communicator, GroupLike, resolve_group
 from ..comm.streams import comm_stream
 from ..distributed.runtime import is_initialized
+from ..ep import Buffer
 from ..ops.moe import (MoeLayout, RouterSpec, grouped_gemm, grouped_gemm_reference, permute,
                        route, sort_by_expert, unpermute)
 from ..ops.moe.grouped_gemm import W_DTYPES as GEMM_W_DTYPES
 from ..ops.moe.grouped_gemm import plan as gemm_plan
 from ..ops.moe.grouped_gemm import preferred_path
+from ..ops.moe.grouped_gemm import run as gemm_run
 from ..ops.moe.grouped_gemm import why_not as gemm_why_not
 from ..ops.quantize_rows import quantize_groups, quantize_rows
 from ..ops.silu_mul import silu_mul
@@ -191,6 +214,138 @@ def _experts_of(w) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return (w.data, w.scale) if isinstance(w, FP8Experts) else (w, None)
 
 
+# ---- expert parallelism: the exchange -----------------------------------------------------
+
+def token_share(tokens: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s balanced contiguous share [lo, hi) of `tokens` replicated tokens: the
+    first tokens % world ranks take one more (shares may be empty: 1 token over 2 ranks)."""
+    base, extra = divmod(tokens, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+class ExpertExchange:
+    """The fusedist.ep Buffers of expert-parallel MoE layers of one shape (group, hidden,
+    experts, top-k, dtype), sized in model terms and shared by the layers (a model's sparse
+    layers run one after another, so one exchange serves them all).
+
+    reserve(max_tokens, graph_tokens) sizes them (collective over the group; the Runner
+    calls it through the model with its largest step and its largest captured step):
+      * on CUDA, for steps of up to graph_tokens tokens, a Buffer of graph_tokens / world
+        tokens per rank with every mode the group can run (the low-latency kernels, which a
+        CUDA graph captures, where they run), and for larger steps a high-throughput Buffer of
+        max_tokens / world tokens per rank (a low-latency buffer of prefill size would take
+        GBs), where the group runs that mode;
+      * on CPUs one Buffer of max_tokens / world tokens per rank (all-to-all over gloo).
+    A layer that steps before anything was reserved reserves its own step's tokens (every
+    rank runs the same step, so the call is collective); a step with more tokens per rank
+    than the largest Buffer holds runs in pieces of that many (the same number on every
+    rank). reserve() with more tokens than the Buffers hold makes new ones; the old ones stay
+    open (a graph captured on them may still replay) until close().
+
+    step(T, capturing) -> (buffer, mode, tokens per rank a call takes): the smallest Buffer
+    that holds the step's share, in the mode the cost model predicts faster at that share
+    (from values every rank shares: ranks with one token more or less agree); a captured step
+    takes the low-latency mode, which must run here."""
+
+    def __init__(self, group, hidden: int, num_experts: int, top_k: int, dtype):
+        self.group, self.hidden, self.num_experts, self.top_k, self.dtype = \
+            group, hidden, num_experts, top_k, dtype
+        self.buffers: list = []         # ascending tokens per rank
+        self.retired: list = []
+        self.why_no_large = ""
+        self._modes: dict = {}
+
+    @property
+    def world(self) -> int:
+        return self.group.size
+
+    def _buffer(self, per_rank: int, mode: str) -> Buffer:
+        return Buffer(self.group, self.hidden, per_rank, self.num_experts, self.top_k,
+                      self.dtype, mode=mode)
+
+    def covers(self, max_tokens: int, graph_tokens: int = 0) -> bool:
+        """The Buffers hold steps of max_tokens in one piece, and captured steps of
+        graph_tokens in a low-latency Buffer (where one exists)."""
+        if not self.buffers:
+            return False
+        W = self.world
+        top = self.buffers[-1].max_tokens_per_rank
+        if top < -(-max_tokens // W) and not (self.why_no_large and len(self.buffers) == 1):
+            return False
+        ll = [b for b in self.buffers if not b.why_not["low_latency"]]
+        return not graph_tokens or not ll or ll[0].max_tokens_per_rank >= -(-graph_tokens // W)
+
+    def reserve(self, max_tokens: int, graph_tokens: int = 0) -> None:
+        """Size the Buffers (class docstring). Collective over the group."""
+        for name, v in (("max_tokens", max_tokens), ("graph_tokens", graph_tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                _fail(f"reserve: {name} must be an int >= 0, got {v!r}")
+        max_tokens = max(max_tokens, graph_tokens, 1)
+        if self.covers(max_tokens, graph_tokens):
+            return
+        W = self.world
+        cuda = self.group.device.type == "cuda"
+        small = -(-max(graph_tokens, 1) // W) if cuda and graph_tokens else None
+        large = -(-max_tokens // W)
+        new, why_no_large = [], ""
+        try:
+            if small is not None:
+                new.append(self._buffer(small, "auto"))
+            if small is None or large > small:
+                if not cuda:
+                    new.append(self._buffer(large, "auto"))
+                else:
+                    try:
+                        new.append(self._buffer(large, "high_throughput"))
+                    except ValueError as e:   # every rank alike: the group cannot run it
+                        why_no_large = str(e)
+                        if not new:   # the low-latency mode at that size, or an error why not
+                            new.append(self._buffer(large, "auto"))
+        except BaseException:
+            for b in new:
+                b.close()
+            raise
+        self.retired += self.buffers
+        self.buffers, self.why_no_large, self._modes = new, why_no_large, {}
+
+    def step(self, tokens: int, capturing: bool) -> tuple:
+        """(buffer, mode, tokens per rank one call takes) for a step of `tokens` tokens."""
+        per_rank = -(-tokens // self.world)
+        if not self.buffers:
+            if capturing:
+                _fail("the expert-parallel exchange has no Buffer yet, and a CUDA-graph capture "
+                      "cannot make one (a collective allocation): call reserve(max_tokens, "
+                      "graph_tokens) first (fusedist.models.Runner does, through the model)",
+                      RuntimeError)
+            self.reserve(tokens)
+        if capturing:
+            ll = [b for b in self.buffers if not b.why_not["low_latency"]]
+            if not ll:
+                _fail("a CUDA-graph capture of an expert-parallel step needs the Buffer's "
+                      "low-latency mode, which cannot run here ("
+                      f"{self.buffers[0].why_not['low_latency']}); run this step eagerly "
+                      "(Runner(cuda_graphs=False), --no-graphs)", RuntimeError)
+            return ll[0], "low_latency", ll[0].max_tokens_per_rank
+        fits = [b for b in self.buffers if b.max_tokens_per_rank >= per_rank]
+        buf = fits[0] if fits else self.buffers[-1]
+        cap = buf.max_tokens_per_rank
+        key = (id(buf), min(per_rank, cap))
+        mode = self._modes.get(key)
+        if mode is None:
+            ok = [m for m in ("low_latency", "high_throughput") if not buf.why_not[m]]
+            mode = min(ok, key=lambda m: sum(buf.predict(m, key[1])[f] for f in
+                                             ("dispatch_us", "combine_us")))
+            self._modes[key] = mode
+        return buf, mode, cap
+
+    def close(self) -> None:
+        """Close every Buffer (collective)."""
+        bufs, self.buffers, self.retired = self.retired + self.buffers, [], []
+        for b in bufs:
+            b.close()
+
+
 # ---- the layer -------------------------------------------------------------------------------
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:
@@ -203,13 +358,16 @@ class MoE(torch.nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int,
                  router: RouterSpec, *, shared_intermediate_size: int = 0,
                  group: GroupLike = None, dtype=None, device=None,
-                 fp8_layout: Optional[str] = None):
+                 fp8_layout: Optional[str] = None, ep: bool = False):
         super().__init__()
         if group is not None or is_initialized():
             g = group.group if isinstance(group, Communicator) else resolve_group(group)
             self.tp_size, self.tp_rank, default_device = g.size, g.rank, g.device
         else:   # no fusedist.init(): a single-process layer
+            g = None
             self.tp_size, self.tp_rank, default_device = 1, 0, torch.device("cpu")
+        if not isinstance(ep, bool):
+            _fail(f"ep must be True or False, got {ep!r}", TypeError)
         device = torch.device(device) if device is not None else default_device
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         for name, v, lo in (("hidden_size", hidden_size, 1), ("num_experts", num_experts, 1),
@@ -221,29 +379,50 @@ class MoE(torch.nn.Module):
             _fail(f"router must be a fusedist.ops.moe.RouterSpec, got {type(router).__name__}",
                   TypeError)
         router.check(num_experts)   # top-k, groups, scaling that fit num_experts
-        for name, n in (("intermediate_size", intermediate_size),
-                        ("shared_intermediate_size", shared_intermediate_size)):
-            if n % self.tp_size:
-                _fail(f"{name}={n} is not divisible by the tensor-parallel size {self.tp_size}; "
+        # Expert parallelism shards the experts over the group (whole intermediates); without
+        # it every expert's intermediate is split. The shared expert is split either way.
+        self.ep_size = self.tp_size if ep else 1
+        self.ep_rank = self.tp_rank if ep else 0
+        if ep and num_experts % self.ep_size:
+            _fail(f"ep=True shards the experts over the group: num_experts={num_experts} is not "
+                  f"divisible by the group's size {self.ep_size}; use a group size among "
+                  f"{[w for w in range(1, num_experts + 1) if num_experts % w == 0]}, or ep=False")
+        expert_split = 1 if ep else self.tp_size
+        for name, n, split in (("intermediate_size", intermediate_size, expert_split),
+                               ("shared_intermediate_size", shared_intermediate_size,
+                                self.tp_size)):
+            if n % split:
+                _fail(f"{name}={n} is not divisible by the tensor-parallel size {split}; "
                       "pick a size that divides it")
         if fp8_layout is not None:
             if fp8_layout not in LAYOUTS:
                 _fail(f"fp8_layout must be None or one of {LAYOUTS}, got {fp8_layout!r}")
             if FP8 is None:
                 _fail("fp8_layout needs a torch with float8_e4m3fn", RuntimeError)
-            for name, n in (("intermediate_size", intermediate_size),
-                            ("shared_intermediate_size", shared_intermediate_size)):
-                if fp8_layout == "block" and n and (n // self.tp_size) % BLOCK:
+            for name, n, split in (("intermediate_size", intermediate_size, expert_split),
+                                   ("shared_intermediate_size", shared_intermediate_size,
+                                    self.tp_size)):
+                if fp8_layout == "block" and n and (n // split) % BLOCK:
+                    what = f"{name} / tp = {n} / {split} = {n // split}" if split > 1 else \
+                        f"{name} = {n} (whole experts: ep)"
                     _fail(f"block-scaled FP8 experts stack gate | up in whole 128-row blocks, "
-                          f"and {name} / tp = {n} / {self.tp_size} = {n // self.tp_size} is "
-                          "not a multiple of 128; pick a tp whose shards are whole blocks, or "
-                          "per-channel scales")
+                          f"and {what} is not a multiple of 128; pick a tp whose shards are "
+                          "whole blocks, or per-channel scales")
         self.hidden_size, self.num_experts, self.spec = hidden_size, num_experts, router
-        self.inter = intermediate_size // self.tp_size
+        self.inter = intermediate_size // expert_split
         self.shared_inter = shared_intermediate_size // self.tp_size
         self.dtype, self.fp8_layout = dtype, fp8_layout
-        E, H, I = num_experts, hidden_size, self.inter
-        self.router = _param(torch.zeros(E, H, dtype=torch.float32, device=device))
+        # The experts this rank holds: global ids [expert_start, expert_start + local_experts),
+        # local expert l at index l of w13 / w2 (fusedist.ep's balanced map).
+        self.local_experts = num_experts // self.ep_size
+        self.expert_start = self.ep_rank * self.local_experts
+        self.group = g
+        # The dispatch / combine Buffers (expert parallelism over more than one rank only);
+        # layers of one shape may share one (the models' sparse layers do).
+        self.exchange = ExpertExchange(g, hidden_size, num_experts, router.top_k, dtype) \
+            if self.ep_size > 1 else None
+        E, H, I = self.local_experts, hidden_size, self.inter   # E: the experts held here
+        self.router = _param(torch.zeros(num_experts, H, dtype=torch.float32, device=device))
         if fp8_layout is None:
             self.w13 = _param(torch.zeros(E, 2 * I, H, dtype=dtype, device=device))
             self.w2 = _param(torch.zeros(E, H, I, dtype=dtype, device=device))
@@ -266,6 +445,29 @@ class MoE(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self.router.device
+
+    @property
+    def ep(self) -> bool:
+        """The experts are sharded over the group (expert parallelism over > 1 rank)."""
+        return self.ep_size > 1
+
+    @property
+    def experts(self) -> range:
+        """The global ids of the experts this rank holds (all of them without ep)."""
+        return range(self.expert_start, self.expert_start + self.local_experts)
+
+    def reserve(self, max_tokens: int, graph_tokens: int = 0) -> None:
+        """Size the expert-parallel exchange for steps of up to max_tokens tokens, of which
+        those up to graph_tokens may be captured in CUDA graphs (ExpertExchange.reserve).
+        Collective over the group: every rank calls it with the same values. Nothing without
+        ep."""
+        if self.exchange is not None:
+            self.exchange.reserve(max_tokens, graph_tokens)
+
+    def close(self) -> None:
+        """Release the expert-parallel Buffers (collective; nothing without ep)."""
+        if self.exchange is not None:
+            self.exchange.close()
 
     # ---- weights ---------------------------------------------------------------------------
     def _check_kind(self, what: str, w, shape: tuple) -> None:
@@ -294,22 +496,29 @@ class MoE(torch.nn.Module):
     @torch.no_grad()
     def load_expert(self, e: int, gate, up, down) -> "MoE":
         """Expert e's shard on this rank: gate and up rows [I/tp, hidden], down columns
-        [hidden, I/tp]; tensors, or FP8Weights (of the layer's fp8_layout)."""
+        [hidden, I/tp]; tensors, or FP8Weights (of the layer's fp8_layout). With ep, e is one
+        of this rank's experts (self.experts) and the shard is the whole expert: gate and up
+        [I, hidden], down [hidden, I]."""
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < self.num_experts:
             _fail(f"expert index must be an int in [0, {self.num_experts}), got {e!r}")
+        if e not in self.experts:
+            _fail(f"expert {e} lives on rank {e // self.local_experts} of the expert-parallel "
+                  f"group; this rank (rank {self.ep_rank}) holds experts "
+                  f"[{self.experts.start}, {self.experts.stop}): load only those")
         H, I = self.hidden_size, self.inter
         for what, w, shape in (("gate", gate, (I, H)), ("up", up, (I, H)),
                                ("down", down, (H, I))):
             self._check_kind(f"expert {e} {what}", w, shape)
+        l = e - self.expert_start   # noqa: E741 - the local expert's index
         if self.fp8_layout is None:
-            self.w13[e, :I].copy_(gate)
-            self.w13[e, I:].copy_(up)
-            self.w2[e].copy_(down)
+            self.w13[l, :I].copy_(gate)
+            self.w13[l, I:].copy_(up)
+            self.w2[l].copy_(down)
         else:
             what = f"expert {e} gate | up rows"
-            self.w13.set_expert(e, FP8Weight.cat_rows([gate.to(self.device), up.to(self.device)],
+            self.w13.set_expert(l, FP8Weight.cat_rows([gate.to(self.device), up.to(self.device)],
                                                       what), what)
-            self.w2.set_expert(e, down.to(self.device), f"expert {e} down")
+            self.w2.set_expert(l, down.to(self.device), f"expert {e} down")
         return self
 
     @torch.no_grad()
@@ -349,6 +558,8 @@ class MoE(torch.nn.Module):
                   f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
+        if self.ep:
+            return self._forward_ep(x)
         side = None
         if self.shared_inter and x.is_cuda:
             main = torch.cuda.current_stream(x.device)
@@ -371,6 +582,65 @@ class MoE(torch.nn.Module):
             shared.record_stream(main)
         return unpermute(y, layout, weights, residual=shared)
 
+    def _forward_ep(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism (module docstring): this rank's share of the tokens through the
+        exchange, into an otherwise-zero partial (plus the shared expert's partial)."""
+        if torch.compiler.is_compiling():
+            _fail("expert parallelism (ep=True) does not run under torch.compile: its exchange "
+                  "makes host-side calls; compile a model built with ep=False", RuntimeError)
+        T = x.shape[0]
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        main = side = shared = None
+        if self.shared_inter and x.is_cuda:
+            main = torch.cuda.current_stream(x.device)
+            side = comm_stream(x.device, 1)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self._shared(x)
+            x.record_stream(side)
+        elif self.shared_inter:
+            shared = self._shared(x)
+        # Every rank routes all T tokens (the same logits, to the bit, as one rank holding
+        # every expert: a GEMM's rows can round differently at another row count), then
+        # dispatches its share.
+        ids, weights = self.routing(x)
+        buf, mode, cap = self.exchange.step(T, capturing)
+        lo, hi = token_share(T, self.ep_size, self.ep_rank)
+        per_rank = -(-T // self.ep_size)
+        out = torch.zeros_like(x)
+        for p in range(-(-per_rank // cap)):   # the same count on every rank
+            a = min(lo + p * cap, hi)
+            b = min(a + cap, hi)
+            recv_x, counts, handle = buf.dispatch(x[a:b], ids[a:b], weights[a:b], mode=mode)
+            y = self._received_experts(recv_x, counts, handle, min(per_rank, cap))
+            out[a:b] = buf.combine(y, handle)
+        if side is not None:
+            main.wait_stream(side)
+            shared.record_stream(main)
+        if shared is not None:
+            out.add_(shared)
+        return out
+
+    def _received_experts(self, recv_x: torch.Tensor, counts: torch.Tensor, handle,
+                          tokens: int) -> torch.Tensor:
+        """This rank's experts over the rows a dispatch brought ([R, H], grouped by local
+        expert, counts int32 [L]): the layout of the received segments (no permute: the rows
+        are in expert order already), gate|up, silu_mul, down -> [R, H] in recv_x's dtype.
+        tokens: tokens per rank of the step, whose (token, slot) pairs pick the kernel as a
+        step of that many pairs on one rank would (the low-latency R is a capacity)."""
+        R, H = recv_x.shape
+        if R == 0:
+            return recv_x.new_empty(0, H)
+        dev = recv_x.device
+        offsets = handle.recv_offsets
+        if offsets is None:
+            offsets = torch.zeros(self.local_experts + 1, dtype=torch.int32, device=dev)
+            offsets[1:] = torch.cumsum(counts, 0)
+        rows = torch.arange(R, dtype=torch.int32, device=dev)
+        layout = MoeLayout(counts, offsets, rows, rows, 1, 1)
+        y = self._experts(recv_x, layout, permuted=True, pairs=tokens * self.spec.top_k)
+        return y if y.dtype == recv_x.dtype else y.to(recv_x.dtype)
+
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int32 [T, k], weights float32 [T, k]): the router's logits in float32 routed
         by the layer's RouterSpec."""
@@ -383,8 +653,12 @@ class MoE(torch.nn.Module):
         g = torch.sigmoid(F.linear(x.float(), self.shared_gate))
         return (g * y.float()).to(x.dtype)
 
-    def _experts(self, x: torch.Tensor, layout: MoeLayout) -> torch.Tensor:
-        """The routed experts' outputs, [layout.rows, H] in the layout's (permuted) order."""
+    def _experts(self, x: torch.Tensor, layout: MoeLayout, permuted: bool = False,
+                 pairs: Optional[int] = None) -> torch.Tensor:
+        """The routed experts' outputs, [layout.rows, H] in the layout's (permuted) order.
+        x: in token order, or (permuted) the layout's rows already (an expert-parallel
+        dispatch's); pairs: the (token, slot) pairs that pick the kernel (default the
+        layout's)."""
         w13, s13 = _experts_of(self.w13)
         w2, s2 = _experts_of(self.w2)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -394,14 +668,18 @@ class MoE(torch.nn.Module):
                       f"bfloat16 or FP8 experts; these are {w13.dtype} (the plain-torch "
                       "reference reads the routing on the host): run this step eagerly "
                       "(Runner(cuda_graphs=False))", RuntimeError)
-            h = grouped_gemm_reference(permute(x, layout), w13, layout)
+            h = grouped_gemm_reference(x if permuted else permute(x, layout), w13, layout)
             return grouped_gemm_reference(_silu_mul(h), w2, layout)
         # The tuning table's choice for this many pairs decides the activations' form: bf16 x
         # read in token order by the grouped GEMV (gather), or permuted rows for the GEMM, in
         # e4m3 where the experts are FP8 (the GEMM multiplies e4m3 operands only).
-        want = preferred_path(x.device, layout.tokens * layout.top_k) if x.is_cuda else None
-        if want == "gemv" or (want is None and
-                              gemm_plan(x, w13, layout, gather=True).path == "gemv"):
+        pairs = layout.tokens * layout.top_k if pairs is None else pairs
+        want = preferred_path(x.device, pairs) if x.is_cuda else None
+        if permuted:
+            gather = False
+            path = want if want is not None else gemm_plan(x, w13, layout).path
+        elif want == "gemv" or (want is None and
+                                gemm_plan(x, w13, layout, gather=True).path == "gemv"):
             path, gather = "gemv", True
         else:
             gather = False
@@ -411,22 +689,26 @@ class MoE(torch.nn.Module):
                   f"reference reads the routing on the host ({gemm_why_not(x, w13)}); "
                   "run this step eagerly (Runner(cuda_graphs=False))", RuntimeError)
         quant = self._x_quant(path)
+        gemm = _grouped_gemm_on(path) if permuted else grouped_gemm
         if gather:
             h = grouped_gemm(x, w13, layout, w_scale=s13, gather=True)
         elif quant is None:
-            h = grouped_gemm(permute(x, layout), w13, layout, w_scale=s13)
+            h = gemm(x if permuted else permute(x, layout), w13, layout, w_scale=s13)
         else:
-            xq, sx = permute(x, layout, quant=quant)
-            h = grouped_gemm(xq, w13, layout, w_scale=s13, x_scale=sx)
+            if permuted:
+                xq, sx = quantize_groups(x) if quant == "group" else _quantize_rows(x)
+            else:
+                xq, sx = permute(x, layout, quant=quant)
+            h = gemm(xq, w13, layout, w_scale=s13, x_scale=sx)
         down_quant = self._x_quant(path)
         if down_quant is None:
-            return grouped_gemm(_silu_mul(h), w2, layout, w_scale=s2)
+            return gemm(_silu_mul(h), w2, layout, w_scale=s2)
         if down_quant == "token" and self.inter % 8 == 0:
             aq, sa = silu_mul(h, out_dtype=FP8)
         else:
             aq, sa = quantize_groups(_silu_mul(h)) if down_quant == "group" else \
                 _quantize_rows(_silu_mul(h))
-        return grouped_gemm(aq, w2, layout, w_scale=s2, x_scale=sa)
+        return gemm(aq, w2, layout, w_scale=s2, x_scale=sa)
 
     def _x_quant(self, path: str) -> Optional[str]:
         """How the activations reach grouped-GEMM path `path`: None (the model dtype; the
@@ -439,11 +721,27 @@ class MoE(torch.nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
+        split = 1 if self.ep else self.tp_size
         return (f"hidden={self.hidden_size}, experts={self.num_experts}, top_k={s.top_k}, "
-                f"intermediate={self.inter * self.tp_size} (per rank {self.inter}), "
-                f"tp={self.tp_size}" + (f", shared={self.shared_inter * self.tp_size}"
-                                        if self.shared_inter else "")
+                f"intermediate={self.inter * split} (per rank {self.inter}), "
+                f"tp={self.tp_size}"
+                + (f", ep={self.ep_size} (experts {self.experts.start}..{self.experts.stop - 1}"
+                   " here)" if self.ep else "")
+                + (f", shared={self.shared_inter * self.tp_size}" if self.shared_inter else "")
                 + (f", fp8 {self.fp8_layout} scales" if self.fp8_layout else ""))
+
+
+def _grouped_gemm_on(path: str):
+    """grouped_gemm with the kernel `path` ("gemv" / "gemm") where that kernel takes the call,
+    as the op's plan would pick it for `pairs` pairs rather than for the layout's rows (an
+    expert-parallel receive buffer's rows are its capacity); the op's own plan otherwise."""
+    def call(x, w, layout, *, w_scale=None, x_scale=None):
+        if path in ("gemv", "gemm") and x.is_cuda and \
+                not gemm_why_not(x, w, path, layout, w_scale=w_scale, x_scale=x_scale):
+            p = gemm_plan(x, w, layout, w_scale=w_scale, x_scale=x_scale, path=path)
+            return gemm_run(p, x, w, layout, w_scale=w_scale, x_scale=x_scale)
+        return grouped_gemm(x, w, layout, w_scale=w_scale, x_scale=x_scale)
+    return call
 
 
 def _silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -461,4 +759,4 @@ def _quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.reshape(-1)
 
 
-__all__ = ["MoE", "FP8Experts", "RouterSpec"]
+__all__ = ["MoE", "FP8Experts", "RouterSpec", "ExpertExchange", "token_share"]

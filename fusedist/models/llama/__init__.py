@@ -21,19 +21,27 @@ MOE_BACKENDS = {"fusedist": MoeTransformer, "torch": TorchMoeTransformer}
 
 def build_model(cfg: LlamaConfig, src: WeightSource, *, backend: str = "fusedist", group=None,
                 dtype=torch.bfloat16, device=None, max_position: int = 0, progress=None,
-                quantize=None):
+                quantize=None, ep: bool = False):
     """The model for cfg on this rank's group (`backend`: "fusedist", or "torch" for the
     plain-torch baseline), loaded from src (progress(i, n) per layer), in eval mode.
     Projection weights: FP8 as an FP8 checkpoint stores them (cfg.quant, from its
     quantization_config), or quantized at load with quantize="fp8" (per output channel;
     "fp8-tensor", "fp8-block" for the other scale layouts), else `dtype`
-    (weights.resolve_quant)."""
+    (weights.resolve_quant). ep=True: a mixture of experts' experts sharded over the group
+    (expert parallelism; attention stays tensor-parallel; the fusedist backend only)."""
     if backend not in BACKENDS:
         raise ValueError(f"fusedist.models: backend must be one of {tuple(BACKENDS)}, got "
                          f"{backend!r}")
+    if not isinstance(ep, bool):
+        raise TypeError(f"fusedist.models: ep must be True or False, got {ep!r}")
+    if ep and backend != "fusedist":
+        raise ValueError(f"fusedist.models: ep=True (expert parallelism) runs on the fusedist "
+                         f"backend; the {backend} baseline shards every expert's intermediate "
+                         "(build it with ep=False)")
     classes = MOE_BACKENDS if cfg.moe is not None else BACKENDS
     m = classes[backend](cfg, group=group, dtype=dtype, device=device,
-                         max_position=max_position, quant=resolve_quant(cfg, quantize, src))
+                         max_position=max_position, quant=resolve_quant(cfg, quantize, src),
+                         ep=ep)
     return m.load(src, progress).eval()
 
 

@@ -147,13 +147,15 @@ class Transformer(torch.nn.Module):
     backend = "fusedist"
 
     def __init__(self, cfg: LlamaConfig, *, group=None, dtype: torch.dtype = torch.bfloat16,
-                 device=None, max_position: int = 0, quant: Optional[WeightQuant] = None):
+                 device=None, max_position: int = 0, quant: Optional[WeightQuant] = None,
+                 ep: bool = False):
         super().__init__()
         self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self.fp8_layout = quant.layout if quant is not None else None
         self.comm = get_communicator(group)
         self.tp, self.rank = self.comm.group.size, self.comm.group.rank
-        check_tp(cfg, self.tp, quant)
+        check_tp(cfg, self.tp, quant, ep=ep)
+        self.ep = ep    # a mixture of experts' experts sharded over the group (moe.py)
         device = torch.device(device) if device is not None else self.comm.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -5,6 +5,12 @@ fusedist.nn.MoE and its loader reading the router, the experts and the shared ex
 (weights.moe_names). Layers the config leaves dense (Qwen's mlp_only_layers,
 decoder_sparse_step) keep the dense MLP of intermediate_size.
 
+ep=True (expert parallelism, the fusedist model only): each sparse layer's experts are
+sharded over the tensor-parallel group (num_experts / tp whole experts a rank, each rank
+reading only its experts' tensors), attention stays tensor-parallel, and the sparse layers
+share one fusedist.nn.moe.ExpertExchange, sized by reserve_tokens() (the Runner calls it) and
+released by close().
+
     MoeTransformer       fusedist's model (fusedist.nn.MoE: the fusedist.ops.moe ops)
     TorchMoeTransformer  the plain-torch baseline on the same config and weights (TorchMoE)
 
@@ -47,11 +53,36 @@ class MoeLayers:
         if not cfg.sparse(layer):
             return super()._mlp(layer)
         m = cfg.moe
-        return self._moe_class(cfg.hidden_size, m.num_experts, m.intermediate_size,
-                               RouterSpec(top_k=m.top_k, renormalize=m.renormalize),
-                               shared_intermediate_size=m.shared_intermediate_size,
-                               group=self.comm, dtype=self.dtype, device=self.device,
-                               fp8_layout=self.fp8_layout)
+        mlp = self._moe_class(cfg.hidden_size, m.num_experts, m.intermediate_size,
+                              RouterSpec(top_k=m.top_k, renormalize=m.renormalize),
+                              shared_intermediate_size=m.shared_intermediate_size,
+                              group=self.comm, dtype=self.dtype, device=self.device,
+                              fp8_layout=self.fp8_layout, ep=self.ep)
+        if mlp.exchange is not None:
+            # One exchange (its Buffers) for every sparse layer: they run one after another.
+            first = getattr(self, "_ep_exchange", None)
+            if first is None:
+                self._ep_exchange = mlp.exchange
+            else:
+                mlp.exchange = first
+        return mlp
+
+    def _sparse_mlps(self) -> list:
+        return [layer.mlp for i, layer in enumerate(self.layers) if self.cfg.sparse(i)]
+
+    def reserve_tokens(self, max_tokens: int, graph_tokens: int = 0) -> None:
+        """Size the expert-parallel exchange for steps of up to max_tokens tokens, those up to
+        graph_tokens captured in CUDA graphs (fusedist.nn.moe.ExpertExchange.reserve; the
+        Runner calls it). Collective over the group; nothing without ep."""
+        exchange = getattr(self, "_ep_exchange", None)
+        if exchange is not None:
+            exchange.reserve(max_tokens, graph_tokens)
+
+    def close(self) -> None:
+        """Release the expert-parallel Buffers (collective; nothing without ep)."""
+        exchange = getattr(self, "_ep_exchange", None)
+        if exchange is not None:
+            exchange.close()
 
     @torch.no_grad()
     def _load_mlp(self, i: int, mlp, src, rd, proj) -> None:
@@ -60,11 +91,17 @@ class MoeLayers:
             return super()._load_mlp(i, mlp, src, rd, proj)
         names, r = moe_names(cfg, i), self.rank
         mlp.load_router(rd(names.router))
-        inter = cfg.moe.intermediate_size // self.tp
-        i0, i1 = r * inter, (r + 1) * inter
-        for e, (gate, up, down) in enumerate(names.experts):
-            mlp.load_expert(e, proj(gate, 0, i0, i1), proj(up, 0, i0, i1),
-                            proj(down, 1, i0, i1))
+        if mlp.ep:   # this rank's experts, whole
+            for e in mlp.experts:
+                gate, up, down = names.experts[e]
+                mlp.load_expert(e, proj(gate, None, 0, None), proj(up, None, 0, None),
+                                proj(down, None, 0, None))
+        else:
+            inter = cfg.moe.intermediate_size // self.tp
+            i0, i1 = r * inter, (r + 1) * inter
+            for e, (gate, up, down) in enumerate(names.experts):
+                mlp.load_expert(e, proj(gate, 0, i0, i1), proj(up, 0, i0, i1),
+                                proj(down, 1, i0, i1))
         if names.shared:
             s = cfg.moe.shared_intermediate_size // self.tp
             gate, up, down = names.shared
@@ -127,7 +164,15 @@ def _grouped_mm_works(x: torch.Tensor, n: int, k: int) -> bool:
 
 
 class TorchMoE(MoE):
-    """The MoE layer's parameters (same load_*) in plain torch (module docstring)."""
+    """The MoE layer's parameters (same load_*) in plain torch (module docstring); experts
+    tensor-parallel only (no ep)."""
+
+    def __init__(self, *args, ep: bool = False, **kw):
+        if ep:
+            raise ValueError("fusedist.models: the plain-torch baseline shards every expert's "
+                             "intermediate (tensor parallelism); expert parallelism (ep=True) "
+                             "runs on the fusedist backend")
+        super().__init__(*args, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, k = x.shape[0], self.spec.top_k

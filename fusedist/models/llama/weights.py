@@ -20,7 +20,8 @@ fusedist.nn.attention.kv_head_range says which kv heads a rank keeps (replicated
 heads), for the model, TPAttention and the tests alike. A mixture of experts (cfg.moe:
 moe_names gives Mixtral's and Qwen-MoE's tensor names) splits every expert's gate / up by rows
 and down by columns like the dense MLP, the shared expert likewise; the routers are
-replicated (moe.py).
+replicated (moe.py). With expert parallelism (ep) a rank reads only its experts, whole
+(num_experts / tp of them: check_ep), and the shared expert's slices as above.
 
 FP8 (the projections q/k/v/o, gate/up, down; docs/design/fp8.md): resolve_quant says how a run
 holds them (config.quant.WeightQuant, or None for the model dtype): read from an FP8 checkpoint
@@ -108,31 +109,55 @@ def projection_names(cfg: LlamaConfig) -> list[str]:
         [name + ".weight" for i in range(cfg.num_layers) for name, _ in _mlp_projections(cfg, i)]
 
 
-def _mlp_splits(cfg: LlamaConfig) -> list[tuple[str, int]]:
-    """(config key, size) of every intermediate dimension tensor parallelism splits: the dense
-    MLP's (when a layer has one), each expert's and the shared expert's."""
+def _mlp_splits(cfg: LlamaConfig, ep: bool = False) -> list[tuple[str, int, bool]]:
+    """(config key, size, split) of every intermediate dimension of the MLPs: the dense MLP's
+    (when a layer has one), each expert's and the shared expert's; split: tensor parallelism
+    splits it (every one but the experts' under expert parallelism, which keeps experts
+    whole)."""
     out = []
     if any(not cfg.sparse(i) for i in range(cfg.num_layers)):
-        out.append(("intermediate_size", cfg.intermediate_size))
+        out.append(("intermediate_size", cfg.intermediate_size, True))
     m = cfg.moe
     if m is not None:
         out.append(("intermediate_size" if cfg.architecture == "MixtralForCausalLM" else
-                    "moe_intermediate_size", m.intermediate_size))
+                    "moe_intermediate_size", m.intermediate_size, not ep))
         if m.shared_intermediate_size:
-            out.append(("shared_expert_intermediate_size", m.shared_intermediate_size))
+            out.append(("shared_expert_intermediate_size", m.shared_intermediate_size, True))
     return list(dict.fromkeys(out))
 
 
-def check_tp(cfg: LlamaConfig, tp: int, quant: Optional[WeightQuant] = None) -> None:
-    for what, n in [("num_heads", cfg.num_heads)] + _mlp_splits(cfg):
-        if n % tp:
+def check_ep(cfg: LlamaConfig, tp: int) -> None:
+    """Expert parallelism over a group of tp ranks: cfg has experts, num_experts / tp each."""
+    name = cfg.name or "the model"
+    if cfg.moe is None:
+        raise ValueError(f"fusedist.models: expert parallelism (ep / --ep) shards a mixture of "
+                         f"experts' experts over the tensor-parallel group, and {name} is a "
+                         "dense model (no experts); drop ep / --ep")
+    e = cfg.moe.num_experts
+    if e % tp:
+        raise ValueError(f"fusedist.models: expert parallelism (ep / --ep) puts num_experts / tp "
+                         f"experts on every rank, and {name} has num_experts={e}, not divisible "
+                         f"by tp={tp}; pick a tp among "
+                         f"{[w for w in range(1, e + 1) if e % w == 0]} or drop ep / --ep")
+
+
+def check_tp(cfg: LlamaConfig, tp: int, quant: Optional[WeightQuant] = None,
+             ep: bool = False) -> None:
+    """cfg splits over tp ranks (with ep: its experts are sharded whole, check_ep); the error
+    names the config key and the fix."""
+    if ep:
+        check_ep(cfg, tp)
+    for what, n, split in [("num_heads", cfg.num_heads, True)] + _mlp_splits(cfg, ep):
+        if split and n % tp:
             raise ValueError(f"fusedist.models: {what}={n} of {cfg.name or 'the model'} is not "
                              f"divisible by tp={tp}; pick a tp that divides it")
     kv_head_range(cfg.num_kv_heads, tp, 0)   # raises when the kv heads do not split evenly
     if quant is not None and quant.layout == "block":
         hd = cfg.head_dim
         mlp = [(f"gate / up rows (down_proj columns) per rank: {what} / tp = {n} / {tp}",
-                n // tp) for what, n in _mlp_splits(cfg)]
+                n // tp) if split else
+               (f"gate / up rows (down_proj columns) of each expert: {what} = {n}", n)
+               for what, n, split in _mlp_splits(cfg, ep)]
         for what, n in [(f"q rows (o_proj columns) per rank: num_attention_heads / tp x head_dim "
                          f"= {cfg.num_heads} / {tp} x {hd}", cfg.num_heads // tp * hd),
                         (f"k / v rows per rank: kv heads per rank x head_dim = "
