@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from typing import Optional
 
 import pytest
@@ -88,3 +89,9 @@ def pytest_runtest_setup(item):
         broken = _state()[1]
         if broken is not None:
             pytest.fail(broken, pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launch = sys.modules.get("launch")
+    if launch is not None:
+        launch.shutdown_pool()

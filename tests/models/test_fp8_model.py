@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -32,7 +31,7 @@ from fusedist.models.llama import RandomWeights, SafetensorsWeights, WeightQuant
 from fusedist.models.llama.weights import check_tp, check_weights, resolve_quant  # noqa: E402
 from fusedist.nn.quant import FP8, FP8Weight  # noqa: E402
 from hf_tiny import PROJECTIONS, load_hf, make_checkpoint, write_fp8_checkpoint  # noqa: E402
-from launch import ROOT, assert_passed, torchrun  # noqa: E402
+from launch import ROOT, assert_passed, python, torchrun  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
@@ -607,9 +606,8 @@ def test_torch_baseline_norms_stay_bf16(rt, ckpts, monkeypatch):
 # ---- CLI ----------------------------------------------------------------------------------------
 def _cli(args, nproc=1, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    cmd = [sys.executable, "-P", "-m", "fusedist.generate"]
-    p = subprocess.run(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    cmd = ["-P", "-m", "fusedist.generate"]
+    p = python(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -641,9 +639,8 @@ def test_cli_refuses_unreadable_fp8(rt, ckpts, tmp_path):
     d["quantization_config"]["activation_scheme"] = "static"
     json.dump(d, open(cfgf, "w"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    p = subprocess.run([sys.executable, "-P", "-m", "fusedist.generate", "--model", path,
-                        "--device", "cpu", "--max-new-tokens", "2"], env=env,
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    p = python(["-P", "-m", "fusedist.generate", "--model", path, "--device", "cpu",
+                "--max-new-tokens", "2"], env=env, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "quantization_config.activation_scheme 'static' is not supported" in p.stderr
 
