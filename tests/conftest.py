@@ -84,11 +84,65 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), found {have}"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "kernel(name, ...): the test needs these kernels of fusedist._C "
+        "(fusedist._ext.KERNELS names); on its GPU a missing one fails it (require_kernel)")
+
+
 def pytest_runtest_setup(item):
     if any(m in item.keywords for m in _NEEDED):
         broken = _state()[1]
         if broken is not None:
             pytest.fail(broken, pytrace=False)
+    for mark in item.iter_markers("kernel"):
+        for name in mark.args:
+            require_kernel(name)
+
+
+# ---- kernels the build must carry ------------------------------------------------------------
+def kernel_problem(kernel: str, device="cuda") -> tuple[str, str]:
+    """("fail" | "skip" | "", why) for a test that needs `kernel` (a fusedist._ext.KERNELS
+    name) on `device`, asking fusedist._ext's capability table. On a CUDA device: a build
+    without the kernel, without _C, or for architectures that do not run on the device
+    fails (a GPU host whose build lacks a kernel must not pass as if the kernel were not
+    needed); only a device older than the kernel needs skips. On the CPU (checks of _C's
+    bindings without a GPU): no _C skips (FUSEDIST_REQUIRE_EXT=1: fails), a _C without the
+    kernel fails."""
+    import torch
+
+    from fusedist import _ext
+
+    if kernel not in _ext.KERNELS:
+        raise KeyError(f"require_kernel: unknown kernel {kernel!r}; known: "
+                       f"{sorted(_ext.KERNELS)}")
+    dev = torch.device(device)
+    caps = _ext.capabilities()
+    if dev.type != "cuda":
+        if not caps.built:
+            why = f"fusedist._C is not built ({caps.why_missing})"
+            return ("fail" if os.environ.get("FUSEDIST_REQUIRE_EXT") == "1" else "skip"), why
+        if not caps.has(kernel):
+            return "fail", f"fusedist._C was built without the {kernel} kernel: rebuild fusedist"
+        return "", ""
+    why = _ext.why_not(kernel, dev)
+    if not why:
+        return "", ""
+    need = _ext.KERNELS[kernel].min_cc
+    if caps.built and caps.has(kernel) and _ext.device_capability(dev) < need:
+        return "skip", why
+    return "fail", f"the {kernel} kernel does not run on {dev}: {why}; rebuild fusedist"
+
+
+def require_kernel(kernel: str, device="cuda") -> None:
+    """Fail (or, for a device older than the kernel needs, skip) the running test unless
+    `kernel` runs on `device`: kernel_problem's rule, the one every test that needs a kernel
+    of fusedist._C follows (or @pytest.mark.kernel(name) on a gpu test)."""
+    verdict, why = kernel_problem(kernel, device)
+    if verdict == "fail":
+        pytest.fail(why, pytrace=False)
+    if verdict == "skip":
+        pytest.skip(why)
 
 
 def pytest_sessionfinish(session, exitstatus):

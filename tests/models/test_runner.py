@@ -316,12 +316,13 @@ def test_gpu_prefill_graphs_match_eager(gpu_rt):
     (bf16 tolerance: the padded bucket may tile the GEMMs differently), for fresh prompts, a
     chunk behind a cached prefix (a small prefill_chunk splits the prompts) and a batch of two;
     one graph per (sequences, bucket), replayed for every length in the bucket."""
+    from conftest import require_kernel
+    require_kernel("attention_prefill")
     m = _gpu_model("fusedist")
     eager = Runner(m, max_batch=2, max_seq_len=512, prefill_graph_tokens=0, prefill_chunk=64)
     graphed = Runner(m, max_batch=2, max_seq_len=512, prefill_chunk=64,
                      prefill_graph_tokens=512)
-    if not graphed.prefill_graph_tokens:
-        pytest.skip("fusedist._C without the paged prefill kernel")
+    assert graphed.prefill_graph_tokens == 512, "the runner took no prefill graphs"
     for lens, start in (((37,), 0), ((41,), 0), ((150,), 0), ((20, 33), 7), ((5,), 300)):
         prompts = _prompts(m.cfg.vocab_size, lens, sum(lens) + start)
         want = eager.prefill(prompts, start=start).float()

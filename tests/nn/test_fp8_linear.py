@@ -1039,8 +1039,10 @@ def test_gpu_block_weights_take_fp8_gemm(m):
          torch.logspace(-2, 1, m)[:, None]).to(torch.bfloat16)
     b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
     xd, bd = x.to(dev), b.to(dev)
-    if not quant._device_facts(dev)[3]:
-        pytest.skip("fusedist.ops.fp8_gemm's kernel does not run here")
+    from conftest import require_kernel
+    require_kernel("fp8_gemm")
+    assert quant._device_facts(dev)[3], "the build has fp8_gemm but fusedist.nn.quant's " \
+        "device probe does not take it"
     assert quant.fp8_path(xd, w, bd) == "fp8_gemm"
     qc, sc = quant.quantize_groups(x)
     qd, sd = quant.quantize_groups(xd)

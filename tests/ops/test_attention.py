@@ -524,8 +524,11 @@ PAGED_SHAPES = [(32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256), (28, 4, 128,
 
 
 def _paged_kernel():
-    if not A._prefill.paged_available():
-        pytest.skip("fusedist._C without the paged prefill kernel")
+    """The paged prefill kernel must run on this GPU (tests/conftest.py's rule)."""
+    from conftest import require_kernel
+    require_kernel("attention_prefill")
+    assert A._prefill.paged_available(), "the capability table has the paged prefill kernel " \
+        "but fusedist.ops.attention does not take it"
 
 
 @pytest.mark.gpu
@@ -835,9 +838,10 @@ def test_decode_cuda_graph_replay_new_lengths():
     """One capture, replays with new lengths and block tables; equals eager bitwise."""
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
+    from conftest import require_kernel
+    require_kernel("attention_decode")
     plan = A.decode_plan(3, 8, 2, 64, 16, 64, "cuda", torch.bfloat16)
-    if A._decode.available():   # the kernel, not the capturable torch path
-        assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
+    assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
     out = torch.empty_like(q)
     A.decode(q, kc, vc, bt, sl, plan, out=out)
     torch.cuda.synchronize()
