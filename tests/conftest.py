@@ -6,9 +6,11 @@ host must not pass as a CPU-only one."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
+import zlib
 from typing import Optional
 
 import pytest
@@ -21,6 +23,60 @@ for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)
 
 _NEEDED = {"gpu": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
+
+
+# ---- seeds ----------------------------------------------------------------------------------
+def _session_seed() -> int:
+    """FUSEDIST_TEST_SEED, or a fresh seed for this run."""
+    from fusedist import envs
+
+    seed = envs.get("FUSEDIST_TEST_SEED")
+    return seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+
+
+SESSION_SEED = _session_seed()
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed of one test: from the session's and the test's name, so a test reruns with
+    the same inputs alone or in any order."""
+    return zlib.crc32(f"{SESSION_SEED}:{nodeid}".encode())
+
+
+test_seed.__test__ = False      # not a test itself
+
+
+def rerun_hint(nodeid: str) -> str:
+    return (f"FUSEDIST_TEST_SEED={SESSION_SEED} (this test's generators: "
+            f"torch.manual_seed({test_seed(nodeid)})); rerun: FUSEDIST_TEST_SEED={SESSION_SEED} "
+            f"python3 -P -m pytest '{nodeid}'")
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts with torch's, random's and numpy's global generators seeded from
+    test_seed (fresh inputs each run, reproducible with FUSEDIST_TEST_SEED)."""
+    import torch
+
+    seed = test_seed(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed)
+    yield
+
+
+def pytest_report_header(config):
+    return f"fusedist: FUSEDIST_TEST_SEED={SESSION_SEED}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        rep.sections.append(("seed", rerun_hint(item.nodeid)))
 
 
 def listed_gpus() -> int:

@@ -57,9 +57,21 @@ def test_worker_output_is_logged_as_it_runs(tmp_path, monkeypatch):
 
 def test_a_check_skipped_on_some_ranks_only_fails_the_worker():
     """tests/dist/worker_checks_selftest.py: rank 1 skips a check rank 0 runs; the harness must
-    report it as a failure on every rank (a skip is never a pass, and the ranks disagree)."""
-    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    report it as a failure on every rank (a skip is never a pass, and the ranks disagree). A
+    failing check names the seed (FUSEDIST_TEST_SEED) to rerun it with, as does the run's
+    first line; every rank runs with rank 0's seed."""
+    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                  "FUSEDIST_TEST_SEED": "4242"}, timeout=120)
     assert p.returncode != 0, p.stdout[-3000:]
     assert "skipped_on_rank_1_only: skipped on some ranks only (rank 0 ok, rank 1 skip)" \
         in p.stdout, p.stdout[-3000:]
     assert "all checks passed" not in p.stdout
+    assert "checks on 2 ranks, seed 4242: rerun with FUSEDIST_TEST_SEED=4242" in p.stdout
+    assert "[FAIL] rank 0 fails_with_the_seed (seed 4242: rerun with FUSEDIST_TEST_SEED=4242)" \
+        in p.stdout, p.stdout[-3000:]
+    assert "failed with seed 4242" in p.stdout and "seed_is_rank_0s" not in \
+        p.stdout.split("failed:")[-1], p.stdout[-3000:]
+    # unset: a fresh seed, printed first
+    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                  "FUSEDIST_TEST_SEED": ""}, timeout=120)
+    assert "checks on 2 ranks, seed " in p.stdout and "rerun with FUSEDIST_TEST_SEED=" in p.stdout
