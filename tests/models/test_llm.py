@@ -78,6 +78,30 @@ def test_generate_matches_hf_greedy(rt, ckpt):
     llm.close()
 
 
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+def test_llm_kv_dtype_fp8(rt, ckpt):
+    """LLM(kv_dtype=torch.float8_e4m3fn): its runner's cache holds e4m3 K / V with scales (a
+    third of the fp32 cache's bytes here: head_dim 16 + 4 scale bytes against 64), a decode
+    step over the cached prompts stays within the FP8 KV bound of the model-dtype cache's
+    (tests/models/test_runner.py's FP8_KV_KL), generate runs; another dtype is refused by
+    name."""
+    from test_runner import FP8_KV_KL, _fp8_kv_kl
+
+    fp8 = torch.float8_e4m3fn
+    with LLM(ckpt, max_batch=2, max_seq_len=64) as plain, \
+            LLM(ckpt, max_batch=2, max_seq_len=64, kv_dtype=fp8) as llm:
+        assert llm.runner.kv_dtype == fp8 and llm.runner.cache.k[0].dtype == fp8
+        assert llm.runner.cache.k_scale[0] is not None
+        d = llm.cfg.head_dim
+        assert llm.runner.kv_bytes * 4 * d == plain.runner.kv_bytes * (d + 4)
+        kl = _fp8_kv_kl(llm.model, [_prompt(9, 3), _prompt(14, 4)])
+        assert kl < FP8_KV_KL, kl
+        out = llm.generate([_prompt(9, 3)], 6, greedy=True, ignore_eos=True)
+        assert len(out[0].ids) == 6
+    with pytest.raises(ValueError, match="kv_dtype must be None"):
+        LLM(ckpt, max_batch=1, max_seq_len=32, kv_dtype=torch.float16)
+
+
 def test_stream_yields_generates_ids_and_text(rt, ckpt):
     llm = LLM(ckpt, max_batch=3, max_seq_len=64)
     prompts = [_prompt(5, 3), _prompt(9, 4), _prompt(2, 5)]

@@ -216,6 +216,41 @@ def test_time_prefill(rt):
         r.time_prefill(prompts, reps=0)
 
 
+def test_time_step(rt, monkeypatch):
+    """time_step(n): ms per decode step of n's bucket, from `iters` steps (one more untimed on
+    a GPU); the steps rewrite the slot at seq_lens - 1 with the same values, so a generate
+    after it gives the same ids; n past max_batch is refused by name."""
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=3, max_seq_len=64)
+    prompts = _prompts(m.cfg.vocab_size, (9, 14, 5), 6)
+    want = r.generate(prompts, 6).ids
+    calls = []
+    real = Runner.decode_step
+    monkeypatch.setattr(Runner, "decode_step", lambda self, b: calls.append(b) or real(self, b))
+    ms = r.time_step(3, iters=5)
+    assert ms > 0 and calls == [4] * 5, calls
+    calls.clear()
+    assert r.time_step(1, iters=2) > 0 and calls == [1, 1]
+    monkeypatch.undo()
+    assert r.generate(prompts, 6).ids == want
+    with pytest.raises(ValueError, match="batch 5 exceeds max_batch 4"):
+        r.time_step(5)
+
+
+@pytest.mark.gpu
+def test_gpu_time_step(gpu_rt):
+    """On the GPU time_step replays the bucket's CUDA graph (timed with CUDA events) and leaves
+    the cache as it was: the ids of a generate after it equal those before."""
+    m = _gpu_model("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=256)
+    prompts = _prompts(m.cfg.vocab_size, (40, 77), 5)
+    want = r.generate(prompts, 8).ids
+    assert 2 in r.graphs
+    ms = r.time_step(2, iters=10)
+    assert ms > 0
+    assert r.generate(prompts, 8).ids == want
+
+
 @pytest.mark.parametrize("backend", ["torch", "fusedist"])
 def test_profile_prefill(rt, backend):
     m = _tiny(backend)

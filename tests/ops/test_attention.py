@@ -861,6 +861,9 @@ def test_decode_cuda_graph_replay_new_lengths():
 
 @pytest.mark.gpu
 def test_rope_append_cuda_graph():
+    """rope_append captured once, replayed with new queries, keys and positions: q and k
+    rotated as the reference rotates them, and the KV cache the replay wrote (the rotated k and
+    v at each row's slot, every other entry untouched) equal to the reference's cache."""
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
     sq, sk, sv = q.clone(), k.clone(), v.clone()
@@ -875,11 +878,14 @@ def test_rope_append_cuda_graph():
         sq.copy_(q0)
         sk.copy_(k0)
         pos.copy_(torch.randint(0, 128, pos.shape, generator=gen, device="cuda"))
+        kc2, vc2 = kc.clone(), vc.clone()            # the cache before this replay
         g.replay()
-        eq, ek, kc2, vc2 = q0.clone(), k0.clone(), kc.clone(), vc.clone()
+        eq, ek = q0.clone(), k0.clone()
         A.rope_append_reference(eq, ek, sv, pos, cs, kc2, vc2, slots)
         assert count_bad(sq, eq.float(), torch.bfloat16) == 0
         assert count_bad(sk, ek.float(), torch.bfloat16) == 0
+        assert count_bad(kc, kc2.float(), torch.bfloat16) == 0, "K cache of the replay"
+        assert count_bad(vc, vc2.float(), torch.bfloat16) == 0, "V cache of the replay"
 
 
 # ------------------------------------------------------------------------------------------------
