@@ -128,7 +128,9 @@ def pooled(env: dict) -> bool:
         return False
     if env.get("CUDA_VISIBLE_DEVICES", None) not in ("", "-1"):
         import conftest
-        if conftest.listed_gpus() > 0:
+        if "gpus" not in _POOL:
+            _POOL["gpus"] = conftest.listed_gpus()
+        if _POOL["gpus"] > 0:
             return False
     import fusedist.envs as envs
     return all(env.get(v.name) == os.environ.get(v.name) for v in envs.VARS.values()
@@ -227,7 +229,11 @@ def _child(spec: dict) -> None:
     try:
         kind, target = spec["kind"], spec["target"]
         if kind == "module":
-            sys.modules.pop(target, None)    # preloaded: run it afresh, as `python -m` would
+            # preloaded: run it afresh, as `python -m` would (a package: its __main__)
+            import importlib.util
+            found = importlib.util.find_spec(target)
+            package = found is not None and found.submodule_search_locations is not None
+            sys.modules.pop(target + ".__main__" if package else target, None)
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         elif kind == "code":
             import types

@@ -110,7 +110,7 @@ def test_not_pooled_where_it_must_not_be(monkeypatch):
     env = dict(os.environ, **CPU)
     assert launch.pooled(env)
     assert not launch.pooled(dict(env, FUSEDIST_COMM_STREAMS="4"))
-    monkeypatch.setattr(conftest, "listed_gpus", lambda: 2)
+    monkeypatch.setitem(launch._POOL, "gpus", 2)
     assert not launch.pooled(dict(env, CUDA_VISIBLE_DEVICES="0"))
     assert launch.pooled(env)
     monkeypatch.setenv("FUSEDIST_TEST_POOL", "0")
