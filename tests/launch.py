@@ -298,13 +298,29 @@ def _kill(procs) -> None:
 
 
 def _start_pooled(specs: list) -> list:
+    """A forked process per spec. They do not import this process's __main__ (pytest's, or a
+    script's) as multiprocessing children otherwise do: a pooled process is a fresh `python`."""
+    from multiprocessing import spawn
+
     ctx = _context()
     procs = []
-    for spec in specs:
-        spec["sys_path"] = _clean_sys_path()
-        p = ctx.Process(target=_child, args=(spec,), daemon=False)
-        p.start()
-        procs.append(p)
+    real = spawn.get_preparation_data
+
+    def without_main(name):
+        data = real(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    spawn.get_preparation_data = without_main
+    try:
+        for spec in specs:
+            spec["sys_path"] = _clean_sys_path()
+            p = ctx.Process(target=_child, args=(spec,), daemon=False)
+            p.start()
+            procs.append(p)
+    finally:
+        spawn.get_preparation_data = real
     return procs
 
 
