@@ -132,9 +132,16 @@ def pooled(env: dict) -> bool:
             _POOL["gpus"] = conftest.listed_gpus()
         if _POOL["gpus"] > 0:
             return False
+    return all(env.get(name) == value for name, value in _import_env().items())
+
+
+def _import_env() -> dict:
+    """The forkserver's values of the variables fusedist reads at import (this process's
+    until the forkserver starts)."""
+    if "import_env" in _POOL:
+        return _POOL["import_env"]
     import fusedist.envs as envs
-    return all(env.get(v.name) == os.environ.get(v.name) for v in envs.VARS.values()
-               if "at import" in v.read)
+    return {v.name: os.environ.get(v.name) for v in envs.VARS.values() if "at import" in v.read}
 
 
 def _clean_sys_path() -> list:
@@ -158,6 +165,7 @@ def _context():
 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(PRELOAD))
+        _POOL["import_env"] = _import_env()
         keep = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
@@ -175,6 +183,7 @@ def _context():
 def shutdown_pool() -> None:
     """Stop the forkserver and wait for it (its CPU time then counts as this process's
     children's); pytest's session end calls it (tests/conftest.py)."""
+    _POOL.pop("import_env", None)
     if _POOL.pop("ctx", None) is not None:
         from multiprocessing import forkserver
 
