@@ -101,6 +101,18 @@ def norms_write_fp8_at_tp2(rt, seed):
     assert h.dtype == torch.bfloat16 and torch.equal(h, want[1])
     x, h = m._add_rmsnorm(parts[rt.tp.rank].clone(), res.clone(), w, 1e-6)
     assert isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and torch.equal(h, want[1])
+    # The check notices a norm that skips the all-reduce (each rank normalizing its own partial).
+    import fusedist.models.llama.model as model_mod
+
+    real = model_mod.all_reduce_add_rmsnorm
+    model_mod.all_reduce_add_rmsnorm = \
+        lambda x, residual, w, eps, *, out_dtype=None, group=None: \
+        add_rmsnorm_reference(x, residual, w, eps, out_dtype)
+    try:
+        x, _ = m._add_rmsnorm(parts[rt.tp.rank].clone(), res.clone(), w, 1e-6, True)
+        assert not torch.equal(x.data.view(torch.uint8), want[0].view(torch.uint8))
+    finally:
+        model_mod.all_reduce_add_rmsnorm = real
 
 
 if __name__ == "__main__":
