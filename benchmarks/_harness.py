@@ -422,13 +422,23 @@ def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=N
     result_metrics(rows, tables, metrics): the schema compare.py reads."""
     meta = dict(meta)
     meta.setdefault("reproduce", reproduce_command(meta))
-    metric_rows = result_metrics(rows, tables, metrics)
+    if metrics is not None:
+        metric_rows = result_metrics(rows, tables, metrics)
+    else:
+        try:
+            metric_rows = result_metrics(rows, tables)
+        except ValueError as e:   # the run's numbers are kept; compare.py reports the file
+            print(f"{stem}: benchmarks/compare.py cannot read these rows ({e}); the JSON is "
+                  "written without metrics")
+            metric_rows = None
     out = os.environ.get("FUSEDIST_RESULTS_DIR")
     base = (Path(out) if out else RESULTS) / machine_dir(meta)
     base.mkdir(parents=True, exist_ok=True)
     paths = [base / f"{stem}.json", base / f"{stem}.md"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows, **(tables or {}),
-                                    "metrics": metric_rows}, indent=1))
+    doc = {"meta": meta, "rows": rows, **(tables or {})}
+    if metric_rows is not None:
+        doc["metrics"] = metric_rows
+    paths[0].write_text(json.dumps(doc, indent=1))
     head = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths[1].write_text(f"# {stem}\n\n{head}\n\n{markdown}\n")
     if plot is not None:

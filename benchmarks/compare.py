@@ -127,7 +127,11 @@ def _backend_rows(rows: list, fusedist: Optional[str]) -> list:
     for row in rows:
         if _num(row.get("time_us")) is None or row.get("status", "ok") != "ok":
             continue
-        cases.setdefault(case_key(row, PER_BACKEND), {})[str(row["backend"])] = row
+        key, backend = case_key(row, PER_BACKEND), str(row["backend"])
+        if backend in cases.setdefault(key, {}):
+            raise ValueError(f"two rows of backend {backend!r} for the case {key!r}: a case "
+                             "needs a column that tells them apart (KEY_FIELDS)")
+        cases[key][backend] = row
     out = []
     for case, by in cases.items():
         fd = fusedist if fusedist else next((h for h in HEADLINE if h in by), None)
