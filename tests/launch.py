@@ -521,6 +521,43 @@ def pooled_ranks(target: list, nproc: int, env: dict, timeout: Optional[float],
         return _wait(_start_pooled(specs), timeout)
 
 
+def real_ranks(worker: str, nproc: int, env: dict | None = None, timeout: int = 600,
+               args=()) -> subprocess.CompletedProcess:
+    """tests/dist/<worker> on nproc ranks, each a real interpreter (started, run and finalized
+    as `python worker` is: for tests of what happens at interpreter exit), with torchrun's
+    environment and a rendezvous store this process holds on a bound port; no launcher
+    process. Output (stdout and stderr of every rank) in .stdout."""
+    e = _env(env)
+    cmd = [sys.executable, "-u", str(DIST / worker), *map(str, args)]
+    path, keep = _log_file(cmd)
+    try:
+        with RendezvousStore(timeout) as store, open(path, "a") as log:
+            run_id = uuid.uuid4().hex
+            procs = [subprocess.Popen(cmd, env=_rank_env(e, r, nproc, store.port, run_id),
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                      start_new_session=True) for r in range(nproc)]
+            deadline = time.monotonic() + timeout
+            status = 0
+            for p in procs:
+                try:
+                    rc = p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    status = None
+                    break
+                status = status or rc
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        text = path.read_text()
+    finally:
+        if not keep:
+            path.unlink(missing_ok=True)
+    if status is None:
+        raise AssertionError(f"{' '.join(cmd)} x {nproc} timed out after {timeout}s\n{text}")
+    return subprocess.CompletedProcess(cmd, status, text, None)
+
+
 def torchrun(worker: str, nproc: int, env: dict | None = None, timeout: int = 600,
              args=(), launcher: bool = False) -> subprocess.CompletedProcess:
     """tests/dist/<worker> on nproc ranks as `torchrun --standalone` starts them, its output

@@ -26,7 +26,7 @@ from fusedist.models.llama import RandomWeights  # noqa: E402
 from fusedist.models.profiling import kernel_breakdown  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
-from launch import assert_passed, torchrun  # noqa: E402
+from launch import assert_passed, real_ranks, torchrun  # noqa: E402
 
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
 
@@ -525,8 +525,9 @@ def test_tp2_sessions_exit_cleanly_cpu():
     bad = []
     for i in range(12):
         mode = ("shutdown", "exit", "pending")[i % 3]
-        p = torchrun("worker_runner_exit.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
-                     args=(mode,))
+        # real interpreters (their exit is what is checked), no launcher process
+        p = real_ranks("worker_runner_exit.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+                       args=(mode,))
         if p.returncode != 0 or p.stdout.count("all checks passed") != 2:
             bad.append(f"run {i} ({mode}): exit {p.returncode}\n{p.stdout[-2500:]}")
     assert not bad, f"{len(bad)} of 12 runs did not exit cleanly:\n" + "\n".join(bad)
