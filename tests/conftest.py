@@ -205,3 +205,15 @@ def pytest_sessionfinish(session, exitstatus):
     launch = sys.modules.get("launch")
     if launch is not None:
         launch.shutdown_pool()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The session's CPU time, this process's and its children's (workers, pooled processes,
+    subprocesses; the pool's forkserver is waited for at the end): what the suite costs on a
+    machine whose cores other work shares, where wall time says little."""
+    import resource
+
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    terminalreporter.write_line(
+        f"fusedist: CPU time {me.ru_utime + me.ru_stime:.0f} s in pytest, "
+        f"{kids.ru_utime + kids.ru_stime:.0f} s in its child processes")
