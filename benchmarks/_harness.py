@@ -386,20 +386,59 @@ def reproduce_command(meta: dict) -> str:
     return f"python3 {args}"
 
 
+def _compare_module():
+    """benchmarks/compare.py (torch-free), the result schema's reader."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fusedist_bench_compare",
+                                                  Path(__file__).with_name("compare.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def result_metrics(rows: list[dict], tables: Optional[dict] = None,
+                   metrics: Optional[list] = None) -> list[dict]:
+    """The result schema every benchmark's JSON carries as "metrics": one entry per
+    measurement, {"key": what was measured (unique in the file), "value": the number, "better":
+    "higher" | "lower", "noise": the relative spread of its rounds, or None when not recorded}.
+    benchmarks/compare.py compares a new run's metrics with the committed file's, each within
+    its noise band. `metrics` given: those (checked); else derived from the rows by
+    compare.py's loader (same-run ratios of fusedist's headline path over each baseline, raw
+    times where no baseline ran)."""
+    cmp = _compare_module()
+    if metrics is not None:
+        return cmp.check_metrics(list(metrics))
+    return cmp.metrics({"rows": rows, **(tables or {})})
+
+
 def write_results(stem: str, meta: dict, rows: list[dict], markdown: str, plot=None,
-                  tables: Optional[dict] = None) -> list[Path]:
+                  tables: Optional[dict] = None, metrics: Optional[list] = None) -> list[Path]:
     """benchmarks/results/<gpu>-w<N>/<stem>.{json,md,png}: one current set per benchmark and
     machine (git keeps the older ones). FUSEDIST_RESULTS_DIR replaces benchmarks/results (the
     <gpu>-w<N>/ folder stays, so benchmarks/compare.py pairs a new file with the committed
     one by its relative path). `tables` ({key: rows}) go into the JSON beside "rows": row
-    lists of other columns, which readers of "rows" do not see."""
+    lists of other columns, which readers of "rows" do not see. The JSON's "metrics" are
+    result_metrics(rows, tables, metrics): the schema compare.py reads."""
     meta = dict(meta)
     meta.setdefault("reproduce", reproduce_command(meta))
+    if metrics is not None:
+        metric_rows = result_metrics(rows, tables, metrics)
+    else:
+        try:
+            metric_rows = result_metrics(rows, tables)
+        except ValueError as e:   # the run's numbers are kept; compare.py reports the file
+            print(f"{stem}: benchmarks/compare.py cannot read these rows ({e}); the JSON is "
+                  "written without metrics")
+            metric_rows = None
     out = os.environ.get("FUSEDIST_RESULTS_DIR")
     base = (Path(out) if out else RESULTS) / machine_dir(meta)
     base.mkdir(parents=True, exist_ok=True)
     paths = [base / f"{stem}.json", base / f"{stem}.md"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows, **(tables or {})}, indent=1))
+    doc = {"meta": meta, "rows": rows, **(tables or {})}
+    if metric_rows is not None:
+        doc["metrics"] = metric_rows
+    paths[0].write_text(json.dumps(doc, indent=1))
     head = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths[1].write_text(f"# {stem}\n\n{head}\n\n{markdown}\n")
     if plot is not None:

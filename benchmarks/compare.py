@@ -1,25 +1,42 @@
-"""Compare two benchmark result files row by row and report performance regressions.
+"""Compare benchmark results with the committed ones and report performance regressions.
 
     python3 benchmarks/compare.py OLD.json NEW.json [--noise 0.06] [--fusedist NAME]
-    python3 benchmarks/compare.py benchmarks/results _out/results   # every file both hold
+    python3 benchmarks/compare.py benchmarks/results _out/results   # every result file
 
-What is compared: same-run ratios, never raw times. For every case (op and shape) of a file,
-the speedup of fusedist's headline path (what a user gets: `fd_auto` / `auto`, or
-`--fusedist`) over each baseline measured in the same run (NCCL, torch symmetric memory,
-torch async-TP, the unfused GEMM + collective, torch.matmul, SDPA, ...). A new file from
-another machine, clock state or driver is then still comparable: the baselines moved with it.
+One schema for every result file: a list of metrics, each
+    {"key": str, "value": float, "better": "higher" | "lower", "noise": float or null}
+`key` names what was measured (the case's shape and, for a ratio, "<path> vs <baseline>"),
+unique within a file; `value` the measurement; `better` its direction; `noise` the relative
+spread of its rounds when the benchmark recorded rounds (null: none recorded).
+benchmarks/_harness.py's write_results stores them in the JSON as "metrics"; `metrics(doc)`
+derives them from the "rows" (and row tables) of files written before, in every form the
+benchmarks write: one row per backend (allreduce, gemm_comm, model), one row per case with
+every kernel's time in a dict (gemm, gemv, fp8_linear), one row per case with fusedist's time
+and its ratios to the baselines in vs_* columns (add_rmsnorm, silu_mul, attention,
+attention_prefill), and rows of times with no baseline (gemm_waves, scaling).
 
-Noise: a ratio regresses when new / old < 1 - band (improves above 1 + band). band =
-max(--noise, the row's own spread), the row's spread being the relative spread of its rounds'
-medians (`spread` or `rounds_us` in the file: fusedist's and the baseline's added, old and new
-combined in quadrature); rows of files that record no rounds get --noise-unspread instead.
+What is measured: same-run ratios wherever a baseline ran in the same run (the speedup of
+fusedist's headline path, what a user gets: `fd_auto` / `auto` / `fusedist`, or `--fusedist`,
+over each baseline: NCCL, torch symmetric memory, torch async-TP, the unfused GEMM +
+collective, torch.matmul, cuBLAS, SDPA / cuDNN, torch.compile, ...). A new file from another
+clock state or driver is then still comparable: the baselines moved with it. Rows with no
+baseline are compared as raw times (lower is better), which needs the same kind of machine.
+
+Noise: a metric regresses when it gets worse by more than its band (higher-is-better:
+new / old < 1 - band; lower-is-better: old / new < 1 - band). band = max(--noise, the old and
+new metrics' own noise in quadrature); metrics with no recorded noise get --noise-unspread.
 The defaults come from repeated runs of the same code on 2x H200 (docs/benchmarks.md): three
 paced full runs of benchmarks/gemm_comm.py moved a ratio by 1.5% (median), 4.4% (95th
 percentile) and 5.6% at most, hence --noise 0.06; two paced runs of benchmarks/gemm.py (no
 rounds recorded per row) by 2.3%, 8.3% and 12.0%, hence --noise-unspread 0.13.
 
-Exit status: 0 no regression, 1 at least one regression, 2 nothing comparable (no common
-case, or a file that is not a benchmark result).
+Directories: every result file under OLD is read (a file the loader cannot read is an error,
+never skipped silently) and paired with NEW's file of the same relative path; files the new
+run did not produce are listed as not measured. JSON that is not a result (traces) is named
+and skipped.
+
+Exit status: 0 no regression, 1 at least one regression, 2 nothing comparable (no metric
+measured in both) or a result file that could not be read.
 """
 
 from __future__ import annotations
@@ -34,92 +51,263 @@ from typing import Optional
 
 NOISE = 0.06
 NOISE_UNSPREAD = 0.13
-HEADLINE = ("fd_auto", "auto", "fd_fused")
+HEADLINE = ("fd_auto", "auto", "fd_fused", "fusedist")
 BASELINE_PREFIXES = ("nccl", "symm_", "torch", "unfused", "sdpa", "cudnn", "flash", "cublas",
-                     "flex")
-SHAPE_KEYS = ("op", "layout", "bytes", "tokens", "hidden", "M", "N", "K", "batch", "context",
-              "q_heads", "kv_heads", "head_dim", "page_size", "dtype", "kv_dtype", "world")
+                     "flex", "compile", "bf16", "scaled_mm")
+# The columns that name a case (its shape, dtype, world, variant), in the order keys show them.
+KEY_FIELDS = ("section", "kind", "group", "module", "scaling", "collective", "op", "form",
+              "shape", "layout", "format", "algo", "placement", "redop", "type", "config",
+              "ranks", "nodes", "bytes", "size", "tokens", "new_tokens", "prompt_len",
+              "context_fill", "hidden", "inter", "in_features", "out_features", "M", "m", "N",
+              "K", "batch", "context", "q_heads", "kv_heads", "head_dim", "page_size", "waves",
+              "pieces", "dtype", "kv_dtype", "world", "world_size")
+# Tables of rows some benchmarks write beside "rows" (benchmarks/scaling.py).
+TABLES = ("rows", "linear_rows", "decode_rows")
+BETTER = ("higher", "lower")
+
+
+class NotAResult(ValueError):
+    """JSON that is not a benchmark result (a trace, another tool's output)."""
 
 
 def is_baseline(name: str) -> bool:
     return name.startswith(BASELINE_PREFIXES)
 
 
-def _spread(row: dict) -> Optional[float]:
-    """The relative spread of a row's rounds, or None when the file records none."""
-    if isinstance(row.get("spread"), (int, float)):
+def _num(v) -> Optional[float]:
+    """v as a finite positive float, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) and v > 0 else None
+
+
+def _spread(values) -> Optional[float]:
+    """(max - min) / median of a list of repeated measurements (None: fewer than two)."""
+    if not isinstance(values, list):
+        return None
+    vals = [_num(v) for v in values]
+    if len(vals) < 2 or any(v is None for v in vals):
+        return None
+    return (max(vals) - min(vals)) / median(vals)
+
+
+def _row_spread(row: dict) -> Optional[float]:
+    """The relative spread of a backend row's rounds, or None when the file records none."""
+    if isinstance(row.get("spread"), (int, float)) and not isinstance(row["spread"], bool):
         return float(row["spread"])
-    rounds = row.get("rounds_us")
-    if isinstance(rounds, list) and len(rounds) > 1 and min(rounds) > 0:
-        return (max(rounds) - min(rounds)) / median(rounds)
-    return None
+    return _spread(row.get("rounds_us"))
 
 
-def cases(doc: dict) -> dict[tuple, dict[str, tuple[float, Optional[float]]]]:
-    """{case key: {backend: (time_us, spread)}} of a result file's rows. Two row forms: one row
-    per backend ({"backend": name, "time_us": t}), or one row per case holding every backend
-    ({"time_us": {name: t}}, benchmarks/gemm.py)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ValueError("not a benchmark result (expected a JSON object with 'rows')")
-    out: dict[tuple, dict[str, tuple[float, Optional[float]]]] = {}
-    for row in doc["rows"]:
-        key = tuple((k, row[k]) for k in SHAPE_KEYS if k in row)
-        t = row.get("time_us")
-        if isinstance(t, dict):
-            for name, v in t.items():
-                if isinstance(v, (int, float)) and v > 0 and math.isfinite(v):
-                    out.setdefault(key, {})[name] = (float(v), None)
-        elif "backend" in row and isinstance(t, (int, float)) and t > 0 and math.isfinite(t) \
-                and row.get("status", "ok") == "ok":
-            out.setdefault(key, {})[row["backend"]] = (float(t), _spread(row))
+# Columns of a backend row that describe that backend's run, not the case (the algorithm it
+# picked, the KV dtype of the model benchmark's fusedist rows): left out of backend rows' keys.
+PER_BACKEND = ("algo", "kv_dtype")
+
+
+def case_key(row: dict, leave_out=()) -> str:
+    return " ".join(f"{k}={row[k]}" for k in KEY_FIELDS if k not in leave_out and
+                    isinstance(row.get(k), (str, int, float)) and not isinstance(row[k], bool))
+
+
+def metric(key: str, value: float, better: str, noise: Optional[float] = None) -> dict:
+    return {"key": key, "value": float(value), "better": better,
+            "noise": None if noise is None else float(noise)}
+
+
+def _ratio_noise(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else a + b
+
+
+# ---- the loader: rows of every form the benchmarks write -> metrics -------------------------
+def _backend_rows(rows: list, fusedist: Optional[str]) -> list:
+    """One row per backend ({"backend": name, "time_us": t}: allreduce, gemm_comm, model):
+    fusedist's headline over each baseline of the case; the model's prefill (TTFT) as well,
+    from prefill_ms."""
+    cases: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if _num(row.get("time_us")) is None or row.get("status", "ok") != "ok":
+            continue
+        key, backend = case_key(row, PER_BACKEND), str(row["backend"])
+        if backend in cases.setdefault(key, {}):
+            raise ValueError(f"two rows of backend {backend!r} for the case {key!r}: a case "
+                             "needs a column that tells them apart (KEY_FIELDS)")
+        cases[key][backend] = row
+    out = []
+    for case, by in cases.items():
+        fd = fusedist if fusedist else next((h for h in HEADLINE if h in by), None)
+        if fd not in by:
+            continue
+        f = by[fd]
+        for name, b in by.items():
+            if not is_baseline(name):
+                continue
+            out.append(metric(f"{case}: {fd} vs {name}", b["time_us"] / f["time_us"], "higher",
+                              _ratio_noise(_row_spread(f), _row_spread(b))))
+            pf, pb = _num(f.get("prefill_ms")), _num(b.get("prefill_ms"))
+            if pf and pb:
+                out.append(metric(f"{case}: {fd} vs {name} prefill", pb / pf, "higher",
+                                  _ratio_noise(_spread(f.get("prefill_ms_reps")),
+                                               _spread(b.get("prefill_ms_reps")))))
     return out
 
 
-def ratios(doc: dict, fusedist: Optional[str] = None
-           ) -> dict[tuple, tuple[float, Optional[float]]]:
-    """{(case key, fusedist path, baseline): (speedup = baseline time / fusedist time, spread
-    of the two rows, None when unrecorded)}."""
-    out = {}
-    for key, times in cases(doc).items():
-        fd = fusedist if fusedist else next((h for h in HEADLINE if h in times), None)
+def _dict_row(row: dict, fusedist: Optional[str]) -> list:
+    """One row per case with every kernel's time in a dict (gemm, gemv, fp8_linear): the
+    headline path(s) over the row's baselines."""
+    times = {k: _num(v) for k, v in row["time_us"].items()}
+    status = row.get("status") if isinstance(row.get("status"), dict) else {}
+    times = {k: v for k, v in times.items() if v is not None and status.get(k, "ok") == "ok"}
+    if isinstance(row.get("vs"), dict):                  # gemv: fusedist vs the named ones
+        heads, bases = ["fusedist"], list(row["vs"])
+    elif isinstance(row.get("paths"), dict):             # fp8_linear: each layout's path
+        heads, bases = list(row["paths"]), ["bf16"]
+    else:                                                # gemm: auto vs torch
+        heads = [next((h for h in HEADLINE if h in times), None)]
+        bases = [k for k in times if is_baseline(k)]
+    if fusedist:
+        heads = [fusedist]
+    rounds = row.get("ratio_rounds") if isinstance(row.get("ratio_rounds"), dict) else {}
+    case = case_key(row)
+    out = []
+    for fd in heads:
         if fd not in times:
             continue
-        t_fd, s_fd = times[fd]
-        for name, (t, s) in times.items():
-            if is_baseline(name):
-                out[(key, fd, name)] = (t / t_fd, None if s_fd is None or s is None
-                                        else s_fd + s)
+        for base in bases:
+            if base in times and base != fd:
+                # ratio_rounds: each round's ratio, of the headline (gemm) or the baseline
+                # (gemv) against the other
+                noise = _spread(rounds.get(fd)) if fd in rounds else _spread(rounds.get(base))
+                out.append(metric(f"{case}: {fd} vs {base}", times[base] / times[fd], "higher",
+                                  noise))
     return out
 
 
-def label(key: tuple, fd: str, base: str) -> str:
-    shape = " ".join(f"{k}={v}" for k, v in key if k not in ("dtype", "world"))
-    return f"{shape}: {fd} vs {base}"
+def _column_row(row: dict) -> list:
+    """One row per case with fusedist's time in fusedist_us and its ratios to the baselines in
+    vs_<baseline> columns (add_rmsnorm, silu_mul, attention, attention_prefill); fusedist_us
+    itself where no baseline ran."""
+    case = case_key(row)
+    out = [metric(f"{case}: fusedist vs {k[3:]}", row[k], "higher") for k in sorted(row)
+           if k.startswith("vs_") and _num(row[k]) is not None]
+    if not out and _num(row.get("fusedist_us")) is not None:
+        out.append(metric(f"{case}: fusedist_us", row["fusedist_us"], "lower"))
+    return out
 
 
+def _time_row(row: dict) -> list:
+    """A row of times with no baseline (gemm_waves, scaling): the time, lower is better."""
+    for col in ("time_us", "step_us"):
+        if _num(row.get(col)) is not None:
+            return [metric(f"{case_key(row)}: {col}", row[col], "lower")]
+    return []
+
+
+def derive(doc: dict, fusedist: Optional[str] = None) -> list:
+    """The metrics of a result file's rows (and row tables), in the forms above."""
+    if not isinstance(doc, dict) or not any(isinstance(doc.get(t), list) for t in TABLES):
+        raise NotAResult("not a benchmark result (expected a JSON object with 'rows' or "
+                         "'metrics')")
+    out = []
+    for table in TABLES:
+        rows = [r for r in doc.get(table) or [] if isinstance(r, dict)]
+        got = _backend_rows([r for r in rows if "backend" in r], fusedist)
+        for row in rows:
+            if "backend" in row:
+                continue
+            if isinstance(row.get("time_us"), dict):
+                got += _dict_row(row, fusedist)
+            elif any(k.startswith("vs_") for k in row) or "fusedist_us" in row:
+                got += _column_row(row)
+            else:
+                got += _time_row(row)
+        if table != "rows":     # a table beside "rows": its name starts its keys
+            got = [dict(m, key=f"{table}: {m['key']}") for m in got]
+        out += got
+    return out
+
+
+def check_metrics(metrics: list, where: str = "metrics") -> list:
+    """The schema, checked: ValueError naming the entry and what is wrong."""
+    if not isinstance(metrics, list):
+        raise ValueError(f"{where} must be a list of metrics, got {type(metrics).__name__}")
+    seen = set()
+    for i, m in enumerate(metrics):
+        if not isinstance(m, dict) or not isinstance(m.get("key"), str) or not m["key"]:
+            raise ValueError(f"{where}[{i}] must be a dict with a non-empty str 'key', got "
+                             f"{m!r:.120}")
+        if m["key"] in seen:
+            raise ValueError(f"{where}[{i}]: key {m['key']!r} appears twice; a key names one "
+                             "measurement of the file")
+        seen.add(m["key"])
+        if _num(m.get("value")) is None:
+            raise ValueError(f"{where}[{i}] ({m['key']}): value must be a finite number > 0, "
+                             f"got {m.get('value')!r}")
+        if m.get("better") not in BETTER:
+            raise ValueError(f"{where}[{i}] ({m['key']}): better must be 'higher' or 'lower', "
+                             f"got {m.get('better')!r}")
+        n = m.get("noise")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, float))
+                              or not 0 <= n < 10):
+            raise ValueError(f"{where}[{i}] ({m['key']}): noise must be null or a relative "
+                             f"spread >= 0, got {n!r}")
+    return metrics
+
+
+def metrics(doc: dict, fusedist: Optional[str] = None) -> list:
+    """A result file's metrics: its "metrics" as written (benchmarks/_harness.write_results),
+    or derived from its rows (files written before the schema, or `fusedist` given)."""
+    if isinstance(doc, dict) and isinstance(doc.get("metrics"), list) and fusedist is None:
+        return check_metrics(doc["metrics"])
+    return check_metrics(derive(doc, fusedist), "derived metrics")
+
+
+# ---- the comparison -----------------------------------------------------------------------
 def compare(old: dict, new: dict, noise: float = NOISE, fusedist: Optional[str] = None,
             noise_unspread: float = NOISE_UNSPREAD) -> tuple[list[dict], int]:
-    """Rows of the comparison ({case, old, new, change, band, verdict}) and how many ratios
-    the two files share."""
-    a, b = ratios(old, fusedist), ratios(new, fusedist)
+    """Rows of the comparison ({case, better, old, new, change, band, verdict}; change > 1 is
+    better, whatever the direction) and how many metrics the two files share."""
+    a = {m["key"]: m for m in metrics(old, fusedist)}
+    b = {m["key"]: m for m in metrics(new, fusedist)}
     rows = []
-    for k in sorted(set(a) & set(b), key=str):
-        (r_old, s_old), (r_new, s_new) = a[k], b[k]
-        if s_old is None or s_new is None:
+    for k in sorted(set(a) & set(b)):
+        mo, mn = a[k], b[k]
+        if mo["better"] != mn["better"]:
+            raise ValueError(f"{k}: better is {mo['better']!r} in the old file and "
+                             f"{mn['better']!r} in the new one")
+        if mo["noise"] is None or mn["noise"] is None:
             band = max(noise, noise_unspread)
         else:
-            band = max(noise, math.hypot(s_old, s_new))
-        change = r_new / r_old
+            band = max(noise, math.hypot(mo["noise"], mn["noise"]))
+        change = mn["value"] / mo["value"] if mo["better"] == "higher" else \
+            mo["value"] / mn["value"]
         verdict = "regressed" if change < 1 - band else "improved" if change > 1 + band else "same"
-        rows.append({"case": label(*k), "old": r_old, "new": r_new, "change": change,
-                     "band": band, "verdict": verdict})
+        rows.append({"case": k, "better": mo["better"], "old": mo["value"], "new": mn["value"],
+                     "change": change, "band": band, "verdict": verdict})
     return rows, len(rows)
 
 
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from None
+
+
+def _fmt(r: dict) -> str:
+    if r["better"] == "higher":      # ratios
+        old, new = f"{r['old']:.3f}x", f"{r['new']:.3f}x"
+    else:                            # times
+        old, new = f"{r['old']:.4g}", f"{r['new']:.4g}"
+    return (f"  {r['verdict']:9s} {r['case']}: {old} -> {new} "
+            f"({r['change'] - 1:+.1%} {'better' if r['change'] >= 1 else 'worse'}, band "
+            f"{r['band']:.1%})")
+
+
 def pairs(old: Path, new: Path) -> list[tuple[Path, Path]]:
-    if old.is_dir() and new.is_dir():
-        return [(o, new / o.relative_to(old)) for o in sorted(old.rglob("*.json"))
-                if (new / o.relative_to(old)).is_file()]
+    """(old file, new file of the same relative path; it may not exist) for every JSON under
+    a directory OLD, or the one pair of two files."""
+    if old.is_dir():
+        return [(o, new / o.relative_to(old)) for o in sorted(old.rglob("*.json"))]
     return [(old, new)]
 
 
@@ -131,42 +319,71 @@ def main(argv=None) -> int:
     ap.add_argument("--noise", type=float, default=NOISE,
                     help=f"smallest relative change counted (default {NOISE})")
     ap.add_argument("--noise-unspread", type=float, default=NOISE_UNSPREAD,
-                    help="band of rows whose files record no rounds (default "
+                    help="band of metrics with no recorded noise (default "
                     f"{NOISE_UNSPREAD})")
     ap.add_argument("--fusedist", default=None,
-                    help="the fusedist path compared (default: fd_auto / auto / fd_fused)")
-    ap.add_argument("--all", action="store_true", help="print every ratio, not only changes")
+                    help="the fusedist path compared (default: fd_auto / auto / fusedist)")
+    ap.add_argument("--all", action="store_true", help="print every metric, not only changes")
     args = ap.parse_args(argv)
     for name in ("noise", "noise_unspread"):
         if not 0 <= getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
-    compared = regressed = False
-    many = args.old.is_dir()
+    for p in (args.old, args.new):
+        if not p.exists():
+            ap.error(f"{p} does not exist")
+    if args.old.is_dir() != args.new.is_dir():
+        ap.error("OLD and NEW must both be files or both be directories")
+    compared = errors = 0
+    regressed = False
     for old, new in pairs(args.old, args.new):
         try:
-            rows, n = compare(json.loads(old.read_text()), json.loads(new.read_text()),
-                              args.noise, args.fusedist, args.noise_unspread)
+            old_doc = _load(old)
+            old_metrics = metrics(old_doc, args.fusedist)
+        except NotAResult as e:
+            print(f"{old}: skipped, {e}")
+            continue
         except (OSError, ValueError) as e:
-            if not many:  # a directory also holds traces and other non-result JSON
-                print(f"{old} -> {new}: {e}")
+            print(f"ERROR {old}: {e}")
+            errors += 1
+            continue
+        if not old_metrics:
+            print(f"ERROR {old}: no metric read from its rows (a row form compare.py does not "
+                  "know: teach benchmarks/compare.py's loader, or write metrics)")
+            errors += 1
+            continue
+        if not new.is_file():
+            print(f"{old}: {len(old_metrics)} metrics, not measured in this run")
+            continue
+        try:
+            rows, n = compare(old_doc, _load(new), args.noise, args.fusedist,
+                              args.noise_unspread)
+        except (OSError, ValueError) as e:
+            print(f"ERROR {old} -> {new}: {e}")
+            errors += 1
             continue
         if n == 0:
-            if not many:
-                print(f"{old} -> {new}: no case measured in both")
+            print(f"{old} -> {new}: no metric measured in both ({len(old_metrics)} in the old "
+                  "file)")
             continue
         bad = [r for r in rows if r["verdict"] == "regressed"]
         good = [r for r in rows if r["verdict"] == "improved"]
-        print(f"{old} -> {new}: {n} ratios, {len(bad)} regressed, {len(good)} improved "
-              f"(noise band >= {args.noise:.0%})")
+        print(f"{old} -> {new}: {n} of {len(old_metrics)} metrics compared, {len(bad)} "
+              f"regressed, {len(good)} improved (noise band >= {args.noise:.0%})")
         for r in rows:
             if args.all or r["verdict"] != "same":
-                print(f"  {r['verdict']:9s} {r['case']}: {r['old']:.3f}x -> {r['new']:.3f}x "
-                      f"({r['change'] - 1:+.1%}, band {r['band']:.1%})")
-        compared, regressed = True, regressed or bool(bad)
-    if not compared:
-        print("nothing comparable")
+                print(_fmt(r))
+        compared += 1
+        regressed = regressed or bool(bad)
+    if args.new.is_dir():
+        for p in sorted(args.new.rglob("*.json")):
+            if not (args.old / p.relative_to(args.new)).exists():
+                print(f"{p}: new, no committed result to compare with")
+    if regressed:
+        return 1
+    if errors or not compared:
+        print("nothing comparable" if not compared else f"{errors} result file(s) unreadable")
         return 2
-    return 1 if regressed else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ host must not pass as a CPU-only one."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
+import sys
+import zlib
 from typing import Optional
 
 import pytest
@@ -20,6 +23,60 @@ for _k, _v in SAFE_ENV.items():
     os.environ.setdefault(_k, _v)
 
 _NEEDED = {"gpu": 1, "gpu2": 2, "gpu4": 4, "gpu8": 8}
+
+
+# ---- seeds ----------------------------------------------------------------------------------
+def _session_seed() -> int:
+    """FUSEDIST_TEST_SEED, or a fresh seed for this run."""
+    from fusedist import envs
+
+    seed = envs.get("FUSEDIST_TEST_SEED")
+    return seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+
+
+SESSION_SEED = _session_seed()
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed of one test: from the session's and the test's name, so a test reruns with
+    the same inputs alone or in any order."""
+    return zlib.crc32(f"{SESSION_SEED}:{nodeid}".encode())
+
+
+test_seed.__test__ = False      # not a test itself
+
+
+def rerun_hint(nodeid: str) -> str:
+    return (f"FUSEDIST_TEST_SEED={SESSION_SEED} (this test's generators: "
+            f"torch.manual_seed({test_seed(nodeid)})); rerun: FUSEDIST_TEST_SEED={SESSION_SEED} "
+            f"python3 -P -m pytest '{nodeid}'")
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts with torch's, random's and numpy's global generators seeded from
+    test_seed (fresh inputs each run, reproducible with FUSEDIST_TEST_SEED)."""
+    import torch
+
+    seed = test_seed(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed)
+    yield
+
+
+def pytest_report_header(config):
+    return f"fusedist: FUSEDIST_TEST_SEED={SESSION_SEED}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        rep.sections.append(("seed", rerun_hint(item.nodeid)))
 
 
 def listed_gpus() -> int:
@@ -83,8 +140,80 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s), found {have}"))
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "kernel(name, ...): the test needs these kernels of fusedist._C "
+        "(fusedist._ext.KERNELS names); on its GPU a missing one fails it (require_kernel)")
+
+
 def pytest_runtest_setup(item):
     if any(m in item.keywords for m in _NEEDED):
         broken = _state()[1]
         if broken is not None:
             pytest.fail(broken, pytrace=False)
+    for mark in item.iter_markers("kernel"):
+        for name in mark.args:
+            require_kernel(name)
+
+
+# ---- kernels the build must carry ------------------------------------------------------------
+def kernel_problem(kernel: str, device="cuda") -> tuple[str, str]:
+    """("fail" | "skip" | "", why) for a test that needs `kernel` (a fusedist._ext.KERNELS
+    name) on `device`, asking fusedist._ext's capability table. On a CUDA device: a build
+    without the kernel, without _C, or for architectures that do not run on the device
+    fails (a GPU host whose build lacks a kernel must not pass as if the kernel were not
+    needed); only a device older than the kernel needs skips. On the CPU (checks of _C's
+    bindings without a GPU): no _C skips (FUSEDIST_REQUIRE_EXT=1: fails), a _C without the
+    kernel fails."""
+    import torch
+
+    from fusedist import _ext
+
+    if kernel not in _ext.KERNELS:
+        raise KeyError(f"require_kernel: unknown kernel {kernel!r}; known: "
+                       f"{sorted(_ext.KERNELS)}")
+    dev = torch.device(device)
+    caps = _ext.capabilities()
+    if dev.type != "cuda":
+        if not caps.built:
+            why = f"fusedist._C is not built ({caps.why_missing})"
+            return ("fail" if os.environ.get("FUSEDIST_REQUIRE_EXT") == "1" else "skip"), why
+        if not caps.has(kernel):
+            return "fail", f"fusedist._C was built without the {kernel} kernel: rebuild fusedist"
+        return "", ""
+    why = _ext.why_not(kernel, dev)
+    if not why:
+        return "", ""
+    need = _ext.KERNELS[kernel].min_cc
+    if caps.built and caps.has(kernel) and _ext.device_capability(dev) < need:
+        return "skip", why
+    return "fail", f"the {kernel} kernel does not run on {dev}: {why}; rebuild fusedist"
+
+
+def require_kernel(kernel: str, device="cuda") -> None:
+    """Fail (or, for a device older than the kernel needs, skip) the running test unless
+    `kernel` runs on `device`: kernel_problem's rule, the one every test that needs a kernel
+    of fusedist._C follows (or @pytest.mark.kernel(name) on a gpu test)."""
+    verdict, why = kernel_problem(kernel, device)
+    if verdict == "fail":
+        pytest.fail(why, pytrace=False)
+    if verdict == "skip":
+        pytest.skip(why)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launch = sys.modules.get("launch")
+    if launch is not None:
+        launch.shutdown_pool()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The session's CPU time, this process's and its children's (workers, pooled processes,
+    subprocesses; the pool's forkserver is waited for at the end): what the suite costs on a
+    machine whose cores other work shares, where wall time says little."""
+    import resource
+
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    terminalreporter.write_line(
+        f"fusedist: CPU time {me.ru_utime + me.ru_stime:.0f} s in pytest, "
+        f"{kids.ru_utime + kids.ru_stime:.0f} s in its child processes")

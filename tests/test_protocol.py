@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import math
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,9 @@ from fusedist.comm import symmetric
 from fusedist.comm.communicator import Communicator, check_calls
 from fusedist.errors import CollectiveMismatchError, CommunicatorTimeoutError
 from fusedist.comm.streams import AsyncHandle
+from launch import assert_passed, torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = (ROOT / "csrc" / "include" / "fusedist" / "common" / "layout.h").read_text()
@@ -358,106 +362,27 @@ def test_same_config_passes_and_different_config_names_ranks_and_values():
     assert "staging_bytes" not in msg.split("memory:")[1].split(". Create")[0]
 
 
-class _FakeC:
-    """The slice of fusedist._C that SymmetricMemory's constructor uses, on the host."""
-    MAX_RANKS, GENERATIONS, EMPTY_WORD, MAX_SIGNAL_PIECES = 8, 3, EMPTY_WORD, 64
-    ERROR_RECORD_BYTES, CONTROL_BYTES, DESC_BYTES = 64, 16, 128
-
-    def __init__(self):
-        self.allocs, self.comm_args, self._keep = [], None, []
-
-    def device_info(self, dev):
-        return SimpleNamespace(pci_bus_id="0000:01:00.0", sm_count=132, major=9, minor=0)
-
-    def can_access_peer_by_bus_id(self, bus):
-        return 1
-
-    def device_alloc(self, nbytes):
-        self.allocs.append(nbytes)
-        return 1 << (20 + len(self.allocs))
-
-    def host_mapped_alloc(self, nbytes):
-        buf = (ctypes.c_uint8 * nbytes)()
-        self._keep.append(buf)
-        return ctypes.addressof(buf)
-
-    def host_mapped_device_ptr(self, p):
-        return p
-
-    def ipc_get_handle(self, p):
-        return b"handle"
-
-    def ipc_open_handle(self, h):
-        return 1 << 40
-
-    def SymmComm(self, *args):
-        self.comm_args = args
-        return SimpleNamespace(max_blocks=args[-1])
-
-    def fill_u32(self, *a):
-        pass
-
-    def stream_synchronize(self, *a):
-        pass
-
-    device_free = host_mapped_free = ipc_close_handle = fill_u32
-
-
-class _TwoRanks:
-    """Rank 0 of a 2-rank group whose peer answers the first gather (the ranks' devices and
-    sizes) with `peer_config` in place of this rank's sizes, and every later one alike."""
-    name, size, rank, ranks, topology = "tp0", 2, 0, (0, 1), None
-
-    def __init__(self, **peer_config):
-        self.peer_config, self.gathers = peer_config, 0
-
-    def all_gather_object(self, obj):
-        self.gathers += 1
-        if isinstance(obj, dict) and "config" in obj:
-            return [obj, dict(obj, config=dict(obj["config"], **self.peer_config))]
-        return [obj, obj]
-
-    def barrier(self):
-        pass
-
-
 @pytest.fixture
 def fake_device(monkeypatch):
-    C = _FakeC()
-    monkeypatch.setattr(symmetric._ext, "load", lambda: C)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(cuda_stream=0))
-    return C
+    from _fake_device import fake_device as fake
+
+    with fake(monkeypatch.setattr) as C:
+        yield C
 
 
-def test_symmetric_layout_on_matching_ranks(fake_device):
-    s = symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=3.0)
-    slot = max(1 << 16, (1 << 20) // 2)
-    assert s.gen_bytes == 2 * slot + (1 << 20) + 128  # slots, gather region, descriptors
-    assert s.staging_offset == 3 * s.gen_bytes and s.timeout_s == 3.0
-    rank, world, bases, gen, slot_bytes = fake_device.comm_args[:5]
-    assert (rank, world, gen, slot_bytes) == (0, 2, s.gen_bytes, slot) and len(bases) == 2
+def test_symmetric_sizes_checked_across_real_ranks():
+    """tests/dist/worker_protocol.py on 2 CPU ranks over gloo: matching ranks agree on the
+    layout; a size or timeout that differs on one rank raises CollectiveMismatchError naming
+    both values on every rank, after one gather and before any allocation."""
+    assert_passed(torchrun("worker_protocol.py", 2, {"CUDA_VISIBLE_DEVICES": ""},
+                           timeout=240), 2)
 
 
-@pytest.mark.parametrize("peer,key,values", [
-    (dict(max_bytes=2 << 20), "max_bytes", "rank 0: 1048576, rank 1: 2097152"),
-    (dict(one_shot_max_bytes=1 << 17), "one_shot_max_bytes", "rank 0: 65536, rank 1: 131072"),
-    (dict(staging_bytes=4096), "staging_bytes", "rank 0: 0, rank 1: 4096"),
-    (dict(timeout_s=5.0), "timeout_s", "rank 0: 3.0, rank 1: 5.0"),
-])
-def test_symmetric_sizes_differing_across_ranks_raise_before_allocating(fake_device, peer, key,
-                                                                         values):
-    group = _TwoRanks(**peer)
-    with pytest.raises(CollectiveMismatchError, match=re.escape(f"{key} ({values})")):
-        symmetric.SymmetricMemory(group, 1 << 20, 1 << 16, timeout_s=3.0)
-    assert fake_device.allocs == [] and group.gathers == 1  # every rank raises alike
-
-
-def test_symmetric_memory_rejects_a_timeout_without_meaning(fake_device):
+def test_symmetric_memory_rejects_a_timeout_without_meaning(fake_device, world1):
     for bad in (0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="timeout_s"):
-            symmetric.SymmetricMemory(_TwoRanks(), 1 << 20, 1 << 16, timeout_s=bad)
+            symmetric.SymmetricMemory(world1.tp, 1 << 20, 1 << 16, timeout_s=bad)
+    assert fake_device.allocs == []
 
 
 def test_check_calls():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import _env, _run, free_port
+from launch import _env, _run
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -31,8 +31,8 @@ def block_after(heading: str) -> str:
 def run_ranks(tmp_path, code: str, nproc: int):
     script = tmp_path / "example.py"
     script.write_text(code)
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), str(script)]
     p = _run(cmd, _env(CPU_ENV), 240)
     assert p.returncode == 0, p.stdout[-5000:]
     return p.stdout

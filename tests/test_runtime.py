@@ -105,7 +105,11 @@ def test_shutdown_frees_the_process_groups():
     rt = fusedist.init(rank=0, world_size=1, backend="gloo")
     comm = fusedist.get_communicator()
     fusedist.all_reduce(torch.randn(5))
-    assert _gloo_threads() > before
+    # a new thread names itself once it runs: wait for the names, not a fixed time
+    deadline = time.monotonic() + 30.0
+    while _gloo_threads() <= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _gloo_threads() > before, "no gloo thread after init and an all_reduce"
     fusedist.shutdown()
     deadline = time.monotonic() + 5.0   # a thread may take a moment to end on a loaded machine
     while _gloo_threads() != before and time.monotonic() < deadline:

@@ -22,7 +22,11 @@ CASES = [
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("worker,args", CASES)
 def test_runtime_cpu_torchrun(worker, args):
-    assert_passed(torchrun(worker, NPROC, CPU_ENV, timeout=280, args=args), NPROC)
+    # The runtime case under torchrun itself (the launch environment it makes, its agent
+    # store); the others on the test pool's ranks, which get the same environment.
+    launcher = worker == "worker_runtime.py" and not args
+    assert_passed(torchrun(worker, NPROC, CPU_ENV, timeout=280, args=args, launcher=launcher),
+                  NPROC)
 
 
 @pytest.mark.timeout(300)
@@ -57,9 +61,21 @@ def test_worker_output_is_logged_as_it_runs(tmp_path, monkeypatch):
 
 def test_a_check_skipped_on_some_ranks_only_fails_the_worker():
     """tests/dist/worker_checks_selftest.py: rank 1 skips a check rank 0 runs; the harness must
-    report it as a failure on every rank (a skip is never a pass, and the ranks disagree)."""
-    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    report it as a failure on every rank (a skip is never a pass, and the ranks disagree). A
+    failing check names the seed (FUSEDIST_TEST_SEED) to rerun it with, as does the run's
+    first line; every rank runs with rank 0's seed."""
+    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                  "FUSEDIST_TEST_SEED": "4242"}, timeout=120)
     assert p.returncode != 0, p.stdout[-3000:]
     assert "skipped_on_rank_1_only: skipped on some ranks only (rank 0 ok, rank 1 skip)" \
         in p.stdout, p.stdout[-3000:]
     assert "all checks passed" not in p.stdout
+    assert "checks on 2 ranks, seed 4242: rerun with FUSEDIST_TEST_SEED=4242" in p.stdout
+    assert "[FAIL] rank 0 fails_with_the_seed (seed 4242: rerun with FUSEDIST_TEST_SEED=4242)" \
+        in p.stdout, p.stdout[-3000:]
+    assert "failed with seed 4242" in p.stdout and "seed_is_rank_0s" not in \
+        p.stdout.split("failed:")[-1], p.stdout[-3000:]
+    # unset: a fresh seed, printed first
+    p = torchrun("worker_checks_selftest.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                  "FUSEDIST_TEST_SEED": ""}, timeout=120)
+    assert "checks on 2 ranks, seed " in p.stdout and "rerun with FUSEDIST_TEST_SEED=" in p.stdout

@@ -30,3 +30,76 @@ def test_listed_gpus_with_a_cpu_only_torch_fail():
 def test_gpus_hidden_on_purpose_skip():
     assert conftest.gpu_tier(8, "", True, 0, None) == (0, None)
     assert conftest.gpu_tier(8, "-1", False, 0, None) == (0, None)
+
+
+# ---- tests/gpu/run.sh: its exit status ------------------------------------------------------
+def _gpu_run_stage_block() -> tuple[str, str]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent / "gpu" / "run.sh").read_text()
+    return text, text[text.index("WORST=0"):text.index("\nwant()")]
+
+
+def test_gpu_run_exit_status_is_the_worst_stage(tmp_path):
+    """tests/gpu/run.sh's stage(): every stage runs, and the run's status is the largest of
+    theirs (a failed GPU tier, sanitizer or compare is the run's failure, a timeout's 124
+    included); the script ends with that status (nothing after it can reset it)."""
+    import subprocess
+
+    text, block = _gpu_run_stage_block()
+    script = block + "\n" + "\n".join([
+        "stage first 30 true",
+        "stage tests 30 bash -c 'exit 1'",
+        "stage compare 30 bash -c 'exit 2'",
+        "stage hung 1 sleep 30",
+        "stage last 30 true",
+        'echo "status=$WORST failed=$FAILED"'])
+    out = subprocess.run(["bash", "-c", "set -uo pipefail\n" + script], capture_output=True,
+                         text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path),
+                              "LOGS": str(tmp_path)}).stdout
+    assert "status=124 failed= tests compare hung" in out, out
+    assert (tmp_path / "summary.txt").read_text().count("\n") == 5
+    assert text.rstrip().endswith('exit "$WORST"'), "tests/gpu/run.sh must end in exit $WORST"
+
+
+# ---- tests/conftest.py's rule for a kernel a test needs ---------------------------------------
+def _caps(monkeypatch, built=True, kernels=(), archs=("90a",), cc=(9, 0)):
+    from fusedist import _ext
+
+    caps = _ext.Capabilities(built=built, why_missing="" if built else "no module fusedist._C",
+                             version="x", abi=_ext.ABI_VERSION, cuda_archs=archs,
+                             kernels=frozenset(kernels))
+    monkeypatch.setattr(_ext, "capabilities", lambda: caps)
+    monkeypatch.setattr(_ext, "device_capability", lambda device: cc)
+
+
+def test_a_kernel_missing_from_the_build_fails_on_a_gpu(monkeypatch):
+    """One rule for every GPU test that needs a kernel: a build without it (or without _C, or
+    for other architectures) fails, naming the kernel; only a GPU older than the kernel
+    needs skips; a CPU check of the bindings skips without _C (fails with
+    FUSEDIST_REQUIRE_EXT=1) and fails on a _C without the kernel."""
+    problem = conftest.kernel_problem
+    _caps(monkeypatch, kernels=("gemv",))
+    assert problem("gemv") == ("", "")
+    verdict, why = problem("fp8_gemm")
+    assert verdict == "fail" and "fp8_gemm" in why and "built without" in why
+    _caps(monkeypatch, built=False)
+    verdict, why = problem("silu_mul")
+    assert verdict == "fail" and "silu_mul" in why and "not built" in why
+    _caps(monkeypatch, kernels=("attention_decode",), archs=("100a",))
+    verdict, why = problem("attention_decode")
+    assert verdict == "fail" and "built for 100a" in why
+    _caps(monkeypatch, kernels=("attention_decode",), archs=("80",), cc=(8, 0))
+    assert problem("attention_decode")[0] == "skip"           # sm_80 is older than it needs
+    _caps(monkeypatch, built=False)
+    monkeypatch.delenv("FUSEDIST_REQUIRE_EXT", raising=False)
+    assert problem("gemv", "cpu")[0] == "skip"
+    monkeypatch.setenv("FUSEDIST_REQUIRE_EXT", "1")
+    assert problem("gemv", "cpu")[0] == "fail"
+    _caps(monkeypatch, kernels=("silu_mul",))
+    assert problem("gemv", "cpu")[0] == "fail" and problem("silu_mul", "cpu") == ("", "")
+    import pytest
+
+    with pytest.raises(KeyError, match="unknown kernel"):
+        problem("no_such_kernel")

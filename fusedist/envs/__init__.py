@@ -7,9 +7,11 @@ The environment table of docs/configuration.md is generated from this registry:
 
     python -m fusedist.envs --markdown
 
-Variables used only by the test harness and the benchmarks (FUSEDIST_TEST_*, FUSEDIST_BENCH_*,
-FUSEDIST_RESULTS_DIR, ...) are not read by the library and are not registered here; they are
-described with the tests and benchmarks that read them. The NVLink-multicast settings that
+Variables used only by the test harness and the benchmarks (FUSEDIST_TEST_ONLY,
+FUSEDIST_BENCH_*, FUSEDIST_RESULTS_DIR, ...) are not read by the library and are not registered
+here; they are described with the tests and benchmarks that read them. FUSEDIST_TEST_SEED is
+the exception: the test suite's seed, which a user sets to rerun a failing test, is registered
+so that a malformed one fails with the others. The NVLink-multicast settings that
 fusedist.init() applies to NCCL and torch are fusedist.distributed.runtime.SAFE_ENV.
 """
 
@@ -105,6 +107,12 @@ _register(
     Var("FUSEDIST_CUTLASS_INCLUDE", "path", None, "at build time, by CMake",
         "CUTLASS include directory; default: the headers of the `nvidia-cutlass` package.",
         default_doc="from nvidia-cutlass"),
+    Var("FUSEDIST_TEST_SEED", "int", None, "by the test suite (tests/conftest.py, multi-rank "
+        "test workers)",
+        "Seed of the tests' random inputs: each test's torch / random / numpy generators are "
+        "seeded from it and the test's name, and multi-rank test workers take it. Printed in "
+        "pytest's header and with every failure; set it to rerun a failure with the same "
+        "inputs.", minimum=0, default_doc="a fresh seed per run"),
 )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -347,8 +346,9 @@ def test_prefill_case_dry_run(cpu_bench, monkeypatch):
 
 @pytest.mark.parametrize("script", ["attention.py", "attention_prefill.py"])
 def test_help_runs_without_a_gpu(script):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    from launch import python
+
+    p = python([str(ROOT / "benchmarks" / script), "--help"], timeout=120)
     assert p.returncode == 0 and "--no-flashinfer" in p.stdout, p.stderr[-2000:]
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/compare.py on small synthetic result files: same-run ratios, the noise band,
-both row forms, directory pairing and the exit status."""
+"""benchmarks/compare.py: the result schema (key, value, direction, noise) read from every
+committed result file, a synthetic regression of every metric caught, same-run ratios, the
+noise band, the row forms, directory pairing and the exit status."""
 
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def test_an_explicit_fusedist_path():
 
 
 def test_not_a_result_file():
-    with pytest.raises(ValueError, match="not a benchmark result"):
-        compare.cases({"meta": {}, "traces": []})
+    with pytest.raises(compare.NotAResult, match="not a benchmark result"):
+        compare.metrics({"meta": {}, "traces": []})
 
 
 def write(path: Path, doc: dict) -> Path:
@@ -127,16 +128,137 @@ def test_directories_pair_files_by_relative_path(tmp_path):
     write(tmp_path / "b" / "h200-w2" / "allreduce.json", ar_doc(10.0, 20.0))
     write(tmp_path / "b" / "h200-w1" / "gemm.json", gemm_doc(30.0, 20.0))
     pairs = compare.pairs(tmp_path / "a", tmp_path / "b")
-    assert {p[0].name for p in pairs} == {"allreduce.json", "gemm.json"}
+    assert {p[0].name for p in pairs} == {"allreduce.json", "gemm.json", "trace.json"}
+    assert all(p[1].is_file() for p in pairs if p[0].name != "trace.json")
     assert compare.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
 
 
-def test_the_committed_results_agree_with_themselves():
-    results = ROOT / "benchmarks" / "results"
-    files = [p for p in results.rglob("*.json") if "rows" in json.loads(p.read_text())]
-    assert files, "no committed benchmark results found"
-    for p in files:
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def committed() -> list[tuple[Path, dict]]:
+    """Every committed benchmark result (JSON with rows or metrics; traces are not results)."""
+    out = []
+    for p in sorted(RESULTS.rglob("*.json")):
         doc = json.loads(p.read_text())
-        if compare.ratios(doc):
-            rows, n = compare.compare(doc, doc)
-            assert n > 0 and all(r["verdict"] == "same" for r in rows), p
+        if isinstance(doc, dict) and ("rows" in doc or "metrics" in doc):
+            out.append((p, doc))
+    return out
+
+
+def test_every_committed_result_reads_through_the_schema():
+    """Each committed result file gives metrics (none is skipped for its row form), each with
+    a unique key, a finite value, a direction; the model, TTFT and every op's file among them."""
+    files = committed()
+    stems = {p.stem for p, _ in files}
+    assert {"allreduce", "gemm_comm", "gemm", "gemv", "fp8_linear", "attention",
+            "attention_prefill", "add_rmsnorm", "silu_mul", "model", "model-ttft",
+            "gemm_waves", "scaling"} <= stems, stems
+    for p, doc in files:
+        ms = compare.metrics(doc)
+        assert ms, f"{p.relative_to(ROOT)}: no metric read"
+        assert len({m["key"] for m in ms}) == len(ms)
+        assert {m["better"] for m in ms} <= {"higher", "lower"}
+    # the model's TTFT: fusedist's prefill against the torch baseline's, higher is better
+    ttft = compare.metrics(json.loads((RESULTS / "h200-w1" / "model-ttft.json").read_text()))
+    assert any(m["key"].endswith("fusedist vs torch prefill") for m in ttft)
+
+
+def degrade(ms: list, by: float) -> list:
+    """The metrics `by` worse (a ratio `by` lower, a time `by` longer), in the schema's form."""
+    return [dict(m, value=m["value"] * (1 - by) if m["better"] == "higher"
+                 else m["value"] / (1 - by)) for m in ms]
+
+
+@pytest.mark.parametrize("path", [p for p, _ in committed()], ids=lambda p: p.stem)
+def test_a_synthetic_regression_of_every_committed_file_fails(path):
+    """Every metric of a committed file 10% worse: each whose noise band is under 10% is a
+    regression (the rest are within their measured noise), and every metric 1% past its band
+    is one; the same values are not."""
+    doc = json.loads(path.read_text())
+    ms = compare.metrics(doc)
+    rows, n = compare.compare(doc, {"metrics": degrade(ms, 0.10)})
+    assert ms and n == len(ms)
+    for r in rows:
+        assert r["verdict"] == ("regressed" if r["band"] < 0.10 - 1e-9 else "same"), r
+    past = [dict(m, value=m["value"] * (1 - b) if m["better"] == "higher"
+                 else m["value"] / (1 - b))
+            for m, b in zip(sorted(ms, key=lambda m: m["key"]),
+                            [r["band"] + 0.01 for r in rows])]
+    rows, _ = compare.compare(doc, {"metrics": past})
+    assert all(r["verdict"] == "regressed" for r in rows)
+    rows, _ = compare.compare(doc, {"metrics": [dict(m) for m in ms]})
+    assert all(r["verdict"] == "same" for r in rows)
+
+
+def test_a_10_percent_regression_of_the_committed_set_fails_the_gate(tmp_path, capsys):
+    """compare.py over the committed results directory against a new run 10% worse in every
+    metric exits 1 and names regressions in every file that has metrics with bands under 10%;
+    against a run within the noise it exits 0."""
+    for name, by in (("worse", 0.10), ("noisy", 0.03)):
+        for p, doc in committed():
+            ms = compare.metrics(doc)
+            bad = degrade(ms, by) if name == "worse" else \
+                [dict(m, value=m["value"] * (1.02 if i % 2 else 0.98)) for i, m in enumerate(ms)]
+            write(tmp_path / name / p.relative_to(RESULTS), {"meta": doc.get("meta"),
+                                                           "metrics": bad})
+    assert compare.main([str(RESULTS), str(tmp_path / "worse")]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR" not in out
+    assert "h200-w2/gemm_comm.json" in out and " regressed" in out
+    assert compare.main([str(RESULTS), str(tmp_path / "noisy")]) == 0
+
+
+def test_lower_is_better_metrics():
+    """A time (lower is better) that grew past its band is a regression; one that fell, an
+    improvement."""
+    old = {"metrics": [compare.metric("waves=1: time_us", 100.0, "lower", 0.02)]}
+    for t, verdict in ((110.0, "regressed"), (103.0, "same"), (90.0, "improved")):
+        new = {"metrics": [compare.metric("waves=1: time_us", t, "lower", 0.02)]}
+        assert compare.compare(old, new)[0][0]["verdict"] == verdict
+
+
+def test_schema_errors_name_the_entry():
+    for bad, match in [([{"key": "a", "value": 1.0, "better": "up"}], "better must be"),
+                       ([{"key": "a", "value": float("nan"), "better": "higher"}], "finite"),
+                       ([{"key": "a", "value": 1.0, "better": "higher"}] * 2, "appears twice"),
+                       ([{"value": 1.0}], "non-empty str 'key'")]:
+        with pytest.raises(ValueError, match=match):
+            compare.metrics({"metrics": bad})
+
+
+def test_a_result_file_the_loader_cannot_read_is_an_error(tmp_path, capsys):
+    write(tmp_path / "a" / "x.json", {"meta": {}, "rows": [{"what": "unknown", "n": 3}]})
+    write(tmp_path / "b" / "x.json", {"meta": {}, "rows": [{"what": "unknown", "n": 3}]})
+    write(tmp_path / "a" / "trace.json", {"meta": {}, "traces": []})
+    assert compare.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    out = capsys.readouterr().out
+    assert "ERROR" in out and "x.json: no metric read" in out and "trace.json: skipped" in out
+
+
+def test_write_results_writes_the_schema(tmp_path, monkeypatch):
+    """benchmarks/_harness.write_results puts the metrics beside the rows: what compare.py
+    reads from the rows, so every benchmark writes the schema."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("FUSEDIST_RESULTS_DIR", str(tmp_path))
+    sys.modules.pop("_harness", None)
+    import _harness
+
+    doc = ar_doc(10.0, 20.0, rounds=[0, 0.01])
+    paths = _harness.write_results("allreduce", {"world_size": 2}, doc["rows"], "table")
+    got = json.loads(paths[0].read_text())
+    assert got["metrics"] == compare.metrics(doc) and len(got["metrics"]) == 1
+    assert compare.compare(got, doc)[1] == 1
+    explicit = [compare.metric("ttft_ms", 5.0, "lower", 0.01)]
+    paths = _harness.write_results("x", {"world_size": 1}, [], "t", metrics=explicit)
+    assert json.loads(paths[0].read_text())["metrics"] == explicit
+    with pytest.raises(ValueError, match="better must be"):
+        _harness.write_results("x", {"world_size": 1}, [], "t",
+                               metrics=[{"key": "k", "value": 1.0, "better": "more"}])
+    # rows the loader cannot pair (two with one key): written without metrics, which
+    # compare.py then reports as an error instead of comparing
+    twice = ar_doc(10.0, 20.0)["rows"][:1] * 2 + ar_doc(10.0, 20.0)["rows"][2:]
+    paths = _harness.write_results("dup", {"world_size": 2}, twice, "t")
+    assert "metrics" not in json.loads(paths[0].read_text())

@@ -53,10 +53,13 @@ def test_rows_and_markdown():
     assert "| fusedist vs torch | fusedist vs torch-compile |" in md
     assert "| 1 | 16+8 | fusedist | 10.0 | 1.0 | 2.0 | 2.2 | 1.0 | 2.0 | 1.5 | 3.7 |" in md
     assert "| 1 | 16+8 | torch-compile | 12.0 | 0.02 | 0.01 / 0.01 / 0.00 / 0.00 | 3 |" in md
-    # compare.py pairs the rows by case and backend
+    # compare.py pairs the rows by case and backend: the step's speedups (and the prefill's)
     doc = {"meta": {}, "rows": rows}
-    r = compare.ratios(doc, "fusedist")
-    assert sorted(v[0] for v in r.values()) == [1.5, 2.0]
+    ms = compare.metrics(doc)
+    assert sorted(m["value"] for m in ms if not m["key"].endswith("prefill")) == [1.5, 2.0]
+    assert all(m["better"] == "higher" for m in ms)
+    assert {m["key"].split(": ")[1] for m in ms} >= {"fusedist vs torch",
+                                                     "fusedist vs torch-compile"}
 
 
 def test_fp8_rows_take_the_fp8_targets():

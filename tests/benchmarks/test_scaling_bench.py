@@ -12,15 +12,15 @@ import sys
 
 import pytest
 
-from launch import ROOT, _env, _run, free_port
+from launch import ROOT, _env, _run
 
 COLUMNS = ("size", "count", "type", "redop", "placement", "time_us", "algbw_GBps",
            "busbw_GBps", "wrong", "model_us", "model_err")
 
 
 def _scaling(tmp_path, nproc, args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc),
            str(ROOT / "benchmarks" / "scaling.py"), "--sizes", "1K,5000", "--reps", "1",
            "--ops", "1", "--tokens", "3,8", "--batches", "1,2", "--context", "16", *args]
     p = _run(cmd, _env({"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_RESULTS_DIR": str(tmp_path),

@@ -3,7 +3,6 @@ its -b / -e / -f sweep; benchmarks/allreduce.py refuses a bad size before starti
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +38,7 @@ def test_size_range():
 
 
 def test_allreduce_bench_refuses_a_bad_size_before_starting():
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--sizes",
-                        "4X"], capture_output=True, text=True, timeout=120)
+    from launch import python
+
+    p = python([str(ROOT / "benchmarks" / "allreduce.py"), "--sizes", "4X"], timeout=120)
     assert p.returncode == 2 and "--sizes: '4X' is not a size" in p.stderr, p.stderr[-2000:]

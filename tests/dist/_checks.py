@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fusedist  # noqa: E402
+import fusedist.envs  # noqa: E402,F401 - run_seed reads FUSEDIST_TEST_SEED through it
 
 CHECKS = []
 # Check name -> None (it runs on emulated ranks too: @emulated) or why it cannot
@@ -206,24 +207,38 @@ def assert_identical_across_ranks(rt, y, what):
     assert all(d == got[0] for d in got), f"{what}: outputs differ across ranks: {got}"
 
 
-def record_failure(failures: list, rank: int, name: str, e: Exception) -> None:
+def run_seed() -> int:
+    """FUSEDIST_TEST_SEED (the pytest session passes its own), else a fresh seed. Every check
+    gets it (rank 0's, on every rank); it is printed first and with every failure."""
+    seed = fusedist.envs.get("FUSEDIST_TEST_SEED")
+    return seed if seed is not None else int.from_bytes(os.urandom(4), "little")
+
+
+def _rerun(seed: int) -> str:
+    return f"seed {seed}: rerun with FUSEDIST_TEST_SEED={seed}"
+
+
+def record_failure(failures: list, rank: int, name: str, e: Exception,
+                   seed: int | None = None) -> None:
     """Keep check `name`'s failure on this rank for the final gather, and print it at once: a
     check that fails on one rank can leave the others in a collective it skipped, and then
     the gather never comes (the launcher's timeout ends the run), so this line is the only
     record of the cause."""
-    failures.append(f"rank {rank} {name}: {type(e).__name__}: {e}\n"
+    seed_note = f" ({_rerun(seed)})" if seed is not None else ""
+    failures.append(f"rank {rank} {name}{seed_note}: {type(e).__name__}: {e}\n"
                     + traceback.format_exc(limit=4))
-    print(f"[FAIL] rank {rank} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print(f"[FAIL] rank {rank} {name}{seed_note}: {type(e).__name__}: {str(e)[:300]}",
+          flush=True)
 
 
 def main(select: str | None = None, **init_kwargs) -> None:
     """Every check on this rank after fusedist.init(**init_kwargs), failures gathered."""
     rt = fusedist.init(**init_kwargs)
     failures, statuses = [], []
-    # Rank 0's seed for everyone: ranks rebuild each other's inputs from it, and clocks read
-    # on different ranks can straddle a second.
-    run_id = rt.world.all_gather_object(
-        int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time())))))[0]
+    # Rank 0's seed for everyone: ranks rebuild each other's inputs from it.
+    run_id = rt.world.all_gather_object(run_seed())[0]
+    if rt.rank == 0:
+        print(f"checks on {rt.world_size} ranks, {_rerun(run_id)}", flush=True)
     only = select or os.environ.get("FUSEDIST_TEST_ONLY")
     for fn in CHECKS:
         if only and only not in fn.__name__:
@@ -237,7 +252,7 @@ def main(select: str | None = None, **init_kwargs) -> None:
             status, reason = "skip", f": {e}"
         except Exception as e:  # noqa: BLE001 - every failure is reported, then gathered
             status = "FAIL"
-            record_failure(failures, rt.rank, fn.__name__, e)
+            record_failure(failures, rt.rank, fn.__name__, e, run_id)
         statuses.append((fn.__name__, status))
         if rt.rank == 0:
             print(f"[{status}] {fn.__name__} ({time.time() - t0:.2f}s){reason}", flush=True)
@@ -262,6 +277,7 @@ def main(select: str | None = None, **init_kwargs) -> None:
             # Short first (the launcher keeps only the tail), tracebacks after.
             print("\n".join(flat), flush=True)
             print("failed: " + " | ".join(f.splitlines()[0][:200] for f in flat), flush=True)
+            print(f"failed with {_rerun(run_id)}", flush=True)
         sys.exit(1)
     print(f"rank {rt.rank}: all checks passed (seed {run_id})", flush=True)
 
@@ -281,7 +297,7 @@ def emulated_main(world: int, select: str | None = None) -> None:
     summary, "rank r: all checks passed" per rank, exit 1 on any failure."""
     from fusedist.testing import RankError, run_ranks
 
-    seed = int(os.environ.get("FUSEDIST_TEST_SEED", str(int(time.time()))))
+    seed = run_seed()
     only = select or os.environ.get("FUSEDIST_TEST_ONLY")
     failures, statuses = [], []
     print(f"emulated ranks: {world} on {torch.cuda.get_device_name()} (seed {seed})", flush=True)
@@ -307,7 +323,8 @@ def emulated_main(world: int, select: str | None = None) -> None:
                         f"rank {r} {'skip' if s else 'ok'}" for r, s in enumerate(skips)))
             except Exception as e:  # noqa: BLE001 - every failure is reported
                 status = "FAIL"
-                record_failure(failures, e.rank if isinstance(e, RankError) else -1, name, e)
+                record_failure(failures, e.rank if isinstance(e, RankError) else -1, name, e,
+                               seed)
         statuses.append((name, status))
         print(f"[{status}] {name} ({time.time() - t0:.2f}s){reason}", flush=True)
     print("summary: " + " ".join(f"{n}={s}" for n, s in statuses), flush=True)
@@ -317,6 +334,7 @@ def emulated_main(world: int, select: str | None = None) -> None:
     if failures:
         print("\n".join(failures), flush=True)
         print("failed: " + " | ".join(f.splitlines()[0][:200] for f in failures), flush=True)
+        print(f"failed with {_rerun(seed)}", flush=True)
         sys.exit(1)
     for r in range(world):
         print(f"rank {r}: all checks passed (seed {seed}, emulated)", flush=True)

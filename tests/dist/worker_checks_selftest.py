@@ -1,5 +1,6 @@
 """The worker harness itself (tests/dist/_checks.py), on 2 CPU ranks: a check that one rank
-skips and another runs must fail the worker, not pass as half-skipped.
+skips and another runs must fail the worker, not pass as half-skipped; a check that fails
+names the seed to rerun it with; every rank gets rank 0's seed.
 
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 tests/dist/worker_checks_selftest.py
 """
@@ -16,6 +17,16 @@ from _checks import check, main, skip  # noqa: E402
 @check
 def runs_everywhere(rt, seed):
     pass
+
+
+@check
+def seed_is_rank_0s(rt, seed):
+    assert rt.world.all_gather_object(seed) == [seed] * rt.world_size
+
+
+@check
+def fails_with_the_seed(rt, seed):
+    assert False, f"on purpose (seed {seed})"
 
 
 @check

@@ -10,7 +10,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _checks import check, main  # noqa: E402
+from _checks import check, fresh, main, rank_seed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -69,6 +69,50 @@ def fp8_shards_are_slices(rt, seed):
                            full["mlp.down_proj"].dequantize()[:, r * inter:(r + 1) * inter])
         assert torch.equal(m.layers[i].mlp.gate_up.dequantize()[:inter],
                            full["mlp.gate_proj"].dequantize()[r * inter:(r + 1) * inter])
+
+
+@check
+def norms_write_fp8_at_tp2(rt, seed):
+    """At TP > 1 the model's norm before q/k/v and gate|up is all_reduce_add_rmsnorm over the
+    tensor-parallel group (gloo here): with fp8 its e4m3 rows and per-token scales come back as
+    FP8Rows, bitwise the reference norm's on the sum of the ranks' partials, the new residual
+    in bf16 and the same on every rank; without fp8, (normed, residual) in bf16."""
+    from fusedist.nn.quant import FP8, FP8Rows
+    from fusedist.ops.add_rmsnorm import add_rmsnorm_reference
+
+    path = REF["ckpts"]["ct-channel"]
+    cfg = LlamaConfig.from_dir(path)
+    m = build_model(cfg, SafetensorsWeights(path), group=rt.tp, dtype=torch.bfloat16,
+                    device=rt.device)
+    assert m.tp == rt.tp.size > 1
+    hidden = cfg.hidden_size
+    parts = [fresh((20, hidden), torch.bfloat16, rt.device, rank_seed(seed, "part", r))
+             for r in range(rt.tp.size)]
+    res = fresh((20, hidden), torch.bfloat16, rt.device, rank_seed(seed, "res"))
+    w = m.layers[0].post_norm
+    total = parts[0]
+    for p in parts[1:]:        # the all-reduce's sum, rounded to bf16 per addition
+        total = total + p
+    want = add_rmsnorm_reference(total, res, w, 1e-6, FP8)
+    x, h = m._add_rmsnorm(parts[rt.tp.rank].clone(), res.clone(), w, 1e-6, True)
+    assert isinstance(x, FP8Rows) and x.data.dtype == FP8 and x.scale.shape == (20,)
+    assert torch.equal(x.data.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(x.scale, want[2])
+    assert h.dtype == torch.bfloat16 and torch.equal(h, want[1])
+    x, h = m._add_rmsnorm(parts[rt.tp.rank].clone(), res.clone(), w, 1e-6)
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and torch.equal(h, want[1])
+    # The check notices a norm that skips the all-reduce (each rank normalizing its own partial).
+    import fusedist.models.llama.model as model_mod
+
+    real = model_mod.all_reduce_add_rmsnorm
+    model_mod.all_reduce_add_rmsnorm = \
+        lambda x, residual, w, eps, *, out_dtype=None, group=None: \
+        add_rmsnorm_reference(x, residual, w, eps, out_dtype)
+    try:
+        x, _ = m._add_rmsnorm(parts[rt.tp.rank].clone(), res.clone(), w, 1e-6, True)
+        assert not torch.equal(x.data.view(torch.uint8), want[0].view(torch.uint8))
+    finally:
+        model_mod.all_reduce_add_rmsnorm = real
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def different_sampling_and_context(rt, seed):
 @check
 def invalid_request_on_one_rank(rt, seed):
     n = 4 if rt.rank == 0 else 0
-    t0 = time.time()
+    # The errors say which path found it: the request check, not a peer's timeout (which
+    # would be PeerLostError after FUSEDIST_TIMEOUT_S).
     try:
         _runner(rt).generate(PROMPTS, n)
     except fusedist.RequestMismatchError as e:
@@ -122,7 +123,6 @@ def invalid_request_on_one_rank(rt, seed):
         assert rt.rank == 1 and "max_new_tokens must be" in str(e), f"rank {rt.rank}: {e}"
     else:
         raise AssertionError("no error")
-    assert time.time() - t0 < 20
     _same_everywhere(rt, _runner(rt).generate(PROMPTS, 3).ids, "after the invalid request")
 
 

@@ -13,6 +13,10 @@
 # (decode attention, --quick), model (the Llama-3-8B step beside torch and torch.compile),
 # quickstart (launchers/quickstart.sh), compare, waves, trace, ncu. Offline hosts install the wheels they lack (nccl4py, the CUTLASS headers)
 # from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh makes it).
+#
+# Exit status: the worst of the stages (the GPU tiers, the sanitizer runs, the benchmarks and
+# compare): 0 only when every stage that ran exited 0. Every stage runs even after another
+# failed (one run shows every failure); a failed build stops the run with status 1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source launchers/setup.sh
@@ -39,11 +43,17 @@ fi
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 RESULTS="$OUT/results"   # <gpu>-w<N>/<bench>.{json,md,png}, as benchmarks/results
 
+WORST=0     # the exit status of the run: the largest of the stages'
+FAILED=""   # the stages that exited non-zero
 stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
+  if (( rc != 0 )); then
+    FAILED+=" $name"
+    (( rc > WORST )) && WORST=$rc
+  fi
   printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
     "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$LOGS/$name.log" | tail -1 | cut -c1-90)" \
     >> "$OUT/summary.txt"
@@ -172,6 +182,10 @@ grep -E "^(FAILED|ERROR)|Error:|\[FAIL\]|^rank [0-9]+ [a-z_]+: " "$LOGS/tests.lo
 echo "=================== fusedist GPU run ($FUSEDIST_COMMIT, $NGPU GPU) ==================="
 grep -E '^\|' "$OUT/bench.log" 2>/dev/null | head -90
 echo
+if (( WORST != 0 )); then
+  echo "FAILED stages:$FAILED (exit $WORST)" >> "$OUT/summary.txt"
+fi
 cat "$OUT/summary.txt"
 cat "$OUT/summary.txt.head" "$OUT/summary.txt" > "$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.txt"
 rm -f "$OUT/summary.txt.head"
+exit "$WORST"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from statistics import median
 
@@ -18,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fusedist.generate import _defaults, parse_args, parse_baselines, speedups  # noqa: E402
-from launch import ROOT  # noqa: E402
+from launch import ROOT, python  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -55,9 +54,8 @@ def test_speedups():
 
 def _cli(args, json_out=True, timeout=240):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    p = subprocess.run([sys.executable, "-P", "-m", "fusedist.generate", *args, "--quiet",
-                        "--device", "cpu"] + (["--json"] if json_out else []), env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = python(["-P", "-m", "fusedist.generate", *args, "--quiet", "--device", "cpu"]
+               + (["--json"] if json_out else []), env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1]) if json_out else p.stdout
 
@@ -120,16 +118,10 @@ def test_cli_compile_baseline_alone_and_text():
 def _run(args, code=None, timeout=240):
     """The CLI in a subprocess (or `python -c code` with these arguments), its address space
     capped at 8 GiB so that a run that would allocate too much fails instead of swapping."""
-    import resource
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
     head = ["-c", code] if code is not None else ["-m", "fusedist.generate"]
-    return subprocess.run([sys.executable, "-P", *head, *args, "--quiet", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          preexec_fn=cap)
+    return python(["-P", *head, *args, "--quiet", "--device", "cpu"], env=env,
+                  timeout=timeout, rlimit_as=8 << 30)
 
 
 def _user_error(args, *needles):
@@ -332,3 +324,62 @@ def test_cli_request_filling_the_cache_runs():
         assert "error" not in r, (name, r)
         assert r["decode_steps"] == 0
     assert [len(ids) for ids in out["ids"]] == [1] and out["ids_match"] == {"torch": True}
+
+
+# ---- flags that reach the run -----------------------------------------------------------------
+FLAGS = ["--config", "tiny", "--random-weights", "--batch", "2", "--prompt-ids", "3,1,4,1,5",
+         "--max-new-tokens", "8", "--prefill-reps", "1"]
+
+
+def test_cli_seed_drives_sampling():
+    """--seed: the same seed samples the same ids, another seed other ids (temperature 1 over
+    random weights: 16 draws from a 512-token vocabulary agreeing by chance is ~0)."""
+    runs = {seed: _cli(FLAGS + ["--temperature", "1.0", "--seed", seed])["ids"]
+            for seed in ("1", "2")}
+    assert _cli(FLAGS + ["--temperature", "1.0", "--seed", "1"])["ids"] == runs["1"]
+    assert runs["1"] != runs["2"], runs
+
+
+def test_cli_weights_seed_picks_the_random_weights():
+    """--weights-seed: the same seed builds the same random weights (same greedy ids), another
+    seed other weights (other ids); --seed does not change greedy ids."""
+    a = _cli(FLAGS + ["--greedy", "--weights-seed", "0"])["ids"]
+    assert _cli(FLAGS + ["--greedy", "--weights-seed", "0", "--seed", "9"])["ids"] == a
+    assert _cli(FLAGS + ["--greedy", "--weights-seed", "3"])["ids"] != a
+
+
+RECORD_RUNNER = """
+import json, sys
+import fusedist.models as models
+import fusedist.generate as generate
+seen = []
+class Recorded(models.Runner):
+    def __init__(self, *a, **kw):
+        seen.append({k: kw.get(k) for k in ("cuda_graphs", "prefill_graph_tokens")})
+        super().__init__(*a, **kw)
+models.Runner = Recorded
+rc = generate.main(sys.argv[1:])
+print("RUNNERS " + json.dumps(seen), flush=True)
+sys.exit(rc)
+"""
+
+
+def _runner_kwargs(extra):
+    p = _run(FLAGS + ["--json"] + extra, code=RECORD_RUNNER)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RUNNERS "))
+    return json.loads(line[len("RUNNERS "):])
+
+
+def test_cli_graph_flags_reach_the_runner():
+    """--no-graphs gives every Runner cuda_graphs=False (unset: None, graphs where the device
+    has them), --prefill-graph-tokens N its prefill_graph_tokens (default 512); a negative one
+    is one line naming the flag."""
+    assert _runner_kwargs([]) == [{"cuda_graphs": None, "prefill_graph_tokens": 512}]
+    assert _runner_kwargs(["--no-graphs", "--prefill-graph-tokens", "96"]) == \
+        [{"cuda_graphs": False, "prefill_graph_tokens": 96}]
+    assert _runner_kwargs(["--prefill-graph-tokens", "0", "--baseline", "torch"]) == \
+        [{"cuda_graphs": None, "prefill_graph_tokens": 0}] * 2
+    p = _run(FLAGS + ["--prefill-graph-tokens", "-1"])
+    assert p.returncode != 0 and "prefill" in p.stderr and "Traceback" not in p.stderr, \
+        p.stderr[-2000:]

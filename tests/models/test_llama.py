@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +25,7 @@ import fusedist  # noqa: E402
 from fusedist.models import LlamaConfig, Runner, SamplingParams, build_model  # noqa: E402
 from fusedist.models.llama import RandomWeights, SafetensorsWeights  # noqa: E402
 from hf_tiny import KINDS, assert_greedy_matches, load_hf, make_checkpoint  # noqa: E402
-from launch import ROOT, assert_passed, torchrun  # noqa: E402
+from launch import ROOT, assert_passed, python, torchrun  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 
@@ -234,14 +233,11 @@ def test_missing_tensor(rt, ckpts, tmp_path):
 def _cli(args, nproc=1, timeout=240):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
     if nproc == 1:
-        cmd = [sys.executable, "-P", "-m", "fusedist.generate"]
+        cmd = ["-P", "-m", "fusedist.generate"]
     else:
-        from launch import free_port
-        cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node",
-               str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "-m", "fusedist.generate"]
-    p = subprocess.run(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        cmd = ["-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), "-m", "fusedist.generate"]
+    p = python(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from fusedist.models import LLM, GenerationDefaults, LlamaConfig, Runner, Sampli
 from fusedist.models.hf import checkpoint_dtype, load_tokenizer  # noqa: E402
 from fusedist.models.llm import resolve_dtype  # noqa: E402
 from hf_tiny import load_hf, make_checkpoint  # noqa: E402
-from launch import assert_passed, torchrun  # noqa: E402
+from launch import assert_passed, python, torchrun  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +76,30 @@ def test_generate_matches_hf_greedy(rt, ckpt):
         assert out.ids == ref and out.prompt_ids == p and out.finish_reason == "length"
         assert out.text == llm.tokenizer.decode(ref)
     llm.close()
+
+
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+def test_llm_kv_dtype_fp8(rt, ckpt):
+    """LLM(kv_dtype=torch.float8_e4m3fn): its runner's cache holds e4m3 K / V with scales (a
+    third of the fp32 cache's bytes here: head_dim 16 + 4 scale bytes against 64), a decode
+    step over the cached prompts stays within the FP8 KV bound of the model-dtype cache's
+    (tests/models/test_runner.py's FP8_KV_KL), generate runs; another dtype is refused by
+    name."""
+    from test_runner import FP8_KV_KL, _fp8_kv_kl
+
+    fp8 = torch.float8_e4m3fn
+    with LLM(ckpt, max_batch=2, max_seq_len=64) as plain, \
+            LLM(ckpt, max_batch=2, max_seq_len=64, kv_dtype=fp8) as llm:
+        assert llm.runner.kv_dtype == fp8 and llm.runner.cache.k[0].dtype == fp8
+        assert llm.runner.cache.k_scale[0] is not None
+        d = llm.cfg.head_dim
+        assert llm.runner.kv_bytes * 4 * d == plain.runner.kv_bytes * (d + 4)
+        kl = _fp8_kv_kl(llm.model, [_prompt(9, 3), _prompt(14, 4)])
+        assert kl < FP8_KV_KL, kl
+        out = llm.generate([_prompt(9, 3)], 6, greedy=True, ignore_eos=True)
+        assert len(out[0].ids) == 6
+    with pytest.raises(ValueError, match="kv_dtype must be None"):
+        LLM(ckpt, max_batch=1, max_seq_len=32, kv_dtype=torch.float16)
 
 
 def test_stream_yields_generates_ids_and_text(rt, ckpt):
@@ -233,14 +256,14 @@ def test_llm_argument_errors(rt, ckpt):
 
 
 def test_llm_initializes_and_shuts_down_fusedist(ckpt):
-    p = subprocess.run(
-        [sys.executable, "-P", "-c",
+    p = python(
+        ["-P", "-c",
          "import fusedist; from fusedist.models import LLM; "
          f"llm = LLM({ckpt!r}, max_batch=1, max_seq_len=32); "
          "assert fusedist.is_initialized(); print(llm.generate('w1 w2', 3, greedy=True).ids); "
          "llm.close(); assert not fusedist.is_initialized(); print('closed')"],
         env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"),
-        capture_output=True, text=True, timeout=240)
+        timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "closed"
 
@@ -253,19 +276,16 @@ def test_llm_tp2_cpu(ckpt):
 
 def test_cli_streams_text_and_chat(ckpt, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    base = [sys.executable, "-P", "-m", "fusedist.generate", "--model", ckpt, "--quiet",
+    base = ["-P", "-m", "fusedist.generate", "--model", ckpt, "--quiet",
             "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
-    p = subprocess.run(base + ["--prompt", "w3 w4 w5", "--json"], env=env,
-                       capture_output=True, text=True, timeout=240)
+    p = python(base + ["--prompt", "w3 w4 w5", "--json"], env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    p = subprocess.run(base + ["--prompt", "w3 w4 w5"], env=env, capture_output=True,
-                       text=True, timeout=240)
+    p = python(base + ["--prompt", "w3 w4 w5"], env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     first = p.stdout.splitlines()[0]
     assert first == out["text"][0], (first, out["text"])        # streamed, then the report
-    p = subprocess.run(base + ["--chat", "w7 w8", "--json"], env=env, capture_output=True,
-                       text=True, timeout=240)
+    p = python(base + ["--chat", "w7 w8", "--json"], env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     chat = json.loads(p.stdout.strip().splitlines()[-1])
     tok = load_tokenizer(ckpt)

@@ -19,25 +19,25 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
-from launch import DIST, ROOT, free_port  # noqa: E402
+from launch import DIST, RendezvousStore, spawn  # noqa: E402
 
 BOUND_S = 30.0          # survivors must be gone this long after the kill
 START_S = 120.0         # every rank up and generating
 
 
-def _start(world: int, logs: list, extra: dict | None = None) -> list:
-    port = free_port()
+def _start(world: int, logs: list, store: RendezvousStore,
+           extra: dict | None = None) -> list:
+    """The ranks, each a process of its own (forked from the test pool's pre-imported server
+    on CPU), joining `store`: a rendezvous on a port this process holds, which no rank owns
+    (a killed rank 0 takes no store with it, as with torchrun's agent store)."""
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-                   **(extra or {}))
+                   LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   CUDA_VISIBLE_DEVICES="", **store.env(), **(extra or {}))
         for k in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "FUSEDIST_NODE_ID"):
             env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, str(DIST / "worker_runner_kill.py")],
-                                      env=env, cwd=ROOT, stdout=logs[r],
-                                      stderr=subprocess.STDOUT))
+        procs.append(spawn([str(DIST / "worker_runner_kill.py")], env, logs[r]))
     return procs
 
 
@@ -63,8 +63,9 @@ def _one_run(world: int, victim: int, rng: random.Random, sig=signal.SIGKILL,
     """Start `world` ranks, send `sig` to `victim` during generate; return the problems found
     (`want`: the text every survivor's error must hold; default: the victim named as lost)."""
     want = want or f"rank {victim} of group"
-    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
-    procs = _start(world, logs, extra)
+    logs = [tempfile.NamedTemporaryFile("w+") for _ in range(world)]
+    store = RendezvousStore()
+    procs = _start(world, logs, store, extra)
     problems = []
     try:
         problems = _wait_generating(procs, logs)
@@ -99,6 +100,7 @@ def _one_run(world: int, victim: int, rng: random.Random, sig=signal.SIGKILL,
                 p.wait()
         for f in logs:
             f.close()
+        store.close()
     return problems
 
 

@@ -26,7 +26,7 @@ from fusedist.models.llama import RandomWeights  # noqa: E402
 from fusedist.models.profiling import kernel_breakdown  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
-from launch import assert_passed, torchrun  # noqa: E402
+from launch import assert_passed, real_ranks, torchrun  # noqa: E402
 
 SLOW = os.environ.get("FUSEDIST_SLOW_TESTS") == "1"
 
@@ -59,31 +59,88 @@ def _compiled_matches_eager(backend, compile_backend, **kw):
     assert err <= GEMM_REL[torch.float32], f"{backend} {compile_backend}: rel err {err:.2e}"
 
 
+# The FP8 KV cache against the model-dtype cache, through the model: KL(model-dtype cache ||
+# fp8 cache) of one decode step's next-token distributions. Error model: e4m3 rounds each K / V
+# element (per token and kv head scale amax / 448) to 2^-4 relative, so a score q.k moves by
+# ~2^-4 |q||k| / sqrt(3 head_dim) (random signs: the per-element errors add in quadrature); on
+# the tiny config's softmax temperatures that perturbs the logits of the next token by a few
+# 1e-3 and the KL by ~1e-5..1e-4. The bound 1e-2 is two orders above that; a decode step that
+# does not read the cached history (an empty or zeroed cache, the cache of another row) gives
+# KL ~0.1 (test_fp8_kv_cache_mutations checks that the metric sees those).
+FP8_KV_KL = 1e-2
+
+
+def _fp8_kv_kl(m, prompts, mutate=None, max_seq_len=64) -> float:
+    """KL between the next-token distributions of a decode step that reads the cached prompts,
+    a model-dtype cache's against an FP8 cache's. `mutate(runner)`, applied to the FP8 runner
+    after its prefill, breaks the cache on purpose (the mutation checks)."""
+    fp8 = torch.float8_e4m3fn
+    ref = Runner(m, max_batch=len(prompts), max_seq_len=max_seq_len)
+    r = Runner(m, max_batch=len(prompts), max_seq_len=max_seq_len, kv_dtype=fp8)
+    n = len(prompts)
+    nxt = ref.prefill(prompts).argmax(-1)
+    r.prefill(prompts)
+    if mutate is not None:
+        mutate(r)
+    lens = torch.tensor([len(p) + 1 for p in prompts], dtype=torch.int32)
+    for x in (ref, r):
+        # the next token at position len(prompt): decode reads positions 0..len(prompt) - 1
+        # from the cache (the prefill's) and writes position len(prompt)
+        x.seq_lens[:n] = lens.to(x.device)
+        x.tokens[:n] = nxt
+    la, lb = (x.decode_step(x.bucket(n))[:n].double() for x in (ref, r))
+    return float(torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1),
+                                            log_target=True, reduction="batchmean"))
+
+
 @pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
 def test_fp8_kv_cache_runner(rt):
     """kv_dtype=float8_e4m3fn: the cache holds e4m3 K / V with a scale per token and kv head,
-    sized by kv_bytes_per_token; greedy decoding follows the bf16-cache runner's logits within
-    the e4m3 rounding of K and V; the torch baseline refuses it by name."""
+    sized by kv_bytes_per_token; a decode step over the cached prompts follows the model-dtype
+    cache's logits within the e4m3 rounding of K and V (FP8_KV_KL); the torch baseline refuses
+    it by name."""
     fp8 = torch.float8_e4m3fn
     m = _tiny("fusedist")
     prompts = _prompts(m.cfg.vocab_size, (9, 4), 5)
-    ref = Runner(m, max_batch=2, max_seq_len=64)
     r = Runner(m, max_batch=2, max_seq_len=64, kv_dtype=fp8)
     assert r.cache.k[0].dtype == fp8 and r.cache.k_scale[0] is not None
     assert r.kv_bytes == r.num_pages * r.page_size * m.kv_bytes_per_token(fp8)
     assert m.kv_bytes_per_token(fp8) == 2 * m.cfg.num_layers * m.local_kv_heads * \
         (m.cfg.head_dim + 4)
-    for x in (ref, r):
-        x.prefill(prompts)
-    la, lb = (x.decode_step(2)[:2].double() for x in (ref, r))
-    kl = torch.nn.functional.kl_div(lb.log_softmax(-1), la.log_softmax(-1), log_target=True,
-                                    reduction="batchmean")
-    assert float(kl) < 1e-2, f"KL(bf16 cache || fp8 cache) = {float(kl):.3e}"
+    kl = _fp8_kv_kl(m, prompts)
+    assert kl < FP8_KV_KL, f"KL(model-dtype cache || fp8 cache) = {kl:.3e}"
     assert r.generate(prompts, 6).ids and r.cache.k[0].float().abs().sum() > 0
     with pytest.raises(ValueError, match="kv_dtype must be None .* or torch.float8_e4m3fn"):
         Runner(m, max_batch=1, max_seq_len=16, kv_dtype=torch.float16)
     with pytest.raises(ValueError, match="the torch baseline keeps its KV cache"):
         Runner(_tiny("torch"), max_batch=1, max_seq_len=16, kv_dtype=fp8)
+
+
+def _zero_cache(r):
+    for t in (*r.cache.k, *r.cache.v):
+        t.zero_()
+
+
+def _zero_scales(r):
+    for t in (*r.cache.k_scale, *r.cache.v_scale):
+        t.zero_()
+
+
+def _swap_rows(r):
+    """Row 0's pages hold row 1's cache and the other way round (a wrong block table row)."""
+    r.bt[[0, 1]] = r.bt[[1, 0]].clone()
+
+
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+@pytest.mark.parametrize("mutate", [_zero_cache, _zero_scales, _swap_rows],
+                         ids=["zeroed_cache", "zeroed_scales", "rows_swapped"])
+def test_fp8_kv_cache_mutations(rt, mutate):
+    """The FP8 KV test's metric notices a decode step that does not read the right history:
+    the cache zeroed after the prefill, its scales zeroed, or the rows' pages swapped all put
+    the KL past FP8_KV_KL (a test that could pass on broken code would not)."""
+    m = _tiny("fusedist")
+    kl = _fp8_kv_kl(m, _prompts(m.cfg.vocab_size, (9, 4), 5), mutate)
+    assert kl > FP8_KV_KL, f"{mutate.__name__}: KL {kl:.3e} within the bound {FP8_KV_KL}"
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -157,6 +214,41 @@ def test_time_prefill(rt):
     assert r.generate(prompts, 8, context_fill=5).ids == want
     with pytest.raises(ValueError, match="reps must be >= 1"):
         r.time_prefill(prompts, reps=0)
+
+
+def test_time_step(rt, monkeypatch):
+    """time_step(n): ms per decode step of n's bucket, from `iters` steps (one more untimed on
+    a GPU); the steps rewrite the slot at seq_lens - 1 with the same values, so a generate
+    after it gives the same ids; n past max_batch is refused by name."""
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=3, max_seq_len=64)
+    prompts = _prompts(m.cfg.vocab_size, (9, 14, 5), 6)
+    want = r.generate(prompts, 6).ids
+    calls = []
+    real = Runner.decode_step
+    monkeypatch.setattr(Runner, "decode_step", lambda self, b: calls.append(b) or real(self, b))
+    ms = r.time_step(3, iters=5)
+    assert ms > 0 and calls == [4] * 5, calls
+    calls.clear()
+    assert r.time_step(1, iters=2) > 0 and calls == [1, 1]
+    monkeypatch.undo()
+    assert r.generate(prompts, 6).ids == want
+    with pytest.raises(ValueError, match="batch 5 exceeds max_batch 4"):
+        r.time_step(5)
+
+
+@pytest.mark.gpu
+def test_gpu_time_step(gpu_rt):
+    """On the GPU time_step replays the bucket's CUDA graph (timed with CUDA events) and leaves
+    the cache as it was: the ids of a generate after it equal those before."""
+    m = _gpu_model("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=256)
+    prompts = _prompts(m.cfg.vocab_size, (40, 77), 5)
+    want = r.generate(prompts, 8).ids
+    assert 2 in r.graphs
+    ms = r.time_step(2, iters=10)
+    assert ms > 0
+    assert r.generate(prompts, 8).ids == want
 
 
 @pytest.mark.parametrize("backend", ["torch", "fusedist"])
@@ -259,12 +351,13 @@ def test_gpu_prefill_graphs_match_eager(gpu_rt):
     (bf16 tolerance: the padded bucket may tile the GEMMs differently), for fresh prompts, a
     chunk behind a cached prefix (a small prefill_chunk splits the prompts) and a batch of two;
     one graph per (sequences, bucket), replayed for every length in the bucket."""
+    from conftest import require_kernel
+    require_kernel("attention_prefill")
     m = _gpu_model("fusedist")
     eager = Runner(m, max_batch=2, max_seq_len=512, prefill_graph_tokens=0, prefill_chunk=64)
     graphed = Runner(m, max_batch=2, max_seq_len=512, prefill_chunk=64,
                      prefill_graph_tokens=512)
-    if not graphed.prefill_graph_tokens:
-        pytest.skip("fusedist._C without the paged prefill kernel")
+    assert graphed.prefill_graph_tokens == 512, "the runner took no prefill graphs"
     for lens, start in (((37,), 0), ((41,), 0), ((150,), 0), ((20, 33), 7), ((5,), 300)):
         prompts = _prompts(m.cfg.vocab_size, lens, sum(lens) + start)
         want = eager.prefill(prompts, start=start).float()
@@ -275,6 +368,23 @@ def test_gpu_prefill_graphs_match_eager(gpu_rt):
     # (1, 48) serves 37 and 41 tokens; 150 tokens in chunks of 64, 64, 22 -> (1, 64), (1, 32)
     assert set(graphed.prefill_graphs) == {(1, 48), (1, 64), (1, 32), (2, 64), (1, 16)}, \
         sorted(graphed.prefill_graphs)
+    fusedist.check_device_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+@pytest.mark.parametrize("mutate", [None, _zero_cache, _swap_rows],
+                         ids=["intact", "zeroed_cache", "rows_swapped"])
+def test_gpu_fp8_kv_cache(gpu_rt, mutate):
+    """The FP8 KV cache through the bf16 model on the GPU (the paged prefill writing e4m3 K / V
+    and the decode kernel reading them): within FP8_KV_KL of the bf16 cache's step over the
+    cached prompts (odd lengths, partial pages); a zeroed cache or swapped rows go past it."""
+    m = _gpu_model("fusedist")
+    kl = _fp8_kv_kl(m, _prompts(m.cfg.vocab_size, (40, 77, 5), 7), mutate, max_seq_len=256)
+    if mutate is None:
+        assert kl < FP8_KV_KL, f"KL(bf16 cache || fp8 cache) = {kl:.3e}"
+    else:
+        assert kl > FP8_KV_KL, f"{mutate.__name__}: KL {kl:.3e} within the bound {FP8_KV_KL}"
     fusedist.check_device_errors()
 
 
@@ -411,8 +521,9 @@ def test_tp2_sessions_exit_cleanly_cpu():
     bad = []
     for i in range(12):
         mode = ("shutdown", "exit", "pending")[i % 3]
-        p = torchrun("worker_runner_exit.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
-                     args=(mode,))
+        # real interpreters (their exit is what is checked), no launcher process
+        p = real_ranks("worker_runner_exit.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+                       args=(mode,))
         if p.returncode != 0 or p.stdout.count("all checks passed") != 2:
             bad.append(f"run {i} ({mode}): exit {p.returncode}\n{p.stdout[-2500:]}")
     assert not bad, f"{len(bad)} of 12 runs did not exit cleanly:\n" + "\n".join(bad)

@@ -216,13 +216,84 @@ def _scaled_mm_on_cpu() -> bool:
         return False
 
 
-def w8a8_bound(x, w64, ref, sx, out_dtype):
-    """gemm_bound plus the activations' e4m3 rounding (sx: [M, 1] or [] dynamic scales)."""
+# The W8A8 error model. y = sum_k xq_k w_k against ref = sum_k x_k w_k, w the dequantized weight
+# (exact in both: its own e4m3 rounding is test_quantize_error_bound's), so the error is
+# e = sum_k d_k w_k plus the accumulation's and the output's rounding, d_k = xq_k - x_k the e4m3
+# rounding of x_k / s_x (times s_x, s_x = amax / 448 per token, per tensor or per 128 k):
+#   |d_k| <= D_k = 2^-4 |x_k| + 2^-10 s_x
+# (3 mantissa bits: half an ulp is at most 2^-4 of the value; below the smallest normal,
+# 2^-6 s_x, the step is the subnormal 2^-9 s_x, half of it 2^-10 s_x). Round to nearest of
+# inputs that are not on e4m3's grid: the d_k are independent, zero-mean, bounded by D_k, and
+# their variance is at most D_k^2 / 3 (uniform within half an ulp).
+#  - each element (Hoeffding's inequality): P(|sum_k d_k w_k| > z sqrt(sum_k D_k^2 w_k^2)) <=
+#    2 exp(-z^2 / 2); W8A8_Z = 6: 3e-8 per element. The bound grows as 2^-4 sqrt(K) rms(x w),
+#    not as the worst case sum_k D_k |w_k| ~ 2^-4 K mean|x w| (all K errors of one sign; the
+#    smaller of the two is taken, the worst case below K ~ 36), which at K = 400 accepted a
+#    28% error of the largest outputs.
+#  - the whole output (Frobenius): ||e_x||^2 = sum_ij (sum_k d_ik w_jk)^2 has mean <=
+#    sum_ijk D_ik^2 w_jk^2 / 3 and concentrates there: a quadratic form in M x K independent
+#    d's, of which the largest-magnitude row alone holds K >= 16; W8A8_FRO = 3 times the mean
+#    bound (a chi-square of 16 degrees of freedom passes 3x its mean with probability ~5e-5,
+#    and the d's measured variance is ~2/3 of D^2 / 3, putting the bound at ~4.5x the mean).
+#    It catches a systematic error (every output 6% off, a row of another token) that stays
+#    inside each element's bound.
+#  - accumulation: fp32 sums (CPU, the GEMV's CUDA cores, cuBLAS and the CUTLASS mainloop
+#    between promotions) at most (K + 2) 2^-24 sum_k |xq_k w_k|, |xq_k| <= 1.07 |x_k| + ...;
+#    and with `wgmma`, Hopper's FP8 tensor-core accumulation: each wgmma adds 32 products to
+#    the accumulator aligned to the largest exponent among them and truncated to ~13 fraction
+#    bits (an error below 2^-12 of the largest of the 33 addends, of either sign), promoted to
+#    fp32 every 512 products (4 k-blocks of 128, csrc/include/fusedist/gemm/fp8_gemm_sm90.cuh;
+#    cuBLAS promotes at least as often): per 512-term group g, 528 such errors, each below
+#    2^-12 S_g (S_g = sum over the group of |xq_k w_k|, which bounds every addend), independent
+#    and zero-mean: Hoeffding again, z 2^-12 sqrt(528 sum_g S_g^2).
+#  - the output: rounded once to out_dtype (2 half-ulps of |ref| + the error, covering the
+#    epilogue's scale multiply), plus half the smallest subnormal step.
+W8A8_Z = 6.0
+W8A8_FRO = 3.0
+WGMMA_GROUP, WGMMA_ADDENDS = 512, 528
+
+
+def _w8a8_terms(x, w64, sx, wgmma=False):
+    """(the x-rounding error's scale per element, sqrt(sum_k D_k^2 w_k^2); its bound per
+    element, min(z scale, sum_k D_k |w_k|); the accumulation's bound per element)."""
     xa = x.double().abs()
-    act = (2.0 ** -4 * xa + 2.0 ** -10 * sx.double()) @ w64.abs().t()
+    d = 2.0 ** -4 * xa + 2.0 ** -10 * sx.double()
     k = x.shape[-1]
-    return act + (k + 2) * 2.0 ** -24 * 1.07 * (xa @ w64.abs().t()) + \
-        2 * HALF_ULP[out_dtype] * (ref.abs() + act) + HALF_TINY[out_dtype]
+    scale = (d.pow(2) @ w64.pow(2).t()).sqrt()
+    stat = torch.minimum(W8A8_Z * scale, d @ w64.abs().t())
+    acc = (k + 2) * 2.0 ** -24 * 1.07 * (xa @ w64.abs().t())
+    if wgmma:
+        xq = 1.07 * xa + 2.0 ** -10 * sx.double()
+        groups = torch.zeros_like(scale)
+        for g0 in range(0, k, WGMMA_GROUP):
+            s_g = xq[:, g0:g0 + WGMMA_GROUP] @ w64[:, g0:g0 + WGMMA_GROUP].abs().t()
+            groups += s_g.pow(2)
+        acc = acc + W8A8_Z * 2.0 ** -12 * (WGMMA_ADDENDS * groups).sqrt()
+    return scale, stat, acc
+
+
+def w8a8_bound(x, w64, ref, sx, out_dtype, bias=None, wgmma=False):
+    """Per-element bound of the W8A8 error model above (sx: [M, 1], [] or [M, K] dynamic
+    scales); with bias (in out_dtype) its rounding too."""
+    _, stat, acc = _w8a8_terms(x, w64, sx, wgmma)
+    stat = stat + acc
+    bound = stat + 2 * HALF_ULP[out_dtype] * (ref.abs() + stat) + HALF_TINY[out_dtype]
+    if bias is not None:
+        bound = bound + 2 * HALF_ULP[out_dtype] * (ref.abs() + bias.double().abs())
+    return bound
+
+
+def w8a8_check(y, x, w64, ref, sx, out_dtype, what, bias=None, wgmma=False):
+    """y within the W8A8 error model, element by element and over the whole output."""
+    assert_within(y, ref, w8a8_bound(x, w64, ref, sx, out_dtype, bias, wgmma), what)
+    scale, stat, acc = _w8a8_terms(x, w64, sx, wgmma)
+    det = acc + 2 * HALF_ULP[out_dtype] * (ref.abs() + stat + acc) + \
+        HALF_TINY[out_dtype]
+    if bias is not None:
+        det = det + 2 * HALF_ULP[out_dtype] * (ref.abs() + bias.double().abs())
+    fro = float((W8A8_FRO * scale.pow(2).sum() / 3).sqrt() + det.norm())
+    err = float((y.double() - ref).norm())
+    assert err <= fro, f"{what}: ||y - ref|| = {err:.4g} over the model's {fro:.4g}"
 
 
 @pytest.mark.skipif(not _scaled_mm_on_cpu(), reason="this torch has no CPU torch._scaled_mm")
@@ -256,12 +327,41 @@ def test_fp8_gemm_path_block_weights():
         y = fp8_linear(x, w, b, path="fp8_gemm")
         ref = x.double() @ w64.t() + b.double()
         sx = x.float().abs().amax(1, keepdim=True) / 448
-        bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
-            2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
-        assert_within(y, ref, bound, f"fp8_gemm block n={n} k={k}")
+        w8a8_check(y, x, w64, ref, sx, torch.bfloat16, f"fp8_gemm block n={n} k={k}", b)
     xq, sx8 = quant.quantize_rows(x)
     with pytest.raises(ValueError, match="block weights take a bf16 x"):
         fp8_linear(xq, w, x_scale=sx8, path="fp8_gemm")
+
+
+@pytest.mark.parametrize("mutation", ["scale_7pct", "rows_of_one_magnitude_swapped",
+                                      "one_element", "scales_of_the_wrong_token"])
+def test_w8a8_check_catches_broken_outputs(mutation):
+    """The W8A8 check fails on outputs a broken GEMM would give while the correct one passes
+    (K = 400, where the worst-case bound accepted 28% errors): every output 7% too large, two
+    rows of the same magnitude swapped, one element off by half its row's RMS (the element
+    bound is ~z 2^-4 = 0.375 RMS), each token dequantized with another token's scale."""
+    n, k = 144, 400
+    w = quantize_fp8(torch.randn(n, k, generator=_gen(3)) * 0.05, "channel")
+    w64 = deq64(w)
+    x = (torch.randn(9, k, generator=_gen(53)) *
+         torch.logspace(-3, 1, 9)[:, None]).to(torch.bfloat16)
+    x[5:7] = (torch.randn(2, k, generator=_gen(54)) * 2).to(torch.bfloat16)
+    ref = x.double() @ w64.t()
+    sx = x.float().abs().amax(1, keepdim=True) / 448
+    y = fp8_linear(x, w, path="fp8_gemm")
+    w8a8_check(y, x, w64, ref, sx, torch.bfloat16, "intact")
+    if mutation == "scale_7pct":
+        bad = y * 1.07
+    elif mutation == "rows_of_one_magnitude_swapped":
+        bad = y[[0, 1, 2, 3, 4, 6, 5, 7, 8]]
+    elif mutation == "one_element":
+        bad = y.clone()
+        bad[8, 17] += 0.5 * ref[8].pow(2).mean().sqrt()
+    else:   # x rounded per token, each row dequantized with its neighbour's scale
+        xq = (x.float() / sx).to(FP8).double()
+        bad = ((xq * sx.double().roll(1, 0)) @ w64.t()).to(torch.bfloat16)
+    with pytest.raises(AssertionError):
+        w8a8_check(bad, x, w64, ref, sx, torch.bfloat16, mutation)
 
 
 def _rel_fro(y, ref) -> float:
@@ -327,10 +427,7 @@ def _w8a8_case(path, layout, dtype):
             ref = x.double() @ w64.t() + (0 if b is None else b.double())
             xa = x.float().abs()
             sx = (xa.amax(1, keepdim=True) if rowwise else xa.amax()) / 448
-            bound = w8a8_bound(x, w64, ref, sx, dtype)
-            if b is not None:
-                bound = bound + 2 * HALF_ULP[dtype] * (ref.abs() + b.double().abs())
-            assert_within(y, ref, bound, f"{path} {n}x{k}")
+            w8a8_check(y, x, w64, ref, sx, dtype, f"{path} {n}x{k}", b)
             assert bool((y[4] == (0 if b is None else b)).all())
     x = torch.randn(3, 32).to(dtype)
     x[1, 0] = float("nan")
@@ -695,9 +792,11 @@ def test_gpu_paths_against_float64(layout, m):
         if p.startswith("scaled_mm") or p in ("fp8_gemm", "gemv_w8a8"):
             xa = x.float().abs()
             sx = (xa.amax() if p == "scaled_mm_tensor" else xa.amax(1, keepdim=True)) / 448
-            bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
-                2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
-        elif p == "dequantize":   # the weight rounded to bf16 first: 2^-9 relative more
+            for got in (y, out):   # tensor cores (all but the GEMV): Hopper's FP8 accumulation
+                w8a8_check(got.cpu(), x, w64, ref, sx, torch.bfloat16, f"{p} m={m} {layout}",
+                           b, wgmma=p != "gemv_w8a8")
+            continue
+        if p == "dequantize":   # the weight rounded to bf16 first: 2^-9 relative more
             bound = gemm_bound(x, w64, ref, torch.bfloat16, b) + \
                 2.0 ** -9 * (x.double().abs() @ w64.abs().t())
         else:
@@ -738,10 +837,9 @@ def test_gpu_blockwise_scaled_mm_against_float64(m):
     graph.replay()
     torch.cuda.synchronize()
     sx = x.float().abs().view(m, -1, 128).amax(-1).repeat_interleave(128, 1) / 448
-    bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
-        2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
     for got in (y, out):
-        assert_within(got.cpu(), ref, bound, f"scaled_mm_block m={m}")
+        w8a8_check(got.cpu(), x, w64, ref, sx, torch.bfloat16, f"scaled_mm_block m={m}", b,
+                   wgmma=True)
 
 
 def test_benchmark_shapes():
@@ -957,8 +1055,10 @@ def test_gpu_block_weights_take_fp8_gemm(m):
          torch.logspace(-2, 1, m)[:, None]).to(torch.bfloat16)
     b = torch.randn(n, generator=_gen(m + 2)).to(torch.bfloat16)
     xd, bd = x.to(dev), b.to(dev)
-    if not quant._device_facts(dev)[3]:
-        pytest.skip("fusedist.ops.fp8_gemm's kernel does not run here")
+    from conftest import require_kernel
+    require_kernel("fp8_gemm")
+    assert quant._device_facts(dev)[3], "the build has fp8_gemm but fusedist.nn.quant's " \
+        "device probe does not take it"
     assert quant.fp8_path(xd, w, bd) == "fp8_gemm"
     qc, sc = quant.quantize_groups(x)
     qd, sd = quant.quantize_groups(xd)
@@ -973,10 +1073,9 @@ def test_gpu_block_weights_take_fp8_gemm(m):
     torch.cuda.synchronize()
     ref = x.double() @ w64.t() + b.double()
     sx = x.float().abs().amax(1, keepdim=True) / 448
-    bound = w8a8_bound(x, w64, ref, sx, torch.bfloat16) + \
-        2 * HALF_ULP[torch.bfloat16] * (ref.abs() + b.double().abs())
     for got in (y, out):
-        assert_within(got.cpu(), ref, bound, f"fp8_gemm block m={m}")
+        w8a8_check(got.cpu(), x, w64, ref, sx, torch.bfloat16, f"fp8_gemm block m={m}", b,
+                   wgmma=True)
 
 
 @pytest.mark.gpu

@@ -42,8 +42,8 @@ def _randn(shape, dtype, device, gen, scale=1.0, shift=0.0):
 def _need_kernel(device):
     """On CUDA the kernel must run (a missing one would pass through the reference path)."""
     if device == "cuda":
-        assert _ext.available() and hasattr(_ext.load(), "add_rmsnorm"), \
-            "fusedist._C has no add_rmsnorm kernel: rebuild fusedist"
+        from conftest import require_kernel
+        require_kernel("add_rmsnorm")
 
 
 def _inputs(T, hidden, dtype, device, gen):
@@ -389,10 +389,12 @@ needs_fp8 = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn"
 
 
 def _need_fp8_kernel(device):
-    """On CUDA the kernel must run; a fusedist._C built before the FP8 outputs skips."""
+    """On CUDA the kernel must run, with its FP8 outputs: a fusedist._C built before them
+    fails."""
     _need_kernel(device)
     if device == "cuda" and not hasattr(_ext.load().AddRmsNormArgs(), "fp8_out"):
-        pytest.skip("fusedist._C predates add_rmsnorm's FP8 output: rebuild fusedist")
+        pytest.fail("fusedist._C predates add_rmsnorm's FP8 output: rebuild fusedist",
+                    pytrace=False)
 
 
 def _fp8_ref(x, r, w, eps=EPS):

@@ -523,8 +523,11 @@ PAGED_SHAPES = [(32, 8, 128, 16), (7, 1, 64, 64), (8, 8, 256, 256), (28, 4, 128,
 
 
 def _paged_kernel():
-    if not A._prefill.paged_available():
-        pytest.skip("fusedist._C without the paged prefill kernel")
+    """The paged prefill kernel must run on this GPU (tests/conftest.py's rule)."""
+    from conftest import require_kernel
+    require_kernel("attention_prefill")
+    assert A._prefill.paged_available(), "the capability table has the paged prefill kernel " \
+        "but fusedist.ops.attention does not take it"
 
 
 @pytest.mark.gpu
@@ -840,9 +843,10 @@ def test_decode_cuda_graph_replay_new_lengths():
     """One capture, replays with new lengths and block tables; equals eager bitwise."""
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
+    from conftest import require_kernel
+    require_kernel("attention_decode")
     plan = A.decode_plan(3, 8, 2, 64, 16, 64, "cuda", torch.bfloat16)
-    if A._decode.available():   # the kernel, not the capturable torch path
-        assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
+    assert plan.backend == "kernel", "decode_plan did not take the split-KV kernel"
     out = torch.empty_like(q)
     A.decode(q, kc, vc, bt, sl, plan, out=out)
     torch.cuda.synchronize()
@@ -862,6 +866,9 @@ def test_decode_cuda_graph_replay_new_lengths():
 
 @pytest.mark.gpu
 def test_rope_append_cuda_graph():
+    """rope_append captured once, replayed with new queries, keys and positions: q and k
+    rotated as the reference rotates them, and the KV cache the replay wrote (the rotated k and
+    v at each row's slot, every other entry untouched) equal to the reference's cache."""
     gen = _gen("cuda")
     q, k, v, pos, cs, kc, vc, slots, bt, sl = _step_inputs("cuda", gen)
     sq, sk, sv = q.clone(), k.clone(), v.clone()
@@ -876,11 +883,14 @@ def test_rope_append_cuda_graph():
         sq.copy_(q0)
         sk.copy_(k0)
         pos.copy_(torch.randint(0, 128, pos.shape, generator=gen, device="cuda"))
+        kc2, vc2 = kc.clone(), vc.clone()            # the cache before this replay
         g.replay()
-        eq, ek, kc2, vc2 = q0.clone(), k0.clone(), kc.clone(), vc.clone()
+        eq, ek = q0.clone(), k0.clone()
         A.rope_append_reference(eq, ek, sv, pos, cs, kc2, vc2, slots)
         assert count_bad(sq, eq.float(), torch.bfloat16) == 0
         assert count_bad(sk, ek.float(), torch.bfloat16) == 0
+        assert count_bad(kc, kc2.float(), torch.bfloat16) == 0, "K cache of the replay"
+        assert count_bad(vc, vc2.float(), torch.bfloat16) == 0, "V cache of the replay"
 
 
 # ------------------------------------------------------------------------------------------------

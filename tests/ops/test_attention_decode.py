@@ -204,6 +204,17 @@ def test_decode_matches_float64_reference(lens, hq, hkv, d, ps, dtype, fp8):
         assert int(plan.counters.abs().sum()) == 0 if plan.counters is not None else True
 
 
+def _need_cluster_merge():
+    """The cluster merge must run on this GPU where it is on (tests/conftest.py's rule: a
+    build without it fails; a GPU older than sm_90 skips)."""
+    from conftest import require_kernel
+    if not ad.CLUSTER_MERGE:
+        pytest.skip("the cluster merge is turned off (fusedist.ops.attention CLUSTER_MERGE)")
+    require_kernel("attention_decode_cluster")
+    assert ad.cluster_merge_available(torch.device("cuda")), \
+        "the build has the cluster merge but fusedist.ops.attention does not take it"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens, hq, hkv, d, ps, dtype, fp8", CASES)
 def test_decode_cluster_merge(lens, hq, hkv, d, ps, dtype, fp8):
@@ -212,8 +223,7 @@ def test_decode_cluster_merge(lens, hq, hkv, d, ps, dtype, fp8):
     the workspace merge at the same splits gives the reference's result too."""
     if fp8 and FP8 is None:
         pytest.skip("torch without float8_e4m3fn")
-    if not ad.cluster_merge_available(torch.device("cuda")):
-        pytest.skip("no cluster merge on this device / build")
+    _need_cluster_merge()
     case = Case(lens, hq, hkv, d, ps, dtype, FP8 if fp8 else dtype)
     ref = case.reference()
     for splits in (2, 5, 16):
@@ -232,8 +242,7 @@ def test_decode_cluster_merge(lens, hq, hkv, d, ps, dtype, fp8):
 def test_decode_cluster_merge_poisons_a_bad_row():
     """A bad page id in one split of a cluster-merged sequence: that sequence's rows are NaN,
     the other sequence's are right, and the error is recorded."""
-    if not ad.cluster_merge_available(torch.device("cuda")):
-        pytest.skip("no cluster merge on this device / build")
+    _need_cluster_merge()
     import fusedist
     from fusedist.errors import MetadataError
     case = Case([4000, 3000], 16, 4, 128, 16, torch.bfloat16, torch.bfloat16)

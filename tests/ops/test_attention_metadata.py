@@ -338,8 +338,8 @@ def test_prefill_cuda_poisons_and_records(page, clean_record):
 def test_prefill_paged_kernel_poisons_and_records(bad, graph, clean_record):
     """The paged kernel, lengths only on the device: sequence 1's rows are NaN, sequence 0's
     are unchanged, the record names the row and the value."""
-    if not A._prefill.paged_available():
-        pytest.skip("fusedist._C without the paged prefill kernel")
+    from conftest import require_kernel
+    require_kernel("attention_prefill")
     kc, vc = _cache("cuda")
     q = torch.randn((9, Hq, D), generator=torch.Generator().manual_seed(2)).to("cuda",
                                                                               torch.bfloat16)

@@ -97,9 +97,9 @@ def test_bad_arguments_name_the_fix():
 def test_binding_carries_every_argument_to_the_host_check():
     """The host-side check behind the kernel runs without a GPU: every field _args sets
     reaches it (a field missing from the binding fails here, not first on a GPU)."""
+    from conftest import require_kernel
     from fusedist import _ext
-    if not _ext.available() or not hasattr(_ext.load(), "fp8_gemm_why_not"):
-        pytest.skip("fusedist._C built without fp8_gemm")
+    require_kernel("fp8_gemm", "cpu")
     xq, sx, wq, sw, bias = _operands(4, 128, 256, 7)
     for block in (False, True):
         a = F._args(xq, sx, wq, sw, bias, None, block=block)
@@ -137,10 +137,13 @@ def test_empty_rows():
 
 # ---- the kernel (Hopper) -----------------------------------------------------------------
 def _kernel(dev="cuda"):
+    """The kernel must run on this GPU (tests/conftest.py's rule: a build without it fails),
+    and take the plainest call."""
+    from conftest import require_kernel
+    require_kernel("fp8_gemm", dev)
     why = F.kernel_why_not(torch.empty(1, 16, dtype=FP8, device=dev),
                            torch.empty(8, 16, dtype=FP8, device=dev))
-    if why:
-        pytest.skip(why)
+    assert not why, f"fp8_gemm's kernel refuses the plainest call: {why}"
 
 
 @pytest.mark.gpu

@@ -17,6 +17,13 @@ def test_gemm_comm_cpu_torchrun():
 
 
 @pytest.mark.timeout(600)
+def test_gemm_comm_cpu_torchrun_3_ranks():
+    """A world size above 2 (and odd) over real gloo ranks: every engine's CPU path, the
+    linears' shards and the mismatch checks at 3 ranks."""
+    assert_passed(torchrun("worker_gemm_comm.py", 3, CPU_ENV), 3)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not mpirun_available(), reason="mpirun not installed")
 def test_gemm_comm_cpu_mpirun_3_ranks():
     assert_passed(mpirun("worker_gemm_comm.py", 3, CPU_ENV), 3)

@@ -34,8 +34,8 @@ def _gen(device) -> torch.Generator:
 def _need_kernel(device):
     """On CUDA the kernel must run (a missing one would pass through the reference path)."""
     if device == "cuda":
-        assert _ext.available() and hasattr(_ext.load(), "silu_mul"), \
-            "fusedist._C has no silu_mul kernel: rebuild fusedist"
+        from conftest import require_kernel
+        require_kernel("silu_mul")
 
 
 def _gate_up(T, inter, dtype, device, gen, scale=3.0):
@@ -242,10 +242,11 @@ needs_fp8 = pytest.mark.skipif(FP8 is None, reason="torch without float8_e4m3fn"
 
 
 def _need_fp8_kernel(device):
-    """On CUDA the kernel must run; a fusedist._C built before the FP8 output skips."""
+    """On CUDA the kernel must run, with its FP8 output: a fusedist._C built before it fails."""
     _need_kernel(device)
     if device == "cuda" and not hasattr(_ext.load().SiluMulArgs(), "fp8_out"):
-        pytest.skip("fusedist._C predates silu_mul's FP8 output: rebuild fusedist")
+        pytest.fail("fusedist._C predates silu_mul's FP8 output: rebuild fusedist",
+                    pytrace=False)
 
 
 def _check_fp8(q, scale, gu, device, what):

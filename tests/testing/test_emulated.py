@@ -103,10 +103,10 @@ def test_a_failing_rank_releases_its_waiting_peers_and_is_named():
             released.append((rt.rank, str(e)))
             raise
 
-    t0 = time.monotonic()
+    # Ranks left waiting would end in the emulation's timeout (an EmulationTimeoutError naming
+    # them), not in rank 1's error.
     with pytest.raises(RankError, match="rank 1 of 3 failed: ValueError: rank 1's own error") as e:
-        ranks(3, body, timeout_s=60)
-    assert time.monotonic() - t0 < 10, "the waiting ranks were not released"
+        ranks(3, body, timeout_s=30)
     assert e.value.rank == 1 and isinstance(e.value.__cause__, ValueError)
     assert sorted(r for r, _ in released) == [0, 2]
     assert all("rank 1 failed (ValueError" in m for _, m in released)

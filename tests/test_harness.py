@@ -1,0 +1,148 @@
+"""The test harness itself (CPU tier): the session's seed (FUSEDIST_TEST_SEED, printed in the
+header and with every failure, each test's generators seeded from it and the test's name),
+and tests/launch.py's pool (processes forked from a pre-imported forkserver run as `python`
+would run them: argv, environment, sys.path, files, exit status, atexit; timeouts; ranks
+joining a store on a bound port)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import launch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+CPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _pytest(tmp_path, seed: str):
+    t = tmp_path / "test_draw.py"
+    t.write_text("import torch\n\n\ndef test_draw():\n"
+                 "    print('draw', torch.rand(1).item())\n    assert False\n")
+    env = dict(os.environ, FUSEDIST_TEST_SEED=seed, **CPU,
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    p = launch.python(["-P", "-m", "pytest", "-s", "-p", "no:cacheprovider", "-p",
+                       "conftest", str(t)], env=env, cwd=tmp_path, timeout=300)
+    import re
+
+    draw = re.search(r"draw ([0-9.e-]+)", p.stdout)
+    assert draw, p.stdout[-3000:]
+    return p, draw[1]
+
+
+def test_seed_printed_with_a_failure_and_reproducible(tmp_path):
+    """FUSEDIST_TEST_SEED=77: the header and the failure name it (with the rerun command), and
+    two runs draw the same numbers; unset, each run draws fresh ones."""
+    p, draw = _pytest(tmp_path, "77")
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert "fusedist: FUSEDIST_TEST_SEED=77" in p.stdout
+    assert "rerun: FUSEDIST_TEST_SEED=77 python3 -P -m pytest" in p.stdout, p.stdout[-3000:]
+    assert _pytest(tmp_path, "77")[1] == draw
+    fresh = {_pytest(tmp_path, "")[1] for _ in range(2)}
+    assert len(fresh) == 2, fresh
+
+
+def test_seed_differs_per_test_and_not_per_order():
+    import conftest
+
+    assert conftest.test_seed("a.py::t1") != conftest.test_seed("a.py::t2")
+    assert conftest.test_seed("a.py::t1") == conftest.test_seed("a.py::t1")
+
+
+# ---- the pool --------------------------------------------------------------------------------
+PROBE = """
+import atexit, json, os, sys, threading
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: print("thread joined", flush=True)).start()
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                  "env": os.environ.get("PROBE_VALUE"), "cuda": os.environ.get(
+                  "CUDA_VISIBLE_DEVICES"), "stdin": sys.stdin.read(),
+                  "torch": "torch" in sys.modules, "pid": os.getpid()}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def test_pooled_python_runs_as_python_would(tmp_path):
+    """A script run through the pool: its argv, sys.path[0] (the script's folder; none under
+    -P), working directory, environment (its own, not the pool's), stdin, stdout and stderr
+    apart, exit status, and at exit its threads joined and atexit handlers run; forked from
+    the pre-imported server (torch already loaded), each run its own process."""
+    import json
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = dict(os.environ, PROBE_VALUE="v1", PROBE_EXIT="3", **CPU)
+    assert launch.pooled(env)
+    p = launch.python([str(script), "a", "b"], env=env, cwd=tmp_path, input="in")
+    out = json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("{")))
+    assert p.returncode == 3 and p.stderr == "to stderr\n", (p.returncode, p.stderr)
+    assert out["argv"] == [str(script), "a", "b"] and out["path0"] == str(tmp_path)
+    assert out["cwd"] == str(tmp_path) and out["env"] == "v1" and out["stdin"] == "in"
+    assert out["cuda"] == "" and out["torch"] and out["pid"] != os.getpid()
+    assert "thread joined" in p.stdout and p.stdout.rstrip().endswith("atexit ran")
+    q = launch.python(["-P", str(script)], env=dict(env, PROBE_EXIT="0"), cwd=tmp_path)
+    out2 = json.loads(next(ln for ln in q.stdout.splitlines() if ln.startswith("{")))
+    assert q.returncode == 0 and out2["path0"] != str(tmp_path) and out2["pid"] != out["pid"]
+    r = launch.python(["-c", "raise ValueError('boom')"], env=env)
+    assert r.returncode == 1 and "ValueError: boom" in r.stderr
+
+
+def test_pooled_python_times_out_and_kills(tmp_path):
+    env = dict(os.environ, **CPU)
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        launch.python(["-u", "-c", "print('started', flush=True); import time; time.sleep(60)"],
+                      env=env, timeout=3)
+    assert "started" in e.value.output
+
+
+def test_not_pooled_where_it_must_not_be(monkeypatch):
+    """GPU runs on a GPU host, FUSEDIST_TEST_POOL=0, and a variable fusedist reads at import
+    set otherwise than in the pool, take a real process."""
+    import conftest
+
+    env = dict(os.environ, **CPU)
+    assert launch.pooled(env)
+    assert not launch.pooled(dict(env, FUSEDIST_COMM_STREAMS="4"))
+    monkeypatch.setitem(launch._POOL, "gpus", 2)
+    assert not launch.pooled(dict(env, CUDA_VISIBLE_DEVICES="0"))
+    assert launch.pooled(env)
+    monkeypatch.setenv("FUSEDIST_TEST_POOL", "0")
+    assert not launch.pooled(env)
+
+
+def test_spawned_rank_takes_signals(tmp_path):
+    env = dict(os.environ, **CPU)
+    with open(tmp_path / "log", "w+") as log:
+        p = launch.spawn(["-u", "-c", "print('up', flush=True); import time; time.sleep(60)"],
+                         env, log)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=0.5)
+        p.send_signal(signal.SIGKILL)
+        assert p.wait(timeout=30) == -signal.SIGKILL and p.poll() == -signal.SIGKILL
+
+
+def test_ranks_rendezvous_on_a_bound_port():
+    """torchrun-form runs on the pool: every rank joins the store this process holds (its
+    port bound before any rank starts), sees torchrun's environment, and the first failing
+    rank's status is the run's."""
+    code = ("import os, fusedist, torch; rt = fusedist.init(backend='gloo'); "
+            "x = fusedist.all_reduce(torch.ones(2) * (rt.rank + 1)); "
+            "print('rank', rt.rank, 'of', rt.world_size, 'sum', x.tolist(), "
+            "os.environ['TORCHELASTIC_USE_AGENT_STORE'], flush=True); fusedist.shutdown(); "
+            "raise SystemExit(5 if rt.rank == 2 and os.environ.get('FAIL') else 0)")
+    script = Path(launch.tempfile.mkdtemp()) / "ranks.py"
+    script.write_text(code)
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)]
+    p = launch._run([sys.executable, *args], launch._env(CPU), 120)
+    assert p.returncode == 0, p.stdout[-3000:]
+    for r in range(3):
+        assert f"rank {r} of 3 sum [6.0, 6.0] True" in p.stdout, p.stdout[-3000:]
+    p = launch._run([sys.executable, *args], launch._env(dict(CPU, FAIL="1")), 120)
+    assert p.returncode == 5, p.stdout[-3000:]
