@@ -55,7 +55,8 @@ HEADLINE = ("fd_auto", "auto", "fd_fused", "fusedist")
 BASELINE_PREFIXES = ("nccl", "symm_", "torch", "unfused", "sdpa", "cudnn", "flash", "cublas",
                      "flex", "compile", "bf16", "scaled_mm")
 # The columns that name a case (its shape, dtype, world, variant), in the order keys show them.
-KEY_FIELDS = ("section", "kind", "group", "module", "scaling", "collective", "op", "form",
+KEY_FIELDS = ("section", "kind", "group", "module", "scaling", "collective", "op", "model",
+              "proj", "mode", "routing", "experts", "top_k", "form",
               "shape", "layout", "format", "algo", "placement", "redop", "type", "config",
               "ranks", "nodes", "bytes", "size", "tokens", "new_tokens", "prompt_len",
               "context_fill", "hidden", "inter", "in_features", "out_features", "M", "m", "N",
