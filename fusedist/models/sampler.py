@@ -243,6 +243,32 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     return lg
 
 
+def warp(lg: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """The scores each row samples from: logits [n, vocab] (after process_logits) / the row's
+    temperature, tokens outside its top_k, top_p and min_p sets at -inf (transformers' warpers,
+    in its order; every row keeps at least its top token). Rows must not be greedy."""
+    n, V = lg.shape
+    dev = lg.device
+    s = lg / _column([r.params.temperature for r in rows], dev)
+    ks = [r.params.top_k if r.params.top_k and r.params.top_k < V else V for r in rows]
+    ps = [r.params.top_p for r in rows]
+    mps = [r.params.min_p for r in rows]
+    if all(k == V for k in ks) and all(p >= 1 for p in ps) and not any(mps):
+        return s
+    srt, order = torch.sort(s, dim=-1, descending=True)
+    rank = torch.arange(V, device=dev)[None, :]
+    srt = srt.masked_fill(rank >= _column(ks, dev, torch.int64), float("-inf"))
+    if any(p < 1 for p in ps):
+        prob = srt.softmax(-1)
+        before = prob.cumsum(-1) - prob            # mass of the tokens ranked above
+        srt = srt.masked_fill((before >= _column(ps, dev)) & (rank > 0), float("-inf"))
+    if any(mps):
+        prob = srt.softmax(-1)
+        srt = srt.masked_fill((prob < _column(mps, dev) * prob[:, :1]) & (rank > 0),
+                              float("-inf"))
+    return torch.empty_like(s).scatter_(1, order, srt)
+
+
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list, list]:
     """Next ids (a host list of ints) for logits [len(rows), vocab], and per row None or
     (the sampled id's logprob, [(id, logprob) of the top N]) when its params ask for
@@ -254,38 +280,16 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list, 
         return [], []
     dev = logits.device
     lg = process_logits(logits, rows)
-    greedy = [r.params.greedy for r in rows]
     ids = lg.argmax(dim=-1)
-    if not all(greedy):
-        samp = [i for i, g in enumerate(greedy) if not g]
+    samp = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if samp:
         sel = torch.tensor(samp, dtype=torch.int64, device=dev)
-        s = lg.index_select(0, sel) / _column([rows[i].params.temperature for i in samp], dev)
-        ks = [rows[i].params.top_k for i in samp]
-        ps = [rows[i].params.top_p for i in samp]
-        mps = [rows[i].params.min_p for i in samp]
+        scores = warp(lg.index_select(0, sel), [rows[i] for i in samp])
         keys = torch.tensor([row_key(rows[i].seed, rows[i].choice, rows[i].step)
                              for i in samp], dtype=torch.int64, device=dev)
-        noise = exponential_noise(keys, V)
-        if any(k and k < V for k in ks) or any(p < 1 for p in ps) or any(mps):
-            s, order = torch.sort(s, dim=-1, descending=True)
-            rank = torch.arange(V, device=dev)[None, :]
-            kk = _column([k if k and k < V else V for k in ks], dev, torch.int64)
-            s = s.masked_fill(rank >= kk, float("-inf"))
-            if any(p < 1 for p in ps):
-                prob = s.softmax(-1)
-                before = prob.cumsum(-1) - prob          # mass of the tokens ranked above
-                drop = (before >= _column(ps, dev)) & (rank > 0)
-                s = s.masked_fill(drop, float("-inf"))
-            if any(mps):
-                prob = s.softmax(-1)
-                drop = (prob < _column(mps, dev) * prob[:, :1]) & (rank > 0)
-                s = s.masked_fill(drop, float("-inf"))
-            noise = noise.gather(1, order)
-            pick = (s.log_softmax(-1) - noise.log()).argmax(-1)
-            chosen = order.gather(1, pick[:, None]).squeeze(1)
-        else:
-            chosen = (s.log_softmax(-1) - noise.log()).argmax(-1)
-        ids = ids.index_copy(0, sel, chosen)
+        # the exponential race: argmax p / E == argmax log p - log E
+        race = scores.log_softmax(-1) - exponential_noise(keys, V).log()
+        ids = ids.index_copy(0, sel, race.argmax(-1))
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return ids.tolist(), [None] * n
@@ -305,5 +309,5 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list, 
     return host_ids, out
 
 
-__all__ = ["GenerationParams", "ParamError", "SampleRow", "sample_rows", "process_logits",
+__all__ = ["GenerationParams", "ParamError", "SampleRow", "sample_rows", "process_logits", "warp",
            "exponential_noise", "row_key"]

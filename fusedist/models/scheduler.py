@@ -307,11 +307,12 @@ class Engine:
             r.capture(b)
 
     # ---- requests ------------------------------------------------------------------------
-    def default_params(self, **overrides) -> GenerationParams:
-        """GenerationParams from generation_config.json (the defaults) and `overrides`."""
+    def default_params(self, prompt_len: int = 0, **overrides) -> GenerationParams:
+        """GenerationParams from generation_config.json (the defaults; GenerationDefaults.params)
+        and `overrides` (None values left to the defaults)."""
         if self.defaults is not None and hasattr(self.defaults, "params"):
-            return self.defaults.params(**overrides)
-        return GenerationParams(**overrides)
+            return self.defaults.params(prompt_len, **overrides)
+        return GenerationParams(**{k: v for k, v in overrides.items() if v is not None})
 
     def check_request(self, prompt_ids: Sequence[int], params: GenerationParams) -> list:
         """The prompt as a list of ints, or a ParamError naming what is wrong."""
