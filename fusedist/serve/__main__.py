@@ -50,6 +50,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def _server_class(uvicorn):
+    """uvicorn.Server whose SIGINT / SIGTERM start its graceful shutdown and are not raised
+    again afterwards (uvicorn re-raises them, which would end the process before the engine
+    and the other ranks are shut down)."""
+    import contextlib
+    import signal
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            old = {s: signal.signal(s, self.handle_exit)
+                   for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import os
@@ -97,7 +118,7 @@ def main(argv=None) -> int:
         host, port = sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level=args.log_level,
                                 timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)))
-        server = uvicorn.Server(config)
+        server = _server_class(uvicorn)(config)
         say(f"serving {name} (tp {rt.tp.size}, {engine.max_seqs} "
             f"sequences, {engine.pool.total} KV pages of {engine.page_size}, max_model_len "
             f"{engine.max_model_len}) on http://{host}:{port}")
