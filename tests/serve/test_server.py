@@ -171,6 +171,19 @@ def test_a_client_that_disconnects_frees_its_pages(srv):
     c.close()
     assert srv.idle(), "the request was not aborted, or its pages not released"
     assert srv.engine.stats.finished.get("abort", 0) == before + 1
+    # a non-streaming request whose client gives up
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    c.request("POST", "/v1/completions", json.dumps(
+        {"model": NAME, "prompt": _prompt(20, 2), "max_tokens": 100, "temperature": 0,
+         "ignore_eos": True}), {"Content-Type": "application/json"})
+    end = time.monotonic() + 30
+    while srv.engine.stats.generation_tokens == 0 or not srv.engine.running:
+        assert time.monotonic() < end, "the request never started"
+        time.sleep(0.005)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    assert srv.idle(), "the request was not aborted, or its pages not released"
+    assert srv.engine.stats.finished.get("abort", 0) == before + 2
     srv.engine.pool.check()
 
 
