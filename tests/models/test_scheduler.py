@@ -349,3 +349,50 @@ def test_async_streams(llm):
 def test_engine_tp2_cpu(ckpt):
     assert_passed(torchrun("worker_engine.py", 2, {"CUDA_VISIBLE_DEVICES": ""}, timeout=280,
                            args=(ckpt,)), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_replays_the_runners_graphs(tmp_path_factory):
+    """On a GPU (bf16, head_dim 128: the paged prefill kernel and prefill graphs): a request
+    alone runs the static Runner's kernels at batch 1 (its prefill graph, its bucket-1 decode
+    graph) and gets its ids exactly; a trace of batched, chunked, preempted requests with n > 1
+    completes without leaks through decode graphs of several buckets and prefill graphs; the
+    async stepping thread drives the same engine."""
+    import fusedist
+
+    if fusedist.is_initialized():
+        fusedist.shutdown()
+    d = str(tmp_path_factory.mktemp("gpu") / "h128")
+    make_checkpoint("llama_fp8", d, seed=3)
+    with LLM(d, max_batch=1, max_seq_len=256) as m, \
+            Engine.from_llm(m, max_seqs=8, max_num_batched_tokens=128, num_pages=24) as eng:
+        assert m.device.type == "cuda" and m.dtype == torch.bfloat16
+        r = eng.runner
+        assert r.cuda_graphs and set(r.graphs) == set(r.buckets) and r.prefill_graph_tokens
+        for n in (1, 37, 100):
+            p = prompt(n, 500 + n)
+            want = m.generate(p, 12, greedy=True, ignore_eos=True).ids
+            got = eng.generate([p], GREEDY.replace(max_tokens=12))[0].choices[0].ids
+            assert got == want, n
+        rng = random.Random(1)
+        prompts = [prompt(rng.randint(1, 150), 600 + i) for i in range(12)]
+        params = [GenerationParams(max_tokens=rng.randint(1, 40), ignore_eos=True, seed=i,
+                                   temperature=rng.choice([0.0, 0.8]), n=rng.choice([1, 1, 2]))
+                  for i in range(12)]
+        outs = eng.generate(prompts, params)
+        for o, sp in zip(outs, params):
+            assert o.finished and len(o.choices) == sp.n
+            assert all(len(c.ids) == sp.max_tokens for c in o.choices)
+        assert eng.stats.preemptions > 0 and len(r.prefill_graphs) > 0
+        assert eng.stats.decode_steps > 0
+        assert_no_leak(eng)
+        ae = AsyncEngine(eng).start()
+        try:
+            async def two():
+                return await asyncio.gather(*(ae.generate(p, GREEDY.replace(max_tokens=5))
+                                              for p in prompts[:2]))
+            got = asyncio.run(two())
+            assert all(len(o.choices[0].ids) == 5 for o in got)
+        finally:
+            ae.shutdown()
+        assert_no_leak(eng)
