@@ -123,7 +123,9 @@ class GenerationParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax: temperature 0 (below 1e-5, where logits / temperature would overflow the
+        softmax) or top_k 1."""
+        return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

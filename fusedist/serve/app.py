@@ -307,7 +307,7 @@ class _Ctx:
 
     def _choice(self, idx: int, c) -> dict:
         d = {"index": idx, "logprobs": self._logprobs(c.ids, c.logprobs),
-             "finish_reason": c.finish_reason if c.finish_reason != "abort" else "abort",
+             "finish_reason": c.finish_reason,
              "stop_reason": c.stop_reason}
         if self.body.return_token_ids:
             d["token_ids"] = list(c.ids)

@@ -52,9 +52,10 @@ def render(engine, server: dict) -> str:
         s.decode_steps)
     lines += ["# HELP fusedist_requests_finished_total Requests finished, by finish reason.",
               "# TYPE fusedist_requests_finished_total counter"]
-    for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+    finished = dict(s.finished)          # the stepping thread may add a reason meanwhile
+    for reason in sorted(set(finished) | {"stop", "length", "abort"}):
         lines.append(f'fusedist_requests_finished_total{{reason="{reason}"}} '
-                     f'{s.finished.get(reason, 0)}')
+                     f'{finished.get(reason, 0)}')
     lines += ["# HELP fusedist_requests_rejected_total Requests refused, by HTTP status.",
               "# TYPE fusedist_requests_rejected_total counter"]
     for code in sorted(set(server.get("rejected", {})) | {400, 503}):

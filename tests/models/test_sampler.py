@@ -85,6 +85,12 @@ def test_rows_of_a_batch_keep_their_own_parameters():
         torch.testing.assert_close(both[i:i + 1], warp(lg[i:i + 1].clone(), [r]))
 
 
+def test_a_tiny_temperature_is_greedy():
+    lg = _logits(3, 9)
+    ids, _ = sample_rows(lg, [_row(seed=s, temperature=1e-30) for s in range(3)])
+    assert ids == lg.argmax(-1).tolist()
+
+
 def test_greedy_is_the_argmax_of_the_penalized_logits():
     lg = _logits(5, 5)
     rows = [_row(temperature=0, output=[int(lg[i].argmax())], repetition_penalty=100.0)
