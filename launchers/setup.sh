@@ -104,6 +104,8 @@ PYEOF
       hf)         fd_has transformers safetensors tokenizers || want+=(transformers safetensors tokenizers) ;;
       lint)       fd_has importlinter || want+=(import-linter) ;;
       matplotlib) fd_has matplotlib || want+=(matplotlib) ;;
+      serve)      fd_has fastapi uvicorn || want+=("fastapi>=0.110" "uvicorn>=0.29") ;;
+      openai)     fd_has openai || want+=("openai>=1.0") ;;
       *) fd_die "setup.sh: unknown requirement $name" ;;
     esac
   done

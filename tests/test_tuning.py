@@ -500,6 +500,7 @@ _NOT_MEASURED = {
     "ops/attention/_prefill.py": {"PREFILL_MAX_SPLITS", "PREFILL_GATHER_TOKENS"},
     "ops/device_errors.py": {"_MOE_OPS"},                   # op codes of the error record
     "models/runner.py": {"PREFILL_GRAPH_TOKENS"},           # an API default (a capture size)
+    "models/sampler.py": {"_M32"},                          # the noise hash's 32-bit mask
 }
 
 

@@ -33,6 +33,7 @@ fd_install numpy pytest timeout
 fd_install_soft mpi
 fd_install_soft hf
 fd_install_soft matplotlib
+fd_install_soft serve openai
 fd_nccl4py
 fd_cutlass
 if (( NGPU >= 2 )); then

@@ -1,0 +1,35 @@
+"""benchmarks/serve.py's CPU smoke run (the tiny model): every workload writes its row through
+the harness's writer, with the columns the design note quotes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_serve_benchmark_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               FUSEDIST_RESULTS_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "serve.py"), "--config",
+                        "tiny", "--rates", "8", "--num-requests", "4", "--prefixes", "1"], env=env,
+                       capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu-w1" / "serve.json").read_text())
+    rows = {r["workload"]: r for r in data["rows"]}
+    assert set(rows) == {"step", "random", "prefix", "batch64", "ttft"}
+    for w in ("random", "prefix", "batch64"):
+        r = rows[w]
+        assert r["output_tokens"] > 0 and r["tok_s"] > 0
+        assert r["itl_p99_ms"] >= r["itl_p50_ms"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"]
+    assert rows["prefix"]["hit_rate"] > 0 and rows["random"]["hit_rate"] == 0
+    assert rows["step"]["engine_step_ms"] > 0 and rows["step"]["static_step_ms"] > 0
+    assert rows["ttft"]["warm_ms"] > 0 and data["meta"]["command"]
+    assert "Decode step at batch" in (tmp_path / "cpu-w1" / "serve.md").read_text()
