@@ -4,8 +4,9 @@
     cfg = LlamaConfig.from_hf_config(json.load(open(path)))  # the parsed dict
     cfg = LlamaConfig.named("llama-3-8b")                    # shipped shapes (no network)
 
-Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"), MistralForCausalLM and
-Qwen2ForCausalLM (Qwen2 / 2.5: biases on q, k, v). Anything else raises with the list.
+Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"; attention_bias true: biases
+on q, k, v and o_proj, as transformers builds them), MistralForCausalLM and Qwen2ForCausalLM
+(Qwen2 / 2.5: biases on q, k, v). Anything else raises with the list.
 
 FP8 checkpoints (cfg.quant, a WeightQuant, from config.json's quantization_config; the
 projections q/k/v/o, gate/up, down are e4m3 with float32 scales, everything else is
@@ -206,6 +207,7 @@ class LlamaConfig:
     rope_scaling: Optional[dict] = None  # HF's dict, e.g. {"rope_type": "llama3", "factor": 8, ...}
     max_position: int = 8192
     qkv_bias: bool = False
+    o_bias: bool = False               # a bias on o_proj (Llama's attention_bias: true)
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
@@ -339,12 +341,17 @@ class LlamaConfig:
         quant = parse_quantization(d.get("quantization_config"), fail)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        qkv_bias = arch == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False))
+        attention_bias = d.get("attention_bias", False)
+        if not isinstance(attention_bias, bool):
+            fail(f"attention_bias must be true or false, got {attention_bias!r}")
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        # transformers' Llama puts attention_bias on o_proj too; Qwen2's o_proj has none.
+        o_bias = arch == "LlamaForCausalLM" and attention_bias
         return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                    num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=number("rms_norm_eps", 1e-6), rope_theta=rope_theta,
                    rope_scaling=scaling, max_position=max_position,
-                   qkv_bias=qkv_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   qkv_bias=qkv_bias, o_bias=o_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
                    sliding_window=window, quant=quant, name=name, extra=dict(d))
 
