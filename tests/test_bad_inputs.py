@@ -272,7 +272,8 @@ def _llm(**kw):
     kw.setdefault("max_batch", 2)
     kw.setdefault("max_seq_len", 64)
     if "model" not in kw and "config" not in kw:
-        kw.update(config="tiny", random_weights=True)
+        kw.setdefault("random_weights", True)
+        kw["config"] = "tiny"
     return LLM(kw.pop("model", None), **kw)
 
 
