@@ -1193,7 +1193,7 @@ def _(rank, world, port):
     return _cli_rank(rank, world, port, _TINY + (["--quantize", "fp8"] if rank == 0 else []))
 
 
-@dist_case("CLI: ranks given different --max-new-tokens", AllCli(("max_new_tokens",)),
+@dist_case("CLI: ranks given different --max-new-tokens", AllCli(("--max-new-tokens",)),
            init=False)
 def _(rank, world, port):
     return _cli_rank(rank, world, port, _TINY + ["--max-new-tokens", str(2 + rank)])
@@ -1209,8 +1209,7 @@ def _(rank, world, port):
     return _cli_rank(rank, world, port, _TINY + (["--batch", "-1"] if rank == 0 else []))
 
 
-@dist_case("CLI: ranks given different --prompt-ids (RequestMismatchError: one line)",
-           AllCli(("prompts",)), init=False)
+@dist_case("CLI: ranks given different --prompt-ids", AllCli(("--prompt-ids",)), init=False)
 def _(rank, world, port):
     return _cli_rank(rank, world, port, _TINY + ["--prompt-ids", "1,2" if rank else "3,4"])
 
