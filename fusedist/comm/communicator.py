@@ -18,6 +18,7 @@ from ..distributed.groups import Group
 from ..distributed.runtime import check_timeout_s, get_runtime
 from ..errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
 from . import symmetric
+from ._args import peers_guard
 from .streams import AsyncHandle, nvtx_range, run_on_comm_stream
 from .symmetric import SymmetricMemory
 
@@ -424,11 +425,14 @@ class Communicator:
         check_calls(self.group.name, self.group.ranks, [c.tolist() for c in calls])
 
     def _all_reduce_cpu(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Reference path: fp32 accumulation over gloo, rounded once to x.dtype."""
-        self.check_same_call("all_reduce", x)
-        acc = x.to(torch.float32, copy=True)
-        if self.group.size > 1:
-            dist.all_reduce(acc, group=self.group.pg)
+        """Reference path: fp32 accumulation over gloo, rounded once to x.dtype. A peer that is
+        gone (its process exited, cleanly or not) raises PeerLostError naming it, not gloo's
+        connection error."""
+        with peers_guard("fusedist.all_reduce", self.group, peer_failures_only=True):
+            self.check_same_call("all_reduce", x)
+            acc = x.to(torch.float32, copy=True)
+            if self.group.size > 1:
+                dist.all_reduce(acc, group=self.group.pg)
         out.copy_(acc)
         return out
 
