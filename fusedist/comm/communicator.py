@@ -87,9 +87,21 @@ def resolve_group(group: GroupLike) -> Group:
                     f"got {type(group).__name__}")
 
 
+def _eager_under_compile(fn):
+    """Under torch.compile, run fn when tracing and take its result as a constant of the
+    graph (torch._dynamo.assume_constant_result) instead of tracing into it: get_communicator
+    called in a compiled function then makes and registers the communicator for real, so the
+    op it feeds (torch.ops.fusedist.*, which take the communicator's name) finds it when the
+    graph runs, also when the compiled call is the group's first use. Eager calls are fn's."""
+    mark = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return mark(fn) if mark is not None else fn
+
+
+@_eager_under_compile
 def get_communicator(group: GroupLike = None) -> "Communicator":
     """The default communicator of `group` (tensor-parallel group when None), created on
-    first use. Create it before CUDA-graph capture."""
+    first use. Create it before CUDA-graph capture (a compiled call may create it: it is made
+    when the call is traced)."""
     if isinstance(group, Communicator):
         return group
     g = resolve_group(group)
