@@ -35,6 +35,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..._check import as_int
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM"}
@@ -218,13 +220,16 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position"):
+            low = 0 if k == "head_dim" else 1      # head_dim 0: hidden_size // num_heads
+            object.__setattr__(self, k, as_int("LlamaConfig", k, getattr(self, k), low,
+                                               what="a positive int"))
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"LlamaConfig: {k} must be a positive int, got {v!r}")
+            if self.head_dim == 0:
+                raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} is smaller than "
+                                 f"num_heads={self.num_heads}; give head_dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
