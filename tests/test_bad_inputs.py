@@ -341,7 +341,8 @@ class CliExit:
             if self.check is not None and not self.check(out):
                 return "silent", f"stdout fails its check: {out[-300:]!r}"
             return "clear", "ok"
-        lines = [ln for ln in err.strip().splitlines() if ln.startswith("fusedist.generate")]
+        lines = [ln for ln in err.strip().splitlines() if ln.startswith("fusedist.generate")
+                 or ln.startswith("python -m fusedist.generate: error:")]   # argparse's
         if not lines:
             return "unclear", f"no 'fusedist.generate:' line on stderr: {err[-300:]!r}"
         text = "\n".join(lines).lower()
@@ -1272,8 +1273,8 @@ def _(rank, world, port):
                                                   temperature=0.7).ids)
 
 
-@dist_case("LLM.generate: rank 1 closed its LLM", Raises(MISMATCH + PEER_LOST + ("RuntimeError",),
-                                                        ("closed",)))
+@dist_case("LLM.generate: rank 1 closed its LLM", None,
+           per_rank=[Raises(PEER_LOST, ("rank 1",)), Raises(("RuntimeError",), ("closed",))])
 def _(rank, world, port):
     def body(l, r):
         if r == 1:
@@ -1507,6 +1508,376 @@ def _(rank, world, port):
 def _(rank, world, port):
     import fusedist
     return fusedist.HierarchicalCommunicator(algo="flat" if rank else "auto").algo
+
+
+# =============================================================================================
+# more cases, each area
+# =============================================================================================
+def _raises_case(area, name, phrases, fn, types=TYPE_OR_VALUE, needs_rt=False):
+    case(area, name, Raises(tuple(types), tuple(phrases)), needs_rt=needs_rt)(fn)
+
+
+# layers
+_raises_case("layers", "rmsnorm: eps -1", ("eps",), lambda: __import__("fusedist").rmsnorm(
+    _t(2, 8), _t(8), -1.0), needs_rt=True)
+_raises_case("layers", "add_rmsnorm: residual of another dtype", ("residual",),
+             lambda: __import__("fusedist").add_rmsnorm(
+                 _t(2, 8), _t(2, 8).double(), _t(8), 1e-6), needs_rt=True)
+_raises_case("layers", "all_reduce: out of another dtype", ("out",),
+             lambda: __import__("fusedist").all_reduce(_t(4), out=_t(4).double()),
+             needs_rt=True)
+_raises_case("layers", "all_reduce: group of the wrong type", ("group",),
+             lambda: __import__("fusedist").all_reduce(_t(4), group="tp"), needs_rt=True)
+_raises_case("layers", "all_reduce_add_rmsnorm: eps 0", ("eps",),
+             lambda: __import__("fusedist").all_reduce_add_rmsnorm(_t(2, 8), _t(2, 8), _t(8),
+                                                                    0.0), needs_rt=True)
+_raises_case("layers", "PageAllocator: double free", ("page",),
+             lambda: (lambda a: (a.free(a.allocate(2)), a.free([0])))(
+                 __import__("fusedist.nn", fromlist=["x"]).PageAllocator(4)))
+_raises_case("layers", "PageAllocator: more pages than there are", ("pages",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).PageAllocator(4).allocate(5),
+             types=("RuntimeError", "ValueError"))
+_raises_case("layers", "BlockTable: append past its pages", ("max_pages_per_seq",),
+             lambda: (lambda t: (t.add("a"), t.append("a", 100)))(
+                 __import__("fusedist.nn", fromlist=["x"]).BlockTable(
+                     __import__("fusedist.nn", fromlist=["x"]).PageAllocator(64), 4, 2, 3)))
+_raises_case("layers", "BlockTable: unknown sequence", ("add",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).BlockTable(
+                 __import__("fusedist.nn", fromlist=["x"]).PageAllocator(4), 4, 2, 2).append(
+                 "nope", 1))
+_raises_case("layers", "PagedKVCache.layer: index past the layers", ("layer",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).PagedKVCache(2, 1, 8, 2).layer(2))
+_raises_case("layers", "PagedKVCache: int8 cache dtype", ("dtype",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).PagedKVCache(
+                 2, 1, 8, 2, kv_dtype=__import__("torch").int8))
+_raises_case("layers", "slot_mapping: negative position", ("positions",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).slot_mapping([0, 1], [-1], 4))
+_raises_case("layers", "TPAttention: heads not divisible by kv heads", ("num_kv_heads",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).TPAttention(64, 4, 3),
+             needs_rt=True)
+_raises_case("layers", "TPAttention: rope_style typo", ("rope_style",),
+             lambda: __import__("fusedist.nn", fromlist=["x"]).TPAttention(
+                 64, 4, 2, rope_style="neoX"), needs_rt=True)
+_raises_case("layers", "TPAttention: x of the wrong width", ("x must be",),
+             lambda: _attn_setup()[0](_t(5, 32), __import__("torch").arange(5),
+                                      _attn_setup()[1], 0, _prefill_meta(5)), needs_rt=True)
+_raises_case("layers", "TPAttention.load_full: q_w of the wrong shape", ("q_w",),
+             lambda: _attn_setup()[0].load_full(_t(32, 64), _t(32, 64), _t(32, 64),
+                                                _t(64, 64)), needs_rt=True)
+_raises_case("layers", "decode_plan: batch 0", ("batch",),
+             lambda: __import__("fusedist").ops.decode_plan(0, 4, 2, 64, 16, 128))
+_raises_case("layers", "SamplingParams: temperature nan", ("temperature",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).SamplingParams(
+                 temperature=float("nan")))
+_raises_case("layers", "SamplingParams: top_p 1.5", ("top_p",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).SamplingParams(top_p=1.5))
+_raises_case("layers", "SamplingParams: top_k 2.5", ("top_k",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).SamplingParams(top_k=2.5))
+_raises_case("layers", "Communicator: max_bytes 0", ("max_bytes",),
+             lambda: __import__("fusedist").Communicator(max_bytes=0), needs_rt=True)
+_raises_case("layers", "HierarchicalCommunicator: algo typo", ("algo",),
+             lambda: __import__("fusedist").HierarchicalCommunicator(algo="ring"),
+             needs_rt=True)
+_raises_case("layers", "HierarchicalCommunicator: int tensor", ("dtype",),
+             lambda: __import__("fusedist").HierarchicalCommunicator().all_reduce(
+                 __import__("torch").ones(4, dtype=__import__("torch").int32)), needs_rt=True)
+
+
+@case("layers", "Communicator: numpy max_bytes accepted", Returns(), needs_rt=True)
+def _():
+    import numpy as np
+
+    import fusedist
+    return fusedist.Communicator(max_bytes=np.int64(1 << 20)).all_reduce(_t(4))
+
+
+# model
+def _cfg_dict(**kw):
+    d = json.loads((Path(fixtures()["llama"]) / "config.json").read_text())
+    d.update(kw)
+    return d
+
+
+for _kw, _ph in ((dict(hidden_act="gelu"), "hidden_act"), (dict(mlp_bias=True), "mlp_bias"),
+                 (dict(num_key_value_heads=3), "num_key_value_heads"),
+                 (dict(vocab_size=0), "vocab_size"), (dict(rms_norm_eps=-1e-6), "rms_norm_eps"),
+                 (dict(rope_theta=float("inf")), "rope_theta"),
+                 (dict(architectures=["GPT2LMHeadModel"]), "architecture"),
+                 (dict(attention_bias="yes"), "attention_bias"),
+                 (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+                 (dict(quantization_config={"quant_method": "gptq"}), "quant_method")):
+    _raises_case("model", f"config.json: {_kw}", (_ph,),
+                 lambda _kw=_kw: __import__("fusedist.models", fromlist=["x"]).LlamaConfig
+                 .from_hf_config(_cfg_dict(**_kw)))
+
+
+_raises_case("model", "LlamaConfig.named: typo", ("llama-3-8",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).LlamaConfig.named("llama-3-8"))
+_raises_case("model", "build_model: backend typo", ("backend",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).build_model(
+                 __import__("fusedist.models", fromlist=["x"]).LlamaConfig.named("tiny"), None,
+                 backend="torchh"), needs_rt=True)
+_raises_case("model", "build_model: quantize typo", ("quantize",),
+             lambda: __import__("fusedist.models", fromlist=["x"]).build_model(
+                 __import__("fusedist.models", fromlist=["x"]).LlamaConfig.named("tiny"),
+                 __import__("fusedist.models.llama", fromlist=["x"]).RandomWeights(
+                     __import__("fusedist.models", fromlist=["x"]).LlamaConfig.named("tiny")),
+                 quantize="int8"), needs_rt=True)
+_raises_case("model", "Runner: kv_dtype int8", ("kv_dtype",),
+             lambda: _runner(kv_dtype=__import__("torch").int8), needs_rt=True)
+_raises_case("model", "Runner: max_seq_len past the model", ("max_seq_len",),
+             lambda: _runner(max_seq_len=10 ** 6), needs_rt=True)
+_raises_case("model", "Runner: peer_timeout_s -1", ("peer_timeout_s",),
+             lambda: _runner(peer_timeout_s=-1), needs_rt=True)
+_raises_case("model", "Runner: compile_decode 'yes'", ("compile_decode",),
+             lambda: _runner(compile_decode="yes"), needs_rt=True)
+_raises_case("model", "Runner.generate: context_fill -1", ("context_fill",),
+             lambda: _runner().generate([[1]], 2, context_fill=-1), needs_rt=True)
+_raises_case("model", "Runner.generate: eos_check_every 0", ("eos_check_every",),
+             lambda: _runner().generate([[1]], 2, eos_ids=[3], eos_check_every=0),
+             needs_rt=True)
+_raises_case("model", "Runner.generate: sampling a dict", ("sampling",),
+             lambda: _runner().generate([[1]], 2, {"greedy": True}), needs_rt=True)
+_raises_case("model", "Runner.generate: prompts a str", ("prompts",),
+             lambda: _runner().generate("12", 2), needs_rt=True)
+_raises_case("model", "Runner.time_prefill: reps 0", ("reps",),
+             lambda: _runner().time_prefill([[1, 2]], reps=0), needs_rt=True)
+_raises_case("model", "open_weights: a directory without safetensors", ("safetensors",),
+             lambda: __import__("fusedist.models.llama", fromlist=["x"]).SafetensorsWeights(
+                 tempfile.mkdtemp()), types=("FileNotFoundError", "ValueError"))
+_raises_case("model", "GenerationDefaults: top_p 0 in generation_config.json", ("top_p",),
+             lambda: (lambda d: (Path(d, "generation_config.json").write_text('{"top_p": 0}'),
+                                 __import__("fusedist.models", fromlist=["x"]).GenerationDefaults
+                                 .from_dir(d)))(tempfile.mkdtemp()))
+_raises_case("model", "config.json that is not JSON", ("config.json",),
+             lambda: (lambda d: (Path(d, "config.json").write_text('{"vocab_size": 3'),
+                                 __import__("fusedist.models", fromlist=["x"]).LlamaConfig
+                                 .from_dir(d)))(tempfile.mkdtemp()))
+
+# fp8
+_raises_case("fp8", "fp8_all_gather: block_size 0", ("block_size",),
+             lambda: __import__("fusedist").fp8_all_gather(_t(8), block_size=0), needs_rt=True)
+_raises_case("fp8", "fp8_all_reduce: max_error 0", ("max_error",),
+             lambda: __import__("fusedist").fp8_all_reduce(_t(8), max_error=0), needs_rt=True)
+_raises_case("fp8", "fp8_all_reduce: algo typo", ("algo",),
+             lambda: __import__("fusedist").fp8_all_reduce(_t(8), algo="ring"), needs_rt=True)
+_raises_case("fp8", "fp8_all_reduce: int tensor", ("dtype",),
+             lambda: __import__("fusedist").fp8_all_reduce(
+                 __import__("torch").ones(8, dtype=__import__("torch").int64)), needs_rt=True)
+_raises_case("fp8", "Fp8Communicator: fmt int8", ("fmt",),
+             lambda: __import__("fusedist").Fp8Communicator(fmt="int8"), needs_rt=True)
+_raises_case("fp8", "quantize_fp8: NaN weight", ("nan",),
+             lambda: __import__("fusedist.nn.quant", fromlist=["x"]).quantize_fp8(
+                 __import__("torch").tensor([[1.0, float("nan")]])))
+_raises_case("fp8", "quantize_fp8: layout typo", ("layout",),
+             lambda: __import__("fusedist.nn.quant", fromlist=["x"]).quantize_fp8(_t(4, 4),
+                                                                                  "row"))
+
+
+@case("fp8", "fp8_all_reduce: 1e5x outliers come back exact", Returns(lambda r: r <= 1e-6))
+def _():
+    import torch
+    xs = [_outliers(r, scale=1e5) for r in range(2)]
+    y = _fp8_replay(xs)
+    ref = sum(x.double() for x in xs)
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@case("fp8", "fp8_all_reduce: Gaussian inputs keep e3m4's error", Returns(lambda r: r <= 0.02))
+def _():
+    import torch
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4096, generator=g) for _ in range(4)]
+    y = _fp8_replay(xs)
+    ref = sum(x.double() for x in xs)
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+# llm
+_llm_case("generate: temperature nan", Raises(VALUE, ("temperature",)),
+          lambda l: l.generate([1, 2], 2, temperature=float("nan")))
+_llm_case("generate: top_k -1", Raises(VALUE, ("top_k",)),
+          lambda l: l.generate([1, 2], 2, top_k=-1))
+_llm_case("generate: top_p 2", Raises(VALUE, ("top_p",)),
+          lambda l: l.generate([1, 2], 2, top_p=2.0))
+_llm_case("generate: ignore_eos 'no'", Raises(TYPE_OR_VALUE, ("ignore_eos",)),
+          lambda l: l.generate([1, 2], 2, ignore_eos="no"))
+_llm_case("generate: a list of no prompts", Raises(TYPE_OR_VALUE, ("prompts",)),
+          lambda l: l.generate([[]], 2))
+_llm_case("generate: a dict prompt", Raises(TYPE_OR_VALUE, ("prompt",)),
+          lambda l: l.generate({"ids": [1]}, 2))
+_llm_case("generate: None prompt", Raises(TYPE_OR_VALUE, ("prompt",)),
+          lambda l: l.generate(None, 2))
+_llm_case("generate: eos_ids with a float", Raises(TYPE_OR_VALUE, ("eos_ids",)),
+          lambda l: l.generate([1, 2], 2, eos_ids=[2.0]))
+_llm_case("generate: a 3-D tensor prompt", Raises(TYPE_OR_VALUE, ("prompt",)),
+          lambda l: l.generate(__import__("torch").ones(1, 2, 2, dtype=__import__("torch")
+                                                         .long), 2))
+_llm_case("generate: two prompts of different lengths", Returns(lambda r: len(r) == 2),
+          lambda l: l.generate([[1, 2, 3], [4]], 3))
+_llm_case("stream: exhausted stream ends", Returns(lambda r: r == []),
+          lambda l: (lambda s: (list(s), list(s))[1])(l.stream([1, 2], 3)))
+
+
+@case("llm", "LLM(config='nope')", Raises(VALUE, ("nope",)))
+def _():
+    return _llm(config="nope", random_weights=True)
+
+
+@case("llm", "LLM(model=123)", Raises(TYPE_OR_VALUE, ("model",)))
+def _():
+    return _llm(model=123)
+
+
+@case("llm", "LLM(dtype=torch.int8)", Raises(VALUE, ("dtype",)))
+def _():
+    import torch
+    return _llm(dtype=torch.int8)
+
+
+@case("llm", "LLM of a directory without config.json", Raises(("ValueError", "FileNotFoundError"),
+                                                              ("config.json",)))
+def _():
+    return _llm(model=tempfile.mkdtemp())
+
+
+@case("llm", "LLM: encode a non-str", Raises(TYPE_OR_VALUE, ("text",)))
+def _():
+    return _with_llm(lambda l: l.encode(5), model=fixtures()["llama"])
+
+
+@case("llm", "LLM: decode floats", Raises(TYPE_OR_VALUE, ("ids",)))
+def _():
+    return _with_llm(lambda l: l.decode([1.5]), model=fixtures()["llama"])
+
+
+@case("llm", "LLM: chat messages not a list", Raises(TYPE_OR_VALUE, ("messages",)))
+def _():
+    return _with_llm(lambda l: l.chat_prompt("hi"), model=fixtures()["llama"])
+
+
+@case("llm", "LLM: generate text with a tokenizer", Returns(lambda r: isinstance(r.text, str)))
+def _():
+    return _with_llm(lambda l: l.generate("w1 w2 w3", 3), model=fixtures()["llama"])
+
+
+# cli
+for _argv, _ph in ((["--top-k", "-1"], "--top-k"), (["--prompt-len", "0"], "--prompt-len"),
+                   (["--context-fill", "-1"], "--context-fill"),
+                   (["--prefill-reps", "0"], "--prefill-reps"),
+                   (["--prefill-graph-tokens", "-1"], "--prefill-graph-tokens"),
+                   (["--weights-seed", "-1"], "--weights-seed"),
+                   (["--prompt-ids", ""], "prompt ids"),
+                   (["--chat", "hi"], "--chat"),
+                   (["--prompt", "hi", "--prompt-ids", "1,2"], "prompt source"),
+                   (["--tp", "2"], "--tp"),
+                   (["--batch", "100000", "--context-fill", "2000"], "memory")):
+    _cli_case(f"CLI {' '.join(_argv)}", _argv, CliExit((_ph,)))
+
+
+@case("cli", "CLI --dtype float64 (argparse names it)", CliExit(("--dtype",), code=2))
+def _():
+    return _cli(["--dtype", "float64", "--device", "cpu"])
+
+
+@case("cli", "CLI --model with a config.json that is not JSON", CliExit(("config.json",)))
+def _():
+    d = tempfile.mkdtemp()
+    Path(d, "config.json").write_text("{")
+    return _cli(["--model", d, "--device", "cpu", "--quiet"])
+
+
+@case("cli", "CLI --model of a checkpoint missing a tensor", CliExit(("missing",)))
+def _():
+    from safetensors.torch import load_file, save_file
+    d = Path(tempfile.mkdtemp())
+    t = load_file(os.path.join(fixtures()["llama"], "model.safetensors"))
+    del t["model.norm.weight"]
+    save_file(t, str(d / "model.safetensors"))
+    (d / "config.json").write_text((Path(fixtures()["llama"]) / "config.json").read_text())
+    return _cli(["--model", str(d), "--device", "cpu", "--quiet", "--prompt-ids", "1,2"])
+
+
+@case("cli", "CLI --prompt text through the checkpoint's tokenizer",
+      CliExit(code=0, check=lambda o: "text" in json.loads(o.splitlines()[-1])))
+def _():
+    return _cli(["--model", fixtures()["llama"], "--prompt", "w1 w2", "--max-new-tokens", "2",
+                 "--device", "cpu", "--quiet", "--json"])
+
+
+# dist
+@dist_case("Runner.generate: ranks given different seeds",
+           Raises(("fusedist.RequestMismatchError",), ("seed",)))
+def _(rank, world, port):
+    from fusedist.models import SamplingParams
+    with _runner() as r:
+        return r.generate([[1, 2]], 2, SamplingParams(greedy=False, temperature=0.5,
+                                                      seed=rank)).ids
+
+
+@dist_case("LLM.generate: ranks given different max_new_tokens",
+           Raises(("fusedist.RequestMismatchError",), ("max_new_tokens",)))
+def _(rank, world, port):
+    return _llm_gen(rank, lambda l, r: l.generate([1, 2], 2 + r).ids)
+
+
+@dist_case("LLM.stream: a prompt bad on rank 0 only, raised at the call",
+           Raises(MISMATCH + TYPE_OR_VALUE, ("prompt",)))
+def _(rank, world, port):
+    return _llm_gen(rank, lambda l, r: [t.id for t in l.stream([1, True] if r == 0 else [1, 2],
+                                                                2)])
+
+
+@dist_case("LLM: every rank's generate equals TP 1's ids", Returns(lambda r: r is True))
+def _(rank, world, port):
+    import fusedist
+    from fusedist.models import LLM
+    with LLM(config="tiny", random_weights=True, max_batch=2, max_seq_len=64) as llm:
+        ids = llm.generate([[5, 6, 7], [8, 9]], 4, greedy=True)
+        every = fusedist.get_runtime().world.all_gather_object([c.ids for c in ids])
+        return all(e == every[0] for e in every)
+
+
+@dist_case("fp8_all_reduce: a bad argument on rank 1 only",
+           Raises(MISMATCH + VALUE, ("block_size",)))
+def _(rank, world, port):
+    import torch
+
+    import fusedist
+    return fusedist.fp8_all_reduce(torch.ones(64), block_size=0 if rank == 1 else 32).tolist()
+
+
+@dist_case("fp8_all_reduce: 1000x outliers switch to e4m3 on every rank",
+           Returns(lambda r: r == "e4m3"))
+def _(rank, world, port):
+    import torch
+
+    import fusedist
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    x[::512] *= 1000
+    info = {}
+    fusedist.fp8_all_reduce(x, info=info)
+    return info["path"]
+
+
+@dist_case("HierarchicalCommunicator: a bad argument on rank 0 only",
+           Raises(MISMATCH + VALUE, ("chunks",)))
+def _(rank, world, port):
+    import torch
+
+    import fusedist
+    hc = fusedist.HierarchicalCommunicator()
+    return hc.all_reduce(torch.ones(8), chunks=0 if rank == 0 else None).tolist()
+
+
+@dist_case("init: a rank_error on rank 0 stops both", Raises(MISMATCH, ("rank 0", "bad flag")),
+           init=False)
+def _(rank, world, port):
+    import fusedist
+    fusedist.init(backend="gloo", rank=rank, world_size=world, master_addr="127.0.0.1",
+                  master_port=port, rank_error="bad flag" if rank == 0 else None)
+    fusedist.shutdown()
+    return "started"
 
 
 # ---- running the cases ------------------------------------------------------------------------

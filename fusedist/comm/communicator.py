@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _align, _dtypes, _ext, envs, tuning
+from .._check import as_int
 from ..distributed import runtime as _runtime
 from ..distributed.groups import Group
 from ..distributed.runtime import check_timeout_s, get_runtime
@@ -158,13 +159,10 @@ class Communicator:
         if not self.group.is_member:
             raise ValueError(f"fusedist.Communicator: this rank is not in group "
                              f"{self.group.name} {list(self.group.ranks)}")
-        for name, v in (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"fusedist.Communicator: {name} must be a positive int, got {v!r}")
-        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or \
-                staging_bytes < 0:
-            raise ValueError(f"fusedist.Communicator: staging_bytes must be an int >= 0, got "
-                             f"{staging_bytes!r}")
+        max_bytes, one_shot_max_bytes = (
+            as_int("fusedist.Communicator", name, v, 1, what="a positive int") for name, v in
+            (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)))
+        staging_bytes = as_int("fusedist.Communicator", "staging_bytes", staging_bytes, 0)
         if timeout_s is not None:
             timeout_s = check_timeout_s("fusedist.Communicator", timeout_s)
         self.device = self.group.device
