@@ -420,3 +420,14 @@ def test_chat_template_errors_and_truncated_config(ckpt, tmp_path):
             os.symlink(os.path.join(ckpt, f), trunc / f)
     with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON"):
         load_tokenizer(str(trunc))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [(), ("cli",)], ids=["llm", "cli"])
+def test_ranks_that_disagree_stop_together(mode):
+    """tests/dist/worker_disagree.py at TP 2 over gloo: LLM arguments that differ or that one
+    rank refuses, a request one rank refuses, the CLI given different flags or a bad flag on
+    one rank: every rank ends with an error naming the difference within seconds."""
+    assert_passed(torchrun("worker_disagree.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                     "FUSEDIST_INIT_TIMEOUT_S": "60"},
+                           timeout=280, args=mode), 2)
