@@ -1880,6 +1880,27 @@ def _(rank, world, port):
     return "started"
 
 
+@case("layers", "init: numpy tp_size accepted", Returns(lambda r: r == 1))
+def _():
+    import numpy as np
+
+    import fusedist
+    _ensure_rt(False)
+    rt = fusedist.init(backend="gloo", rank=0, world_size=1, tp_size=np.int64(1))
+    try:
+        return rt.tp.size
+    finally:
+        fusedist.shutdown()
+
+
+@case("layers", "HierarchicalCommunicator: numpy chunks accepted", Returns(), needs_rt=True)
+def _():
+    import numpy as np
+
+    import fusedist
+    return fusedist.HierarchicalCommunicator(chunks=np.int64(2)).all_reduce(_t(8))
+
+
 # ---- running the cases ------------------------------------------------------------------------
 def _ensure_rt(on: bool) -> None:
     import fusedist

@@ -50,6 +50,7 @@ from ..distributed import runtime as _runtime
 from ..distributed.groups import Group
 from ..distributed.runtime import get_runtime
 from . import cost_model
+from .._check import as_int
 from ..errors import CollectiveMismatchError
 from ._args import check_input, peers_guard
 from .communicator import Communicator, get_communicator, resolve_group
@@ -296,10 +297,9 @@ class HierarchicalCommunicator:
     def _check_choice(op: str, algo, chunks) -> tuple:
         if algo not in ALGOS:
             raise ValueError(f"fusedist.{op}: algo must be one of {ALGOS}, got {algo!r}")
-        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool)
-                                   or not 1 <= chunks <= MAX_CHUNKS):
-            raise ValueError(f"fusedist.{op}: chunks must be an int in 1..{MAX_CHUNKS}, got "
-                             f"{chunks!r}")
+        if chunks is not None:
+            chunks = as_int(f"fusedist.{op}", "chunks", chunks, 1, MAX_CHUNKS,
+                            what=f"an int in 1..{MAX_CHUNKS}")
         return algo, chunks
 
     @property

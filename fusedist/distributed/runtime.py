@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import math
+import operator
 import os
 import socket
 import threading
@@ -305,6 +306,11 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
 
         def resolved(req):
             size, spans = req
+            if size is not None and not isinstance(size, bool):
+                try:
+                    size = operator.index(size)     # numpy ints too; the rest: validate_tp_size
+                except TypeError:
+                    pass
             tp = topo.ranks_per_node if size is None else size
             return (1 if size is None and world % tp else tp), spans
 
