@@ -1901,6 +1901,22 @@ def _():
     return fusedist.HierarchicalCommunicator(chunks=np.int64(2)).all_reduce(_t(8))
 
 
+@dist_case("CLI at TP 2: a NaN e4m3 code in rank 0's slice only", AllCli(("o_proj.weight", "nan")),
+           init=False)
+def _(rank, world, port):
+    return _cli_rank(rank, world, port, ["--model", fixtures()["fp8_byte_7f"], "--prompt-ids",
+                                         "1,2,3", "--max-new-tokens", "2", "--device", "cpu",
+                                         "--json", "--quiet"])
+
+
+@dist_case("LLM at TP 2: a NaN scale in one rank's slice only",
+           Raises(MISMATCH + VALUE, ("weight_scale_inv", "nan")))
+def _(rank, world, port):
+    from fusedist.models import LLM
+    with LLM(fixtures()["fp8_nan_scale"], max_batch=1, max_seq_len=32) as llm:
+        return llm.generate([1, 2], 2).ids
+
+
 # ---- running the cases ------------------------------------------------------------------------
 def _ensure_rt(on: bool) -> None:
     import fusedist
