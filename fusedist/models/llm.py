@@ -354,7 +354,10 @@ class LLM:
         return n, sp, eos
 
     def _runner(self, where: str) -> Runner:
-        if self.runner is None:
+        """The runner; a closed LLM's closed runner, which tells the other ranks in the
+        request's agreement, unless the runtime this LLM started is gone with it (then there
+        is no one to tell)."""
+        if self.runner is None or (self.closed and not runtime.is_initialized()):
             raise RuntimeError(f"fusedist.LLM.{where}: the LLM is closed (close() or the end of "
                                "its with-block released its model and cache); build a new "
                                "fusedist.LLM")
@@ -441,7 +444,7 @@ class LLM:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()
-            self.runner = None
+            runner.model = None            # the weights go; the closed runner stays to say so
         self.model = None
         self.closed = True
         if self._owns_runtime and runtime.is_initialized():

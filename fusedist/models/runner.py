@@ -213,6 +213,7 @@ class Runner:
         self._plans: list = []       # decode plans of the buckets, closed by close()
         self._release = weakref.finalize(self, _close_plans, self._plans)
         self.model, self.device = model, model.device
+        self._group = getattr(getattr(model, "comm", None), "group", None)
         self.page_size = page_size
         self.buckets = buckets_for(max_batch)
         self.max_rows = self.buckets[-1]
@@ -800,9 +801,10 @@ class Runner:
         return fields, (ids, max_new_tokens, sampling, stop, context_fill, eos_check_every)
 
     def _tp_group(self):
-        """The model's tensor-parallel fusedist Group (None for a model without one)."""
-        comm = getattr(self.model, "comm", None)
-        return getattr(comm, "group", None)
+        """The model's tensor-parallel fusedist Group (None for a model without one); kept
+        from construction, so that a closed runner still agrees with its peers that it is
+        closed."""
+        return self._group
 
     def _check_same_request(self, where: str, fields: dict, exact) -> None:
         group = self._tp_group()

@@ -79,6 +79,12 @@ def a_request_refused_on_one_rank_stops_all(rt, seed):
         _stops("greedy", lambda: llm.generate([1, 2], 2, greedy=mine, temperature=0.8),
                fusedist.RequestMismatchError, "sampling.greedy")
         assert llm.generate([1, 2], 2, greedy=True).ids          # still usable
+    llm = LLM(**TINY)
+    if mine:
+        llm.close()                    # this rank's LLM is closed, the others' open
+    _stops("closed", lambda: llm.generate([1, 2], 2),
+           RuntimeError if mine else fusedist.RequestMismatchError, "the LLM is closed")
+    llm.close()
 
 
 def cli(rank: int) -> None:
