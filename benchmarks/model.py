@@ -1,6 +1,7 @@
-"""Decode and prefill of the Llama-3-8B shape (random weights, bf16) through
-`python -m fusedist.generate`, fusedist beside its baselines in the same process; with --moe,
-the mixtures of experts (MOE_RUNS: Qwen3-30B-A3B bf16 and FP8, Mixtral-8x7B FP8).
+"""Decode and prefill of the Llama-3-8B shape (random weights, bf16) through the model
+harness (benchmarks/_model_run.py: what `python -m fusedist.generate --baseline ...` runs),
+fusedist beside its baselines in the same process; with --moe, the mixtures of experts
+(MOE_RUNS: Qwen3-30B-A3B bf16 and FP8, Mixtral-8x7B FP8).
 
     python benchmarks/model.py                      # batch 1 (4K prompt) and batch 64 (4K context)
     python benchmarks/model.py --rows 1:4096:0:64   # batch:prompt_len:context_fill:new_tokens
@@ -61,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (RESULTS, ROOT, machine_dir, metadata, reproduce_command,  # noqa: E402
                       write_results)
 
+HARNESS = Path(__file__).resolve().parent / "_model_run.py"
 TARGETS = {1: 3.7, 64: 11.0}          # ms per decode step by batch, bf16 weights
 FP8_TARGETS = {1: 2.1, 64: 10.0}      # the same, FP8 projection weights (--quantize fp8*)
 # The mixtures of experts: (config, FP8 weights) -> ms per decode step by batch; at batch 1
@@ -79,7 +81,7 @@ CLASSES = ("gemm", "attention", "communication", "other")
 
 def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_backend,
             quantize="none", prefill_graph_tokens=512, kv_dtype="auto"):
-    cmd = [sys.executable, "-P", "-m", "fusedist.generate", "--config", cfg, "--random-weights",
+    cmd = [sys.executable, "-P", str(HARNESS), "--config", cfg, "--random-weights",
            "--batch", str(batch), "--prompt-len", str(prompt_len), "--context-fill", str(fill),
            "--max-new-tokens", str(new), "--baseline", baselines, "--profile", "--json",
            "--quiet"] + (["--compile-backend", compile_backend] if compile_backend != "inductor"
@@ -88,12 +90,14 @@ def run_row(cfg, batch, prompt_len, fill, new, tp, baselines, timeout, compile_b
         (["--kv-dtype", kv_dtype] if kv_dtype != "auto" else [])
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp)] + \
-              cmd[2:3] + ["fusedist.generate"] + cmd[4:]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+              cmd[2:]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                           filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
     out = report_of(cmd, p)
     if p.returncode != 0:
         print(p.stderr[-4000:], flush=True)
-    return " ".join(cmd[cmd.index("fusedist.generate") - 1:]), out
+    return " ".join([f"benchmarks/{HARNESS.name}"] + cmd[cmd.index(str(HARNESS)) + 1:]), out
 
 
 def report_of(cmd, p: subprocess.CompletedProcess) -> dict:

@@ -17,8 +17,8 @@ from .comm import c10d as _c10d  # registers the torch.distributed backend "fuse
 from .comm.communicator import Communicator, get_communicator
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, CommunicatorTimeoutError,
                      ExtensionMismatchError, ExtensionMissingError, FusedistError, MetadataError,
-                     NcclUnavailableError, NotInitializedError, PeerAccessError, PeerLostError,
-                     RendezvousError, RequestMismatchError)
+                     NcclUnavailableError, NonFiniteError, NotInitializedError, PeerAccessError,
+                     PeerLostError, RendezvousError, RequestMismatchError)
 from .comm.fp8 import Fp8Communicator, fp8_all_gather, fp8_all_reduce
 from .comm.hierarchical import HierarchicalCommunicator
 from .comm.streams import AsyncHandle, comm_stream
@@ -42,5 +42,6 @@ __all__ = [
     "detect_launch_env", "FusedistError", "NotInitializedError", "ExtensionMissingError", "ExtensionMismatchError",
     "PeerAccessError", "NcclUnavailableError", "CommunicatorTimeoutError",
     "CommunicatorClosedError", "CollectiveMismatchError", "RequestMismatchError",
-    "PeerLostError", "RendezvousError", "MetadataError", "check_device_errors", "clear_device_errors",
+    "PeerLostError", "RendezvousError", "MetadataError", "NonFiniteError", "check_device_errors",
+    "clear_device_errors",
 ]

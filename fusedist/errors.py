@@ -66,3 +66,9 @@ class RequestMismatchError(CollectiveMismatchError, ValueError):
     """Ranks of a tensor-parallel group were handed different requests (Runner.generate: other
     prompts, sampling parameters, limits or stop ids). The message names each differing field
     and every rank's value. Also a ValueError: the input is what is wrong."""
+
+
+class NonFiniteError(FusedistError, FloatingPointError):
+    """A model produced NaN logits (Runner.generate / stream, LLM): there is no next token to
+    sample. The message names the sequences and the step; the usual causes are weights that
+    are not finite or an activation that overflowed its dtype (float16)."""

@@ -1,61 +1,67 @@
 """python -m fusedist.generate: generate tokens with a tensor-parallel Llama-family model (dense,
 or a mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE).
 
-    python -m fusedist.generate                                  # GPU: Llama-3-8B shape, random
-                                                                 # weights, beside plain torch;
-                                                                 # CPU: the tiny config
+    python -m fusedist.generate --config tiny --random-weights --device cpu   # a CPU smoke run
     torchrun --nproc-per-node 2 -m fusedist.generate --device cpu   # TP 2 over gloo
     torchrun --nproc-per-node 8 -m fusedist.generate --model /ckpt/Meta-Llama-3-70B \\
         --prompt "The capital of France is" --max-new-tokens 64
-    python -m fusedist.generate --config llama-3-8b --random-weights --batch 64 \\
-        --context-fill 4000 --baseline torch,torch-compile --json
     python -m fusedist.generate --model /ckpt/Meta-Llama-3-8B --quantize fp8   # FP8 weights
+    python -m fusedist.generate                                  # GPU: Llama-3-8B shape, random
+                                                                 # weights, beside plain torch
 
 Launched like every fusedist job (torchrun, mpirun, srun: fusedist.init()); --tp defaults to
-the launcher's world size. --ep shards a mixture of experts' experts over that group (expert
-parallelism; attention stays tensor-parallel): num_experts must divide by it. Progress goes to stderr on rank 0; results to stdout on rank 0
-(one JSON object with --json).
+the launcher's world size, and a tensor-parallel group may span nodes. --ep shards a mixture of
+experts' experts over that group (expert parallelism; attention stays tensor-parallel):
+num_experts must divide by it. Progress goes to stderr on rank 0; results to stdout on rank 0:
+the first sequence's text as it decodes (with a tokenizer), then a report; one JSON object with
+--json (ids, text, and the run's prefill_ms, ms_per_token and tokens_per_s).
 
-Baselines run in the same process after fusedist, on the same weights: "torch" is the same
-model in plain torch ops (F.linear, SDPA, F.rms_norm, torch.distributed), its decode step
-captured into the same CUDA graphs; "torch-compile" is that model with the decode step's body
-under torch.compile(fullgraph=True, dynamic=False) before capture (its prefill runs eagerly).
-Timings per backend: prefill_ms, the median of --prefill-reps warm prefills of the prompts
-(synchronized, apart from the generate loop); ms_per_token, the generate loop; step_ms, graph
-replays back to back.
+This module runs the model and reports what it generated. Measuring it beside baselines
+(--baseline torch / torch-compile, --profile, --prefill-reps, --compile-backend) is the model
+benchmark's harness, benchmarks/_model_run.py of a fusedist checkout: given one of those flags
+(or no model at all: the embedded default runs beside plain torch) this CLI hands the whole run
+to it, where it is present, with the same flags (docs/design/model.md describes what it
+measures); without it, one line says where to run it.
 
 FP8 weights: an FP8 checkpoint (config.json's quantization_config: quant_method "fp8" with
 128 x 128 block or per-tensor scales, or "compressed-tensors" float-quantized) is read as FP8;
 --quantize fp8 quantizes a bf16 / fp16 / fp32 checkpoint (or random weights) at load, one scale
 per output channel (fp8-tensor, fp8-block: the other layouts). The q/k/v/o, gate/up and down
-projections are then e4m3 with float32 scales, in fusedist and in the baselines alike (the
-report's "weights" says which format ran).
+projections are then e4m3 with float32 scales (the report's "weights" says which format ran).
 
 Input is checked before anything is allocated: the flags, config.json and the checkpoint's
 tensors (shapes and dtypes from the safetensors headers), context + prompt + new tokens
 against the model's positions, and an estimate of each rank's memory (weights, KV cache,
-activations) against the device's free memory (the host's available memory on CPU); a mistake
-there is one line on stderr and exit status 1. Exit status 1 also when a backend fails (on one
-process the other backends still run and the report is printed; the failure, a CUDA-graph
-capture that fell back to eager decode and a failed --profile included, goes to stderr).
+activations) against the device's free memory (the host's available memory on CPU). Every
+rank's verdict is agreed on before any rank goes on: a rank whose flags or checkpoint are
+wrong stops every rank (at the rendezvous when its flags are wrong), and ranks given different
+flags stop naming each rank's value. A mistake is one line on stderr and exit status 1, as are
+errors of the run itself (a tensor holding NaN in the checkpoint, ranks given different
+requests, a lost rank, NaN logits).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import sys
-import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
-BASELINES = ("torch", "torch-compile")
 QUANTIZE_CHOICES = ("fp8", "fp8-channel", "fp8-tensor", "fp8-block")   # models.llama.QUANTIZE
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+BASELINES = ("torch", "torch-compile")
+# The model benchmark's harness (a checkout's benchmarks/): the flags it takes beyond these.
+HARNESS = Path(__file__).resolve().parent.parent / "benchmarks" / "_model_run.py"
+BENCHMARK_FLAGS = ("--baseline", "--compile-backend", "--profile", "--prefill-reps")
+# Flags whose value may differ between ranks (what a rank prints, not what it computes).
+RANK_LOCAL_FLAGS = ("json", "quiet")
 
 
 def parse_args(argv=None):
@@ -115,20 +121,21 @@ def parse_args(argv=None):
                      help="the fusedist backend's KV cache: auto (the model dtype) or fp8 (e4m3 "
                      "with a float32 scale per token and kv head); the torch baselines keep "
                      "theirs in the model dtype")
-    run.add_argument("--prefill-reps", type=int, default=3,
-                     help="warm prefills timed for prefill_ms (their median)")
+    run.add_argument("--prefill-reps", type=int, default=None,
+                     help="benchmark: warm prefills timed for prefill_ms (their median; "
+                     "default 3)")
     out = p.add_argument_group("output")
     out.add_argument("--baseline",
-                     help="also run these baselines, comma-separated: torch (plain torch ops), "
-                     "torch-compile (the same, decode step under torch.compile), e.g. "
-                     "torch,torch-compile; or none (default: torch for the embedded default "
-                     "model, else none)")
-    out.add_argument("--compile-backend", default="inductor",
-                     help="torch.compile backend of the torch-compile baseline (default "
-                     "inductor)")
+                     help="benchmark: also run these baselines, comma-separated: torch (plain "
+                     "torch ops), torch-compile (the same, decode step under torch.compile), "
+                     "e.g. torch,torch-compile; or none (default: torch for the embedded "
+                     "default model where the benchmark harness is present, else none)")
+    out.add_argument("--compile-backend", default=None,
+                     help="benchmark: torch.compile backend of the torch-compile baseline "
+                     "(default inductor)")
     out.add_argument("--profile", action="store_true",
-                     help="break one decode step and one prefill down into GEMM / attention / "
-                     "communication / other kernel time")
+                     help="benchmark: break one decode step and one prefill down into GEMM / "
+                     "attention / communication / other kernel time")
     out.add_argument("--json", action="store_true", help="one JSON object on stdout (without "
                      "it, the first sequence's text streams to stdout as it decodes when the "
                      "model has a tokenizer)")
@@ -196,7 +203,7 @@ def _check_flags(args) -> None:
     """Every numeric flag in its range, and the model flags consistent."""
     for flag, lo in (("batch", 1), ("page_size", 1), ("prefill_chunk", 1), ("context_fill", 0),
                      ("max_new_tokens", 1), ("prompt_len", 1), ("top_k", 0), ("tp", 1),
-                     ("prefill_reps", 1), ("prefill_graph_tokens", 0)):
+                     ("prefill_reps", 1), ("prefill_graph_tokens", 0), ("weights_seed", 0)):
         v = getattr(args, flag)
         if v is not None and v < lo:
             _fail(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
@@ -222,7 +229,10 @@ def _check_flags(args) -> None:
                   "directory (config.json + safetensors)")
 
 
-def _defaults(args, cuda: bool):
+def _defaults(args, cuda: bool, harness: Optional[bool] = None):
+    """The flags checked and completed: the embedded default model (Llama-3-8B shape on a GPU,
+    tiny on a CPU, random weights), default lengths, the baselines (torch beside the embedded
+    default where the benchmark harness is present, else none)."""
     _check_flags(args)
     embedded = args.model is None and args.config is None
     if embedded:
@@ -232,13 +242,18 @@ def _defaults(args, cuda: bool):
         raise SystemExit("fusedist.generate: --config needs --random-weights (named configs ship "
                          "without weights); pass --model DIR for a checkpoint")
     if args.baseline is None:
-        args.baseline = "torch" if embedded else "none"
+        harness = HARNESS.is_file() if harness is None else harness
+        args.baseline = "torch" if embedded and harness else "none"
     args.baselines = parse_baselines(args.baseline)
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if cuda else 32
     if args.prompt_len is None and args.prompt_ids is None and args.prompt is None and \
             args.chat is None:
         args.prompt_len = 128 if cuda else 16
+    if args.prefill_reps is None:
+        args.prefill_reps = 3
+    if args.compile_backend is None:
+        args.compile_backend = "inductor"
     return args
 
 
@@ -299,11 +314,14 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
     a WeightQuant, the projections at one byte an element plus their float32 scales, a
     per-tensor layout's stacked q | k | v and gate | up counted per channel), "kv_cache" (as
     Runner sizes it: the batch rounded up to a power of two, seq_len rounded up to pages; or
-    the budget; kv_fp8: one byte an element plus a float32 scale per token and kv head),
+    the budget; kv_fp8: one byte an element plus a float32 scale per token and kv head; the
+    bytes of a page are PagedKVCache.bytes_per_page's, the one formula),
     "activations" (an estimate: the largest prefill chunk's hidden states, twice,
     and the logits) and "total". max_position (default seq_len) sizes the RoPE tables."""
+    from . import _dtypes
     from .models.llama.weights import padded_vocab
     from .nn.attention import kv_heads_per_rank
+    from .nn.kv_cache import PagedKVCache
 
     elt = torch.tensor([], dtype=dtype).element_size()
     h, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
@@ -326,7 +344,8 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
             proj += [(2 * s_i, h, True), (h, s_i, False)]
         extra += 4 * (m.num_experts + (1 if s_i else 0)) * h   # float32 router, shared gate
         mlp_act = max(mlp_act, m.top_k * (3 * e_i + 2 * h) + 3 * s_i)
-    layer = 2 * h + ((q + 2 * kv) if cfg.qkv_bias else 0) + (2 * hd if cfg.qk_norm else 0)
+    layer = 2 * h + ((q + 2 * kv) if cfg.qkv_bias else 0) + (2 * hd if cfg.qk_norm else 0) + \
+        (h if cfg.o_bias else 0)
     if quant is None:
         proj_bytes = elt * sum(n * k for n, k, _ in proj)
     else:
@@ -340,7 +359,8 @@ def memory_estimate(cfg, *, tp: int, dtype: torch.dtype, batch: int, seq_len: in
         proj_bytes + extra
     rows = 1 << (batch - 1).bit_length()
     kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp)
-    page_bytes = 2 * L * (kv + 4 * kv_heads if kv_fp8 else kv * elt) * page_size
+    page_bytes = PagedKVCache.bytes_per_page(L, kv_heads, hd, page_size,
+                                             _dtypes.FP8 if kv_fp8 else dtype)
     need = rows * math.ceil(seq_len / page_size) * page_bytes
     kv_cache = need if kv_budget_bytes is None else \
         max(need, int(kv_budget_bytes // page_bytes) * page_bytes)
@@ -437,47 +457,6 @@ def _tokenizer(model_dir):
         _fail(f"{_message(e)}; or pass --prompt-ids or --prompt-len instead of --prompt")
 
 
-def prefill_flops(cfg, prompt_lens, context: int) -> float:
-    """Model FLOPs of prefilling these prompts (2 per multiply-add; causal attention counted
-    over the cached context plus the prompt's own triangle; the LM head on one token each)."""
-    h, L = cfg.hidden_size, cfg.num_layers
-    per_tok = 2.0 * (L * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h) +
-                     sum(cfg.mlp_params(i)[1] for i in range(L)))   # a token's routed experts
-    total = 0.0
-    for n in prompt_lens:
-        attn = 4.0 * L * cfg.q_size * (n * context + n * (n + 1) / 2)
-        total += per_tok * n + attn + 2.0 * cfg.vocab_size * h
-    return total
-
-
-def run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_position):
-    """One backend's run; on one process a failure is reported in the result (and a failed
-    CUDA-graph run is retried eagerly) so the other backends still run."""
-    if rt.world_size > 1:
-        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
-                            max_position, None)
-    import traceback
-    try:
-        return _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
-                            max_position, None)
-    except Exception as e:  # noqa: BLE001 - reported in the JSON, the run goes on
-        prog.close()
-        print(f"[{backend}] failed: {traceback.format_exc()}", file=sys.stderr, flush=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if args.no_graphs or device.type != "cuda":
-            return {"error": f"{type(e).__name__}: {e}"}
-        try:
-            out = _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog,
-                               max_position, False)
-        except Exception as e2:  # noqa: BLE001
-            print(f"[{backend}] eager retry failed: {traceback.format_exc()}", file=sys.stderr)
-            return {"error": f"{type(e).__name__}: {e}", "eager_error": f"{e2}"}
-        out["graph_error"] = f"{type(e).__name__}: {e}"
-        return out
-
-
 def _kv_dtype(args) -> "torch.dtype | None":
     """--kv-dtype: None (the model's dtype) or torch.float8_e4m3fn."""
     if getattr(args, "kv_dtype", "auto") != "fp8":
@@ -486,102 +465,6 @@ def _kv_dtype(args) -> "torch.dtype | None":
     if _dtypes.FP8 is None:
         _fail("--kv-dtype fp8 needs a torch with float8_e4m3fn")
     return _dtypes.FP8
-
-
-def _round(d: dict) -> dict:
-    return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in d.items()}
-
-
-def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_position,
-                 graphs):
-    from statistics import median
-
-    from .models import Runner, build_model
-
-    compiled = backend == "torch-compile"
-    longest = args.context_fill + max(len(p) for p in prompts) + args.max_new_tokens
-    prog.note(f"[{backend}] building {cfg.name or 'model'} ({cfg.num_params() / 1e6:.1f} M params, "
-              f"{dtype}, tp {rt.tp.size}) on {device}")
-    t0 = time.perf_counter()
-    model = build_model(cfg, src, backend="torch" if backend.startswith("torch") else backend,
-                        group=rt.tp, dtype=dtype, device=device,
-                        max_position=max_position, progress=prog.stage(f"[{backend}] loading"),
-                        quantize=args.quantize, ep=args.ep and backend == "fusedist")
-    load_s = time.perf_counter() - t0
-    budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
-    runner = Runner(model, max_batch=len(prompts), max_seq_len=longest, page_size=args.page_size,
-                    kv_budget_bytes=budget,
-                    cuda_graphs=False if args.no_graphs else graphs,
-                    prefill_chunk=args.prefill_chunk, compile_decode=compiled,
-                    compile_backend=args.compile_backend,
-                    prefill_graph_tokens=args.prefill_graph_tokens,
-                    kv_dtype=_kv_dtype(args) if backend == "fusedist" else None)
-    sp = args.defaults.sampling(greedy=True if args.greedy else None,
-                                temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed)
-    eos = () if args.ignore_eos or args.random_weights else args.defaults.eos_token_ids
-    try:
-        # Warm-up outside the timed run, at the timed run's shapes: graph capture (and the
-        # decode step's compilation), and the first calls of cuBLAS / cuDNN SDPA / the
-        # allocator at the prompt's length (a first 4K-token SDPA call plans for hundreds of
-        # ms). Its prefill and (with 2 or more new tokens) one decode step fit the cache the
-        # timed run needs, so every request that fits the model runs.
-        prog.note(f"[{backend}] warm-up" + (" (compiling the decode step)" if compiled else ""))
-        t0 = time.perf_counter()
-        runner.generate(prompts, min(2, args.max_new_tokens), sp, context_fill=args.context_fill)
-        warm_s = time.perf_counter() - t0
-        prefill = runner.time_prefill(prompts, start=args.context_fill, reps=args.prefill_reps)
-        streamed = backend == "fusedist" and args.stream_text is not None
-        if streamed:
-            res = _stream(runner, prompts, args.max_new_tokens, sp, eos, args.context_fill,
-                          args.stream_text)
-        else:
-            res = runner.generate(prompts, args.max_new_tokens, sp, eos_ids=eos,
-                                  context_fill=args.context_fill,
-                                  progress=prog.stage(f"[{backend}] decoding"))
-        prog.close()
-        prefill_ms = median(prefill)
-        flops = prefill_flops(cfg, [len(p) for p in prompts], args.context_fill)
-        out = {"ids": res.ids, "load_s": round(load_s, 3), "warmup_s": round(warm_s, 3),
-               "prefill_ms": round(prefill_ms, 3),
-               "prefill_ms_reps": [round(t, 3) for t in prefill],
-               "generate_prefill_ms": round(res.prefill_ms, 3),
-               "ms_per_token": round(res.ms_per_step, 4),
-               "tokens_per_s": round(res.tokens_per_s, 2),
-               "decode_steps": res.steps, "cuda_graphs": bool(res.timings.get("graphs")),
-               "streamed": streamed,
-               "decode": "torch.compile" if compiled else "eager ops", "prefill": "eager",
-               "prefill_tflops_per_gpu": round(flops / rt.tp.size / (prefill_ms / 1e3) / 1e12,
-                                               2),
-               "kv_cache_gib": round(runner.kv_bytes / 2**30, 3),
-               "kv_dtype": str(getattr(runner, "kv_dtype", dtype)).replace("torch.", "")}
-        if compiled:
-            out["compile_s"] = round(runner.compile_s.get(res.timings["bucket"], 0.0), 1)
-            out["compile_backend"] = args.compile_backend
-        out["step_ms"] = round(runner.time_step(len(prompts)), 4)
-        if backend != "fusedist":
-            from .models.llama.baseline import decode_path_choices
-            out["decode_attention"] = sorted({f"batch {k[0]}, cache {k[1]}: {v}"
-                                              for k, v in decode_path_choices.items()})
-        if args.profile:
-            for key, what in (("profile_us", lambda: runner.profile_step(len(prompts))),
-                              ("prefill_profile_us",
-                               lambda: runner.profile_prefill(prompts, start=args.context_fill))):
-                try:
-                    out[key] = _round(what())
-                except Exception as e:  # noqa: BLE001 - the timings stand without it
-                    out[key.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
-        if getattr(model, "ep", False):
-            out["ep"] = True
-            model.close()   # the expert-parallel Buffers (collective)
-    finally:
-        del runner, model
-        if compiled:
-            torch._dynamo.reset()   # its compiled code holds the model's weights
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
 
 
 def _stream(runner, prompts, max_new_tokens, sp, eos, context_fill, on_token):
@@ -605,94 +488,6 @@ def _text_printer(tok):
     return lambda t: print(text.push(t), end="", flush=True)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import fusedist
-    from .distributed.launch_env import detect_launch_env
-
-    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("fusedist.generate: --device cuda but no GPU is visible; use --device cpu")
-    args = _defaults(args, cuda)
-    world = detect_launch_env().world_size
-    tp = args.tp or world
-    if world % tp:
-        raise SystemExit(f"fusedist.generate: --tp {tp} does not divide the world size {world}")
-    cfg, src, tok = _load(args, tp)
-    args.defaults = _generation_defaults(args, cfg)
-    prompts = _prompts(args, cfg, tok)
-    longest = _check_positions(args, cfg, prompts)
-    max_position = min(max(longest, 16), cfg.position_limit()[0])
-    from .models.llm import resolve_dtype
-
-    dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda" if cuda else "cpu"))
-    rt = fusedist.init(tp_size=tp, backend="nccl" if cuda else "gloo")
-    # Every rank's verdict, so that all of them stop when one cannot hold the run.
-    problem = _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position)
-    problem = next((p for p in rt.world.all_gather_object(problem) if p), None)
-    if problem is not None:
-        fusedist.shutdown()
-        _fail(problem)
-    rank0 = rt.rank == 0
-    prog = Progress(rank0 and not args.quiet)
-    # Every rank streams (its collectives), rank 0 prints: the first sequence's text.
-    args.stream_text = None
-    if tok is not None and not args.json:
-        args.stream_text = _text_printer(tok) if rank0 else (lambda t: None)
-    device = rt.device
-    try:
-        results = {"fusedist": run_backend("fusedist", args, cfg, src, prompts, rt, dtype,
-                                           device, prog, max_position)}
-        for name in args.baselines:
-            results[name] = run_backend(name, args, cfg, src, prompts, rt, dtype, device, prog,
-                                        max_position)
-    finally:
-        prog.close()
-    if rank0:
-        if args.stream_text is not None:
-            print(flush=True)            # ends the streamed text's line
-        report(args, cfg, rt, dtype, prompts, results, tok)
-        # The report stands; a backend's failure is also an error line and exit status 1.
-        for line in failures(results):
-            print(f"fusedist.generate: {line}", file=sys.stderr, flush=True)
-    fusedist.shutdown()
-    return 1 if failures(results) else 0
-
-
-def failures(results: dict) -> list[str]:
-    """One line per failure the backends' results record (a failed run, a CUDA-graph decode
-    that fell back to eager, a failed --profile); empty when every backend did all it was
-    asked."""
-    out = []
-    for name, r in results.items():
-        if "error" in r:
-            out.append(f"{name} failed: {r['error']}" +
-                       (f" (eager retry: {r['eager_error']})" if "eager_error" in r else ""))
-        if "graph_error" in r:
-            out.append(f"{name}: CUDA-graph decode failed, ran eagerly instead: "
-                       f"{r['graph_error']}")
-        for key in ("profile_error", "prefill_profile_error"):
-            if key in r:
-                out.append(f"{name}: --profile failed ({key}): {r[key]}")
-    return out
-
-
-def speedups(results: dict) -> dict:
-    """{baseline: {"per_token", "per_step", "prefill": baseline time / fusedist time}} for every
-    baseline that ran beside a fusedist run that did not fail."""
-    fd = results.get("fusedist", {})
-    out = {}
-    if "error" in fd:
-        return out
-    for name, r in results.items():
-        if name == "fusedist" or "error" in r:
-            continue
-        out[name] = {k: round(r[key] / fd[key], 3) for k, key in
-                     (("per_token", "ms_per_token"), ("per_step", "step_ms"),
-                      ("prefill", "prefill_ms"))}
-    return out
-
-
 def weight_format(quant, dtype) -> dict:
     """The report's "weights": the projections' format (FP8: dtype, scales, where from)."""
     if quant is None:
@@ -700,77 +495,236 @@ def weight_format(quant, dtype) -> dict:
     return quant.describe()
 
 
-def report(args, cfg, rt, dtype, prompts, results, tok):
-    fd = results["fusedist"]
+@dataclass
+class Job:
+    """A run checked and agreed on by every rank (prepare()): what to build and what to ask."""
+    args: argparse.Namespace
+    cfg: object
+    src: object
+    tok: object
+    prompts: list
+    dtype: torch.dtype
+    rt: object
+    max_position: int
+    longest: int
+
+
+def _fields(args) -> dict:
+    """The flags every rank must share, as the mismatch message shows them (--name: value)."""
+    skip = set(RANK_LOCAL_FLAGS) | {"defaults", "quant", "stream_text", "baselines"}
+    return {f"--{k.replace('_', '-')}": repr(v) for k, v in sorted(vars(args).items())
+            if k not in skip}
+
+
+def prepare(args) -> Job:
+    """Check this rank's flags, checkpoint, prompts and memory, then agree on every verdict
+    with every rank: a rank whose own check failed stops every rank with its line (at the
+    rendezvous, before any process group exists), ranks given different flags stop naming
+    each rank's value, a rank that cannot hold the run stops them all. Raises SystemExit with
+    the one line; on success the runtime is up (fusedist.init) and the job ready to run."""
+    import fusedist
+    from .distributed.launch_env import LaunchEnvError, detect_launch_env
+    from .errors import CollectiveMismatchError
+    from .models.llm import resolve_dtype
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda but no GPU is visible; use --device cpu")
+    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
+    try:
+        world = detect_launch_env().world_size
+    except LaunchEnvError as e:
+        _fail(_message(e).removeprefix("fusedist.init: "))
+    problem = job = None
+    try:
+        args = _defaults(args, cuda)
+        tp = args.tp or world
+        if world % tp:
+            _fail(f"--tp {tp} does not divide the world size {world}")
+        cfg, src, tok = _load(args, tp)
+        args.defaults = _generation_defaults(args, cfg)
+        prompts = _prompts(args, cfg, tok)
+        longest = _check_positions(args, cfg, prompts)
+        max_position = min(max(longest, 16), cfg.position_limit()[0])
+        try:
+            dtype = resolve_dtype(args.dtype, cfg, torch.device("cuda" if cuda else "cpu"),
+                                  "--dtype")
+        except ValueError as e:
+            _fail(str(e))
+    except SystemExit as e:
+        problem = str(e.code).removeprefix("fusedist.generate: ")
+    try:
+        # Every rank, even one that refused its flags: it tells the others at the rendezvous.
+        # A tensor-parallel group may span nodes (the collectives take their two-level forms).
+        rt = fusedist.init(tp_size=None if problem else tp, tp_spans_nodes=True,
+                           backend="nccl" if cuda else "gloo", rank_error=problem)
+    except CollectiveMismatchError as e:
+        _fail(problem or _message(e))
+    except (ValueError, RuntimeError) as e:
+        _fail(_message(e))
+    try:
+        rt.world.check_same(_fields(args), where="fusedist.generate", what="flags",
+                            fix="Launch every rank with the same flags")
+    except CollectiveMismatchError as e:
+        fusedist.shutdown()
+        _fail(str(e).removeprefix("fusedist.generate: "))
+    # Every rank's verdict on memory, so that all of them stop when one cannot hold the run.
+    problem = _memory_problem(args, cfg, rt, dtype, prompts, longest, max_position)
+    problem = next((p for p in rt.world.all_gather_object(problem) if p), None)
+    if problem is not None:
+        fusedist.shutdown()
+        _fail(problem)
+    job = Job(args, cfg, src, tok, prompts, dtype, rt, max_position, longest)
+    return job
+
+
+def agree(rt, stage: str, error: Optional[BaseException]) -> None:
+    """Every rank at the end of `stage`: SystemExit (one line) on every rank when any rank's
+    stage failed, naming the ranks and their errors."""
+    mine = "" if error is None else _message(error)
+    every = rt.world.all_gather_object(mine)
+    bad = [(r, m) for r, m in enumerate(every) if m]
+    if not bad:
+        return
+    import fusedist
+    fusedist.shutdown()
+    if error is not None:
+        raise SystemExit(f"fusedist.generate: {mine}") from None
+    raise SystemExit(f"fusedist.generate: {stage} failed on rank "
+                     + "; ".join(f"{r}: {m}" for r, m in bad)) from None
+
+
+def run(job: Job) -> int:
+    """Build the fusedist model and its runner, generate (rank 0 streams the first sequence's
+    text unless --json), report on rank 0. The runtime is shut down at the end."""
+    import fusedist
+    from .errors import FusedistError
+    from .models import Runner, build_model
+
+    args, rt = job.args, job.rt
+    rank0 = rt.rank == 0
+    prog = Progress(rank0 and not args.quiet)
+    try:
+        model = runner = err = None
+        try:
+            prog.note(f"building {job.cfg.name or 'model'} ({job.cfg.num_params() / 1e6:.1f} M "
+                      f"params, {job.dtype}, tp {rt.tp.size}) on {rt.device}")
+            model = build_model(job.cfg, job.src, group=rt.tp, dtype=job.dtype,
+                                device=rt.device, max_position=job.max_position,
+                                progress=prog.stage("loading"), quantize=args.quantize,
+                                ep=args.ep)
+            budget = None if args.kv_budget_gb is None else int(args.kv_budget_gb * 2**30)
+            runner = Runner(model, max_batch=len(job.prompts), max_seq_len=job.longest,
+                            page_size=args.page_size, kv_budget_bytes=budget,
+                            cuda_graphs=False if args.no_graphs else None,
+                            prefill_chunk=args.prefill_chunk,
+                            prefill_graph_tokens=args.prefill_graph_tokens,
+                            kv_dtype=_kv_dtype(args))
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            err = e
+        prog.close()
+        agree(rt, "loading the model", err)
+        sp = args.defaults.sampling(greedy=True if args.greedy else None,
+                                    temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, seed=args.seed)
+        eos = () if args.ignore_eos or args.random_weights else args.defaults.eos_token_ids
+        streamed = job.tok is not None and not args.json
+        try:
+            if streamed:
+                # Every rank streams (its collectives), rank 0 prints.
+                on_token = _text_printer(job.tok) if rank0 else (lambda t: None)
+                res = _stream(runner, job.prompts, args.max_new_tokens, sp, eos,
+                              args.context_fill, on_token)
+                if rank0:
+                    print(flush=True)           # ends the streamed text's line
+            else:
+                res = runner.generate(job.prompts, args.max_new_tokens, sp, eos_ids=eos,
+                                      context_fill=args.context_fill,
+                                      progress=prog.stage("decoding"))
+        except (FusedistError, ValueError, TypeError) as e:
+            prog.close()
+            _fail(_message(e))
+        prog.close()
+        if rank0:
+            report(job, res, runner, streamed)
+        if getattr(model, "ep", False):
+            model.close()   # the expert-parallel Buffers (collective: every rank)
+    finally:
+        prog.close()
+        fusedist.shutdown()
+    return 0
+
+
+def report(job: Job, res, runner, streamed: bool) -> None:
+    """Rank 0's report: the JSON object (--json) or a few lines."""
+    args, rt, cfg = job.args, job.rt, job.cfg
+    fd = {"prefill_ms": round(res.prefill_ms, 3), "ms_per_token": round(res.ms_per_step, 4),
+          "tokens_per_s": round(res.tokens_per_s, 2), "decode_steps": res.steps,
+          "cuda_graphs": bool(res.timings.get("graphs")), "streamed": streamed,
+          "kv_cache_gib": round(runner.kv_bytes / 2**30, 3),
+          "kv_dtype": str(runner.kv_dtype).replace("torch.", "")}
     summary = {"model": args.model or args.config, "tp": rt.tp.size, "ep": args.ep,
                "world": rt.world_size,
-               "device": str(rt.device.type), "dtype": str(dtype).replace("torch.", ""),
-               "weights": weight_format(getattr(args, "quant", None), dtype),
-               "batch": len(prompts), "prompt_len": len(prompts[0]), "prompt_ids": prompts[0],
-               "context_fill": args.context_fill, "max_new_tokens": args.max_new_tokens,
-               "baselines": list(args.baselines), "ids": fd.get("ids"),
-               "timings": {k: {kk: vv for kk, vv in v.items() if kk != "ids"}
-                           for k, v in results.items()}}
+               "device": str(rt.device.type), "dtype": str(job.dtype).replace("torch.", ""),
+               "weights": weight_format(getattr(args, "quant", None), job.dtype),
+               "batch": len(job.prompts), "prompt_len": len(job.prompts[0]),
+               "prompt_ids": job.prompts[0], "context_fill": args.context_fill,
+               "max_new_tokens": args.max_new_tokens, "baselines": [], "ids": res.ids,
+               "timings": {"fusedist": fd}}
     if rt.device.type == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(rt.device)
-    if tok is not None and "ids" in fd:
-        summary["text"] = [tok.decode(ids) for ids in fd["ids"]]
-    sp = speedups(results)
-    if sp:
-        summary["speedups"] = sp
-        summary["ids_match"] = {k: results[k]["ids"] == fd["ids"] for k in sp}
-    if "torch" in sp:   # the plain-torch baseline's figures under their long-standing names
-        summary["torch_ids_match"] = summary["ids_match"]["torch"]
-        summary["speedup"] = sp["torch"]["per_token"]
-        summary["step_speedup"] = sp["torch"]["per_step"]
+    if job.tok is not None:
+        summary["text"] = [job.tok.decode(ids) for ids in res.ids]
     if args.json:
         print(json.dumps(summary), flush=True)
         return
     print(f"model {summary['model']} ({cfg.num_params() / 1e6:.1f} M params), tp {rt.tp.size}, "
-          f"{summary['dtype']}, batch {len(prompts)}, prompt {len(prompts[0])} tokens"
+          f"{summary['dtype']}, batch {len(job.prompts)}, prompt {len(job.prompts[0])} tokens"
           + (f" after {args.context_fill} cached" if args.context_fill else "")
           + f", {args.max_new_tokens} new")
     w = summary["weights"]
     if w["format"] == "fp8":
         print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
               f"{w['source']})")
-    if "text" in summary and not fd.get("streamed"):
+    if "text" in summary and not streamed:
         print(f"text: {summary['text'][0]!r}")
-    elif "ids" in fd:
-        print(f"ids[0]: {fd['ids'][0]}")
-    cols = ("prefill ms", "ms/token", "step ms", "tokens/s", "prefill TFLOP/s/GPU")
-    keys = ("prefill_ms", "ms_per_token", "step_ms", "tokens_per_s", "prefill_tflops_per_gpu")
-    w = max(len(n) for n in results) + 2
-    print(f"{'backend':<{w}}" + "".join(f"{c:>21}" for c in cols))
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<{w}}failed: {r['error']}")
-            continue
-        print(f"{name:<{w}}" + "".join(f"{r[k]:>21}" for k in keys))
-    print(f"prefill ms: the median of {args.prefill_reps} warm prefills of the prompts")
-    if fd.get("streamed"):
-        print("fusedist streamed its text: its ms/token includes reading each token back and "
-              "decoding it (--json times the loop without)")
-    if "compile_s" in results.get("torch-compile", {}):
-        print(f"torch-compile: decode step under torch.compile ({args.compile_backend}; its "
-              f"first, compiling call {results['torch-compile']['compile_s']} s), prefill eager")
-    if sp and rt.device.type == "cpu":
-        print("CPU: fusedist ran its reference path (plain torch, fp32 accumulation, gloo), which "
-              "checks correctness, not speed; speed is measured on GPUs. Same ids as "
-              + ", ".join(f"{k}: {v}" for k, v in summary["ids_match"].items()))
-    for name, v in (sp.items() if rt.device.type != "cpu" else ()):
-        print(f"speedup over {name}: {v['per_token']}x per token (generate loop), "
-              f"{v['per_step']}x per step (graph replays), {v['prefill']}x prefill; same ids: "
-              f"{summary['ids_match'][name]}")
-    classes = ("gemm", "attention", "communication", "other", "total")
-    for name, r in results.items():
-        for key, what in (("profile_us", "decode step"), ("prefill_profile_us", "prefill")):
-            if key in r:
-                p = r[key]
-                print(f"{name} {what}, kernel time (us): " +
-                      ", ".join(f"{k} {p[k]}" for k in classes) +
-                      (f"; {p['kernels']} kernels, {p['wall_us']} us wall (profiled)"
-                       if key == "prefill_profile_us" else ""))
+    elif "text" not in summary:
+        print(f"ids[0]: {res.ids[0]}")
+    print(f"prefill {fd['prefill_ms']} ms, {fd['ms_per_token']} ms/token, "
+          f"{fd['tokens_per_s']} tokens/s over {res.steps} decode steps"
+          + (" (streamed: each token read back and decoded)" if streamed else ""))
+
+
+def _uses_harness(argv, args) -> bool:
+    """Whether this run is a benchmark (the harness's flags, or the embedded default beside
+    its baseline)."""
+    given = any(a == f or a.startswith(f + "=") for a in argv for f in BENCHMARK_FLAGS)
+    if args.baseline is not None:
+        given = given and args.baseline.strip() != "none"
+    embedded = args.model is None and args.config is None and args.baseline is None
+    return given or (embedded and HARNESS.is_file())
+
+
+def _run_harness(argv) -> int:
+    """The model benchmark's harness (benchmarks/_model_run.py) on these flags."""
+    if not HARNESS.is_file():
+        _fail(f"{', '.join(BENCHMARK_FLAGS)} run the model benchmark's harness, "
+              "benchmarks/_model_run.py of a fusedist checkout, which this installation does "
+              "not have: run it from a checkout (python benchmarks/_model_run.py ...) or drop "
+              "those flags")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fusedist_model_run", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if _uses_harness(argv, args):
+        return _run_harness(argv)
+    return run(prepare(args))
 
 
 if __name__ == "__main__":

@@ -338,3 +338,66 @@ def test_explicit_errors():
             local_rank=2, local_world_size=2, master_addr="h")
     _raises({}, r"master_port=0 is not a valid TCP port", rank=0, world_size=2, master_port=0)
     _raises({}, r"MASTER_ADDR or pass master_addr=", rank=0, world_size=8, local_world_size=4)
+
+
+# ---- this host's address for an MPI rendezvous ------------------------------------------------
+def test_host_address_skips_a_hostname_that_resolves_to_loopback(monkeypatch):
+    """Many hosts map their hostname to 127.0.1.1: the address offered to other nodes comes
+    from the default route's interface instead, or the interface GLOO_SOCKET_IFNAME names."""
+    from fusedist.distributed import launch_env
+
+    monkeypatch.setattr(socket, "gethostbyname_ex", lambda n: (n, [], ["127.0.1.1"]))
+
+    class Route:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def connect(self, addr):
+            pass
+
+        def getsockname(self):
+            return ("10.1.2.3", 40000)
+
+    monkeypatch.setattr(socket, "socket", Route)
+    addr, how = launch_env.host_address({})
+    assert addr == "10.1.2.3" and "default route" in how
+    monkeypatch.setattr(launch_env, "_interface_ipv4",
+                        lambda n: {"ib0": "10.9.9.9", "lo": "127.0.0.1"}.get(n))
+    assert launch_env.host_address({"GLOO_SOCKET_IFNAME": "ib0"}) == \
+        ("10.9.9.9", "interface ib0 (GLOO_SOCKET_IFNAME)")
+    assert launch_env.host_address({"NCCL_SOCKET_IFNAME": "^docker,lo"})[0] == "10.1.2.3"
+    # a hostname with a real address keeps it
+    monkeypatch.setattr(socket, "gethostbyname_ex",
+                        lambda n: (n, [], ["127.0.1.1", "172.16.0.7"]))
+    assert launch_env.host_address({}) == ("172.16.0.7", f"hostname {HOST}")
+
+
+def test_host_address_none_says_why(monkeypatch):
+    from fusedist.distributed import launch_env
+
+    monkeypatch.setattr(socket, "gethostbyname_ex", lambda n: (n, [], ["127.0.1.1"]))
+
+    class NoRoute:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def connect(self, addr):
+            raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "socket", NoRoute)
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo")])
+    monkeypatch.setattr(launch_env, "_interface_ipv4", lambda n: "127.0.0.1")
+    addr, why = launch_env.host_address({})
+    assert addr is None and "resolves to 127.0.1.1 (loopback)" in why

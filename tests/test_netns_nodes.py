@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -38,8 +39,10 @@ def test_two_nodes_in_network_namespaces(worker):
     cmd = ["bash", str(ROOT / "launchers" / "netns_nodes.sh"), "--nproc", "2", "--rate",
            "400mbit", "--port", str(free_port()), "--prefix", prefix, "--timeout", "500", "--",
            str(DIST / worker)]
+    # PYTHON: the launcher runs this interpreter (the one running the tests), not python3
+    # from PATH, which may be another Python without fusedist's dependencies.
     p = _run(cmd, _env({"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_INIT_TIMEOUT_S": "60",
-                        "PYTHONPATH": str(ROOT)}), 560)
+                        "PYTHONPATH": str(ROOT), "PYTHON": sys.executable}), 560)
     assert_passed(p, 4)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in listed, f"namespaces left behind: {listed}"

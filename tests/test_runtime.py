@@ -290,3 +290,54 @@ def test_all_reduce_add_rmsnorm_world1(rt, dtype):
 def test_communicator_rejects_bad_sizes(rt, kw, match):
     with pytest.raises(ValueError, match=match):
         fusedist.Communicator(**kw)
+
+
+class _FakeMPI:
+    """mpi4py's MPI.COMM_WORLD for one rank (bcast returns what rank 0 sent)."""
+
+    class COMM_WORLD:
+        @staticmethod
+        def Get_rank():
+            return 0
+
+        @staticmethod
+        def bcast(obj, root=0):
+            return obj
+
+
+def test_mpi_bootstrap_across_nodes_never_offers_loopback(monkeypatch):
+    """mpirun across nodes without MASTER_ADDR: rank 0 offers an address other nodes reach,
+    not the 127.0.1.1 its hostname resolves to; with none to offer, every rank gets one line
+    saying what to set."""
+    import socket
+    import sys
+    import types
+
+    from fusedist.distributed import runtime
+    from fusedist.distributed.launch_env import detect_launch_env
+
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=_FakeMPI))
+    env = detect_launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    monkeypatch.setattr(socket, "gethostbyname_ex", lambda n: (n, [], ["127.0.1.1"]))
+    monkeypatch.setattr(runtime, "host_address", lambda: ("10.4.5.6", "default route"))
+    addr, port = runtime._mpi_bootstrap_address(env)
+    assert addr == "10.4.5.6" and 0 < port < 65536
+    monkeypatch.setattr(runtime, "host_address", lambda: (None, "hostname vm resolves to "
+                                                                "127.0.1.1 (loopback)"))
+    with pytest.raises(fusedist.RendezvousError, match="127.0.1.1.*export MASTER_ADDR="):
+        runtime._mpi_bootstrap_address(env)
+    one_node = detect_launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                                  "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                                  "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert runtime._mpi_bootstrap_address(one_node)[0] == "127.0.0.1"
+
+
+def test_rank_error_on_one_rank_stops_init():
+    with pytest.raises(fusedist.CollectiveMismatchError,
+                       match=r"rank 0 of 1 stopped before starting \(rank 0: --page-size"):
+        fusedist.init(backend="gloo", rank=0, world_size=1, rank_error="--page-size must be >= 1")
+    assert not fusedist.is_initialized() and not dist.is_initialized()
+    with pytest.raises(TypeError, match="rank_error must be a message"):
+        fusedist.init(backend="gloo", rank=0, world_size=1, rank_error=3)

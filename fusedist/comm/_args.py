@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from .. import _dtypes
-from ..distributed.peers import peer_lost_error
+from ..distributed.peers import is_peer_failure, peer_lost_error
 from ..distributed.runtime import get_runtime
 from ..errors import FusedistError
 
@@ -30,14 +30,17 @@ def check_input(where: str, x, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def peers_guard(where: str, group):
+def peers_guard(where: str, group, peer_failures_only: bool = False):
     """Inside the block, a collective of `group` that fails (a peer's process exited, or it
     stopped answering within the group's timeout) raises PeerLostError naming the lost ranks
-    it can check (those on this host) instead of the backend's error."""
+    it can check (those on this host) instead of the backend's error. peer_failures_only: only
+    errors that say a peer broke away (distributed.peers.is_peer_failure) are converted."""
     try:
         yield
     except FusedistError:
         raise
     except RuntimeError as e:   # torch.distributed's DistBackendError and gloo's errors
+        if peer_failures_only and not is_peer_failure(e):
+            raise
         rt = get_runtime()
         raise peer_lost_error(where, group, rt.peers, rt.rank, e) from e

@@ -23,6 +23,15 @@ torch's Python API for backends replaces the whole process group with the object
 returns, so ``"cpu:gloo,cuda:fusedist"`` behaves like ``"fusedist"``: CPU all-reduces take
 fusedist's CPU path too.
 
+Ranks that call differently are told, on every rank, instead of hanging in (or being aborted
+by) gloo: before each collective on CPU tensors every rank all-gathers a small descriptor of its
+call (the collective, the reduce op, the element count, the dtype, the root, and whether it
+routes through fusedist) over the group's gloo backend, and all raise CollectiveMismatchError
+naming each rank's call when they differ. CUDA tensors' collectives go to NCCL as they are (a
+routed all-reduce has the device call check of its communicator; NCCL bounds the rest with
+torch's watchdog); point-to-point send / recv are not compared (ranks call them differently
+by design).
+
 fusedist needs its runtime for the routed calls. If ``fusedist.init()`` has not been called,
 the first routed all-reduce on the default (world) group calls it, adopting that group (every
 rank makes that call, so the collective setup is safe); a subgroup's all-reduce before then
@@ -40,11 +49,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, _create_work_from_future
+from torch._C._distributed_c10d import (AllgatherOptions, PrefixStore, ProcessGroupGloo,
+                                       _create_work_from_future)
 
 from .. import _dtypes
 from ..distributed import runtime
 from ..distributed.groups import Group
+from ..errors import CollectiveMismatchError
 from .communicator import Communicator, get_communicator
 
 BACKEND = "fusedist"
@@ -67,6 +78,57 @@ def _first_tensor(obj) -> Optional[torch.Tensor]:
             if t is not None:
                 return t
     return None
+
+
+# The collectives a call descriptor names, and the reduce ops (torch's RedOpType order).
+_CALLS = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+          "all_gather_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter",
+          "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "broadcast", "reduce",
+          "gather", "scatter", "all_to_all", "all_to_all_single", "barrier")
+_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128)
+
+
+def _dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "other"
+
+
+def _op_code(op) -> int:
+    for i, name in enumerate(_OPS):
+        try:
+            if op == getattr(dist.ReduceOp, name):
+                return i
+        except (TypeError, RuntimeError):
+            continue
+    return len(_OPS)
+
+
+def _tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _say(desc: list) -> str:
+    call, op, numel, dtype, root, routed = desc
+    what = _CALLS[call] if 0 <= call < len(_CALLS) else f"call {call}"
+    if call == _CALLS.index("barrier"):
+        return what
+    out = what
+    if op >= 0:
+        out += f" ({_OPS[op] if op < len(_OPS) else 'a custom op'})"
+    out += f" of {numel} {_dtype_name(dtype) + ' ' if dtype >= 0 else ''}elements"
+    if root >= 0:
+        out += f" from root {root}"
+    return out + (" through fusedist" if routed else "")
 
 
 def _done(result) -> "dist.Work":
@@ -147,6 +209,41 @@ class FusedistProcessGroup(dist.ProcessGroup):
             self._groups[device.type] = g
         return get_communicator(g)
 
+    def _check_call(self, call: str, tensors, op=None, root: int = -1,
+                    routed: bool = False) -> None:
+        """Before a collective on CPU tensors: every rank's call descriptor all-gathered over
+        gloo; CollectiveMismatchError on every rank, naming each rank's call, when they
+        differ (gloo would hang, abort the process on a size mismatch, or mix reduce ops).
+        fusedist's own inner calls (a routed all-reduce's reference path) are not checked
+        again."""
+        ts = _tensors(tensors)
+        if _depth() or self.size() == 1 or any(t.is_cuda for t in ts):
+            return
+        desc = [_CALLS.index(call), -1 if op is None else _op_code(op),
+                sum(t.numel() for t in ts), _dtype_code(ts[0].dtype) if ts else -1,
+                root, int(routed)]
+        mine = torch.tensor(desc, dtype=torch.int64)
+        every = torch.empty(self.size() * len(desc), dtype=torch.int64)
+        self._gloo._allgather_base(every, mine, AllgatherOptions()).wait()
+        rows = every.view(self.size(), len(desc)).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        raise CollectiveMismatchError(
+            f"fusedist backend: ranks of process group {self._name} called different "
+            "collectives: " + "; ".join(f"rank {i} called {_say(r)}" for i, r in
+                                        enumerate(rows))
+            + ". Every rank must make the same call (same collective, reduce op, size, dtype "
+            "and root)")
+
+    def _routes(self, tensors, opts) -> bool:
+        """Whether this call goes through fusedist (without creating anything yet)."""
+        t = self._routable(tensors, opts)
+        if t is None:
+            return False
+        if runtime.is_initialized():
+            return True
+        return dist.is_initialized() and self is dist.group.WORLD
+
     def _routable(self, tensors, opts) -> Optional[torch.Tensor]:
         if _depth() or len(tensors) != 1:
             return None
@@ -158,6 +255,8 @@ class FusedistProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         opts = dist.AllreduceOptions() if opts is None else opts
+        self._check_call("all_reduce", tensors, opts.reduceOp,
+                         routed=self._routes(tensors, opts))
         t = self._routable(tensors, opts)
         comm = self._communicator(t.device) if t is not None else None
         if comm is None:
@@ -172,46 +271,60 @@ class FusedistProcessGroup(dist.ProcessGroup):
 
     # ---- everything else: gloo for CPU tensors, NCCL for CUDA tensors -------------------
     def allreduce_coalesced(self, tensors, opts):
+        self._check_call("all_reduce_coalesced", tensors, opts.reduceOp)
         return self._backend_for(tensors).allreduce_coalesced(tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts):
+        self._check_call("all_gather", input_tensors)
         return self._backend_for(input_tensors).allgather(output_tensors, input_tensors, opts)
 
     def _allgather_base(self, output, input, opts):
+        self._check_call("all_gather_into_tensor", input)
         return self._backend_for(input)._allgather_base(output, input, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts):
+        self._check_call("all_gather_coalesced", input_list)
         return self._backend_for(input_list).allgather_coalesced(output_lists, input_list, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        self._check_call("all_gather_into_tensor_coalesced", inputs)
         return self._backend_for(inputs).allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(self, output_tensors, input_lists, opts):
+        self._check_call("reduce_scatter", input_lists, opts.reduceOp)
         return self._backend_for(output_tensors).reduce_scatter(output_tensors, input_lists,
                                                                 opts)
 
     def _reduce_scatter_base(self, output, input, opts):
+        self._check_call("reduce_scatter_tensor", input, opts.reduceOp)
         return self._backend_for(input)._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        self._check_call("reduce_scatter_tensor_coalesced", inputs, opts.reduceOp)
         return self._backend_for(inputs).reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def broadcast(self, tensors, opts):
+        self._check_call("broadcast", tensors, root=opts.rootRank)
         return self._backend_for(tensors).broadcast(tensors, opts)
 
     def reduce(self, tensors, opts):
+        self._check_call("reduce", tensors, opts.reduceOp, root=opts.rootRank)
         return self._backend_for(tensors).reduce(tensors, opts)
 
     def gather(self, output_lists, input_tensors, opts):
+        self._check_call("gather", input_tensors, root=opts.rootRank)
         return self._backend_for(input_tensors).gather(output_lists, input_tensors, opts)
 
     def scatter(self, output_tensors, input_lists, opts):
+        self._check_call("scatter", output_tensors, root=opts.rootRank)
         return self._backend_for(output_tensors).scatter(output_tensors, input_lists, opts)
 
     def alltoall(self, output_tensors, input_tensors, opts):
+        self._check_call("all_to_all", input_tensors)
         return self._backend_for(input_tensors).alltoall(output_tensors, input_tensors, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._check_call("all_to_all_single", input)
         return self._backend_for(input).alltoall_base(output, input, output_split_sizes,
                                                       input_split_sizes, opts)
 
@@ -225,6 +338,7 @@ class FusedistProcessGroup(dist.ProcessGroup):
         return self._backend_for(tensors).recv_anysource(tensors, tag)
 
     def barrier(self, opts=None):
+        self._check_call("barrier", [])
         return self._gloo.barrier(dist.BarrierOptions() if opts is None else opts)
 
 

@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from .. import _align, _dtypes, _ext, envs, tuning
+from .._check import as_int
 from ..distributed import runtime as _runtime
 from ..distributed.groups import Group
 from ..distributed.runtime import check_timeout_s, get_runtime
 from ..errors import CollectiveMismatchError, CommunicatorClosedError, PeerAccessError
 from . import symmetric
+from ._args import peers_guard
 from .streams import AsyncHandle, nvtx_range, run_on_comm_stream
 from .symmetric import SymmetricMemory
 
@@ -86,9 +88,21 @@ def resolve_group(group: GroupLike) -> Group:
                     f"got {type(group).__name__}")
 
 
+def _eager_under_compile(fn):
+    """Under torch.compile, run fn when tracing and take its result as a constant of the
+    graph (torch._dynamo.assume_constant_result) instead of tracing into it: get_communicator
+    called in a compiled function then makes and registers the communicator for real, so the
+    op it feeds (torch.ops.fusedist.*, which take the communicator's name) finds it when the
+    graph runs, also when the compiled call is the group's first use. Eager calls are fn's."""
+    mark = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
+    return mark(fn) if mark is not None else fn
+
+
+@_eager_under_compile
 def get_communicator(group: GroupLike = None) -> "Communicator":
     """The default communicator of `group` (tensor-parallel group when None), created on
-    first use. Create it before CUDA-graph capture."""
+    first use. Create it before CUDA-graph capture (a compiled call may create it: it is made
+    when the call is traced)."""
     if isinstance(group, Communicator):
         return group
     g = resolve_group(group)
@@ -145,13 +159,10 @@ class Communicator:
         if not self.group.is_member:
             raise ValueError(f"fusedist.Communicator: this rank is not in group "
                              f"{self.group.name} {list(self.group.ranks)}")
-        for name, v in (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"fusedist.Communicator: {name} must be a positive int, got {v!r}")
-        if not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or \
-                staging_bytes < 0:
-            raise ValueError(f"fusedist.Communicator: staging_bytes must be an int >= 0, got "
-                             f"{staging_bytes!r}")
+        max_bytes, one_shot_max_bytes = (
+            as_int("fusedist.Communicator", name, v, 1, what="a positive int") for name, v in
+            (("max_bytes", max_bytes), ("one_shot_max_bytes", one_shot_max_bytes)))
+        staging_bytes = as_int("fusedist.Communicator", "staging_bytes", staging_bytes, 0)
         if timeout_s is not None:
             timeout_s = check_timeout_s("fusedist.Communicator", timeout_s)
         self.device = self.group.device
@@ -424,11 +435,14 @@ class Communicator:
         check_calls(self.group.name, self.group.ranks, [c.tolist() for c in calls])
 
     def _all_reduce_cpu(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Reference path: fp32 accumulation over gloo, rounded once to x.dtype."""
-        self.check_same_call("all_reduce", x)
-        acc = x.to(torch.float32, copy=True)
-        if self.group.size > 1:
-            dist.all_reduce(acc, group=self.group.pg)
+        """Reference path: fp32 accumulation over gloo, rounded once to x.dtype. A peer that is
+        gone (its process exited, cleanly or not) raises PeerLostError naming it, not gloo's
+        connection error."""
+        with peers_guard("fusedist.all_reduce", self.group, peer_failures_only=True):
+            self.check_same_call("all_reduce", x)
+            acc = x.to(torch.float32, copy=True)
+            if self.group.size > 1:
+                dist.all_reduce(acc, group=self.group.pg)
         out.copy_(acc)
         return out
 

@@ -38,6 +38,29 @@ for e4m3. The per-block scales keep outlier channels from flushing the rest of t
 zero: without them (one scale per tensor) values far below the largest become subnormal or
 zero.
 
+Where the model ends (docs/scaling.md measures it): an outlier in a block sets its scale, and
+the block's other elements then sit that far below the amax. Past e3m4's normal range (2^7
+below the amax) they are rounded in steps of amax 2^-11: elements sharing a block with a 300x
+outlier lose ~6%, with 1000x ~23%, from 10^4x nearly everything, whatever the block size.
+And the error is relative to the inputs, not to their sum: partial sums that cancel to a
+tenth of their size carry ten times the relative error (0.18 at e3m4 two_shot).
+
+Error bound (max_error, default ERROR_BOUND = 2^-4): fp8_all_reduce holds the result's
+relative RMS error, and that of the elements an outlier pushed below the format's normal range
+(block_damage: the relative RMS error of a block's subnormal elements, judged where they are a
+quarter or more of its nonzero ones), within max_error. Each rank measures its own
+quantization (one decode of its payload) before the exchange; with the call check (check=True)
+every rank's verdict rides on that all-gather and the ranks agree: the requested format, e4m3
+where e3m4 loses an outlier block's body and e4m3 keeps it (e4m3's normal range is 2^15 below
+the amax: outliers to ~10^4x), or the exact sum (an fp32 all-reduce) where neither does. The
+squared errors of every quantization ride with the scales in the exchange, so every rank ends
+with the same estimate of the result's error (the quantizations' errors added in quadrature,
+against the sum's norm) and falls back to the exact sum, all alike, where it exceeds
+max_error (partial sums that cancel). Gaussian data keeps its format and its bytes: the
+checks cost a decode pass and a few reductions per call, and a few floats per message.
+max_error=None: the FP8 path whatever its error. all_reduce_reference replays a call in one
+process (the tests' reference).
+
 The collectives run on torch.distributed (CPU with gloo, CUDA with NCCL). The codec is plain
 torch on CPUs and, on CUDA tensors, the kernels of csrc/include/fusedist/comm/fp8_codec.cuh
 when the extension is built (the plain-torch path otherwise, with a warning): the same bytes
@@ -46,14 +69,18 @@ and sums, bit for bit.
 
 from __future__ import annotations
 
+import hashlib
+import math
+import struct
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import _dtypes, _ext
+from .._check import as_int
 from ..distributed.groups import Group
-from ..errors import CollectiveMismatchError  # noqa: F401  (raised by Group.check_same)
+from ..errors import CollectiveMismatchError
 from ._args import check_input, peers_guard
 from .communicator import GroupLike, resolve_group
 
@@ -74,10 +101,8 @@ E3M4_NAN = 0x80
 
 
 def _check_block(where: str, block_size) -> int:
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"fusedist.{where}: block_size must be a positive int (elements per "
-                         f"fp32 scale), got {block_size!r}; 128 is a common choice")
-    return block_size
+    return as_int(f"fusedist.{where}", "block_size", block_size, 1,
+                  what="a positive int (elements per fp32 scale; 128 is a common choice)")
 
 
 def _check_fmt(where: str, fmt) -> str:
@@ -146,7 +171,7 @@ def quantize(x: torch.Tensor, block_size: int = 128, *, fmt: str = "e3m4",
     element, format `fmt`) and one fp32 scale per block. CUDA tensors run the codec kernel
     (csrc/include/fusedist/comm/fp8_codec.cuh) when it is built; its bytes are this torch
     code's, bit for bit."""
-    _check_block("fp8.quantize", block_size)
+    block_size = _check_block("fp8.quantize", block_size)
     _check_fmt("fp8.quantize", fmt)
     numel = x.numel()
     nblocks = -(-numel // block_size)
@@ -212,57 +237,292 @@ def _gather(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _check_same(group: Group, where: str, x: torch.Tensor, block_size: int, algo: str,
                 fmt: str) -> None:
-    group.check_same({"numel": str(x.numel()), "dtype": str(x.dtype),
-                      "block_size": str(block_size), "algo": algo, "fmt": fmt},
-                     where=f"fusedist.{where}", what="calls",
-                     fix="every rank must make the same call (same size, dtype, block_size, "
-                         "algo, fmt)")
+    group.check_same(_call_fields(x, block_size, algo, fmt), where=f"fusedist.{where}",
+                     what="calls", fix=_SAME_CALL)
+
+
+_SAME_CALL = "every rank must make the same call (same size, dtype, block_size, algo, fmt)"
+
+
+def _call_fields(x, block_size, algo, fmt) -> dict:
+    return {"numel": str(x.numel()), "dtype": str(x.dtype), "block_size": str(block_size),
+            "algo": algo, "fmt": fmt}
+
+
+# ---- the error bound ---------------------------------------------------------------------------
+# What fp8_all_reduce holds by default (max_error): the relative RMS error of the result, and
+# of the elements its blocks round in absolute steps, at most 2^-4 (e4m3's rounding of
+# Gaussian data is 2.65% per quantization; e3m4's 1.33%). Past it a call changes format or
+# falls back to the exact sum (module docstring, "Error bound").
+ERROR_BOUND = 2.0 ** -4
+# The smallest normal value of each payload format: below amax x (this / max) a block's
+# elements are subnormal, rounded in steps of the block's amax x 2^-11 (e3m4) / 2^-18 (e4m3).
+_MIN_NORMAL = {"e3m4": 0.25, "e4m3": 2.0 ** -6}
+# A block's body is judged when it holds this many nonzero elements, at least a quarter of
+# them in the subnormal range (a few tiny elements beside Gaussian ones cost nothing).
+_BODY_MIN = 16
+
+
+def block_damage(blocks: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                 fmt: str) -> tuple[torch.Tensor, float]:
+    """How one quantization of `blocks` (fp32 [nblocks, block_size], as quantize() made q and
+    scales) lost precision: (squared error per block, float64 [nblocks]; the worst relative
+    RMS error of a block's subnormal elements, over the blocks whose body is subnormal: the
+    elements an outlier in their block pushed below the format's normal range)."""
+    nb, bs = blocks.shape
+    err = (blocks - dequantize(q, scales, None, bs, fmt=fmt).view(nb, bs)).double()
+    err2 = err.square().sum(1)
+    if nb == 0:
+        return err2, 0.0
+    a = blocks.abs()
+    nz = a > 0
+    low = nz & (a < a.amax(1, keepdim=True) * (_MIN_NORMAL[fmt] / FMT_MAX[fmt]))
+    n_nz, n_low = nz.sum(1), low.sum(1)
+    body = (n_nz >= _BODY_MIN) & (4 * n_low >= n_nz)
+    d = (err.square() * low).sum(1)
+    m = (blocks.double().square() * low).sum(1)
+    ratio = torch.where(body & (m > 0), (d / m.clamp_min(1e-300)).sqrt(), torch.zeros_like(d))
+    worst = float(ratio.max())
+    return err2, worst if math.isfinite(worst) else math.inf
+
+
+def _encode(flat: torch.Tensor, block_size: int, fmt: str, max_error: Optional[float]):
+    """One rank's payload of `flat` (a whole number of blocks) and what it lost: (q, scales,
+    squared error per block, worst subnormal-body ratio, the format it needs: `fmt`, "e4m3"
+    (e3m4 lost an outlier block's body, e4m3 keeps it) or "exact")."""
+    q, s = quantize(flat, block_size, fmt=fmt)
+    blocks = flat.to(torch.float32).view(-1, block_size)
+    err2, ratio = block_damage(blocks, q, s, fmt)
+    need = fmt
+    if max_error is not None and ratio > max_error:
+        need = "exact"
+        if fmt == "e3m4":
+            q4, s4 = quantize(flat, block_size, fmt="e4m3")
+            if block_damage(blocks, q4, s4, "e4m3")[1] <= max_error:
+                need = "e4m3"
+    return q, s, err2, ratio, need
+
+
+_NEEDS = ("e3m4", "e4m3", "exact")
+
+
+def _agree(group: Group, fields: dict, need: str, check: bool, fmt: str = "e3m4") -> str:
+    """The format every rank uses: the call's fields compared (check) and every rank's need
+    combined (the strictest: e3m4 < e4m3 < exact), in one all-gather of [digest, need].
+    Without the check (check=False) the ranks cannot agree before the exchange: every rank
+    uses the requested `fmt` (an over-bound call falls back after the exchange)."""
+    code = _NEEDS.index(need)
+    if group.size == 1:
+        return need
+    if not check:
+        return fmt
+    blob = repr((sorted(fields.items()), None)).encode()
+    words = list(struct.unpack("<2q", hashlib.blake2b(blob, digest_size=16).digest()))
+    mine = torch.tensor(words + [code], dtype=torch.int64, device=group.device)
+    every = _gather(mine, group)
+    if not bool((every[:, :2] == every[0, :2]).all()):
+        group.check_same(fields, where="fusedist.fp8_all_reduce", what="calls",
+                         fix=_SAME_CALL)       # raises, naming each rank's call
+    return _NEEDS[int(every[:, 2].max())]
+
+
+def _exact(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """The exact sum (the fallback): fp32 accumulation, rounded once to x's dtype."""
+    acc = x.reshape(-1).to(torch.float32, copy=True)
+    if g.size > 1:
+        dist.all_reduce(acc, group=g.pg)
+    return acc.to(x.dtype).view_as(x)
+
+
+def _within(err2_total: float, ref2_total: float, worst_ratio: float,
+            max_error: Optional[float]) -> bool:
+    """Whether a finished FP8 all-reduce holds the bound: its estimated relative error
+    (the quantizations' squared errors added in quadrature, against the sum's norm) and every
+    rank's worst subnormal-body ratio within max_error."""
+    if max_error is None:
+        return True
+    if worst_ratio > max_error:
+        return False
+    if ref2_total <= 0:
+        return err2_total <= 0
+    return math.sqrt(max(err2_total, 0.0) / ref2_total) <= max_error
 
 
 def _fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
-                    algo: str = "two_shot", fmt: str = "e3m4", check: bool = True
+                    algo: str = "two_shot", fmt: str = "e3m4", check: bool = True,
+                    max_error: Optional[float] = ERROR_BOUND, info: Optional[dict] = None
                     ) -> torch.Tensor:
     g = resolve_group(group)
-    check_input("fp8_all_reduce", x, g.device)
-    _check_block("fp8_all_reduce", block_size)
-    _check_fmt("fp8_all_reduce", fmt)
-    if algo not in ALGOS:
-        raise ValueError(f"fusedist.fp8_all_reduce: algo must be one of {ALGOS}, got {algo!r}")
-    if check:
-        _check_same(g, "fp8_all_reduce", x, block_size, algo, fmt)
+    try:
+        check_input("fp8_all_reduce", x, g.device)
+        block_size = _check_block("fp8_all_reduce", block_size)
+        _check_fmt("fp8_all_reduce", fmt)
+        if algo not in ALGOS:
+            raise ValueError(f"fusedist.fp8_all_reduce: algo must be one of {ALGOS}, got "
+                             f"{algo!r}")
+        max_error = _check_max_error("fp8_all_reduce", max_error)
+    except (ValueError, TypeError) as e:
+        if check and g.size > 1:   # the others are told (they would wait for this rank)
+            try:
+                _agree(g, {"call": f"invalid: {type(e).__name__}: {e}"}, "exact", True)
+            except CollectiveMismatchError as told:
+                raise e from told
+        raise
+    info = {} if info is None else info
     n, p = x.numel(), g.size
-    if p == 1:
-        q, s = quantize(x, block_size, fmt=fmt)
-        return decode_sum(q[None], s[None], n, block_size, fmt=fmt).to(x.dtype).view_as(x)
-    if algo == "one_shot":
-        q, s = quantize(x, block_size, fmt=fmt)
-        qs, ss = _gather(q, g), _gather(s, g)
-        # rank order: the same sum on every rank
-        return decode_sum(qs, ss, n, block_size, fmt=fmt).to(x.dtype).view_as(x)
     # two_shot: shards of whole blocks, the same count for every rank (padded with zeros).
     nblocks = -(-n // block_size)
-    per = -(-nblocks // p)
-    padded = torch.zeros(p * per * block_size, dtype=x.dtype, device=x.device)
+    per = -(-nblocks // p) if algo == "two_shot" and p > 1 else nblocks
+    padded = torch.zeros(max(p * per if algo == "two_shot" and p > 1 else nblocks, 1)
+                         * block_size, dtype=x.dtype, device=x.device)
     padded[:n] = x.reshape(-1)
-    q, s = quantize(padded, block_size, fmt=fmt)
-    q_in, s_in = torch.empty_like(q), torch.empty_like(s)
-    dist.all_to_all_single(q_in, q, group=g.pg)      # shard r of every rank's payload -> r
-    dist.all_to_all_single(s_in, s, group=g.pg)
-    acc = decode_sum(q_in.view(p, -1), s_in.view(p, -1), per * block_size, block_size, fmt=fmt)
+    q, s, err2, ratio, need = _encode(padded, block_size, fmt, max_error)
+    use = _agree(g, _call_fields(x, block_size, algo, fmt), need, check, fmt)
+    if use == "exact":
+        info.update(path="exact", reason="an outlier block's body")
+        return _exact(x, g)
+    if use != fmt:
+        q, s, err2, ratio, _ = _encode(padded, block_size, use, None)
+    y, est, worst = _fp8_sum(padded, q, s, err2, ratio, g, n, block_size, algo, use)
+    if not _within(est[0], est[1], worst, max_error):
+        info.update(path="exact", reason="the estimated error of the FP8 sum",
+                    estimate=math.sqrt(est[0] / est[1]) if est[1] > 0 else math.inf)
+        return _exact(x, g)
+    info.update(path=use, estimate=math.sqrt(est[0] / est[1]) if est[1] > 0 else 0.0)
+    return y.to(x.dtype).view_as(x)
+
+
+def _fp8_sum(padded, q, s, err2, ratio, g: Group, n: int, block_size: int, algo: str,
+             fmt: str):
+    """The FP8 exchange of one rank's payload (q, s) with its error statistics riding along
+    in the scales' messages: (the fp32 sum, (estimated squared error, squared norm of the
+    sum), the worst subnormal-body ratio of any quantization), every statistic the same on
+    every rank."""
+    p, dev = g.size, padded.device
+    stats = lambda *v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
+    if p == 1:
+        acc = decode_sum(q[None], s[None], n, block_size, fmt=fmt)
+        return acc, (float(err2.sum()), float(acc.double().square().sum())), ratio
+    if algo == "one_shot":
+        qs = _gather(q, g)
+        ss = _gather(torch.cat([s, stats(float(err2.sum()), ratio)]), g)
+        nb = s.numel()
+        acc = decode_sum(qs, ss[:, :nb], n, block_size, fmt=fmt)   # rank order, everywhere
+        st = ss[:, nb:].double()
+        return acc, (float(st[:, 0].sum()), float(acc.double().square().sum())), \
+            float(st[:, 1].max())
+    per = s.numel() // p
+    # shard r of every rank's payload -> r; each shard's scales carry the sender's squared
+    # error of that shard and its worst ratio
+    mine = torch.cat([s.view(p, per), torch.stack(
+        [err2.view(p, per).sum(1).float(), torch.full((p,), ratio, device=dev)], 1)], 1)
+    q_in, s_in = torch.empty_like(q), torch.empty_like(mine)
+    dist.all_to_all_single(q_in, q, group=g.pg)
+    dist.all_to_all_single(s_in, mine, group=g.pg)
+    acc = decode_sum(q_in.view(p, -1), s_in[:, :per], per * block_size, block_size, fmt=fmt)
     q_sum, s_sum = quantize(acc, block_size, fmt=fmt)  # the second (and last) quantization
-    qs, ss = _gather(q_sum, g), _gather(s_sum, g)
-    return decode_sum(qs.reshape(1, -1), ss.reshape(1, -1), n, block_size,
-                      fmt=fmt).to(x.dtype).view_as(x)
+    err2_sum, ratio_sum = block_damage(acc.view(-1, block_size), q_sum, s_sum, fmt)
+    first = s_in[:, per].double()
+    worst = max(float(s_in[:, per + 1].max()), ratio_sum)
+    qs = _gather(q_sum, g)
+    ss = _gather(torch.cat([s_sum, stats(float(first.sum() + err2_sum.sum()),
+                                         float(acc.double().square().sum()), worst)]), g)
+    y = decode_sum(qs.reshape(1, -1), ss[:, :per].reshape(1, -1), n, block_size, fmt=fmt)
+    st = ss[:, per:].double()
+    return y, (float(st[:, 0].sum()), float(st[:, 1].sum())), float(st[:, 2].max())
+
+
+def _check_max_error(where: str, max_error) -> Optional[float]:
+    if max_error is None:
+        return None
+    if isinstance(max_error, bool) or not isinstance(max_error, (int, float)) or \
+            not math.isfinite(max_error) or max_error <= 0:
+        raise ValueError(f"fusedist.{where}: max_error must be a finite number > 0 (the "
+                         f"relative error allowed; default {ERROR_BOUND}) or None (no bound), "
+                         f"got {max_error!r}")
+    return float(max_error)
+
+
+def all_reduce_reference(xs, *, block_size: int = 128, algo: str = "two_shot",
+                         fmt: str = "e3m4", max_error: Optional[float] = ERROR_BOUND,
+                         check: bool = True, info: Optional[dict] = None) -> torch.Tensor:
+    """fp8_all_reduce of the inputs xs (one per rank, in rank order) replayed in one process:
+    the same payloads, decisions and sums, so its result is the ranks' bit for bit where the
+    FP8 path runs (the exact fallback here sums in fp32 in rank order; a backend may sum in
+    another order)."""
+    block_size = _check_block("fp8.all_reduce_reference", block_size)
+    _check_fmt("fp8.all_reduce_reference", fmt)
+    max_error = _check_max_error("fp8.all_reduce_reference", max_error)
+    info = {} if info is None else info
+    p, x0 = len(xs), xs[0]
+    n = x0.numel()
+    nblocks = -(-n // block_size)
+    two = algo == "two_shot" and p > 1
+    per = -(-nblocks // p) if two else nblocks
+    pads = []
+    for x in xs:
+        t = torch.zeros(max(p * per if two else nblocks, 1) * block_size, dtype=x.dtype,
+                        device=x.device)
+        t[:n] = x.reshape(-1)
+        pads.append(t)
+    enc = [_encode(t, block_size, fmt, max_error) for t in pads]
+    use = _NEEDS[max(_NEEDS.index(e[4]) for e in enc)] if check or p == 1 else fmt
+    exact = lambda: sum(x.reshape(-1).to(torch.float32) for x in xs).to(  # noqa: E731
+        x0.dtype).view_as(x0)
+    if use == "exact":
+        info.update(path="exact")
+        return exact()
+    if use != fmt:
+        enc = [_encode(t, block_size, use, None) for t in pads]
+    ratios = [e[3] for e in enc]
+    if p == 1 or algo == "one_shot":
+        acc = decode_sum(torch.stack([e[0] for e in enc]), torch.stack([e[1] for e in enc]),
+                         n, block_size, fmt=use)
+        est = (sum(float(e[2].sum()) for e in enc), float(acc.double().square().sum()))
+        worst = max(ratios)
+        y = acc
+    else:
+        outs, e_tot, a_tot, worst = [], 0.0, 0.0, max(ratios)
+        for r in range(p):
+            acc = decode_sum(torch.stack([e[0].view(p, -1)[r] for e in enc]),
+                             torch.stack([e[1].view(p, per)[r] for e in enc]),
+                             per * block_size, block_size, fmt=use)
+            q_sum, s_sum = quantize(acc, block_size, fmt=use)
+            err2_sum, ratio_sum = block_damage(acc.view(-1, block_size), q_sum, s_sum, use)
+            first = sum(float(e[2].view(p, per)[r].sum()) for e in enc)
+            e_tot += first + float(err2_sum.sum())
+            a_tot += float(acc.double().square().sum())
+            worst = max(worst, ratio_sum)
+            outs.append((q_sum, s_sum))
+        y = decode_sum(torch.cat([o[0] for o in outs]).reshape(1, -1),
+                       torch.cat([o[1] for o in outs]).reshape(1, -1), n, block_size, fmt=use)
+        est = (e_tot, a_tot)
+    if not _within(est[0], est[1], worst, max_error):
+        info.update(path="exact")
+        return exact()
+    info.update(path=use)
+    return y.to(x0.dtype).view_as(x0)
 
 
 def _fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
                     fmt: str = "e3m4", check: bool = True) -> torch.Tensor:
     g = resolve_group(group)
-    check_input("fp8_all_gather", x, g.device)
-    _check_block("fp8_all_gather", block_size)
-    _check_fmt("fp8_all_gather", fmt)
-    if check:
-        _check_same(g, "fp8_all_gather", x, block_size, "all_gather", fmt)
+    try:
+        check_input("fp8_all_gather", x, g.device)
+        block_size = _check_block("fp8_all_gather", block_size)
+        _check_fmt("fp8_all_gather", fmt)
+        fields, bad = _call_fields(x, block_size, "all_gather", fmt), None
+    except (ValueError, TypeError) as e:
+        fields, bad = {"call": f"invalid: {type(e).__name__}: {e}"}, e
+    if check and g.size > 1:
+        try:
+            g.check_same(fields, where="fusedist.fp8_all_gather", what="calls", fix=_SAME_CALL)
+        except CollectiveMismatchError as told:
+            if bad is not None:
+                raise bad from told
+            raise
+    if bad is not None:
+        raise bad
     n = x.numel()
     q, s = quantize(x, block_size, fmt=fmt)
     qs, ss = _gather(q, g), _gather(s, g)
@@ -271,14 +531,23 @@ def _fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int
 
 
 def fp8_all_reduce(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
-                   algo: str = "two_shot", fmt: str = "e3m4", check: bool = True
-                   ) -> torch.Tensor:
+                   algo: str = "two_shot", fmt: str = "e3m4", check: bool = True,
+                   max_error: Optional[float] = ERROR_BOUND,
+                   info: Optional[dict] = None) -> torch.Tensor:
     """The sum of x over `group` (tensor-parallel group when None) with an 8-bit payload in
-    format `fmt` ("e3m4" or "e4m3"); x's shape and dtype. check=False skips the call check
-    (one small all-gather). A lost peer raises PeerLostError."""
+    format `fmt` ("e3m4" or "e4m3"); x's shape and dtype. max_error (default ERROR_BOUND,
+    2^-4): the relative error the call holds (module docstring, "Error bound"): where the
+    format would lose an outlier block's body, e3m4 becomes e4m3 for the call (every rank
+    agrees in the call check), and where neither format holds it (larger outliers, partial
+    sums that cancel) the call returns the exact sum instead; None: the FP8 path whatever
+    its error. check=False skips the call check (one small all-gather; the format is then
+    not changed, an over-bound call falls back after the exchange). info: a dict that
+    receives "path" ("e3m4", "e4m3" or "exact") and, for FP8, "estimate" (the estimated
+    relative error). A lost peer raises PeerLostError."""
     g = resolve_group(group)
     with peers_guard("fusedist.fp8_all_reduce", g):
-        return _fp8_all_reduce(x, g, block_size=block_size, algo=algo, fmt=fmt, check=check)
+        return _fp8_all_reduce(x, g, block_size=block_size, algo=algo, fmt=fmt, check=check,
+                               max_error=max_error, info=info)
 
 
 def fp8_all_gather(x: torch.Tensor, group: GroupLike = None, *, block_size: int = 128,
@@ -298,21 +567,29 @@ class Fp8Communicator:
     error (module docstring) is acceptable."""
 
     def __init__(self, group: GroupLike = None, *, block_size: int = 128,
-                 algo: str = "two_shot", fmt: str = "e3m4"):
+                 algo: str = "two_shot", fmt: str = "e3m4",
+                 max_error: Optional[float] = ERROR_BOUND):
         self.group = resolve_group(group)
+        self.max_error = _check_max_error("Fp8Communicator", max_error)
+        self.last_path: Optional[str] = None     # the path of the last all_reduce
         self.block_size = _check_block("Fp8Communicator", block_size)
         self.fmt = _check_fmt("Fp8Communicator", fmt)
         if algo not in ALGOS:
             raise ValueError(f"fusedist.Fp8Communicator: algo must be one of {ALGOS}, got "
                              f"{algo!r}")
         self.algo = algo
-        self.group.check_same({"block_size": str(block_size), "algo": algo, "fmt": fmt},
+        self.group.check_same({"block_size": str(self.block_size), "algo": algo, "fmt": fmt,
+                               "max_error": repr(self.max_error)},
                               where="fusedist.Fp8Communicator", what="settings",
-                              fix="pass the same block_size, algo and fmt on every rank")
+                              fix="pass the same block_size, algo, fmt and max_error on every "
+                                  "rank")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_all_reduce(x, self.group, block_size=self.block_size, algo=self.algo,
-                              fmt=self.fmt)
+        info: dict = {}
+        y = fp8_all_reduce(x, self.group, block_size=self.block_size, algo=self.algo,
+                           fmt=self.fmt, max_error=self.max_error, info=info)
+        self.last_path = info.get("path")
+        return y
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_all_gather(x, self.group, block_size=self.block_size, fmt=self.fmt)

@@ -50,6 +50,8 @@ from ..distributed import runtime as _runtime
 from ..distributed.groups import Group
 from ..distributed.runtime import get_runtime
 from . import cost_model
+from .._check import as_int
+from ..errors import CollectiveMismatchError
 from ._args import check_input, peers_guard
 from .communicator import Communicator, get_communicator, resolve_group
 
@@ -210,38 +212,94 @@ class HierarchicalCommunicator:
                 else _subgroup(rt, f"{g.name}.inter{i}", inter, g.device))
 
     # ---- the collectives -----------------------------------------------------------------
+    # Every rank must make the same call. check compares the calls first (one all-gather of a
+    # 16-byte digest, Group.check_same), so ranks that pass another size, dtype, collective,
+    # algo or chunks all raise CollectiveMismatchError naming each rank's call, and a rank
+    # whose own arguments are wrong raises its error while the others raise the mismatch
+    # (gloo would abort the process on a size mismatch, and sum misread bytes on a dtype
+    # mismatch). check=None (default): on CPU groups, where it is host work like the rest;
+    # on GPUs it would synchronize each call (and cannot run in a CUDA-graph capture), so it
+    # runs there with check=True. check=False skips it.
     def all_reduce(self, x: torch.Tensor, *, algo: Optional[str] = None,
-                   chunks: Optional[int] = None,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   chunks: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                   check: Optional[bool] = None) -> torch.Tensor:
         """The sum of x over every rank, in x's shape and dtype (out=x for in place)."""
-        with peers_guard("fusedist.HierarchicalCommunicator.all_reduce", self.world):
+        where = "fusedist.HierarchicalCommunicator.all_reduce"
+        with peers_guard(where, self.world):
+            self._check_call(check, "all_reduce", x, algo, chunks, out,
+                             lambda: self._check("all_reduce", x, out, x.numel(), False))
             return self._all_reduce(x, algo=algo, chunks=chunks, out=out)
 
     def all_gather(self, x: torch.Tensor, *, algo: Optional[str] = None,
-                   chunks: Optional[int] = None,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   chunks: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                   check: Optional[bool] = None) -> torch.Tensor:
         """Every rank's x, flattened and concatenated in group rank order:
         (size * x.numel(),)."""
-        with peers_guard("fusedist.HierarchicalCommunicator.all_gather", self.world):
+        where = "fusedist.HierarchicalCommunicator.all_gather"
+        with peers_guard(where, self.world):
+            self._check_call(check, "all_gather", x, algo, chunks, out,
+                             lambda: self._check("all_gather", x, out,
+                                                 self.world.size * x.numel(), False))
             return self._all_gather(x, algo=algo, chunks=chunks, out=out)
 
     def reduce_scatter(self, x: torch.Tensor, *, algo: Optional[str] = None,
-                       chunks: Optional[int] = None,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       chunks: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                       check: Optional[bool] = None) -> torch.Tensor:
         """The sum over every rank of segment `rank` of x (x.numel() a multiple of the group
         size): (x.numel() // size,) on each rank."""
-        with peers_guard("fusedist.HierarchicalCommunicator.reduce_scatter", self.world):
+        where = "fusedist.HierarchicalCommunicator.reduce_scatter"
+        with peers_guard(where, self.world):
+            self._check_call(check, "reduce_scatter", x, algo, chunks, out,
+                             lambda: self._check_reduce_scatter(x, out))
             return self._reduce_scatter(x, algo=algo, chunks=chunks, out=out)
+
+    def _check_call(self, check: Optional[bool], op: str, x, algo, chunks, out, local) -> None:
+        """Every rank's call compared (check, above): local() runs this rank's argument checks
+        first; a rank whose checks fail raises its own error, the others
+        CollectiveMismatchError naming it."""
+        if check is None:
+            check = self.device.type == "cpu"
+        if not check or self.world.size == 1:
+            return
+        try:
+            local()
+            self._check_choice(op, self.algo if algo is None else algo,
+                               self.chunks if chunks is None else chunks)
+            fields = {"call": op, "numel": str(x.numel()), "dtype": str(x.dtype),
+                      "algo": repr(algo), "chunks": repr(chunks),
+                      "out": "given" if out is not None else "none"}
+            bad = None
+        except (ValueError, TypeError) as e:
+            bad, fields = e, {"call": f"{op} (invalid: {type(e).__name__}: {e})"}
+        try:
+            self.world.check_same(fields, where=f"fusedist.HierarchicalCommunicator.{op}",
+                                  what="calls",
+                                  fix="every rank must make the same call (same collective, "
+                                      "size, dtype, algo and chunks)")
+        except CollectiveMismatchError as e:
+            if bad is not None:
+                raise bad from e
+            raise
+        if bad is not None:
+            raise bad
+
+    def _check_reduce_scatter(self, x, out) -> None:
+        world = self.world.size
+        if isinstance(x, torch.Tensor) and x.numel() % world:
+            raise ValueError(f"fusedist.reduce_scatter: x has {x.numel()} elements, not a "
+                             f"multiple of the group size {world}; pad it to "
+                             f"{-(-x.numel() // world) * world}")
+        n = x.numel() // world if isinstance(x, torch.Tensor) else 0
+        self._check("reduce_scatter", x, out, n, False)
 
     # ---- choice ----------------------------------------------------------------------------
     @staticmethod
     def _check_choice(op: str, algo, chunks) -> tuple:
         if algo not in ALGOS:
             raise ValueError(f"fusedist.{op}: algo must be one of {ALGOS}, got {algo!r}")
-        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool)
-                                   or not 1 <= chunks <= MAX_CHUNKS):
-            raise ValueError(f"fusedist.{op}: chunks must be an int in 1..{MAX_CHUNKS}, got "
-                             f"{chunks!r}")
+        if chunks is not None:
+            chunks = as_int(f"fusedist.{op}", "chunks", chunks, 1, MAX_CHUNKS,
+                            what=f"an int in 1..{MAX_CHUNKS}")
         return algo, chunks
 
     @property
@@ -271,10 +329,10 @@ class HierarchicalCommunicator:
         return ("hierarchical", chunks) if t_h < t_flat else ("flat", 1)
 
     # ---- validation --------------------------------------------------------------------------
-    def _check(self, op: str, x, out, out_numel: int) -> torch.Tensor:
+    def _check(self, op: str, x, out, out_numel: int, alloc: bool = True) -> torch.Tensor:
         check_input(op, x, self.device)
         if out is None:
-            return torch.empty(out_numel, dtype=x.dtype, device=x.device)
+            return torch.empty(out_numel, dtype=x.dtype, device=x.device) if alloc else None
         if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or \
                 out.numel() != out_numel or not out.is_contiguous() or out.device != x.device:
             raise ValueError(f"fusedist.{op}: out must be a contiguous {x.dtype} tensor of "

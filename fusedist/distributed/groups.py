@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .._check import as_int
 from ..errors import CollectiveMismatchError, NotInitializedError
 from .topology import Topology
 
@@ -159,8 +160,7 @@ def build_rank_lists(world_size: int, tp_size: int, topology: Topology
 
 def validate_tp_size(world_size: int, tp_size: int, topology: Topology,
                      tp_spans_nodes: bool) -> None:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"fusedist.init: tp_size must be a positive int, got {tp_size!r}")
+    tp_size = as_int("fusedist.init", "tp_size", tp_size, 1, what="a positive int")
     if world_size % tp_size:
         raise ValueError(
             f"fusedist.init: tp_size={tp_size} does not divide world_size={world_size}; "

@@ -49,7 +49,8 @@ from typing import Mapping
 
 from .. import envs
 
-__all__ = ["LaunchEnv", "LaunchEnvError", "detect_launch_env", "expand_slurm_nodelist"]
+__all__ = ["LaunchEnv", "LaunchEnvError", "detect_launch_env", "expand_slurm_nodelist",
+           "host_address"]
 
 DEFAULT_MASTER_PORT = 29500
 _PREFIX = "fusedist.init: "
@@ -437,3 +438,63 @@ def detect_launch_env(
 
     return LaunchEnv(launcher=launcher, rank=r, world_size=w, local_rank=lr,
                      local_world_size=lw, node_id=nid, master_addr=addr, master_port=port)
+
+
+# ------------------------------------------------------------------ this host's address
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr in ("::1", "0.0.0.0")
+
+
+def _interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of network interface `name` (Linux SIOCGIFADDR), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def host_address(environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """(an IPv4 address of this host that other nodes can reach, how it was found), or
+    (None, why none was): the rendezvous address rank 0 offers under mpirun without
+    MASTER_ADDR. In order: the interface GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names (the
+    one the job's traffic is meant to take); the hostname's addresses that are not loopback
+    (many hosts map their name to 127.0.1.1); the interface of the default route (no packet
+    is sent); any interface's non-loopback address."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        names = [n.strip() for n in (_env_str(env, var) or "").split(",") if n.strip()]
+        for n in names:
+            if n.startswith(("^", "=")):
+                continue
+            addr = _interface_ipv4(n)
+            if addr and not _is_loopback(addr):
+                return addr, f"interface {n} ({var})"
+    name = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname_ex(name)[2]
+    except OSError:
+        resolved = []
+    for addr in resolved:
+        if not _is_loopback(addr):
+            return addr, f"hostname {name}"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))     # TEST-NET-1: only picks the route, sends nothing
+            addr = s.getsockname()[0]
+        if not _is_loopback(addr):
+            return addr, "the default route's interface"
+    except OSError:
+        pass
+    for _, n in socket.if_nameindex() if hasattr(socket, "if_nameindex") else ():
+        addr = _interface_ipv4(n)
+        if addr and not _is_loopback(addr):
+            return addr, f"interface {n}"
+    shown = ", ".join(resolved) or "nothing"
+    return None, (f"hostname {name} resolves to {shown} (loopback), and no interface has "
+                  "another IPv4 address")

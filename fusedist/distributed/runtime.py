@@ -20,9 +20,11 @@ from __future__ import annotations
 import atexit
 import datetime
 import math
+import operator
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from .. import envs
-from ..errors import NotInitializedError, RendezvousError
+from ..errors import CollectiveMismatchError, NotInitializedError, RendezvousError
 from .groups import Group, backend_device, build_rank_lists, new_groups, validate_tp_size
-from .launch_env import LaunchEnv, detect_launch_env
+from .launch_env import LaunchEnv, detect_launch_env, host_address
 from .peers import process_identity
 from .topology import Topology
 
@@ -153,12 +155,25 @@ def _mpi_bootstrap_address(env: LaunchEnv) -> tuple[str, int]:
             "installed; `pip install mpi4py` or export MASTER_ADDR and MASTER_PORT") from e
     addr = port = None
     if MPI.COMM_WORLD.Get_rank() == 0:
-        addr = socket.gethostbyname(socket.gethostname()) if env.world_size > env.local_world_size \
-            else "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    return MPI.COMM_WORLD.bcast((addr, port), root=0)
+        if env.world_size > env.local_world_size:
+            # Other nodes must reach it: not the loopback address many hosts map their
+            # hostname to.
+            addr, how = host_address()
+            if addr is None:
+                port = (f"fusedist.init: launched by MPI across nodes without MASTER_ADDR, and "
+                        f"rank 0's host has no address other nodes could reach ({how}); "
+                        "export MASTER_ADDR=<an address of rank 0's host that every node "
+                        "reaches> (and MASTER_PORT), or GLOO_SOCKET_IFNAME=<its interface>")
+        else:
+            addr = "127.0.0.1"
+        if addr is not None:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+    addr, port = MPI.COMM_WORLD.bcast((addr, port), root=0)
+    if addr is None:              # every rank stops with rank 0's reason
+        raise RendezvousError(port)
+    return addr, port
 
 
 def _rendezvous(addr: str, port: int, env: LaunchEnv, timeout: datetime.timedelta):
@@ -204,7 +219,7 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
          rank: Optional[int] = None, world_size: Optional[int] = None,
          local_rank: Optional[int] = None, local_world_size: Optional[int] = None,
          master_addr: Optional[str] = None, master_port: Optional[int] = None,
-         node_id: Optional[str] = None) -> Runtime:
+         node_id: Optional[str] = None, rank_error: Optional[str] = None) -> Runtime:
     """Start fusedist in this process and return its :class:`Runtime`.
 
     tp_size: tensor-parallel size (default: ranks per node). backend: "nccl" or "gloo"
@@ -213,11 +228,21 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
     (rank=, world_size=, ...) override what the launcher's environment says. The subgroups
     init() creates (tp, dp, intra- and inter-node) take the same timeout, also with an adopted
     process group.
+
+    Every rank must pass the same tp_size and tp_spans_nodes (else CollectiveMismatchError on
+    every rank, naming each rank's values). rank_error: this rank's own reason to stop (an
+    argument it refused before it could start, as a message): init still meets the other ranks
+    at the rendezvous, before any process group is made, tells them, and raises
+    CollectiveMismatchError on every rank naming the ranks that stopped and why, instead of
+    leaving the others to wait for a rank that never comes.
     """
     global _runtime, _generation, _atexit_registered
     _not_in_a_rank_thread("fusedist.init")
     if _runtime is not None:
         raise RuntimeError("fusedist.init: already initialized; call fusedist.shutdown() first")
+    if rank_error is not None and not isinstance(rank_error, str):
+        raise TypeError(f"fusedist.init: rank_error must be a message (str) or None, got "
+                        f"{type(rank_error).__name__}")
     envs.check_all()
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
@@ -236,17 +261,15 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         env = detect_launch_env(rank=rank, world_size=world_size, local_rank=local_rank,
                                 local_world_size=local_world_size, master_addr=master_addr,
                                 master_port=master_port, node_id=node_id)
-        dev = _pick_device(env, backend, device)
         if env.world_size == 1:
+            _stop_if_any(env.world_size, [rank_error or ""])
+            dev = _pick_device(env, backend, device)
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         else:
             addr, port = env.master_addr, env.master_port
             if addr is None:
                 addr, port = _mpi_bootstrap_address(env)
-            kwargs = {}
-            if backend == "nccl":
-                kwargs["device_id"] = dev
             store = _rendezvous(addr, port, env, timeout)
             store.set_timeout(timeout)
             # torchrun's agent store outlives our process group: after shutdown(), a second
@@ -254,6 +277,11 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
             # prefix. Every rank calls init() the same number of times, so prefixes agree.
             store = dist.PrefixStore(f"fusedist/{_generation}", store)
             _generation += 1
+            _exchange_rank_errors(store, env, rank_error, timeout)
+            dev = _pick_device(env, backend, device)
+            kwargs = {}
+            if backend == "nccl":
+                kwargs["device_id"] = dev
             dist.init_process_group(backend, store=store, rank=env.rank,
                                     world_size=env.world_size, timeout=timeout, **kwargs)
     else:
@@ -268,14 +296,35 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         world = dist.get_world_size()
         me = dist.get_rank()
         world_group = Group("world", tuple(range(world)), dist.group.WORLD, dev)
-        facts = world_group.all_gather_object((env.node_id, process_identity()))
+        facts = world_group.all_gather_object(
+            (env.node_id, process_identity(), (tp_size, bool(tp_spans_nodes)),
+             "" if owns else (rank_error or "")))
+        _stop_if_any(world, [f[3] for f in facts])     # an adopted group's ranks: here
         node_ids = tuple(f[0] for f in facts)
         topo = Topology(world_size=world, rank=me, node_ids=node_ids)
         world_group.topology = topo
 
-        tp = topo.ranks_per_node if tp_size is None else tp_size
-        if tp_size is None and world % tp:
-            tp = 1
+        def resolved(req):
+            size, spans = req
+            if size is not None and not isinstance(size, bool):
+                try:
+                    size = operator.index(size)     # numpy ints too; the rest: validate_tp_size
+                except TypeError:
+                    pass
+            tp = topo.ranks_per_node if size is None else size
+            return (1 if size is None and world % tp else tp), spans
+
+        asked = [resolved(f[2]) for f in facts]
+        if any(a != asked[0] for a in asked):
+            from .groups import describe_differences
+            raise CollectiveMismatchError(
+                "fusedist.init: ranks were given different tensor-parallel settings: "
+                + describe_differences(range(world), [
+                    {"tp_size": str(a[0]) + (" (default: ranks per node)" if f[2][0] is None
+                                             else ""), "tp_spans_nodes": str(a[1])}
+                    for a, f in zip(asked, facts)])
+                + ". Pass the same tp_size (and tp_spans_nodes) to fusedist.init on every rank")
+        tp, _ = asked[me]
         validate_tp_size(world, tp, topo, tp_spans_nodes)
         lists = build_rank_lists(world, tp, topo)
         created: list = []
@@ -296,6 +345,50 @@ def init(*, tp_size: Optional[int] = None, tp_spans_nodes: bool = False,
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     return _runtime
+
+
+def _stop_if_any(world: int, errors: list) -> None:
+    """CollectiveMismatchError on every rank when some rank stopped (errors[r]: rank r's
+    reason, "" when it had none)."""
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if not bad:
+        return
+    who = "; ".join(f"rank {r}: {e}" for r, e in bad)
+    ranks = ", ".join(str(r) for r, _ in bad)
+    raise CollectiveMismatchError(
+        f"fusedist.init: rank{'s' if len(bad) > 1 else ''} {ranks} of {world} stopped before "
+        f"starting ({who}). Every rank stops here; fix that and start the job again")
+
+
+def _exchange_rank_errors(store, env: LaunchEnv, rank_error: Optional[str],
+                          timeout: datetime.timedelta) -> None:
+    """Before the process group exists: every rank posts its own reason to stop ("" for none)
+    in the rendezvous store and reads every other rank's; when any rank has one, every rank
+    raises (_stop_if_any). Rank 0's store serves the others (unless torchrun's agent holds it),
+    so rank 0 leaves only once every rank has read the reasons (bounded by the timeout)."""
+    world = env.world_size
+    store.set(f"stop/{env.rank}", rank_error or "")
+    keys = [f"stop/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timeout)
+        errors = [store.get(k).decode(errors="replace") for k in keys]
+    except (RuntimeError, OSError) as e:   # a peer's store went away, or one never came
+        if rank_error:
+            raise CollectiveMismatchError(
+                f"fusedist.init: rank {env.rank} of {world} stopped before starting "
+                f"({rank_error}); the other ranks could not be told ({type(e).__name__})")
+        raise RendezvousError(
+            f"fusedist.init: rank {env.rank} of {world} could not read the other ranks' "
+            f"start-up verdicts within {timeout.total_seconds():g} s ({type(e).__name__}: "
+            f"{str(e).strip()[:200]}); a rank did not reach fusedist.init") from None
+    if not any(errors):
+        return
+    store.add("stop/read", 1)
+    if env.rank == 0:
+        deadline = time.monotonic() + min(timeout.total_seconds(), 30.0)
+        while store.add("stop/read", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _stop_if_any(world, errors)
 
 
 def _shutdown_at_exit() -> None:

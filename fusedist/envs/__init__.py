@@ -72,9 +72,12 @@ _register(
         "Forces the algorithm of `algo=\"auto\"` all-reduce calls; the capacity fallbacks "
         "(one-shot -> two-shot -> NCCL) still apply. Rank 0's value is used on every rank.",
         choices=("auto", "one_shot", "two_shot", "nccl")),
-    Var("FUSEDIST_TUNING_FILE", "path", None, "when a Communicator is created",
-        "JSON dispatch table, merged per section over the --tune cache and the shipped default. "
-        "A path that is not a file raises ValueError.", default_doc="unset"),
+    Var("FUSEDIST_TUNING_FILE", "path", None, "when a Communicator is created; the op "
+        "sections once per process and GPU model",
+        "JSON dispatch table, merged per section over the --tune cache and the shipped default: "
+        "the collective tables and the op sections (GEMM rules, `decode`, `prefill`, "
+        "`fp8_linear`, `moe`, `moe_gating`; docs/tuning.md). A path that is not a file raises "
+        "ValueError.", default_doc="unset"),
     Var("FUSEDIST_NCCL", "choice", "nccl4py", "when a Communicator is created",
         "`nccl4py`, or `torch` for torch.distributed's NCCL.", choices=("nccl4py", "torch")),
     Var("FUSEDIST_NCCL_CALL_CHECK", "bool", True, "when a Communicator is created",

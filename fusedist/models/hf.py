@@ -58,8 +58,16 @@ class Tokenizer:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise TypeError("fusedist.models: messages must be a list of {'role': ..., "
                             f"'content': ...}} dicts, got {messages!r:.100}")
-        out = self.impl.apply_chat_template(list(messages), tokenize=True,
-                                            add_generation_prompt=add_generation_prompt)
+        if not messages:
+            raise ValueError("fusedist.models: messages is empty; a chat prompt needs at least "
+                             "one {'role': ..., 'content': ...} message")
+        try:
+            out = self.impl.apply_chat_template(list(messages), tokenize=True,
+                                                add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja2's and transformers' own error types
+            raise ValueError(f"fusedist.models: the chat template of {self.path} rejected the "
+                             f"messages ({type(e).__name__}: {e}); change the conversation to "
+                             "what the template accepts (its message says how)") from None
         if isinstance(out, dict) or hasattr(out, "input_ids"):   # a BatchEncoding
             out = out["input_ids"]
         return [int(t) for t in out]
@@ -76,6 +84,12 @@ def load_tokenizer(path: Optional[str]) -> Optional[Tokenizer]:
     except ImportError:
         transformers = None
     tj = os.path.join(path, "tokenizer.json")
+    # A truncated or hand-edited tokenizer_config.json would be skipped without a word (and
+    # the chat template in it lost): refuse it, naming the file.
+    tc = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tc):
+        from .llama.config import load_json
+        load_json(tc, "fix or re-download the checkpoint's tokenizer_config.json")
     # Without tokenizer_config.json AutoTokenizer would pick a class from config.json's
     # model_type and rebuild it from the vocabulary; tokenizer.json alone is what was saved.
     auto = transformers is not None and (

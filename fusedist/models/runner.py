@@ -38,7 +38,12 @@ is not compiled. time_prefill / profile_prefill measure the prefill alone (warm,
 synchronized; the profiler's classes are profiling.py's; profile_prefill runs eagerly).
 
 stream() is generate() as it decodes: it yields every step's new ids (the same ids as
-generate() for the same request) and returns the GenerationResult.
+generate() for the same request) and returns the GenerationResult. A runner serves one request
+at a time (its steps share the KV cache and the static buffers): while a stream is open (not
+exhausted, not closed), generate() and stream() raise at the call. A sequence whose logits hold
+NaN (weights that are not finite, an overflowed activation) has no next token: the loop keeps
+each sequence's first NaN step on the device and raises fusedist.NonFiniteError where it
+synchronizes anyway (every streamed step; the end of generate()).
 
 At TP > 1 every rank must call generate() (or stream()) with the same request (prompts, max_new_tokens,
 sampling parameters with the seed, eos_ids, context_fill, eos_check_every): each call first
@@ -75,36 +80,15 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from .. import _dtypes, envs
+from .._check import as_bool, as_int
 from ..distributed import runtime as _runtime
 from ..distributed.peers import collective_timeout, is_peer_failure, peer_lost_error
-from ..errors import RequestMismatchError
+from ..errors import NonFiniteError, RequestMismatchError
+from ..nn.attention import AttentionMetadata
+from ..ops.attention import _prefill
 from ..ops.device_errors import check_device_errors
 from .profiling import profile
-from .sampling import SamplingParams, sample
-
-
-@dataclass
-class StepMeta:
-    """The fields of fusedist.nn.AttentionMetadata the torch backend reads; used only when
-    fusedist.nn.attention is not importable (the torch backend needs nothing else)."""
-    mode: str
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    cu_seqlens_q: Optional[torch.Tensor] = None
-    max_q_len: Optional[int] = None
-    plan: object = None
-    seq_lens_host: Optional[list] = None
-    cu_seqlens_q_host: Optional[list] = None
-    prefill_backend: str = "auto"
-
-
-def _metadata(**kw):
-    try:
-        from ..nn.attention import AttentionMetadata
-    except ImportError:
-        return StepMeta(**kw)
-    return AttentionMetadata(**kw)
+from .sampling import SamplingParams, nan_rows, sample
 
 
 @dataclass
@@ -136,9 +120,7 @@ def _show_ids(ids: list) -> str:
 
 
 def _int(where: str, name: str, v, low: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{where}: {name} must be an int >= {low}, got {v!r}")
-    return v
+    return as_int(where, name, v, low)
 
 
 def _current_runtime():
@@ -175,19 +157,17 @@ def prefill_token_bucket(n: int) -> int:
     return b
 
 
-def _prefill_graphs_fit(model) -> bool:
-    """Prefill graphs need the fusedist model on CUDA whose attention takes the paged prefill
-    kernel (it reads lengths on the device)."""
-    if getattr(model, "backend", None) != "fusedist":
-        return False
-    try:
-        from ..ops.attention import _prefill
-    except ImportError:
+def _prefill_graphs_fit(model, cache) -> bool:
+    """Prefill graphs need the fusedist model on CUDA whose attention the paged prefill kernel
+    takes (it reads lengths on the device): fusedist.ops.attention says whether it takes this
+    model's q heads, head_dim and dtype over this cache."""
+    if getattr(model, "backend", None) != "fusedist" or cache is None:
         return False
     cfg = getattr(model, "cfg", None)
-    return _prefill.paged_available() and getattr(model, "dtype", None) in \
-        (torch.bfloat16, torch.float16) and getattr(cfg, "head_dim", 0) in (64, 128, 256) and \
-        getattr(model, "local_heads", 0) // max(1, getattr(model, "local_kv_heads", 1)) <= 64
+    k = cache.k[0]
+    q = torch.empty(16, getattr(model, "local_heads", 0), getattr(cfg, "head_dim", 0),
+                    dtype=getattr(model, "dtype", torch.float32), device=k.device)
+    return _prefill.paged_why_not(q, k) == ""
 
 
 class Runner:
@@ -197,9 +177,18 @@ class Runner:
                  compile_backend: str = "inductor", peer_timeout_s: Optional[float] = None,
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
                  kv_dtype: Optional[torch.dtype] = None):
-        if max_batch < 1 or max_seq_len < 1:
-            raise ValueError(f"Runner: max_batch and max_seq_len must be >= 1, got {max_batch}, "
-                             f"{max_seq_len}")
+        # Every argument checked before anything is allocated.
+        max_batch = as_int("Runner", "max_batch", max_batch, 1)
+        max_seq_len = as_int("Runner", "max_seq_len", max_seq_len, 1)
+        page_size = as_int("Runner", "page_size", page_size, 1)
+        prefill_chunk = as_int("Runner", "prefill_chunk", prefill_chunk, 1,
+                               what="an int >= 1 (tokens per prefill chunk)")
+        prefill_graph_tokens = as_int("Runner", "prefill_graph_tokens", prefill_graph_tokens, 0,
+                                      what="an int >= 0 (0: no prefill graphs)")
+        cuda_graphs = as_bool("Runner", "cuda_graphs", cuda_graphs, allow_none=True)
+        compile_decode = as_bool("Runner", "compile_decode", compile_decode)
+        if kv_budget_bytes is not None:
+            kv_budget_bytes = as_int("Runner", "kv_budget_bytes", kv_budget_bytes, 1)
         max_position = getattr(model, "max_position", None)
         if max_position is not None and max_seq_len > max_position:
             raise ValueError(
@@ -224,30 +213,23 @@ class Runner:
         self._plans: list = []       # decode plans of the buckets, closed by close()
         self._release = weakref.finalize(self, _close_plans, self._plans)
         self.model, self.device = model, model.device
+        self._group = getattr(getattr(model, "comm", None), "group", None)
         self.page_size = page_size
         self.buckets = buckets_for(max_batch)
         self.max_rows = self.buckets[-1]
         self.pages_per_seq = math.ceil(max_seq_len / page_size)
         self.max_seq_len = self.pages_per_seq * page_size
         self.prefill_chunk = prefill_chunk
-        if isinstance(prefill_graph_tokens, bool) or not isinstance(prefill_graph_tokens, int) \
-                or prefill_graph_tokens < 0:
-            raise ValueError(f"Runner: prefill_graph_tokens must be an int >= 0 (0: no prefill "
-                             f"graphs), got {prefill_graph_tokens!r}")
         # CUDA graphs on a GPU unless turned off; a CPU model always decodes eagerly.
         self.cuda_graphs = self.device.type == "cuda" and cuda_graphs is not False
-        self.prefill_graph_tokens = prefill_graph_tokens if self.cuda_graphs and \
-            _prefill_graphs_fit(model) else 0
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
-        # A model whose MoE layers exchange tokens (expert parallelism) sizes its Buffers from
-        # the largest step and the largest captured step (collective: every rank builds the
-        # same runner).
-        reserve = getattr(model, "reserve_tokens", None)
-        if reserve is not None:
-            graph_tokens = max(self.max_rows if self.cuda_graphs else 0,
-                               prefill_token_bucket(min(prefill_chunk, self.prefill_graph_tokens))
-                               if self.prefill_graph_tokens else 0)
-            reserve(max(prefill_chunk, self.max_rows, graph_tokens), graph_tokens)
+        # What the errors of a request tell the caller to change (an LLM speaks of its own
+        # arguments: fusedist.models.LLM sets these).
+        self.fixes = {"max_seq_len": "build the Runner with a larger max_seq_len",
+                      "max_batch": "build the Runner with a larger max_batch, or split the "
+                                   "prompts into batches of at most {max_batch}",
+                      "closed": "build a new Runner"}
+        self._stream_open = None     # the open stream() of this runner (generator), if any
         page_bytes = model.kv_bytes_per_token(self.kv_dtype) * page_size
         need = self.max_rows * self.pages_per_seq
         if kv_budget_bytes is not None:
@@ -272,6 +254,17 @@ class Runner:
         self.kv_bytes = num_pages * page_bytes
         self.cache = model.new_cache(self.max_rows, self.max_seq_len, page_size, num_pages,
                                      kv_dtype=self.kv_dtype)
+        self.prefill_graph_tokens = prefill_graph_tokens if self.cuda_graphs and \
+            _prefill_graphs_fit(model, self.cache) else 0
+        # A model whose MoE layers exchange tokens (expert parallelism) sizes its Buffers from
+        # the largest step and the largest captured step (collective: every rank builds the
+        # same runner).
+        reserve = getattr(model, "reserve_tokens", None)
+        if reserve is not None:
+            graph_tokens = max(self.max_rows if self.cuda_graphs else 0,
+                               prefill_token_bucket(min(prefill_chunk, self.prefill_graph_tokens))
+                               if self.prefill_graph_tokens else 0)
+            reserve(max(prefill_chunk, self.max_rows, graph_tokens), graph_tokens)
         dev, R = self.device, self.max_rows
         bt = torch.zeros(R, self.pages_per_seq, dtype=torch.int32)
         bt[:] = torch.arange(R * self.pages_per_seq, dtype=torch.int32).view(R, -1)
@@ -318,8 +311,9 @@ class Runner:
 
     def _check_open(self, where: str) -> None:
         if self.closed:
-            raise RuntimeError(f"{where}: the runner is closed (close() or the end of its "
-                               "with-block released its cache and plans); build a new Runner")
+            raise RuntimeError(f"{where}: the {self.fixes.get('owner', 'runner')} is closed "
+                               "(close() or the end of its with-block released its cache and "
+                               f"plans); {self.fixes['closed']}")
 
     # ---- decode --------------------------------------------------------------------------
     def _meta(self, b: int):
@@ -328,7 +322,7 @@ class Runner:
                                           kv_dtype=self.kv_dtype)
             if plan is not None:
                 self._plans.append(plan)
-            self._metas[b] = _metadata(mode="decode", block_table=self.bt[:b],
+            self._metas[b] = AttentionMetadata(mode="decode", block_table=self.bt[:b],
                                        seq_lens=self.seq_lens[:b], slot_mapping=self.slots[:b],
                                        plan=plan)
         return self._metas[b]
@@ -386,11 +380,13 @@ class Runner:
             return out
         return self._body(b)
 
-    def bucket(self, n: int) -> int:
+    def bucket(self, n: int, where: str = "Runner") -> int:
         for b in self.buckets:
             if b >= n:
                 return b
-        raise ValueError(f"Runner: batch {n} exceeds max_batch {self.buckets[-1]}")
+        raise ValueError(f"{where}: a batch of {n} prompts exceeds max_batch "
+                         f"{self.buckets[-1]}; "
+                         + self.fixes["max_batch"].format(max_batch=self.buckets[-1]))
 
     # ---- prefill -------------------------------------------------------------------------
     @torch.no_grad()
@@ -441,7 +437,7 @@ class Runner:
             bt = self.bt[rows_t.to(dev)]
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
             cu_t = torch.tensor(cu, dtype=torch.int32, device=dev)
-            meta = _metadata(mode="prefill", block_table=bt, seq_lens=seq_lens,
+            meta = AttentionMetadata(mode="prefill", block_table=bt, seq_lens=seq_lens,
                              slot_mapping=(page * P + pos_t % P).to(dev), cu_seqlens_q=cu_t,
                              max_q_len=max(n for _, _, n in chunk),
                              seq_lens_host=lens, cu_seqlens_q_host=cu,
@@ -489,7 +485,7 @@ class Runner:
                     "last": torch.zeros(B, dtype=torch.int64, device=dev)}
             # the paged kernel in the eager pass too: the padded bucket's lengths are only on
             # the device (cu_seqlens_q ends short of the Tb tokens)
-            meta = _metadata(mode="prefill", block_table=bufs["bt"], seq_lens=bufs["seq_lens"],
+            meta = AttentionMetadata(mode="prefill", block_table=bufs["bt"], seq_lens=bufs["seq_lens"],
                              slot_mapping=bufs["slots"], cu_seqlens_q=bufs["cu"], max_q_len=Tb,
                              prefill_backend="paged")
             body = lambda: self.model(bufs["tokens"], bufs["positions"], self.cache, meta,  # noqa
@@ -549,8 +545,9 @@ class Runner:
                  sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = (),
                  context_fill: int = 0, eos_check_every: int = 1,
                  progress: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
-        steps = self._steps_checked("Runner.generate", prompts, max_new_tokens, sampling,
-                                    eos_ids, context_fill, eos_check_every, progress)
+        steps = self._start("Runner.generate", lambda: (
+            prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every),
+            progress)
         while True:
             try:
                 next(steps)
@@ -564,61 +561,97 @@ class Runner:
         each sequence's new token id (None for a sequence that already ended with an EOS);
         the generator's return value (StopIteration.value) is the GenerationResult, with the
         same ids as generate() for the same request. Each step reads its ids back to the host
-        (one synchronization a step that generate() does not make). Every rank of the group
-        iterates it to the end, or closes it at the same step."""
-        steps = self._steps_checked("Runner.stream", prompts, max_new_tokens, sampling,
-                                    eos_ids, context_fill, 1, None)
-        stop = set(eos_ids)
-        ended: Optional[list] = None
-        while True:
-            try:
-                nxt = next(steps)
-            except StopIteration as done:
-                return done.value
-            ids = nxt.tolist()
-            if ended is None:
-                ended = [False] * len(ids)
-            out = [None if e else t for t, e in zip(ids, ended)]
-            ended = [e or t in stop for t, e in zip(ids, ended)]
-            yield out
+        (one synchronization a step that generate() does not make). The request is checked
+        here, on every rank of the group, before the first step. Every rank of the group
+        iterates it to the end, or closes it at the same step. The runner holds one request
+        at a time: while the stream is open (not exhausted, not closed), generate() and
+        stream() raise."""
+        steps = self._start("Runner.stream", lambda: (
+            prompts, max_new_tokens, sampling, eos_ids, context_fill, 1), None)
+        return self._stream_ids(steps, set(eos_ids))
 
-    def _steps_checked(self, where, prompts, max_new_tokens, sampling, eos_ids, context_fill,
-                       eos_check_every, progress):
-        """The request checked on every rank of the group, then _steps under the group's
-        peer timeout; a collective that fails because a peer is gone raises PeerLostError."""
-        self._check_open(where)
+    def _stream_ids(self, steps, stop: set) -> Iterator[list]:
+        """The open stream: each step's ids, None for a sequence that ended (stream())."""
+        token = object()
+        self._stream_open = token
+        try:
+            ended: Optional[list] = None
+            while True:
+                try:
+                    nxt = next(steps)
+                except StopIteration as done:
+                    return done.value
+                ids = nxt.tolist()
+                self._check_finite(self._nan_at)
+                if ended is None:
+                    ended = [False] * len(ids)
+                out = [None if e else t for t, e in zip(ids, ended)]
+                ended = [e or t in stop for t, e in zip(ids, ended)]
+                yield out
+        finally:
+            steps.close()
+            if self._stream_open is token:
+                self._stream_open = None
+
+    def _start(self, where, request, progress):
+        """Check the request (request() returns it as (prompts, max_new_tokens, sampling,
+        eos_ids, context_fill, eos_check_every); an LLM converts its arguments there) on every
+        rank of the group, then return the steps of _steps under the group's peer timeout. A
+        rank whose request is invalid raises its own error and every other rank a
+        RequestMismatchError naming it; a collective that fails because a peer is gone raises
+        PeerLostError."""
         group = self._tp_group()
         try:
-            prompts = self._checked_request(prompts, max_new_tokens, sampling, eos_ids,
-                                            context_fill, eos_check_every)
+            req = self._checked_request(where, request)
+        except RuntimeError as e:
+            raise self._peer_lost(where, group, e) from e
+        return self._run_steps(where, group, req, progress)
+
+    def _run_steps(self, where, group, req, progress):
+        try:
             with collective_timeout(group, self._peer_timeout(), self._group_timeout(group)):
-                result = yield from self._steps(prompts, max_new_tokens, sampling, eos_ids,
-                                                context_fill, eos_check_every, progress)
+                result = yield from self._steps(*req, progress)
             return result
         except RuntimeError as e:
-            if group is None or group.size == 1 or not is_peer_failure(e):
-                raise
-            rt = _current_runtime()
-            raise peer_lost_error(where, group, rt.peers if rt else None,
-                                  rt.rank if rt else -1, e) from e
+            raise self._peer_lost(where, group, e) from e
 
-    def _checked_request(self, prompts, max_new_tokens, sampling, eos_ids, context_fill,
-                         eos_check_every) -> list:
+    @staticmethod
+    def _peer_lost(where, group, e: RuntimeError) -> RuntimeError:
+        """PeerLostError for a collective failure of `group`, else e itself."""
+        if group is None or group.size == 1 or not is_peer_failure(e):
+            return e
+        rt = _current_runtime()
+        return peer_lost_error(where, group, rt.peers if rt else None, rt.rank if rt else -1, e)
+
+    def _checked_request(self, where, request) -> tuple:
+        """(prompts as lists of python ints, max_new_tokens, sampling, eos_ids, context_fill,
+        eos_check_every), the same on every rank of the group."""
         try:
-            fields, exact = self._request(prompts, max_new_tokens, sampling, eos_ids,
-                                          context_fill, eos_check_every)
+            self._check_open(where)
+            if self._stream_open is not None:
+                raise RuntimeError(
+                    f"{where}: a stream of this {self.fixes.get('owner', 'runner')} is open "
+                    "(one request at a time: the stream's steps share its KV cache); iterate "
+                    "it to the end or call its close() first")
+            prompts, max_new_tokens, sampling, eos_ids, context_fill, eos_check_every = \
+                request()
+            fields, req = self._request(where, prompts, max_new_tokens, sampling, eos_ids,
+                                        context_fill, eos_check_every)
             bad = None
-        except (ValueError, TypeError) as e:
-            bad, fields, exact = e, {"request": f"invalid: {type(e).__name__}: {e}"}, None
+        except (ValueError, TypeError, RuntimeError) as e:
+            if isinstance(e, RequestMismatchError) or (isinstance(e, RuntimeError) and
+                                                       is_peer_failure(e)):
+                raise
+            bad, fields, req = e, {"request": f"invalid: {type(e).__name__}: {e}"}, None
         try:
-            self._check_same_request(fields, exact)
+            self._check_same_request(where, fields, None if req is None else req[0])
         except RequestMismatchError as e:
             if bad is None:
                 raise
             raise bad from e              # this rank's own error says what to fix here
         if bad is not None:
             raise bad
-        return exact                      # the ids as python ints
+        return req
 
     def _peer_timeout(self) -> float:
         return self.peer_timeout_s if self.peer_timeout_s is not None else \
@@ -653,11 +686,16 @@ class Runner:
         check_errors = (lambda: check_device_errors(dev)) if dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        nxt = sample(self.prefill(prompts, start=context_fill), sampling, gen)
+        logits = self.prefill(prompts, start=context_fill)
+        # The step at which each sequence's logits first held NaN (-1: never), kept on the
+        # device and read where the loop synchronizes anyway (each streamed step, the end).
+        nan_at = torch.where(nan_rows(logits), 0, -1)
+        nxt = sample(logits, sampling, gen, check=False)
         sync()
         t1 = time.perf_counter()
         check_errors()   # bad metadata a kernel recorded (the engine's tables), at the sync
         outs = [nxt]
+        self._nan_at = nan_at
         yield nxt
         done = torch.isin(nxt, eos)
         lens = torch.tensor([context_fill + len(p) + 1 for p in prompts], dtype=torch.int32)
@@ -667,7 +705,10 @@ class Runner:
             if eos_ids and step % eos_check_every == 0 and bool(done.all()):
                 break
             self.tokens[:n].copy_(nxt)
-            nxt = sample(self.decode_step(b)[:n], sampling, gen)
+            logits = self.decode_step(b)[:n]
+            nan_at = torch.where((nan_at < 0) & nan_rows(logits), step, nan_at)
+            self._nan_at = nan_at
+            nxt = sample(logits, sampling, gen, check=False)
             self.seq_lens[:n] += 1
             outs.append(nxt)
             yield nxt
@@ -679,6 +720,7 @@ class Runner:
         sync()
         t2 = time.perf_counter()
         check_errors()
+        self._check_finite(nan_at)
         ids = torch.stack(outs, dim=1).tolist()
         if eos_ids:
             stop = set(eos_ids)
@@ -689,14 +731,26 @@ class Runner:
                                 prompt_tokens=sum(len(p) for p in prompts),
                                 timings={"bucket": b, "graphs": b in self.graphs})
 
-    def _request(self, prompts, max_new_tokens, sampling, eos_ids, context_fill,
-                 eos_check_every) -> tuple[dict, list]:
+    def _check_finite(self, nan_at: torch.Tensor) -> None:
+        """NonFiniteError when a sequence's logits held NaN (nan_at: the step it first did,
+        -1: never). Every rank holds the same gathered logits, so every rank raises."""
+        steps = nan_at.tolist()
+        bad = [(i, t) for i, t in enumerate(steps) if t >= 0]
+        if bad:
+            what = ", ".join(f"sequence {i} at step {t}" + (" (the prefill)" if t == 0 else "")
+                             for i, t in bad[:8])
+            raise NonFiniteError(
+                f"Runner: the model's logits hold NaN ({what}), so there is no next token to "
+                "sample; its weights or activations are not finite (a corrupt checkpoint, or "
+                "an activation past its dtype's range, e.g. float16: try bfloat16)")
+
+    def _request(self, where, prompts, max_new_tokens, sampling, eos_ids, context_fill,
+                 eos_check_every) -> tuple[dict, tuple]:
         """Check generate()'s arguments here (a ValueError or TypeError naming the argument);
-        return the request's fields as the mismatch message shows them, and the prompts' ids
-        (which long prompts' fields abbreviate)."""
-        where = "Runner.generate"
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
+        return the request's fields as the mismatch message shows them, and the request with
+        the prompts' ids as python ints (which long prompts' fields abbreviate)."""
+        if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+            prompts = prompts.tolist()      # a tensor or a numpy array
         if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__len__") or \
                 not hasattr(prompts, "__iter__") or len(prompts) == 0:
             raise ValueError(f"{where}: prompts must be a non-empty list of token-id lists, got "
@@ -704,11 +758,15 @@ class Runner:
         vocab = getattr(getattr(self.model, "cfg", None), "vocab_size", None)
         ids = []
         for i, p in enumerate(prompts):
+            if hasattr(p, "tolist") and not isinstance(p, (list, tuple)):
+                p = p.tolist()
             try:
+                if isinstance(p, (str, bytes)) or any(isinstance(t, bool) for t in p):
+                    raise TypeError
                 row = [operator.index(t) for t in p]
             except TypeError:
-                raise TypeError(f"{where}: prompts[{i}] must be a sequence of int token ids, "
-                                f"got {p!r:.80}") from None
+                raise TypeError(f"{where}: prompts[{i}] must be a sequence of int token ids "
+                                f"(not bools or floats), got {p!r:.80}") from None
             if not row:
                 raise ValueError(f"{where}: prompts[{i}] is empty; every prompt needs >= 1 "
                                  "token")
@@ -717,28 +775,30 @@ class Runner:
                 raise ValueError(f"{where}: prompts[{i}] holds token id {bad}, outside the "
                                  f"model's vocabulary [0, {vocab})")
             ids.append(row)
-        _int(where, "max_new_tokens", max_new_tokens, 1)
-        _int(where, "context_fill", context_fill, 0)
-        _int(where, "eos_check_every", eos_check_every, 1)
+        max_new_tokens = _int(where, "max_new_tokens", max_new_tokens, 1)
+        context_fill = _int(where, "context_fill", context_fill, 0)
+        eos_check_every = _int(where, "eos_check_every", eos_check_every, 1)
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"{where}: sampling must be a fusedist.models.SamplingParams, got "
                             f"{type(sampling).__name__}")
         try:
+            if isinstance(eos_ids, (str, bytes)) or any(isinstance(t, bool) for t in eos_ids):
+                raise TypeError
             stop = sorted({operator.index(t) for t in eos_ids})
         except TypeError:
-            raise TypeError(f"{where}: eos_ids must be a sequence of int token ids, got "
-                            f"{eos_ids!r:.80}") from None
+            raise TypeError(f"{where}: eos_ids must be a sequence of int token ids (e.g. "
+                            f"[2] or ()), got {eos_ids!r:.80}") from None
         longest = context_fill + max(len(p) for p in ids) + max_new_tokens
         if longest > self.max_seq_len:
             raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
-                             f"the runner's max_seq_len {self.max_seq_len}; build the Runner "
-                             "with a larger max_seq_len")
+                             f"max_seq_len {self.max_seq_len}; {self.fixes['max_seq_len']}, or "
+                             "lower max_new_tokens or the prompt")
         if self.max_position is not None and longest > self.max_position:
             raise ValueError(f"{where}: {longest} tokens (context + prompt + new) exceed "
                              f"the model's max_position {self.max_position}; lower "
                              "max_new_tokens or the prompt, or build the model with a larger "
                              "max_position")
-        self.bucket(len(ids))
+        self.bucket(len(ids), where)
         fields = {"request": "valid", "prompts": f"{len(ids)} prompts"}
         fields.update((f"prompts[{i}]", _show_ids(row)) for i, row in enumerate(ids))
         fields["max_new_tokens"] = repr(max_new_tokens)
@@ -747,19 +807,20 @@ class Runner:
         fields["eos_ids"] = repr(stop)
         fields["context_fill"] = repr(context_fill)
         fields["eos_check_every"] = repr(eos_check_every)
-        return fields, ids
+        return fields, (ids, max_new_tokens, sampling, stop, context_fill, eos_check_every)
 
     def _tp_group(self):
-        """The model's tensor-parallel fusedist Group (None for a model without one)."""
-        comm = getattr(self.model, "comm", None)
-        return getattr(comm, "group", None)
+        """The model's tensor-parallel fusedist Group (None for a model without one); kept
+        from construction, so that a closed runner still agrees with its peers that it is
+        closed."""
+        return self._group
 
-    def _check_same_request(self, fields: dict, exact) -> None:
+    def _check_same_request(self, where: str, fields: dict, exact) -> None:
         group = self._tp_group()
         if group is None or group.size == 1:
             return
         group.check_same(
-            fields, exact=exact, where="Runner.generate", what="requests",
+            fields, exact=exact, where=where, what="requests",
             error=RequestMismatchError,
             fix="Every rank of the tensor-parallel group must call generate() with the same "
                 "prompts, max_new_tokens, sampling parameters (seed included), eos_ids, "

@@ -21,8 +21,14 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        if type(self.greedy).__name__ == "bool_":      # numpy.bool_
+            self.greedy = bool(self.greedy)
         if not isinstance(self.greedy, bool):
             raise ValueError(f"SamplingParams: greedy must be a bool, got {self.greedy!r}")
+        if _is_int(self.top_k):
+            self.top_k = int(self.top_k)
+        if _is_int(self.seed):
+            self.seed = int(self.seed)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or \
                 t < 0:
@@ -42,9 +48,25 @@ class SamplingParams:
 def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
+def nan_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool [n]: the rows of logits [n, vocab] that hold a NaN (on logits' device, no sync)."""
+    return torch.isnan(logits).any(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Next token ids [n] (int64) from logits [n, vocab]."""
+           generator: Optional[torch.Generator], check: Optional[bool] = None) -> torch.Tensor:
+    """Next token ids [n] (int64) from logits [n, vocab]. A row holding NaN has no next token
+    (argmax would pick the NaN's index, typically 0): check=True refuses one with a ValueError
+    naming the rows; None (default) checks CPU logits (no synchronization) and leaves CUDA
+    logits to the caller (the Runner checks every step's rows once at the end of the call);
+    False does not check."""
+    if check or (check is None and logits.device.type == "cpu"):
+        bad = nan_rows(logits)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten().tolist()
+            raise ValueError(f"fusedist.models.sample: logits rows {rows[:8]} of "
+                             f"{logits.shape[0]} hold NaN; there is no token to sample from "
+                             "them (check the model's weights and inputs)")
     if params.greedy or params.temperature == 0.0:
         return logits.argmax(dim=-1)
     lg = logits.float() / params.temperature

@@ -61,9 +61,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..nn.attention import AttentionMetadata
 from .detokenize import IncrementalDetokenizer, TextAssembler
 from .prefix_cache import PagePool, page_hashes
-from .runner import PREFILL_GRAPH_TOKENS, Runner, _metadata
+from .runner import PREFILL_GRAPH_TOKENS, Runner
 from .runner import buckets_for as _buckets
 from .sampler import GenerationParams, ParamError, SampleRow, sample_rows
 
@@ -619,11 +620,11 @@ class Engine:
         bt_d = bt.to(dev)
         lens_d = torch.tensor(lens, dtype=torch.int32, device=dev)
         cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
-        meta = _metadata(mode="prefill", block_table=bt_d, seq_lens=lens_d,
-                         slot_mapping=slots.to(dev), cu_seqlens_q=cu_d,
-                         max_q_len=max(n for _, n in items), seq_lens_host=lens,
-                         cu_seqlens_q_host=cu,
-                         plan=r._prefill_plan(bt_d, lens_d, cu_d, T, lens, cu))
+        meta = AttentionMetadata(mode="prefill", block_table=bt_d, seq_lens=lens_d,
+                                 slot_mapping=slots.to(dev), cu_seqlens_q=cu_d,
+                                 max_q_len=max(n for _, n in items), seq_lens_host=lens,
+                                 cu_seqlens_q_host=cu,
+                                 plan=r._prefill_plan(bt_d, lens_d, cu_d, T, lens, cu))
         last = torch.tensor(cu[1:], dtype=torch.int64, device=dev) - 1
         return self.model(torch.tensor(toks, dtype=torch.int64, device=dev), pos_t.to(dev),
                           r.cache, meta, logits_rows=last)

@@ -17,7 +17,9 @@ Sharding over the tensor-parallel group of size W (Megatron / vLLM):
   o_proj       row-parallel [hidden, H/W D] (columns of this rank's q heads): reduce=True
                all-reduces through fusedist.gemm_ar; reduce=False returns the partial product so
                the caller fuses the all-reduce with residual + RMSNorm. At W = 1 there is no
-               communication at all.
+               communication at all. o_bias=True (Llama's attention_bias): a replicated [hidden]
+               bias, added once: after the all-reduce, or with reduce=False to rank 0's
+               partial only, so that the sum of the partials holds it once.
 The cache passed in holds this rank's kv heads (Hkv_r of them).
 
 FP8 weights: TPAttention(..., fp8_layout="channel" | "tensor" | "block") keeps qkv_weight and
@@ -50,6 +52,7 @@ from ..ops.attention import DecodePlan, PrefillPlan, decode, prefill, rope_appen
 from ..ops.allreduce import all_reduce
 from ..ops.gemm_comm import gemm_ar
 from ..distributed.runtime import is_initialized
+from .._check import as_int
 from .kv_cache import PagedKVCache
 from .linear import linear
 from .quant import LAYOUTS, FP8Rows, FP8Weight, takes_fp8_rows
@@ -85,6 +88,42 @@ class AttentionMetadata:
             raise ValueError(f"AttentionMetadata: mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "prefill" and self.cu_seqlens_q is None:
             raise ValueError("AttentionMetadata: prefill needs cu_seqlens_q (int [batch + 1])")
+        # The host lists must say what the tensors hold: prefill plans from the lists and the
+        # attention reads the tensors. Compared where it costs no synchronization (the tensor
+        # on the CPU); on a GPU the caller vouches for them (the Runner builds both from one
+        # list).
+        for name, host, t in (("seq_lens_host", self.seq_lens_host, self.seq_lens),
+                              ("cu_seqlens_q_host", self.cu_seqlens_q_host, self.cu_seqlens_q)):
+            if host is None or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            if [int(v) for v in host] != t.tolist():
+                tname = name.removesuffix("_host")
+                raise ValueError(f"AttentionMetadata: {name} {list(host)[:16]} disagrees with "
+                                 f"{tname} {t.tolist()[:16]}; pass the same lengths in both "
+                                 f"(or leave {name} out: prefill then reads {tname})")
+
+
+def check_rope_scaling(where: str, scaling: Optional[dict]) -> None:
+    """A RoPE scaling dict whose factors make a finite table: every factor present a finite
+    number > 0 (a factor <= 0 divides the frequencies into NaN or negative ones), llama3's
+    high_freq_factor > low_freq_factor. None, {} and type "default" have none."""
+    if not scaling:
+        return
+    if not isinstance(scaling, dict):
+        raise TypeError(f"{where}: rope_scaling must be a dict or None, got "
+                        f"{type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return
+    keys = ("factor",) + (("low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings") if kind == "llama3" else ())
+    for k in keys:
+        v = scaling.get(k, 1.0 if k != "factor" else None)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v <= 0:
+            raise ValueError(f"{where}: rope_scaling {k} must be a finite number > 0, got "
+                             f"{v!r} (a {kind} RoPE table would hold NaN or reversed "
+                             "frequencies)")
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -113,8 +152,15 @@ class TPAttention(torch.nn.Module):
                  max_position: int = 8192, rope_style: str = "neox", group: GroupLike = None,
                  dtype=None, device=None, rotary_dim: Optional[int] = None,
                  softmax_scale: Optional[float] = None, fp8_layout: Optional[str] = None,
-                 qk_norm: bool = False, qk_norm_eps: float = 1e-6):
+                 qk_norm: bool = False, qk_norm_eps: float = 1e-6, o_bias: bool = False):
         super().__init__()
+        hidden_size, num_heads, num_kv_heads, max_position = (
+            as_int("TPAttention", n, v, 1) for n, v in (
+                ("hidden_size", hidden_size), ("num_heads", num_heads),
+                ("num_kv_heads", num_kv_heads), ("max_position", max_position)))
+        if head_dim is not None:
+            head_dim = as_int("TPAttention", "head_dim", head_dim, 1)
+        check_rope_scaling("TPAttention", rope_scaling)
         self.comm = None
         if group is not None or is_initialized():
             g = group.group if isinstance(group, Communicator) else resolve_group(group)
@@ -164,15 +210,16 @@ class TPAttention(torch.nn.Module):
                                           requires_grad=False)
         self.q_norm = ones() if qk_norm else None
         self.k_norm = ones() if qk_norm else None
+        self.o_bias = p(hidden_size) if o_bias else None
         self.register_buffer("cos_sin", rope_cos_sin(head_dim, max_position, rope_base,
                                                      rope_scaling, device=device,
                                                      rotary_dim=rotary_dim), persistent=False)
 
     @torch.no_grad()
-    def load_full(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+    def load_full(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None, o_b=None):
         """Full HF-layout weights: q_w [H D, hidden], k_w / v_w [Hkv D, hidden], o_w
-        [hidden, H D] (tensors, or FP8Weights for an fp8_layout module); takes this rank's
-        shard."""
+        [hidden, H D] (tensors, or FP8Weights for an fp8_layout module), biases q_b / k_b / v_b
+        (qkv_bias) and o_b [hidden] (o_bias); takes this rank's shard."""
         D, hid = self.head_dim, self.hidden_size
         for name, w, want in (("q_w", q_w, (self.num_heads * D, hid)),
                               ("k_w", k_w, (self.num_kv_heads * D, hid)),
@@ -187,19 +234,20 @@ class TPAttention(torch.nn.Module):
         qs = slice(self.tp_rank * self.q_heads * D, (self.tp_rank + 1) * self.q_heads * D)
         ks = slice(self.kv_first * D, (self.kv_first + self.kv_heads) * D)
         self._check_kinds("load_full", q_w=q_w, k_w=k_w, v_w=v_w, o_w=o_w)
+        biases = (q_b[qs], k_b[ks], v_b[ks]) if q_b is not None else (None, None, None)
         if self.fp8_layout is not None:
             cut = lambda w, dim, s, name: w.narrow(dim, s.start, s.stop,  # noqa: E731
                                                    f"TPAttention.load_full {name}")
             return self.load_shard(cut(q_w, 0, qs, "q_w"), cut(k_w, 0, ks, "k_w"),
-                                   cut(v_w, 0, ks, "v_w"), cut(o_w, 1, qs, "o_w"),
-                                   *((q_b[qs], k_b[ks], v_b[ks]) if q_b is not None else ()))
-        return self.load_shard(q_w[qs], k_w[ks], v_w[ks], o_w[:, qs],
-                               *((q_b[qs], k_b[ks], v_b[ks]) if q_b is not None else ()))
+                                   cut(v_w, 0, ks, "v_w"), cut(o_w, 1, qs, "o_w"), *biases,
+                                   o_b=o_b)
+        return self.load_shard(q_w[qs], k_w[ks], v_w[ks], o_w[:, qs], *biases, o_b=o_b)
 
     @torch.no_grad()
-    def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+    def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None, o_b=None):
         """This rank's shards: q_w [H/W D, hidden] (its q heads), k_w / v_w [Hkv_r D, hidden]
-        (its kv heads), o_w [hidden, H/W D] (their o_proj columns), biases likewise; tensors, or
+        (its kv heads), o_w [hidden, H/W D] (their o_proj columns), biases likewise (o_b: the
+        whole [hidden] o_proj bias, replicated); tensors, or
         FP8Weights for an fp8_layout module (stacked by FP8Weight.cat_rows, so a per-tensor
         checkpoint's q / k / v scales become per-channel when they differ)."""
         D, hid = self.head_dim, self.hidden_size
@@ -214,6 +262,12 @@ class TPAttention(torch.nn.Module):
         if (self.qkv_bias is not None) != (q_b is not None):
             raise ValueError("TPAttention.load_shard: pass q_b, k_b, v_b exactly when the module "
                              "was built with qkv_bias=True")
+        if (self.o_bias is not None) != (o_b is not None):
+            raise ValueError("TPAttention.load_shard: pass o_b exactly when the module was built "
+                             "with o_bias=True")
+        if o_b is not None and tuple(o_b.shape) != (hid,):
+            raise ValueError(f"TPAttention.load_shard: o_b must be [{hid}] (the whole o_proj "
+                             f"bias), got {list(o_b.shape)}")
         if self.fp8_layout is not None:
             dev = self.cos_sin.device
             self.qkv_weight = FP8Weight.cat_rows([q_w, k_w, v_w],
@@ -224,6 +278,8 @@ class TPAttention(torch.nn.Module):
             self.o_weight.copy_(o_w)
         if self.qkv_bias is not None:
             self.qkv_bias.copy_(torch.cat([q_b, k_b, v_b]))
+        if self.o_bias is not None:
+            self.o_bias.copy_(o_b)
         return self
 
     @torch.no_grad()
@@ -284,6 +340,10 @@ class TPAttention(torch.nn.Module):
                              f"{tuple(rows.shape)}")
         if rows is not x:
             self._check_fp8_input()
+        elif rows.dtype != self.dtype:
+            raise TypeError(f"TPAttention: x is {rows.dtype}, this module's weights and cache "
+                            f"are {self.dtype}; pass x.to({self.dtype}) (or build the module "
+                            f"with dtype={rows.dtype})")
         if cache.kv_heads != self.kv_heads or cache.head_dim != self.head_dim:
             raise ValueError(f"TPAttention: the cache holds {cache.kv_heads} kv heads of "
                              f"{cache.head_dim}; this rank needs {self.kv_heads} of "
@@ -311,10 +371,13 @@ class TPAttention(torch.nn.Module):
                         backend=meta.prefill_backend)
         o = o.reshape(T, hq * D)
         if self.tp_size == 1 or not reduce or T == 0:
-            return linear(o, self.o_weight)   # T == 0 on every rank alike: nothing to reduce
+            # T == 0 on every rank alike: nothing to reduce. An unreduced partial carries the
+            # o_proj bias on rank 0 only: the sum over the ranks holds it once.
+            return linear(o, self.o_weight, self.o_bias if self.tp_rank == 0 else None)
         if isinstance(self.o_weight, FP8Weight):
-            return all_reduce(linear(o, self.o_weight), group=self.comm)
-        return gemm_ar(o, self.o_weight.t(), group=self.comm)
+            y = all_reduce(linear(o, self.o_weight), group=self.comm)
+            return y if self.o_bias is None else y + self.o_bias
+        return gemm_ar(o, self.o_weight.t(), self.o_bias, group=self.comm)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, heads={self.num_heads}/{self.num_kv_heads} "

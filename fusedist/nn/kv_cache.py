@@ -15,27 +15,35 @@ head_dim] view. FP8 caches (kv_dtype=torch.float8_e4m3fn) carry float32 scales
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .._check import as_int
 from .._dtypes import FP8
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer as users hold one (a Python or numpy int), not a bool or a float."""
+    if isinstance(v, bool):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
 
 
-def _positive_int(where: str, name: str, v) -> None:
-    if not _is_int(v) or v <= 0:
-        raise ValueError(f"{where}: {name} must be a positive int, got {v!r}")
+def _positive_int(where: str, name: str, v) -> int:
+    return as_int(where, name, v, 1, what="a positive int")
 
 
 class PageAllocator:
     """Free list of page ids 0 .. num_pages-1; allocate(n) hands out the lowest free ids."""
 
     def __init__(self, num_pages: int):
-        _positive_int("PageAllocator", "num_pages", num_pages)
+        num_pages = _positive_int("PageAllocator", "num_pages", num_pages)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))   # a stack: pop() gives the lowest id
         self._used = set()
@@ -47,6 +55,7 @@ class PageAllocator:
     def allocate(self, n: int) -> list[int]:
         if not _is_int(n) or n < 0:
             raise ValueError(f"PageAllocator.allocate: n must be an int >= 0, got {n!r}")
+        n = operator.index(n)
         if n > len(self._free):
             raise RuntimeError(f"PageAllocator: {n} pages requested, {len(self._free)} of "
                                f"{self.num_pages} free; free finished sequences or size the "
@@ -79,11 +88,10 @@ class PagedKVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int = 16, dtype: torch.dtype = torch.bfloat16, device=None,
                  kv_dtype: Optional[torch.dtype] = None):
-        for name, val in (("num_layers", num_layers), ("kv_heads", kv_heads),
-                          ("head_dim", head_dim), ("num_pages", num_pages),
-                          ("page_size", page_size)):
-            if not isinstance(val, int) or val <= 0:
-                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {val!r}")
+        num_layers, kv_heads, head_dim, num_pages, page_size = (
+            _positive_int("PagedKVCache", name, val) for name, val in (
+                ("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                ("num_pages", num_pages), ("page_size", page_size)))
         cache_dtype = dtype if kv_dtype is None else kv_dtype
         allowed = (torch.bfloat16, torch.float16, torch.float32) + ((FP8,) if FP8 else ())
         if cache_dtype not in allowed:
@@ -115,7 +123,10 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_page(num_layers: int, kv_heads: int, head_dim: int, page_size: int,
                        kv_dtype: torch.dtype) -> int:
-        """K + V bytes of one page over all layers (scales included for FP8)."""
+        """K + V bytes of one page over all layers (FP8: the float32 scale of each token and kv
+        head included). The one formula of a KV cache's size: the cache, the models'
+        kv_bytes_per_token, the Runner's sizing and fusedist.generate's memory estimate all
+        read it here."""
         elem = torch.empty((), dtype=kv_dtype).element_size()
         per = 2 * num_layers * page_size * kv_heads * head_dim * elem
         if FP8 is not None and kv_dtype == FP8:
@@ -140,6 +151,7 @@ class PagedKVCache:
         if not _is_int(i) or not 0 <= i < self.num_layers:
             raise ValueError(f"PagedKVCache.layer: layer index must be an int in [0, "
                              f"{self.num_layers}), got {i!r}")
+        i = operator.index(i)
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
@@ -163,7 +175,7 @@ def slot_mapping(block_table_row: Sequence[int] | torch.Tensor, positions, page_
                  device=None) -> torch.Tensor:
     """int64 slots of token positions in one sequence: row[pos // page_size] * page_size +
     pos % page_size."""
-    _positive_int("slot_mapping", "page_size", page_size)
+    page_size = _positive_int("slot_mapping", "page_size", page_size)
     row = torch.as_tensor(block_table_row, dtype=torch.int64)
     pos = torch.as_tensor(positions, dtype=torch.int64).to(row.device)
     if pos.numel() and int(pos.min()) < 0:
@@ -202,9 +214,10 @@ class BlockTable:
         if not isinstance(allocator, PageAllocator):
             raise TypeError(f"BlockTable: allocator must be a PageAllocator (e.g. "
                             f"PagedKVCache.allocator), got {type(allocator).__name__}")
-        for name, v in (("page_size", page_size), ("max_batch", max_batch),
-                        ("max_pages_per_seq", max_pages_per_seq)):
-            _positive_int("BlockTable", name, v)
+        page_size, max_batch, max_pages_per_seq = (
+            _positive_int("BlockTable", name, v) for name, v in (
+                ("page_size", page_size), ("max_batch", max_batch),
+                ("max_pages_per_seq", max_pages_per_seq)))
         self.allocator, self.page_size = allocator, page_size
         self.max_batch, self.max_pages_per_seq = max_batch, max_pages_per_seq
         self.pages: dict = {}     # seq id -> list of page ids
@@ -240,6 +253,7 @@ class BlockTable:
         if not _is_int(n) or n < 0:
             raise ValueError(f"BlockTable.append: n must be an int >= 0 (tokens to add), got "
                              f"{n!r}; remove() a finished sequence instead of shrinking it")
+        n = operator.index(n)
         start = self.lengths[seq_id]
         need = -(-(start + n) // self.page_size)
         have = self.pages[seq_id]

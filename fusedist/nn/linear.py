@@ -113,6 +113,15 @@ class _TPLinear(torch.nn.Module):
         self.weight = shard
 
     def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: x must be a torch.Tensor, got "
+                            f"{type(x).__name__}")
+        dtype = self.weight.dtype if not isinstance(self.weight, FP8Weight) else \
+            (self.bias.dtype if self.bias is not None else x.dtype)
+        if x.dtype != dtype:
+            raise TypeError(f"{type(self).__name__}: x is {x.dtype}, this module's weights are "
+                            f"{dtype}; pass x.to({dtype}) (or build the module with "
+                            f"dtype={x.dtype})")
         lead = tuple(x.shape[:-1])
         return x.reshape(-1, x.shape[-1]).contiguous(), lead
 

@@ -159,6 +159,110 @@ def test_bad_block_size_and_format():
         fp8.quantize(torch.ones(4), 32, fmt="e5m2")
 
 
+# ---- the error bound of fp8_all_reduce (ERROR_BOUND) -------------------------------------------
+# The raw FP8 arithmetic (replay_all_reduce: no bound) loses the ordinary elements of an
+# outlier's block in e3m4 (2.5e-2 at 100x, 0.23 at 1000x, ~1 from 10^4x: they fall below its
+# normal range, rounded in steps of the block's amax x 2^-11), whatever the block size, and
+# partial sums that cancel take the inputs' error to a sum many times smaller (0.18 at a sum
+# 10x below the inputs, 1.4 at 100x). fp8_all_reduce holds ERROR_BOUND (2^-4) instead: e4m3
+# for such a call where it keeps the bound, else the exact sum; measured against float64.
+OUTLIER_SCALES = (1.0, 30.0, 100.0, 300.0, 1e3, 3e3, 1e4, 1e5, 1e7)
+CANCEL = (1.0, 0.6, 0.3, 0.25, 0.1, 0.01, 0.0)
+
+
+def _outliers(p, scale, n=1 << 14, every=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for _ in range(p):
+        x = torch.randn(n, generator=g)
+        x[::every] *= scale
+        xs.append(x)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[::every] = False
+    return xs, keep
+
+
+def _cancelling(p, eps, n=1 << 14, seed=0):
+    """Rank 0's input, minus it on rank 1, plus eps-sized noise on every rank: the sum is eps
+    times the inputs' size."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, generator=g)
+    return [(a if r == 0 else -a if r == 1 else torch.zeros(n)) + eps * torch.randn(n, generator=g)
+            for r in range(p)]
+
+
+@pytest.mark.parametrize("block", [32, 128, 512])
+@pytest.mark.parametrize("algo", fp8.ALGOS)
+@pytest.mark.parametrize("fmt", fp8.FORMATS)
+@pytest.mark.parametrize("p", [2, 4])
+def test_all_reduce_holds_its_error_bound(block, algo, fmt, p):
+    """Outliers of every size in a block and partial sums that cancel to nothing: the result,
+    and the outlier blocks' ordinary elements, stay within ERROR_BOUND of the float64 sum;
+    the path is FP8 while it can hold the bound (Gaussian inputs keep their format)."""
+    bound = fp8.ERROR_BOUND
+    paths = {}
+    for scale in OUTLIER_SCALES:
+        xs, keep = _outliers(p, scale, seed=int(scale) % 1000)
+        info = {}
+        y = fp8.all_reduce_reference(xs, block_size=block, algo=algo, fmt=fmt, info=info)
+        ref = sum(x.double() for x in xs)
+        for part, m in (("whole", slice(None)), ("ordinary", keep)):
+            err = rel(y, ref, m)
+            assert err <= bound, (scale, part, info, err)
+        paths[scale] = info["path"]
+    assert paths[1.0] == paths[30.0] == paths[100.0] == fmt       # Gaussian-like: as asked
+    assert paths[1e3] == ("e4m3" if fmt == "e3m4" else "e4m3")    # e3m4 loses it, e4m3 not
+    assert paths[1e7] == "exact"                                 # past both formats
+    for eps in CANCEL:
+        xs = _cancelling(p, eps)
+        info = {}
+        y = fp8.all_reduce_reference(xs, block_size=block, algo=algo, fmt=fmt, info=info)
+        ref = sum(x.double() for x in xs)
+        if eps == 0:                       # the inputs cancel exactly: so must the result
+            assert info["path"] == "exact" and not y.any(), info
+            continue
+        err = rel(y, ref)
+        assert err <= bound, (eps, info, err)
+        if eps <= 0.1:
+            assert info["path"] == "exact", (eps, info)
+
+
+def test_without_the_bound_the_raw_error_shows():
+    """max_error=None: the FP8 arithmetic whatever its error (the replay of this module, bit
+    for bit), which the bound exists to catch."""
+    xs, keep = _outliers(4, 1e3)
+    y = fp8.all_reduce_reference(xs, max_error=None)
+    assert torch.equal(y, replay_all_reduce(xs, 128, "two_shot", "e3m4"))
+    assert rel(y, sum(x.double() for x in xs), keep) > fp8.ERROR_BOUND
+    xs = _cancelling(2, 0.01)
+    assert rel(fp8.all_reduce_reference(xs, max_error=None), sum(x.double() for x in xs)) > 1
+
+
+def test_block_damage_names_the_outlier_blocks_only():
+    """block_damage's ratio: ~0 for Gaussian blocks (the few elements below the normal range
+    are a small part of no block's body), the ordinary elements' relative RMS error for a
+    block an outlier pushed below it."""
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(64, 128, generator=g)
+    assert fp8.block_damage(b, *fp8.quantize(b, 128), "e3m4")[1] == 0.0
+    b[7, 3] = 1e4
+    err2, ratio = fp8.block_damage(b, *fp8.quantize(b, 128), "e3m4")
+    q, s = fp8.quantize(b, 128)
+    d = fp8.dequantize(q, s, None, 128).view(64, 128)
+    keep = torch.ones(128, dtype=torch.bool)
+    keep[3] = False
+    want = float((d[7] - b[7])[keep].norm() / b[7][keep].norm())
+    assert ratio == pytest.approx(want, rel=0.05) and ratio > 0.5
+    assert float(err2.sum()) == pytest.approx(float((d - b).double().square().sum()), rel=1e-6)
+
+
+def test_max_error_argument():
+    with pytest.raises(ValueError, match="max_error must be a finite number > 0"):
+        fp8.all_reduce_reference([torch.ones(4)], max_error=0)
+    with pytest.raises(ValueError, match="max_error must be a finite number > 0"):
+        fp8.all_reduce_reference([torch.ones(4)], max_error=float("nan"))
+
+
 # ---- the CUDA codec kernels against the torch path (one GPU) ---------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", fp8.FORMATS)

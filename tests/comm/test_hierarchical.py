@@ -50,10 +50,12 @@ def test_hierarchical_2_nodes_x_2_gpu4():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("what", ["hierarchical", "fp8"])
+@pytest.mark.parametrize("what", ["hierarchical", "fp8", "all_reduce"])
 def test_a_lost_node_ends_the_others_with_peer_lost_error(what):
     """Rank 3 (of 2 emulated nodes x 2) leaves mid-run: the 3 others end with PeerLostError
-    naming it, within the groups' timeout (tests/dist/worker_node_lost.py)."""
+    naming it, within the groups' timeout (tests/dist/worker_node_lost.py); all_reduce: rank 3
+    shuts fusedist down and exits cleanly, the others' plain fusedist.all_reduce (which gloo
+    failed with "Connection reset by peer") names it too."""
     p = torchrun("worker_node_lost.py", 4, {**CPU_ENV, "FUSEDIST_INIT_TIMEOUT_S": "20"},
                  timeout=180, args=(what,))
     assert_passed(p, 3)

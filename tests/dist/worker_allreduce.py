@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.errors import CollectiveMismatchError  # noqa: E402
-from tolerances import count_bad  # noqa: E402
+from tolerances import TOL_EPILOGUE, count_bad  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SIZES = tuple(n for n in (1, 7, 1023, 65537, 2**20 + 3)
@@ -274,6 +274,42 @@ def torch_compile_fullgraph(rt, seed):
     x, ref = inputs_and_ref(rt, 1000, torch.float32, (seed, "compile"))
     y = cf(x)
     assert count_bad(y, ref * 2 + 1, torch.float32) == 0
+
+
+@check
+@not_emulated(NEEDS_COMPILE)
+def torch_compile_as_the_groups_first_use(rt, seed):
+    """A compiled fusedist.all_reduce / all_reduce_add_rmsnorm that is the first use of its
+    group: the communicator is made when the call is traced (it used to fail with "no open
+    communicator named ..." when the graph ran). A fresh group per op, so no call made it
+    before."""
+    import torch.distributed as dist
+
+    if os.environ.get("FUSEDIST_TEST_COMPILE", "1") == "0":
+        skip("FUSEDIST_TEST_COMPILE=0")
+    dev = rt.device
+    backend = "eager" if dev.type == "cpu" else "inductor"
+    g1 = fusedist.Group.from_process_group(dist.new_group(list(range(rt.world_size))))
+    assert g1._communicator is None
+    x, ref = inputs_and_ref(rt, 999, torch.float32, (seed, "compile-first"))
+    y = torch.compile(lambda t: fusedist.all_reduce(t, group=g1) * 3, fullgraph=True,
+                      backend=backend)(x)
+    assert count_bad(y, ref * 3, torch.float32) == 0
+    assert g1._communicator is not None and not g1._communicator.closed
+    g2 = fusedist.Group.from_process_group(dist.new_group(list(range(rt.world_size))))
+    h = 64
+    a = fresh((5, h), torch.float32, dev, rank_seed(seed, "cf-a", rt.rank))
+    res = fresh((5, h), torch.float32, dev, rank_seed(seed, "cf-res"))
+    w = fresh((h,), torch.float32, dev, rank_seed(seed, "cf-w"))
+    normed, new_res = torch.compile(
+        lambda p, r, ww: fusedist.all_reduce_add_rmsnorm(p, r, ww, 1e-6, group=g2),
+        fullgraph=True, backend=backend)(a, res, w)
+    s_ = sum(fresh((5, h), torch.float32, dev, rank_seed(seed, "cf-a", r)).double()
+             for r in range(rt.world_size))
+    hh = s_ + res.double()
+    want = hh * torch.rsqrt(hh.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert count_bad(new_res, hh, torch.float32, TOL_EPILOGUE) == 0
+    assert count_bad(normed, want, torch.float32, TOL_EPILOGUE) == 0
 
 
 def symmetric_or_skip(rt):

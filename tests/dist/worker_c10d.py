@@ -172,6 +172,47 @@ def mismatched_all_reduce_raises_on_every_rank(c: Ctx, seed):
         raise AssertionError("all_reduce of different sizes did not raise CollectiveMismatchError")
 
 
+def _expect_mismatch(what, call, *needles):
+    t0 = time.time()
+    try:
+        call()
+    except fusedist.CollectiveMismatchError as e:
+        for n in ("called different collectives",) + needles:
+            assert n in str(e), f"{what}: {str(e)!r} lacks {n!r}"
+    else:
+        raise AssertionError(f"{what}: no CollectiveMismatchError")
+    assert time.time() - t0 < 20, f"{what}: took {time.time() - t0:.1f} s"
+
+
+@check
+def ranks_calling_differently_raise_on_every_rank(c: Ctx, seed):
+    """Another reduce op, another collective, another root or dtype on one rank: every rank
+    raises naming each rank's call (gloo would hang, mix the ops or abort the process); the
+    group stays usable after."""
+    if c.cuda:
+        raise Skip("CPU tensors' calls are compared; CUDA ones go to NCCL as they are")
+    last = c.world - 1
+    mine = c.rank == last
+    x = torch.ones(6) * (c.rank + 1)
+    _expect_mismatch("reduce op", lambda: dist.all_reduce(
+        x, op=dist.ReduceOp.MAX if mine else dist.ReduceOp.SUM),
+        "all_reduce (SUM) of 6 float32 elements through fusedist", f"rank {last} called "
+        "all_reduce (MAX) of 6 float32 elements")
+    _expect_mismatch("collective", lambda: dist.broadcast(x, src=0) if mine else
+                     dist.all_reduce(x), f"rank {last} called broadcast of 6 float32 elements "
+                     "from root 0")
+    _expect_mismatch("root", lambda: dist.broadcast(x, src=last if mine else 0),
+                     f"from root {last}")
+    _expect_mismatch("dtype", lambda: dist.all_gather(
+        [torch.empty(6, dtype=torch.float64 if mine else torch.float32)
+         for _ in range(c.world)], x.double() if mine else x), "float64")
+    _expect_mismatch("barrier", lambda: dist.barrier() if mine else dist.all_reduce(x),
+                     f"rank {last} called barrier")
+    y = torch.ones(6) * (c.rank + 1)                      # the group still works
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    assert y.tolist() == [float(c.world)] * 6, y
+
+
 @check
 def subgroup_all_reduce(c: Ctx, seed):
     ranks = list(range(c.world - 1, -1, -1))  # all ranks, a new group

@@ -73,12 +73,61 @@ def fp8_all_reduce_replays_and_agrees(rt, seed):
                         y = fp8.fp8_all_reduce(xs[rt.rank], rt.world, block_size=block,
                                                algo=algo, fmt=fmt)
                         assert y.shape == (n,) and y.dtype == dtype, what
+                        # fusedist's replay (the same decisions), and on Gaussian inputs the
+                        # plain FP8 arithmetic of this test's own replay
+                        assert torch.equal(y, fp8.all_reduce_reference(
+                            xs, block_size=block, algo=algo, fmt=fmt)), what
                         assert torch.equal(y, replay_all_reduce(xs, block, algo, fmt)), what
                         same_everywhere(rt, y, what)
                         ref = sum(x.double() for x in xs).to(torch.bfloat16).double()
                         err = float((y.double() - ref).norm() / ref.norm())
                         if n >= 1000:  # a few elements say little about a norm
                             assert err <= REL_BOUND[(fmt, algo)], f"{what}: rel err {err:.3e}"
+
+
+@check
+def fp8_all_reduce_holds_its_bound(rt, seed):
+    """Inputs the FP8 payloads cannot carry within ERROR_BOUND: outliers that push their
+    blocks' other elements below e3m4's normal range (the call switches to e4m3 on every
+    rank), larger ones (past e4m3's too) and partial sums that cancel (the exact sum). The
+    result holds the bound against float64, equals fusedist's replay where FP8 ran, and is
+    the same on every rank; check=False reaches the same verdict after the exchange."""
+    W, n, dev = rt.world_size, 5000, rt.device
+    bound = fp8.ERROR_BOUND
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[::512] = False
+
+    def outliers(scale):
+        xs = [fresh((n,), torch.float32, dev, rank_seed(seed, "out", scale, r))
+              for r in range(W)]
+        for x in xs:
+            x[::512] *= scale
+        return xs
+
+    base = fresh((n,), torch.float32, dev, rank_seed(seed, "cancel"))
+    cases = {"gaussian": (outliers(1.0), "e3m4"), "outliers 1000x": (outliers(1e3), "e4m3"),
+             "outliers 1e5x": (outliers(1e5), "exact"),
+             "cancelling": ([base * (1 if r % 2 == 0 else -1) * (1 if r + 1 < W or W % 2 == 0
+                                                                  else 0)
+                             + 0.02 * fresh((n,), torch.float32, dev, rank_seed(seed, "c", r))
+                             for r in range(W)], "exact")}
+    for name, (xs, path) in cases.items():
+        for algo in fp8.ALGOS:
+            for check_call in (True, False):
+                what = f"{name} {algo} check={check_call}"
+                info = {}
+                y = fp8.fp8_all_reduce(xs[rt.rank], rt.world, algo=algo, check=check_call,
+                                       info=info)
+                want = path if check_call or path != "e4m3" else "exact"
+                assert info["path"] == want, f"{what}: path {info['path']}, want {want}"
+                ref = sum(x.double() for x in xs)
+                for part, mask in (("all", slice(None)), ("ordinary", keep)):
+                    err = float((y.double() - ref)[mask].norm() / ref[mask].norm())
+                    assert err <= bound, f"{what}: {part} rel err {err:.3e} > {bound}"
+                if want != "exact":
+                    assert torch.equal(y, fp8.all_reduce_reference(
+                        xs, algo=algo, check=check_call)), what
+                same_everywhere(rt, y, what)
 
 
 @check
@@ -121,6 +170,19 @@ def fp8_mismatched_calls_fail_on_every_rank(rt, seed):
     expect_errors(((lambda: fp8.fp8_all_reduce(torch.ones(8, device=rt.device), rt.world,
                                                 fmt=fp8.FORMATS[rt.rank == 0]), "fmt: rank"),),
                   errors=fp8.CollectiveMismatchError)
+    # A rank whose own argument is wrong: its error there, the mismatch naming it elsewhere.
+    for call in (lambda b: fp8.fp8_all_reduce(torch.ones(8, device=rt.device), rt.world,
+                                               block_size=b),
+                 lambda b: fp8.fp8_all_gather(torch.ones(8, device=rt.device), rt.world,
+                                              block_size=b)):
+        try:
+            call(0 if rt.rank == 0 else 64)
+        except ValueError as e:
+            assert rt.rank == 0 and "block_size" in str(e), str(e)
+        except fp8.CollectiveMismatchError as e:
+            assert rt.rank != 0 and "invalid: ValueError" in str(e) and "block_size" in str(e)
+        else:
+            raise AssertionError("a rank's bad block_size raised nothing")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,58 @@ def bad_arguments_are_named(rt, seed):
 
 
 @check
+def ranks_calling_differently_raise_on_every_rank(rt, seed):
+    """Another size, dtype, collective or algo on one rank: every rank raises
+    CollectiveMismatchError naming the difference (gloo aborted the process on a size
+    mismatch and summed misread bytes on a dtype mismatch); a rank whose own arguments are
+    wrong raises its error and the others name it; the communicator works afterwards. (check
+    defaults to on for CPU groups; GPU groups run it with check=True.)"""
+    import time
+
+    import fusedist
+
+    hc = HierarchicalCommunicator()
+    dev, last = rt.device, rt.world_size - 1
+    mine = rt.rank == last
+    cases = (
+        ("size", lambda: hc.all_reduce(torch.ones(10 + mine, device=dev), check=True),
+         f"numel: ranks {', '.join(map(str, range(last)))}: 10; rank {last}: 11"),
+        ("dtype", lambda: hc.all_reduce(torch.ones(10, device=dev, dtype=torch.bfloat16 if mine
+                                                   else torch.float32), check=True),
+         "dtype: "),
+        ("all_gather size", lambda: hc.all_gather(torch.ones(4 + 2 * mine, device=dev), check=True),
+         "numel: "),
+        ("reduce_scatter size", lambda: hc.reduce_scatter(
+            torch.ones(rt.world_size * (3 + mine), device=dev), check=True), "numel: "),
+        ("collective", lambda: (hc.all_gather if mine else hc.all_reduce)(
+            torch.ones(8, device=dev), check=True), "call: "),
+        ("algo", lambda: hc.all_reduce(torch.ones(8, device=dev),
+                                       algo="flat" if mine else "hierarchical", check=True),
+         "algo: "))
+    for what, call, needle in cases:
+        t0 = time.time()
+        try:
+            call()
+        except fusedist.CollectiveMismatchError as e:
+            assert needle in str(e) and "were given different calls" in str(e), \
+                f"{what}: {str(e)!r} lacks {needle!r}"
+        else:
+            raise AssertionError(f"{what}: no CollectiveMismatchError")
+        assert time.time() - t0 < 20, f"{what}: took {time.time() - t0:.1f} s"
+    # A rank's own bad argument: its ValueError there, the mismatch naming it elsewhere.
+    try:
+        hc.all_reduce(torch.ones(10, device=dev), chunks=0 if mine else None, check=True)
+    except ValueError as e:
+        assert mine and "chunks must be" in str(e), str(e)
+    except fusedist.CollectiveMismatchError as e:
+        assert not mine and "chunks must be" in str(e), str(e)
+    else:
+        raise AssertionError("a rank's bad chunks raised nothing")
+    y = hc.all_reduce(torch.ones(10, device=dev) * (rt.rank + 1))
+    assert y.tolist() == [float(sum(range(1, rt.world_size + 1)))] * 10
+
+
+@check
 def auto_follows_the_cost_model(rt, seed):
     from fusedist.comm import cost_model
 

@@ -1,7 +1,8 @@
 """A node lost mid-run (2 emulated nodes x 2 CPU ranks): rank 3's process ends without a
-word while the others run two-level all-reduces and FP8 all-reduces; every survivor must end
-with fusedist.PeerLostError within the groups' timeout (FUSEDIST_INIT_TIMEOUT_S), naming rank
-3 where it can tell (its process was on this host)."""
+word while the others run two-level all-reduces and FP8 all-reduces (or, mode all_reduce, rank
+3 shuts fusedist down and exits cleanly while the others run plain fusedist.all_reduce); every
+survivor must end with fusedist.PeerLostError within the groups' timeout
+(FUSEDIST_INIT_TIMEOUT_S), naming rank 3 where it can tell (its process was on this host)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,17 @@ def main(what: str) -> None:
     hc.all_reduce(x, algo="hierarchical")       # everyone is there once
     rt.world.barrier()
     if rt.rank == 3:
+        if what == "all_reduce":                  # a clean exit: shutdown, then the end
+            fusedist.shutdown()
+            sys.exit(0)
         os._exit(0)                               # gone: no shutdown, no goodbye
     t0 = time.time()
     try:
         for _ in range(1000):
             if what == "fp8":
                 fp8.fp8_all_reduce(x, rt.world, check=False)
+            elif what == "all_reduce":
+                fusedist.all_reduce(x, group=rt.world)
             else:
                 hc.all_reduce(x, algo="hierarchical", chunks=2)
     except fusedist.PeerLostError as e:

@@ -5,14 +5,16 @@ init() builds, all-reduce over each of them, and embedding an engine's own Proce
     CUDA_VISIBLE_DEVICES= launchers/mpirun.sh -np 4 -- tests/dist/worker_runtime.py [tp_spans]
 
 Mode tp_spans: init(tp_size=4) must fail with a hint at tp_spans_nodes on every rank and
-leave nothing initialized; init(tp_size=4, tp_spans_nodes=True) in the same process must
-then work.
+leave nothing initialized, as must init with a rank_error on one rank and init with different
+tp_size on one rank (CollectiveMismatchError on every rank, naming it); init(tp_size=4,
+tp_spans_nodes=True) in the same process must then work.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _checks import check, fresh, main, rank_seed  # noqa: E402
@@ -124,6 +126,32 @@ def main_tp_spans(rank: int) -> None:
         assert not leaked, "a failed init() left fusedist or torch.distributed initialized"
 
     step(failures, rank, "tp_across_nodes_needs_the_flag", tp_across_nodes_needs_the_flag)
+
+    def expect_stop(what, match, **kw):
+        """init(**kw) raises CollectiveMismatchError naming `match` on every rank, promptly,
+        and leaves nothing initialized."""
+        t0 = time.time()
+        try:
+            fusedist.init(**kw)
+        except fusedist.CollectiveMismatchError as e:
+            assert match in str(e), f"{what}: message lacks {match!r}: {e}"
+        else:
+            raise AssertionError(f"{what}: init raised nothing")
+        finally:
+            leaked = fusedist.is_initialized() or dist.is_initialized()
+            fusedist.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        assert not leaked, f"{what}: a failed init() left something initialized"
+        assert time.time() - t0 < 30, f"{what}: took {time.time() - t0:.0f} s"
+
+    # Rank 2 stopped before it could start (its own arguments): every rank hears why at the
+    # rendezvous instead of waiting for it.
+    step(failures, rank, "a_rank_that_stops_stops_every_rank", lambda: expect_stop(
+        "rank_error", "rank 2 of 4 stopped before starting (rank 2: bad --page-size 0)",
+        rank_error="bad --page-size 0" if rank == 2 else None))
+    step(failures, rank, "different_tp_sizes_stop_every_rank", lambda: expect_stop(
+        "tp_size", "tp_size: ranks 0, 1, 2: 2; rank 3: 1", tp_size=1 if rank == 3 else 2))
 
     # Must succeed on every rank, else there is no group to report failures over.
     rt = fusedist.init(tp_size=4, tp_spans_nodes=True)

@@ -1,5 +1,6 @@
 """Tiny random Hugging Face checkpoints (save_pretrained) for the model tests: several
-architectures and GQA ratios, one with tied embeddings and an odd vocabulary, one sharded.
+architectures and GQA ratios, one with tied embeddings and an odd vocabulary, one sharded, a
+Llama with attention_bias (q, k, v and o_proj biases).
 FP8_KINDS: shapes whose projections are whole 128 x 128 blocks at TP 1 and 2 (q 512, k / v 256,
 gate / up 512 rows); write_fp8_checkpoint writes a bf16 checkpoint's FP8 form in the layouts
 of Hugging Face's quant_method "fp8" and of compressed-tensors."""
@@ -27,6 +28,10 @@ KINDS = {
     "mistral": ("Mistral", dict(vocab_size=256, hidden_size=64, intermediate_size=96,
                                 num_attention_heads=4, num_key_value_heads=1,
                                 sliding_window=None), {}),
+    # Llama with attention_bias: transformers puts biases on q, k, v and o_proj.
+    "llama_bias": ("Llama", dict(vocab_size=256, hidden_size=64, intermediate_size=96,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 attention_bias=True), {}),
     # Multi-head (GQA 1), q/k/v biases, tied embeddings, a vocabulary that TP 2 must pad.
     "qwen2": ("Qwen2", dict(vocab_size=250, hidden_size=64, intermediate_size=96,
                             num_attention_heads=4, num_key_value_heads=4,

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -376,6 +379,19 @@ def _drop(name):
     return edit
 
 
+def _poke(name, index, value=None, byte=None):
+    """Set one element of tensor `name`: a value (NaN, inf, a negative scale) or, for an e4m3
+    tensor, its raw byte (0x7F / 0xFF: e4m3's NaN codes)."""
+    def edit(t):
+        x = t[name].clone()
+        if byte is not None:
+            x.view(torch.uint8)[index] = byte
+        else:
+            x[index] = value
+        t[name] = x
+    return edit
+
+
 BAD = {
     # block scales of the wrong shape: [4, 2] for q_proj [512, 256]
     "scale_shape": ("fp8", "block", _put(Q + ".weight_scale_inv", torch.ones(2, 2)),
@@ -395,6 +411,25 @@ BAD = {
              r"dtype F8_E5M2"),
     "fp8_lm_head": ("fp8", "block", _put("lm_head.weight", torch.zeros(320, 256, dtype=FP8)),
                     "lm_head.weight", r"keeps embeddings, norms and the LM head"),
+    # Values that would make every logit NaN: refused at load, naming the tensor and element.
+    "nan_block_scale": ("fp8", "block", _poke(Q + ".weight_scale_inv", (2, 1), math.nan),
+                        Q + ".weight_scale_inv", r"holds NaN \(1 of 8 elements, the first at "
+                                                 r"index \[2, 1\]\)"),
+    "inf_tensor_scale": ("fp8", "tensor", _poke(Q + ".weight_scale_inv", (), math.inf),
+                         Q + ".weight_scale_inv", r"holds inf"),
+    "negative_scale": ("fp8", "block", _poke(Q + ".weight_scale_inv", (0, 0), -0.5),
+                       Q + ".weight_scale_inv", r"negative FP8 scale \(-0\.5 at index \[0, 0\]\)"),
+    "nan_channel_scale": ("compressed-tensors", "channel",
+                          _poke(Q + ".weight_scale", (7, 0), math.nan), Q + ".weight_scale",
+                          r"holds NaN .*index \[7, 0\]"),
+    "minus_inf_ct_tensor_scale": ("compressed-tensors", "tensor",
+                                  _poke(Q + ".weight_scale", 0, -math.inf),
+                                  Q + ".weight_scale", r"holds inf"),
+    "nan_byte_7f": ("fp8", "block", _poke(Q + ".weight", (5, 9), byte=0x7F), Q + ".weight",
+                    r"holds NaN e4m3 codes \(0x7F / 0xFF\) \(1 of 131072 elements, the first "
+                    r"at index \[5, 9\]\)"),
+    "nan_byte_ff": ("compressed-tensors", "channel", _poke(Q + ".weight", (300, 0), byte=0xFF),
+                    Q + ".weight", r"holds NaN e4m3 codes .*index \[300, 0\]"),
 }
 
 
@@ -404,6 +439,34 @@ def test_bad_fp8_tensor_names_tensor_and_file(rt, ckpts, tmp_path, case):
     path = write_fp8_checkpoint(ckpts["bf16"], str(tmp_path / case), method, layout, edit=edit)
     with pytest.raises(ValueError, match=re.escape(name) + ".*model\\.safetensors.*" + what):
         _model(path)
+
+
+def test_bad_value_refused_on_the_rank_that_reads_it(rt, ckpts, tmp_path):
+    """A NaN code in the rows another rank keeps: each rank checks the slices it reads (here
+    rank 1 of 2's q_proj rows, read as rank 1 would)."""
+    path = write_fp8_checkpoint(ckpts["bf16"], str(tmp_path / "r1"), "fp8", "block",
+                                edit=_poke(Q + ".weight", (400, 3), byte=0x7F))
+    src = SafetensorsWeights(path)
+    src.read(Q + ".weight", 0, 0, 256, dtype=FP8, device="cpu")        # rank 0's rows: clean
+    with pytest.raises(ValueError, match=re.escape(Q + ".weight") + r".*index \[144, 3\]"):
+        src.read(Q + ".weight", 0, 256, 512, dtype=FP8, device="cpu")
+
+
+@pytest.mark.parametrize("value,what", [(math.nan, "NaN"), (math.inf, "inf")])
+def test_float_checkpoint_with_nan_or_inf_is_refused(rt, ckpts, tmp_path, value, what):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / what
+    d.mkdir()
+    t = load_file(os.path.join(ckpts["bf16"], "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    t[name] = t[name].clone()
+    t[name][17, 2] = value
+    save_file(t, str(d / "model.safetensors"))
+    shutil.copy(os.path.join(ckpts["bf16"], "config.json"), d / "config.json")
+    for quantize in (None, "fp8"):     # read as bf16, or read to be quantized at load
+        with pytest.raises(ValueError, match=re.escape(name) + f".*holds {what} .*\\[17, 2\\]"):
+            _model(str(d), quantize=quantize)
 
 
 def test_missing_scale_names_it(rt, ckpts, tmp_path):
@@ -644,6 +707,20 @@ def test_cli_refuses_unreadable_fp8(rt, ckpts, tmp_path):
                 "--max-new-tokens", "2"], env=env, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "quantization_config.activation_scheme 'static' is not supported" in p.stderr
+
+
+def test_cli_refuses_nan_fp8_scale(rt, ckpts, tmp_path):
+    """A NaN weight scale: one line naming the tensor, exit status 1 (it used to run and print
+    ids of 0s with exit status 0)."""
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    path = write_fp8_checkpoint(ckpts["bf16"], str(tmp_path / "nan"), "compressed-tensors",
+                                "channel", edit=_poke(name, (3, 0), math.nan))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
+    p = subprocess.run([sys.executable, "-P", "-m", "fusedist.generate", "--model", path,
+                        "--device", "cpu", "--max-new-tokens", "2", "--prompt-ids", "1,2"],
+                       env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"fusedist.generate: tensor '{name}'" in p.stderr and "holds NaN" in p.stderr
 
 
 @pytest.mark.timeout(400)

@@ -1,7 +1,7 @@
-"""python -m fusedist.generate: --baseline lists (torch, torch-compile, none), the JSON's
-per-backend timings (prefill_ms the median of the warm prefills), speedups over each baseline,
-the profile of a decode step and of a prefill, and the text report. CPU tier, the tiny config
-(torch-compile through the aot_eager backend: inductor would compile C++ for ~20 s)."""
+"""python -m fusedist.generate: its flags and defaults, the JSON and text reports of a run, every
+user mistake as one line (flags, checkpoints, positions, memory), the hand-over of benchmark
+flags to the harness (tests/benchmarks/test_model_run.py tests the harness itself). CPU
+tier, the tiny config."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusedist.generate import _defaults, parse_args, parse_baselines, speedups  # noqa: E402
+from fusedist.generate import _defaults, parse_args, parse_baselines  # noqa: E402
 from launch import ROOT, python  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
@@ -34,22 +34,16 @@ def test_parse_baselines():
 
 
 def test_defaults_pick_baselines():
-    a = _defaults(parse_args([]), cuda=False)                  # the embedded default
+    a = _defaults(parse_args([]), cuda=False, harness=True)      # the embedded default
     assert a.config == "tiny" and a.baselines == ["torch"]
+    a = _defaults(parse_args([]), cuda=False, harness=False)     # an installed package alone
+    assert a.config == "tiny" and a.baselines == []
     a = _defaults(parse_args(["--config", "tiny", "--random-weights"]), cuda=False)
-    assert a.baselines == []
+    assert a.baselines == [] and a.prefill_reps == 3 and a.compile_backend == "inductor"
     a = _defaults(parse_args(["--baseline", "torch-compile,torch"]), cuda=False)
     assert a.baselines == ["torch-compile", "torch"]
     with pytest.raises(SystemExit, match="--prefill-reps must be >= 1"):
         _defaults(parse_args(["--prefill-reps", "0"]), cuda=False)
-
-
-def test_speedups():
-    res = {"fusedist": {"ms_per_token": 2.0, "step_ms": 1.0, "prefill_ms": 10.0},
-           "torch": {"ms_per_token": 5.0, "step_ms": 3.0, "prefill_ms": 12.0},
-           "torch-compile": {"error": "RuntimeError: x"}}
-    assert speedups(res) == {"torch": {"per_token": 2.5, "per_step": 3.0, "prefill": 1.2}}
-    assert speedups({"fusedist": {"error": "x"}, "torch": res["torch"]}) == {}
 
 
 def _cli(args, json_out=True, timeout=240):
@@ -60,61 +54,52 @@ def _cli(args, json_out=True, timeout=240):
     return json.loads(p.stdout.strip().splitlines()[-1]) if json_out else p.stdout
 
 
-ARGS = ["--config", "tiny", "--random-weights", "--batch", "2", "--prompt-len", "9",
-        "--max-new-tokens", "7", "--compile-backend", "aot_eager", "--prefill-reps", "2"]
+TINY = ["--config", "tiny", "--random-weights", "--batch", "2", "--prompt-len", "9",
+        "--max-new-tokens", "7"]
 
 
-def test_cli_json_every_baseline():
-    out = _cli(ARGS + ["--baseline", "torch,torch-compile", "--profile"])
-    t = out["timings"]
-    assert list(t) == ["fusedist", "torch", "torch-compile"]
-    assert out["baselines"] == ["torch", "torch-compile"]
-    for name, r in t.items():
-        assert "error" not in r, (name, r)
-        assert len(r["prefill_ms_reps"]) == 2 and all(x > 0 for x in r["prefill_ms_reps"])
-        assert r["prefill_ms"] == pytest.approx(median(r["prefill_ms_reps"]), abs=1e-3)
-        assert r["generate_prefill_ms"] > 0 and r["step_ms"] > 0 and r["decode_steps"] == 6
-        assert r["prefill"] == "eager"
-        for key in ("profile_us", "prefill_profile_us"):
-            p = r[key]
-            assert p["kernels"] > 0 and p["gemm"] > 0 and p["total"] > 0, (name, key, p)
-            assert len(p["top"]) >= 1
-        assert "wall_us" in r["prefill_profile_us"]
-    assert t["torch-compile"]["decode"] == "torch.compile" and t["torch"]["decode"] == "eager ops"
-    assert t["torch-compile"]["compile_backend"] == "aot_eager"
-    assert t["torch-compile"]["compile_s"] > 0 and "compile_s" not in t["torch"]
-    # fp32 on the CPU, no random context: every backend generates fusedist's ids
-    assert out["ids_match"] == {"torch": True, "torch-compile": True}
-    for name in ("torch", "torch-compile"):
-        s = out["speedups"][name]
-        assert s["per_step"] == pytest.approx(t[name]["step_ms"] / t["fusedist"]["step_ms"],
-                                              rel=1e-2)
-        assert s["prefill"] == pytest.approx(t[name]["prefill_ms"] / t["fusedist"]["prefill_ms"],
-                                             rel=1e-2)
-        assert set(s) == {"per_token", "per_step", "prefill"}
-    # the plain-torch figures under their earlier names
-    assert out["speedup"] == out["speedups"]["torch"]["per_token"]
-    assert out["step_speedup"] == out["speedups"]["torch"]["per_step"]
-    assert out["torch_ids_match"] is True
+def test_cli_runs_the_model_and_reports(rt):
+    """A plain run: the ids are the Runner's for the same request, the JSON has the run's
+    timings and no baseline; --dtype takes the short names it lists; the text report too."""
+    from fusedist.models import LlamaConfig, Runner, build_model
+    from fusedist.models.llama import RandomWeights
+
+    out = _cli(TINY + ["--dtype", "fp32"])
+    assert out["baselines"] == [] and list(out["timings"]) == ["fusedist"]
+    t = out["timings"]["fusedist"]
+    assert t["decode_steps"] == 6 and t["prefill_ms"] > 0 and t["tokens_per_s"] > 0
+    cfg = LlamaConfig.named("tiny")
+    m = build_model(cfg, RandomWeights(cfg, seed=0), dtype=torch.float32, device="cpu",
+                    max_position=16)
+    prompts = torch.randint(0, cfg.vocab_size, (2, 9),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    assert prompts[0] == out["prompt_ids"]
+    assert Runner(m, max_batch=2, max_seq_len=16).generate(prompts, 7).ids == out["ids"]
+    assert _cli(TINY + ["--dtype", "bf16"])["dtype"] == "bfloat16"
+    text = _cli(TINY, json_out=False)
+    assert "model tiny" in text and "ms/token" in text and "ids[0]:" in text
 
 
-def test_cli_compile_baseline_alone_and_text():
-    # (random context: each backend's cache layout draws its own, so ids may differ)
-    out = _cli(ARGS + ["--baseline", "torch-compile", "--context-fill", "6"])
-    assert list(out["timings"]) == ["fusedist", "torch-compile"]
-    assert "speedup" not in out and set(out["speedups"]) == {"torch-compile"}
-    assert "profile_us" not in out["timings"]["fusedist"]
-    assert out["context_fill"] == 6 and out["timings"]["torch-compile"]["prefill_ms"] > 0
-    text = _cli(ARGS + ["--baseline", "torch,torch-compile"], json_out=False)
-    rows = [line.split()[0] for line in text.splitlines()
-            if line.split() and line.split()[0] in ("fusedist", "torch", "torch-compile")]
-    assert rows == ["fusedist", "torch", "torch-compile"], text
-    assert "prefill ms: the median of 2 warm prefills" in text
-    assert "torch-compile: decode step under torch.compile (aot_eager" in text
-    assert "prefill eager" in text
+@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
+def test_cli_fp8_kv_cache():
+    """--kv-dtype fp8: the cache in e4m3 (half the bytes of bf16 plus the scales)."""
+    t = _cli(TINY + ["--kv-dtype", "fp8"])["timings"]["fusedist"]
+    assert t["kv_dtype"] == "float8_e4m3fn" and t["decode_steps"] == 6
 
 
-# ---- failures, bad input, request sizes -----------------------------------------------------
+def test_benchmark_flags_without_the_harness(monkeypatch):
+    """An installation without benchmarks/: a benchmark flag is one line saying where to run
+    it; the embedded default runs alone."""
+    import fusedist.generate as g
+
+    monkeypatch.setattr(g, "HARNESS", g.HARNESS.with_name("missing.py"))
+    with pytest.raises(SystemExit, match="--baseline, --compile-backend, --profile, "
+                                         "--prefill-reps run the model benchmark's harness"):
+        g.main(["--baseline", "torch", "--device", "cpu"])
+    assert not g._uses_harness([], parse_args([]))
+    assert not g._uses_harness(["--baseline", "none"], parse_args(["--baseline", "none"]))
+
+
 def _run(args, code=None, timeout=240):
     """The CLI in a subprocess (or `python -c code` with these arguments), its address space
     capped at 8 GiB so that a run that would allocate too much fails instead of swapping."""
@@ -238,8 +223,10 @@ def test_memory_estimate_matches_the_model(rt):
     from fusedist.models import LlamaConfig, Runner, build_model
     from fusedist.models.llama import RandomWeights
 
-    cfg = LlamaConfig.named("tiny").replace(vocab_size=509)      # padded to 512 rows
-    for max_position, batch, seq, page in ((50, 3, 50, 16), (300, 1, 300, 7)):
+    tiny = LlamaConfig.named("tiny").replace(vocab_size=509)      # padded to 512 rows
+    for cfg, max_position, batch, seq, page in (
+            (tiny, 50, 3, 50, 16), (tiny, 300, 1, 300, 7),
+            (tiny.replace(qkv_bias=True, o_bias=True), 40, 2, 40, 16)):   # attention_bias
         m = build_model(cfg, RandomWeights(cfg), dtype=torch.float32, device="cpu",
                         max_position=max_position)
         est = memory_estimate(cfg, tp=1, dtype=torch.float32, batch=batch, seq_len=seq,
@@ -250,6 +237,7 @@ def test_memory_estimate_matches_the_model(rt):
                                          page_size=page).kv_bytes
         assert est["activations"] > 0
         assert est["total"] == est["weights"] + est["kv_cache"] + est["activations"]
+    cfg = tiny
     # TP 2 holds half the sharded weights; the embedding and norms stay whole
     half = memory_estimate(cfg, tp=2, dtype=torch.float32, batch=1, seq_len=50, page_size=16,
                            prefill_chunk=64)
@@ -264,66 +252,6 @@ def test_memory_estimate_matches_the_model(rt):
                               prefill_chunk=64, kv_fp8=True)
         assert est["kv_cache"] == Runner(m, max_batch=3, max_seq_len=50, page_size=16,
                                          kv_dtype=torch.float8_e4m3fn).kv_bytes
-
-
-@pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="no float8_e4m3fn")
-def test_cli_fp8_kv_cache():
-    """--kv-dtype fp8: the fusedist backend's cache in e4m3 (half the bytes of bf16 plus the
-    scales), the torch baseline beside it in its own dtype."""
-    out = _cli(ARGS + ["--baseline", "torch", "--kv-dtype", "fp8"])
-    t = out["timings"]
-    assert "error" not in t["fusedist"] and "error" not in t["torch"], t
-    assert t["fusedist"]["kv_dtype"] == "float8_e4m3fn" and t["torch"]["kv_dtype"] == "float32"
-    assert t["fusedist"]["decode_steps"] == 6
-
-
-FAIL_FUSEDIST = """
-import sys
-import fusedist.generate as g
-run = g._run_backend
-def failing(backend, *args):
-    if backend == "fusedist":
-        raise RuntimeError("injected failure")
-    return run(backend, *args)
-g._run_backend = failing
-sys.exit(g.main(sys.argv[1:]))
-"""
-
-
-def test_cli_failure_exits_nonzero():
-    """A one-process run whose fusedist backend fails: the baseline still runs and the report
-    is printed, the error goes to stderr and the exit status is 1."""
-    p = _run(["--config", "tiny", "--random-weights", "--prompt-len", "5",
-              "--max-new-tokens", "3", "--baseline", "torch", "--prefill-reps", "1", "--json"],
-             code=FAIL_FUSEDIST)
-    assert p.returncode == 1, (p.returncode, p.stderr[-4000:])
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["timings"]["fusedist"]["error"] == "RuntimeError: injected failure"
-    assert "error" not in out["timings"]["torch"] and out["timings"]["torch"]["step_ms"] > 0
-    assert "fusedist.generate: fusedist failed: RuntimeError: injected failure" in p.stderr
-
-
-def test_failures_lists_every_recorded_error():
-    from fusedist.generate import failures
-
-    assert failures({"fusedist": {"ms_per_token": 1.0}, "torch": {"step_ms": 2.0}}) == []
-    res = {"fusedist": {"error": "RuntimeError: a", "eager_error": "b"},
-           "torch": {"graph_error": "RuntimeError: c", "step_ms": 1.0},
-           "torch-compile": {"step_ms": 1.0, "prefill_profile_error": "RuntimeError: d"}}
-    assert failures(res) == [
-        "fusedist failed: RuntimeError: a (eager retry: b)",
-        "torch: CUDA-graph decode failed, ran eagerly instead: RuntimeError: c",
-        "torch-compile: --profile failed (prefill_profile_error): RuntimeError: d"]
-
-
-def test_cli_request_filling_the_cache_runs():
-    """prompt 15 + 1 new token = one 16-token page: the warm-up fits the timed request."""
-    out = _cli(["--config", "tiny", "--random-weights", "--prompt-len", "15",
-                "--max-new-tokens", "1", "--baseline", "torch", "--prefill-reps", "1"])
-    for name, r in out["timings"].items():
-        assert "error" not in r, (name, r)
-        assert r["decode_steps"] == 0
-    assert [len(ids) for ids in out["ids"]] == [1] and out["ids_match"] == {"torch": True}
 
 
 # ---- flags that reach the run -----------------------------------------------------------------

@@ -277,3 +277,35 @@ def test_max_position_names_max_position_embeddings(rt):
     with pytest.raises(ValueError, match=r"exceeds the sliding window \(64 tokens\)"):
         build_model(narrow, RandomWeights(narrow), dtype=torch.float32, device="cpu",
                     max_position=65)
+
+
+def test_config_takes_numpy_sizes_and_names_bad_ones():
+    import numpy as np
+
+    cfg = LlamaConfig(vocab_size=np.int64(32), hidden_size=np.int64(64),
+                      intermediate_size=np.int32(96), num_layers=np.int64(2),
+                      num_heads=np.int64(4), num_kv_heads=np.int64(2))
+    assert type(cfg.vocab_size) is int and cfg.head_dim == 16
+    for kw, match in (({"hidden_size": 0}, "hidden_size must be a positive int, got 0"),
+                      ({"num_heads": 2.5}, r"num_heads must be a positive int, got 2.5 \(a "
+                                           r"float\)"),
+                      ({"vocab_size": True}, "vocab_size must be a positive int, got the bool"),
+                      ({"hidden_size": 2, "num_heads": 4}, "hidden_size=2 is smaller than "
+                                                           "num_heads=4; give head_dim")):
+        args = {**dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_heads=4, num_kv_heads=2), **kw}
+        with pytest.raises(ValueError, match="LlamaConfig: " + match):
+            LlamaConfig(**args)
+
+
+def test_attention_bias_must_be_a_bool(tmp_path):
+    d = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32,
+             intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+             attention_bias="yes")
+    with pytest.raises(ValueError, match="attention_bias must be true or false, got 'yes'"):
+        LlamaConfig.from_hf_config(d)
+    d["attention_bias"] = True
+    cfg = LlamaConfig.from_hf_config(d)
+    assert cfg.qkv_bias and cfg.o_bias
+    qwen = LlamaConfig.from_hf_config(dict(d, architectures=["Qwen2ForCausalLM"]))
+    assert qwen.qkv_bias and not qwen.o_bias      # Qwen2's o_proj has no bias

@@ -303,3 +303,151 @@ def test_gpu_llm_stream_equals_generate(ckpt):
         steps = list(llm.stream(prompts, 16, greedy=True, eos_ids=()))
         for i, w in enumerate(want):
             assert [s[i].id for s in steps] == w.ids
+
+
+def _tiny_llm(**kw):
+    kw = {"config": "tiny", "random_weights": True, "max_batch": 2, "max_seq_len": 64, **kw}
+    return LLM(**kw)
+
+
+def test_closed_llm_says_so(rt):
+    """generate / stream after close() or after the with-block: one RuntimeError that says the
+    LLM is closed and what to do (it used to be AttributeError: 'NoneType' ...)."""
+    llm = _tiny_llm()
+    llm.close()
+    llm.close()                                    # twice: nothing
+    for call in (lambda: llm.generate([1, 2], 2), lambda: llm.stream([1, 2], 2)):
+        with pytest.raises(RuntimeError, match=r"fusedist.LLM.(generate|stream): the LLM is "
+                                               r"closed .*build a new fusedist.LLM"):
+            call()
+    with _tiny_llm() as llm:
+        pass
+    with pytest.raises(RuntimeError, match="the LLM is closed"):
+        llm.generate([1, 2], 2)
+
+
+def test_prompt_and_argument_forms(rt):
+    """Token ids as users hold them (numpy ints and arrays, tensors) are taken; bools, floats,
+    a bare int and bad flags are one error naming the argument, raised before anything runs;
+    the LLM's limits are stated in the LLM's terms."""
+    import numpy as np
+
+    with _tiny_llm() as llm:
+        want = llm.generate([3, 4, 5], 3, greedy=True).ids
+        for p in ([np.int64(3), np.int64(4), np.int64(5)], np.array([3, 4, 5]),
+                  torch.tensor([3, 4, 5])):
+            assert llm.generate(p, np.int64(3), greedy=True).ids == want
+        two = llm.generate(np.array([[3, 4, 5], [3, 4, 5]]), 3, greedy=True)
+        assert [c.ids for c in two] == [want, want]
+        for args, kw, exc, match in (
+                (([3.0, 4.0], 2), {}, TypeError, r"prompt\[0\] is 3.0 \(a float\); token ids "
+                                                 r"are ints"),
+                (([1, True], 2), {}, TypeError, r"prompt\[1\] is the bool True"),
+                ((5, 2), {}, TypeError, r"got the single int 5 \(pass \[5\] for a one-token"),
+                (([[1, 2], [3, 4.5]], 2), {}, TypeError, r"prompts\[1\]\[1\] is 4.5"),
+                (([1, 2], 2), {"greedy": "false"}, ValueError,
+                 r"greedy must be True or False or None, got 'false'"),
+                (([1, 2], 2.0), {}, ValueError, r"max_new_tokens must be an int >= 1, got 2.0"),
+                (([1, 2], 2), {"eos_ids": 3}, TypeError, "eos_ids must be a list of int"),
+                (([[1], [2], [3]], 2), {}, ValueError,
+                 r"a batch of 3 prompts exceeds max_batch 2; pass max_batch >= the batch to "
+                 r"fusedist.LLM"),
+                (([1, 2], 100), {}, ValueError,
+                 r"102 tokens .* exceed max_seq_len 64; build the LLM with a larger max_seq_len")):
+            with pytest.raises(exc, match=match) as e:
+                llm.generate(*args, **kw)
+            assert "Runner" not in str(e.value)
+        with pytest.raises(ValueError, match="exceed max_seq_len 64"):
+            llm.stream([1, 2], 100)                         # at the call, not the first token
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"max_batch": 2.5}, r"max_batch must be an int >= 1, got 2.5 \(a float\)"),
+    ({"max_batch": "2"}, r"max_batch must be an int >= 1, got '2'"),
+    ({"page_size": 0}, "page_size must be an int >= 1, got 0"),
+    ({"max_seq_len": 0}, "max_seq_len must be an int >= 1"),
+    ({"max_seq_len": 10 ** 6}, r"max_seq_len=1000000 exceeds max_position_embeddings \(2048\)"),
+    ({"tp_size": 0}, "tp_size must be an int >= 1, got 0"),
+    ({"random_weights": "yes"}, "random_weights must be True or False"),
+    ({"cuda_graphs": "no"}, "cuda_graphs must be True or False or None"),
+    ({"weights_seed": 1.5}, "weights_seed must be an int >= 0"),
+    ({"quantize": "fp9"}, "quantize must be 'none' or one of fp8"),
+    ({"dtype": "float8"}, "dtype must be 'auto'"),
+    ({"kv_dtype": "fp8"}, "kv_dtype must be None"),
+    ({"prefill_graph_tokens": -1}, "prefill_graph_tokens must be an int >= 0"),
+])
+def test_llm_constructor_errors_name_the_argument(rt, kw, match):
+    with pytest.raises((ValueError, TypeError), match="fusedist.LLM: " + match):
+        _tiny_llm(**kw)
+
+
+def test_llm_takes_numpy_sizes_and_dtype_names(rt):
+    import numpy as np
+
+    with _tiny_llm(max_batch=np.int64(3), page_size=np.int32(8), dtype="bf16") as llm:
+        assert llm.runner.max_rows == 4 and llm.runner.page_size == 8
+        assert llm.dtype == torch.bfloat16
+
+
+def test_two_streams_of_one_llm(rt):
+    """An LLM holds one request at a time: a second stream, or a generate, while a stream is
+    open raises at the call; a stream iterated to its end or closed frees it, and the ids are
+    those of the calls alone."""
+    with _tiny_llm() as llm:
+        a = llm.generate([1, 2, 3], 5, greedy=True, eos_ids=()).ids
+        b = llm.generate([7, 8], 5, greedy=True, eos_ids=()).ids
+        s1 = llm.stream([1, 2, 3], 5, greedy=True, eos_ids=())
+        got = [next(s1).id]
+        for call in (lambda: llm.stream([7, 8], 5, greedy=True, eos_ids=()),
+                     lambda: llm.generate([7, 8], 5, greedy=True, eos_ids=())):
+            with pytest.raises(RuntimeError, match=r"a stream of this LLM is open .*close\(\)"):
+                call()
+        got += [t.id for t in s1]
+        assert got == a
+        s2 = llm.stream([7, 8], 5, greedy=True, eos_ids=())
+        assert next(s2).id == b[0]
+        s2.close()
+        assert llm.generate([7, 8], 5, greedy=True, eos_ids=()).ids == b
+
+
+def test_chat_template_errors_and_truncated_config(ckpt, tmp_path):
+    """An empty conversation, the template's own refusal (raise_exception), and a truncated
+    tokenizer_config.json (whose chat template would be lost): ValueErrors naming them."""
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    for f in os.listdir(ckpt):
+        if not f.startswith("tokenizer") and f != "special_tokens_map.json":
+            os.symlink(os.path.join(ckpt, f), strict / f)
+    write_tokenizer(str(strict), chat_template=(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }} {% endfor %}"))
+    tok = load_tokenizer(str(strict))
+    with pytest.raises(ValueError, match="messages is empty"):
+        tok.chat([])
+    with pytest.raises(ValueError, match=r"the chat template of .*strict rejected the messages "
+                                         r"\(TemplateError: roles must alternate"):
+        tok.chat([{"role": "user", "content": "w1"}, {"role": "user", "content": "w2"}])
+    assert tok.chat([{"role": "user", "content": "w1"}])
+    trunc = tmp_path / "trunc"
+    trunc.mkdir()
+    for f in os.listdir(ckpt):
+        text = None
+        if f == "tokenizer_config.json":
+            text = open(os.path.join(ckpt, f)).read()
+            (trunc / f).write_text(text[:len(text) // 2])
+        else:
+            os.symlink(os.path.join(ckpt, f), trunc / f)
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON"):
+        load_tokenizer(str(trunc))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", [(), ("cli",)], ids=["llm", "cli"])
+def test_ranks_that_disagree_stop_together(mode):
+    """tests/dist/worker_disagree.py at TP 2 over gloo: LLM arguments that differ or that one
+    rank refuses, a request one rank refuses, the CLI given different flags or a bad flag on
+    one rank: every rank ends with an error naming the difference within seconds."""
+    assert_passed(torchrun("worker_disagree.py", 2, {"CUDA_VISIBLE_DEVICES": "",
+                                                     "FUSEDIST_INIT_TIMEOUT_S": "60"},
+                           timeout=280, args=mode), 2)

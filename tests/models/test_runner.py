@@ -474,7 +474,14 @@ def test_generate_argument_checks(rt):
         ({"prompts": "12"}, ValueError, "prompts must be a non-empty list"),
         ({"prompts": []}, ValueError, "prompts must be a non-empty list"),
         ({"prompts": [[1], []]}, ValueError, r"prompts\[1\] is empty"),
-        ({"prompts": [[1]] * 3}, ValueError, "batch 3 exceeds max_batch 2"),
+        ({"prompts": [[1]] * 3}, ValueError, "a batch of 3 prompts exceeds max_batch 2; "
+                                             "build the Runner with a larger max_batch"),
+        ({"prompts": [[1, True]]}, TypeError, r"prompts\[0\] must be a sequence of int token "
+                                              r"ids \(not bools or floats\)"),
+        ({"eos_ids": 2}, TypeError, r"eos_ids must be a sequence of int token ids \(e\.g\."),
+        ({"eos_ids": (True,)}, TypeError, "eos_ids must be a sequence of int token ids"),
+        ({"max_new_tokens": 70}, ValueError, "exceed max_seq_len 64; build the Runner with a "
+                                             "larger max_seq_len"),
         ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an int >= 1, got 0"),
         ({"max_new_tokens": 2.0}, ValueError, "max_new_tokens must be an int >= 1"),
         ({"eos_ids": (3,), "eos_check_every": 0}, ValueError,
@@ -491,6 +498,10 @@ def test_generate_argument_checks(rt):
     want = r.generate([[1, 2, 3]], 4).ids
     assert r.generate([torch.tensor([1, 2, 3])], 4).ids == want
     assert r.generate(torch.tensor([[1, 2, 3]]), 4).ids == want
+    # numpy ids, arrays and counts are ints too
+    import numpy as np
+    assert r.generate([np.array([1, 2, 3])], np.int64(4)).ids == want
+    assert r.generate(np.array([[1, 2, 3]]), 4, eos_ids=[np.int32(511)]).ids == want
     for bad in (0, -1.0, float("nan"), True, "3"):
         with pytest.raises(ValueError, match="peer_timeout_s must be a finite number"):
             Runner(m, max_batch=1, max_seq_len=64, peer_timeout_s=bad)
@@ -527,3 +538,81 @@ def test_tp2_sessions_exit_cleanly_cpu():
         if p.returncode != 0 or p.stdout.count("all checks passed") != 2:
             bad.append(f"run {i} ({mode}): exit {p.returncode}\n{p.stdout[-2500:]}")
     assert not bad, f"{len(bad)} of 12 runs did not exit cleanly:\n" + "\n".join(bad)
+
+
+def test_constructor_arguments(rt):
+    """Sizes as users hold them (numpy ints) are taken; zero, negative and fractional sizes and
+    non-bool flags are one ValueError naming the argument, before anything is allocated."""
+    import numpy as np
+
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=np.int64(3), max_seq_len=np.int32(40), page_size=np.int64(8),
+               prefill_chunk=np.int64(5))
+    assert (r.max_rows, r.max_seq_len, r.page_size, r.prefill_chunk) == (4, 40, 8, 5)
+    assert type(r.page_size) is int
+    for kw, match in (({"page_size": 0}, "page_size must be an int >= 1, got 0"),
+                      ({"page_size": -16}, "page_size must be an int >= 1, got -16"),
+                      ({"prefill_chunk": 0}, "prefill_chunk must be an int >= 1"),
+                      ({"prefill_chunk": -4}, "prefill_chunk must be an int >= 1"),
+                      ({"max_batch": 2.5}, r"max_batch must be an int >= 1, got 2.5 \(a float\)"),
+                      ({"max_batch": True}, "max_batch must be an int >= 1, got the bool"),
+                      ({"max_seq_len": "64"}, "max_seq_len must be an int >= 1"),
+                      ({"cuda_graphs": "no"}, "cuda_graphs must be True or False or None"),
+                      ({"kv_budget_bytes": 0}, "kv_budget_bytes must be an int >= 1")):
+        args = {"max_batch": 2, "max_seq_len": 64, **kw}
+        with pytest.raises(ValueError, match="Runner: " + match):
+            Runner(m, **args)
+
+
+def test_one_request_at_a_time(rt):
+    """A stream holds the runner's cache until it ends: generate() or a second stream() while
+    it is open raise at once (before touching the cache); after the stream ends or is closed,
+    calls run and give the ids they give alone."""
+    from fusedist.models import SamplingParams
+
+    r = Runner(_tiny("fusedist"), max_batch=2, max_seq_len=64)
+    a = r.generate([[1, 2, 3]], 5, SamplingParams()).ids[0]
+    b = r.generate([[7, 8]], 5, SamplingParams()).ids[0]
+    s = r.stream([[1, 2, 3]], 5, SamplingParams())
+    got = [next(s)[0]]
+    for call in (lambda: r.generate([[7, 8]], 5), lambda: r.stream([[7, 8]], 5)):
+        with pytest.raises(RuntimeError, match="a stream of this runner is open .* iterate it "
+                                               "to the end or call its close\\(\\) first"):
+            call()
+    got += [t[0] for t in s]
+    assert got == a
+    assert r.generate([[7, 8]], 5).ids[0] == b          # the stream ended: free again
+    s = r.stream([[7, 8]], 5)
+    next(s)
+    s.close()
+    assert r.generate([[1, 2, 3]], 5).ids[0] == a        # closed early: free again
+    with pytest.raises(ValueError, match="exceed max_seq_len"):   # checked at the call
+        r.stream([[1, 2]], 100)
+    assert r.generate([[7, 8]], 5).ids[0] == b
+
+
+def test_nan_logits_raise_instead_of_sampling(rt):
+    """NaN weights make NaN logits: generate() and stream() raise NonFiniteError naming the
+    sequences and the step (argmax of a NaN row used to give id 0 without a word)."""
+    r = Runner(_tiny("fusedist"), max_batch=2, max_seq_len=64)
+    ok = r.generate([[1, 2, 3], [4, 5]], 3).ids
+    with torch.no_grad():
+        r.model.layers[1].mlp.down.fill_(float("nan"))
+    with pytest.raises(fusedist.NonFiniteError,
+                       match=r"logits hold NaN \(sequence 0 at step 0 \(the prefill\), "
+                             r"sequence 1 at step 0"):
+        r.generate([[1, 2, 3], [4, 5]], 3)
+    with pytest.raises(fusedist.NonFiniteError, match="sequence 0 at step 0"):
+        next(r.stream([[1, 2, 3]], 3))
+    assert len(ok) == 2
+
+
+def test_sample_refuses_nan_rows():
+    from fusedist.models import SamplingParams, sample
+
+    lg = torch.randn(3, 11)
+    lg[2, 4] = float("nan")
+    for sp in (SamplingParams(), SamplingParams(greedy=False, temperature=0.5, top_p=0.8)):
+        with pytest.raises(ValueError, match=r"logits rows \[2\] of 3 hold NaN"):
+            sample(lg, sp, torch.Generator().manual_seed(0))
+    assert sample(lg, SamplingParams(), None, check=False).shape == (3,)

@@ -97,3 +97,43 @@ def test_cuda_dispatch(monkeypatch, dtype):
             assert bool(used) == fused, f"{lead} {k}x{n}: fusedist.gemm used: {bool(used)}"
             err = gemm_err(got, ref)
             assert err <= GEMM_REL[dtype], f"{lead} {k}x{n} bias={bias is not None}: {err:.2e}"
+
+
+def test_modules_name_a_dtype_mismatch():
+    """x in another dtype than the module's weights: one TypeError naming both and the fix
+    (it used to surface as torch's "expected m1 and m2 to have the same dtype")."""
+    import fusedist
+    from fusedist.nn import ColumnParallelLinear, RowParallelLinear
+
+    if not fusedist.is_initialized():
+        fusedist.init(backend="gloo", rank=0, world_size=1, local_rank=0, local_world_size=1)
+    try:
+        col = ColumnParallelLinear.from_full(torch.randn(16, 8))
+        row = RowParallelLinear.from_full(torch.randn(16, 8))
+        for m, x in ((col, torch.randn(3, 8, dtype=torch.float64)),
+                     (row, torch.randn(3, 8, dtype=torch.bfloat16))):
+            with pytest.raises(TypeError, match=f"{type(m).__name__}: x is {x.dtype}, this "
+                                                "module's weights are torch.float32; pass "
+                                                r"x.to\(torch.float32\)"):
+                m(x)
+        a = TPAttention(64, 4, 2, max_position=16, dtype=torch.float32)
+        cache = a.make_cache(1, 4, page_size=4)
+        meta = AttentionMetadata("prefill", torch.arange(2, dtype=torch.int32)[None],
+                                 torch.tensor([5], dtype=torch.int32), torch.arange(5),
+                                 cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32))
+        with pytest.raises(TypeError, match="TPAttention: x is torch.bfloat16"):
+            a(torch.randn(5, 64, dtype=torch.bfloat16), torch.arange(5), cache, 0, meta)
+        with pytest.raises(ValueError, match=r"seq_lens_host \[7\] disagrees with seq_lens "
+                                             r"\[5\]"):
+            AttentionMetadata("prefill", torch.arange(2, dtype=torch.int32)[None],
+                              torch.tensor([5], dtype=torch.int32), torch.arange(5),
+                              cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                              seq_lens_host=[7])
+        for scaling in ({"rope_type": "linear", "factor": 0.0},
+                        {"rope_type": "llama3", "factor": -2.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8}):
+            with pytest.raises(ValueError, match="TPAttention: rope_scaling factor must be a "
+                                                 "finite number > 0"):
+                TPAttention(64, 4, 2, max_position=16, rope_scaling=scaling)
+    finally:
+        fusedist.shutdown()

@@ -182,12 +182,17 @@ class TorchAttention(torch.nn.Module):
                                          requires_grad=False) if cfg.qk_norm else None
         self.k_norm = torch.nn.Parameter(torch.ones(hd, dtype=dtype, device=device),
                                          requires_grad=False) if cfg.qk_norm else None
+        # o_proj's bias (Llama's attention_bias) on rank 0's partial: the all-reduce adds it once
+        self.bo = p(cfg.hidden_size) if cfg.o_bias else None
+        self.rank = rank
         cos, sin = rope_tables(hd, max_position, cfg.rope_theta, cfg.rope_scaling, device, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     @torch.no_grad()
-    def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+    def load_shard(self, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None, o_b=None):
+        if self.bo is not None:
+            self.bo.copy_(o_b)
         if self.fp8_layout is not None:
             self.wqkv = FP8Weight.cat_rows([q_w, k_w, v_w], "TorchAttention qkv")
             self.wo = o_w
@@ -220,7 +225,7 @@ class TorchAttention(torch.nn.Module):
                 o = self._decode(q, k, v, kc, vc, positions, meta.seq_lens)
             else:
                 o = self._prefill(q, k, v, kc, vc, meta, seq_rows)
-        return torch_linear(o.reshape(T, H * D), self.wo)
+        return torch_linear(o.reshape(T, H * D), self.wo, self.bo if self.rank == 0 else None)
 
     def _decode(self, q, k, v, kc, vc, positions, seq_lens):
         # Decode rows are the cache's batch rows 0..T-1 (the runner's static buffers).

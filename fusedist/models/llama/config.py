@@ -4,16 +4,16 @@
     cfg = LlamaConfig.from_hf_config(json.load(open(path)))  # the parsed dict
     cfg = LlamaConfig.named("llama-3-8b")                    # shipped shapes (no network)
 
-Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"), MistralForCausalLM,
-Qwen2ForCausalLM (Qwen2 / 2.5: biases on q, k, v) and Qwen3ForCausalLM (a per-head RMSNorm of q
-and k: qk_norm), and the mixture-of-experts decoders built on the same attention (cfg.moe, a
-MoeConfig): MixtralForCausalLM (every layer's MLP 8 experts, top 2, renormalized),
-Qwen2MoeForCausalLM (q/k/v biases; a shared expert gated by sigmoid(shared_expert_gate(x));
-norm_topk_prob; decoder_sparse_step / mlp_only_layers leave some layers dense) and
-Qwen3MoeForCausalLM (q/k RMSNorm, norm_topk_prob, mlp_only_layers). Anything else raises with
-the list, and so does a router the model does not serve (MoeConfig.UNSUPPORTED_KEYS: scoring
-other than softmax, group-limited or biased selection, a routed scaling factor, jitter at
-inference).
+Covers LlamaForCausalLM (Llama 2, 3, 3.1, 3.2: RoPE scaling "llama3"; attention_bias true: biases
+on q, k, v and o_proj, as transformers builds them), MistralForCausalLM, Qwen2ForCausalLM
+(Qwen2 / 2.5: biases on q, k, v) and Qwen3ForCausalLM (a per-head RMSNorm of q and k: qk_norm),
+and the mixture-of-experts decoders built on the same attention (cfg.moe, a MoeConfig):
+MixtralForCausalLM (every layer's MLP 8 experts, top 2, renormalized), Qwen2MoeForCausalLM
+(q/k/v biases; a shared expert gated by sigmoid(shared_expert_gate(x)); norm_topk_prob;
+decoder_sparse_step / mlp_only_layers leave some layers dense) and Qwen3MoeForCausalLM (q/k
+RMSNorm, norm_topk_prob, mlp_only_layers). Anything else raises with the list, and so does a
+router the model does not serve (MoeConfig.UNSUPPORTED_KEYS: scoring other than softmax,
+group-limited or biased selection, a routed scaling factor, jitter at inference).
 
 FP8 checkpoints (cfg.quant, a WeightQuant, from config.json's quantization_config; the
 projections q/k/v/o, gate/up, down are e4m3 with float32 scales, everything else is
@@ -41,6 +41,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
+
+from ..._check import as_int
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -307,6 +309,7 @@ class LlamaConfig:
     rope_scaling: Optional[dict] = None  # HF's dict, e.g. {"rope_type": "llama3", "factor": 8, ...}
     max_position: int = 8192
     qkv_bias: bool = False
+    o_bias: bool = False               # a bias on o_proj (Llama's attention_bias: true)
     tie_word_embeddings: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: Optional[int] = None
@@ -319,13 +322,16 @@ class LlamaConfig:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position"):
+            low = 0 if k == "head_dim" else 1      # head_dim 0: hidden_size // num_heads
+            object.__setattr__(self, k, as_int("LlamaConfig", k, getattr(self, k), low,
+                                               what="a positive int"))
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"LlamaConfig: {k} must be a positive int, got {v!r}")
+            if self.head_dim == 0:
+                raise ValueError(f"LlamaConfig: hidden_size={self.hidden_size} is smaller than "
+                                 f"num_heads={self.num_heads}; give head_dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"LlamaConfig: num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
@@ -471,6 +477,9 @@ class LlamaConfig:
         quant = parse_quantization(d.get("quantization_config"), fail)
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        attention_bias = d.get("attention_bias", False)
+        if not isinstance(attention_bias, bool):
+            fail(f"attention_bias must be true or false, got {attention_bias!r}")
         if arch == "Qwen2ForCausalLM":
             qkv_bias = True
         elif arch == "Qwen2MoeForCausalLM":
@@ -478,13 +487,16 @@ class LlamaConfig:
             if not isinstance(qkv_bias, bool):
                 fail(f"qkv_bias must be true or false, got {qkv_bias!r}")
         else:
-            qkv_bias = bool(d.get("attention_bias", False))
+            qkv_bias = attention_bias
+        # transformers' Llama puts attention_bias on o_proj too; Qwen2's o_proj has none.
+        o_bias = arch == "LlamaForCausalLM" and attention_bias
         moe = _parse_moe(arch, d, size, fail, layers) if arch in MOE_ARCHITECTURES else None
         return cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                    num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    rms_norm_eps=number("rms_norm_eps", 1e-6), rope_theta=rope_theta,
                    rope_scaling=scaling, max_position=max_position,
-                   qkv_bias=qkv_bias, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   qkv_bias=qkv_bias, o_bias=o_bias,
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                    architecture=arch, bos_token_id=d.get("bos_token_id"), eos_token_ids=eos,
                    sliding_window=window, quant=quant, qk_norm=arch in _QK_NORM, moe=moe,
                    name=name, extra=dict(d))

@@ -183,7 +183,7 @@ class Transformer(torch.nn.Module):
     def _attention(self) -> torch.nn.Module:
         cfg = self.cfg
         return TPAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           qkv_bias=cfg.qkv_bias, rope_base=cfg.rope_theta,
+                           qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, rope_base=cfg.rope_theta,
                            rope_scaling=cfg.rope_scaling, max_position=self.max_position,
                            rope_style="neox", group=self.comm, dtype=self.dtype,
                            device=self.device, fp8_layout=self.fp8_layout,
@@ -227,6 +227,8 @@ class Transformer(torch.nn.Module):
             if cfg.qkv_bias:
                 q.update(q_b=rd(a + "q_proj.bias", 0, r * qn, (r + 1) * qn),
                          k_b=rd(a + "k_proj.bias", 0, k0, k1), v_b=rd(a + "v_proj.bias", 0, k0, k1))
+            if cfg.o_bias:
+                q.update(o_b=rd(a + "o_proj.bias"))      # replicated: added once (TPAttention)
             load_attention_shard(layer.attn, **q)
             if cfg.qk_norm:
                 layer.attn.load_qk_norm(rd(a + "q_norm.weight"), rd(a + "k_norm.weight"))
@@ -332,11 +334,9 @@ class Transformer(torch.nn.Module):
     def kv_bytes_per_token(self, kv_dtype: Optional[torch.dtype] = None) -> int:
         """Cache bytes per token on this rank: K and V of every layer in kv_dtype (default the
         model's dtype); float8_e4m3fn adds a float32 scale per token and kv head."""
-        kv_dtype = self.dtype if kv_dtype is None else kv_dtype
-        per_head = self.cfg.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
-        if FP8 is not None and kv_dtype == FP8:
-            per_head += 4
-        return 2 * self.cfg.num_layers * self.local_kv_heads * per_head
+        return PagedKVCache.bytes_per_page(self.cfg.num_layers, self.local_kv_heads,
+                                           self.cfg.head_dim, 1,
+                                           self.dtype if kv_dtype is None else kv_dtype)
 
     def new_cache(self, max_batch: int, max_seq_len: int, page_size: int, num_pages: int,
                   kv_dtype: Optional[torch.dtype] = None):
@@ -363,13 +363,13 @@ class Transformer(torch.nn.Module):
 
 
 @torch.no_grad()
-def load_attention_shard(attn, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None):
+def load_attention_shard(attn, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None, o_b=None):
     """Hand an attention module this rank's weight shards (q / k / v rows of its heads, o_proj
-    columns). fusedist.nn.TPAttention takes full weights in load_full(); writing its
-    documented [q_r | k_r | v_r] qkv_weight (and qkv_bias) and o_weight directly keeps the
-    rule that a rank reads only its slices of the checkpoint."""
+    columns; o_b, the o_proj bias, whole). fusedist.nn.TPAttention takes full weights in
+    load_full(); writing its documented [q_r | k_r | v_r] qkv_weight (and qkv_bias) and
+    o_weight directly keeps the rule that a rank reads only its slices of the checkpoint."""
     if hasattr(attn, "load_shard"):
-        return attn.load_shard(q_w, k_w, v_w, o_w, q_b, k_b, v_b)
+        return attn.load_shard(q_w, k_w, v_w, o_w, q_b, k_b, v_b, o_b=o_b)
     if any(isinstance(w, FP8Weight) for w in (q_w, k_w, v_w, o_w)):
         raise TypeError(f"load_attention_shard: {type(attn).__name__} has no load_shard to take "
                         "FP8 weights")
@@ -377,6 +377,8 @@ def load_attention_shard(attn, q_w, k_w, v_w, o_w, q_b=None, k_b=None, v_b=None)
     if attn.qkv_bias is not None:
         attn.qkv_bias.copy_(torch.cat((q_b, k_b, v_b)))
     attn.o_weight.copy_(o_w)
+    if o_b is not None:
+        attn.o_bias.copy_(o_b)
 
 
 __all__ = ["Transformer", "load_attention_shard", "rmsnorm"]

@@ -36,10 +36,16 @@ whose rows are split by columns; per-tensor scales of any split weight), its ama
 over the ranks (reduce_amax: a MAX all-reduce at load).
 check_weights checks FP8 tensors too: F8_E4M3 projections, their scale tensors' shapes and
 float dtypes.
+
+Values are checked as they are read (check_values, on the host copy before it moves to the
+device): a float tensor holding NaN or inf, an e4m3 tensor holding a NaN code (0x7F, 0xFF) or a
+negative FP8 scale is refused naming the tensor, its file and the first bad element (one such
+value would turn every logit NaN).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from typing import NamedTuple, Optional
@@ -229,6 +235,12 @@ def read_projection(src: "WeightSource", name: str, quant: Optional[WeightQuant]
         scale = src.read(sname, dtype=torch.float32, device=device)
     else:
         scale = src.read(sname, dim, r[0], r[1], dtype=torch.float32, device=device)
+    if bool((scale < 0).any()):
+        first = [int(i) for i in (scale < 0).nonzero()[0]]
+        raise ValueError(f"fusedist.models: tensor {sname!r} in {src.location(sname)} holds a "
+                         f"negative FP8 scale ({float(scale[tuple(first)])!r} at index {first}); "
+                         "scales of e4m3 weights are amax / 448 >= 0: the checkpoint is corrupt, "
+                         "re-download or re-quantize it")
     scale = scale.reshape(scale_shape(quant.layout, *data.shape)).contiguous()
     return FP8Weight(data.contiguous(), scale, quant.layout)
 
@@ -246,6 +258,32 @@ def _seed(seed: int, name: str) -> int:
 
 # Stored dtypes (safetensors' names) that the model reads, converted to its dtype on load.
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def check_values(t: torch.Tensor, what: str) -> None:
+    """Refuse a tensor read from a checkpoint that holds NaN or inf (a float tensor) or the NaN
+    codes 0x7F / 0xFF (e4m3, which has no inf): one such value turns every logit NaN. Run on
+    the host copy safetensors returns, before it moves to the device; the error names the
+    tensor, its file and the first bad element."""
+    if t.dtype == FP8:
+        bad = (t.view(torch.uint8) & 0x7F) == 0x7F
+        kind = "NaN e4m3 codes (0x7F / 0xFF)"
+    elif t.is_floating_point():
+        bad = ~torch.isfinite(t)
+        kind = None
+    else:
+        return
+    if not bool(bad.any()):
+        return
+    first = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), t.shape)) \
+        if t.dim() else ()
+    if kind is None:
+        v = float(t.reshape(-1)[first])
+        kind = "NaN" if math.isnan(v) else "inf"
+    raise ValueError(f"fusedist.models: {what} holds {kind} ({int(bad.sum())} of {t.numel()} "
+                     f"elements, the first at index {list(index)}); the checkpoint is corrupt: "
+                     "re-download or re-convert it")
 
 
 class WeightSource:
@@ -349,6 +387,7 @@ class SafetensorsWeights(WeightSource):
             t = sl[start:stop]
         else:
             t = sl[:, start:stop]
+        check_values(t, f"tensor {name!r} in {self.location(name)}")
         return t.to(device=device, dtype=dtype)
 
     def close(self):
@@ -442,6 +481,8 @@ def expected_tensors(cfg: LlamaConfig) -> dict:
         if cfg.qk_norm:
             s[p + "self_attn.q_norm.weight"] = t(D)
             s[p + "self_attn.k_norm.weight"] = t(D)
+        if cfg.o_bias:
+            s[p + "self_attn.o_proj.bias"] = t(H)
         if not cfg.sparse(n):
             s[p + "mlp.gate_proj.weight"] = t(I, H)
             s[p + "mlp.up_proj.weight"] = t(I, H)
