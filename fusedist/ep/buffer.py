@@ -415,6 +415,12 @@ class Buffer:
             if lo < 0 or hi >= self.num_experts:
                 _fail(f"dispatch: topk_ids must be expert ids in [0, {self.num_experts}), got "
                       f"values in [{lo}, {hi}]")
+        return x, ids, weights
+
+    @staticmethod
+    def _prepare(x, ids, weights):
+        """The kernels' forms of the inputs (copies only where needed), made on the current
+        stream: the one the exchange runs after (_dispatch)."""
         x = _align.aligned_input(x.contiguous())
         return x, ids.to(torch.int32).contiguous(), weights.contiguous()
 
@@ -434,7 +440,8 @@ class Buffer:
     def dispatch_async(self, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, *, mode: Optional[str] = None,
                        previous_event: Optional[EventOverlap] = None):
-        """dispatch on the buffer's stream, after the current stream (or `previous_event`):
+        """dispatch on the buffer's stream, after the current stream (or after
+        `previous_event` alone, which must then follow the inputs' production):
         (recv_x, recv_counts, handle, event). Call event.current_stream_wait() before using
         recv_x (and before a CUDA-graph capture ends)."""
         return self._dispatch(x, topk_ids, topk_weights, mode, previous_event, True)
@@ -442,28 +449,35 @@ class Buffer:
     def _dispatch(self, x, ids, weights, mode, previous_event, async_finish):
         self._check_open()
         mode = self._mode(mode)
-        x, ids32, weights = self._check_dispatch(x, ids, weights, mode)
+        x, ids, weights = self._check_dispatch(x, ids, weights, mode)
         T = x.shape[0]
         self._calls += 1
         with nvtx_range(f"fusedist.ep.dispatch.{mode}"):
             if self.device.type == "cpu":
+                x, ids32, weights = self._prepare(x, ids, weights)
                 recv_x, counts, h = self.ht.dispatch(x, ids32)
                 return recv_x, counts, DispatchHandle(self, mode, T, recv_x.shape[0], ids32,
                                                       weights, counts, ht=h), EventOverlap()
+            own = self._own_allocations(previous_event)
+            if not own:          # the copies on the caller's stream, before the fork
+                x, ids, weights = self._prepare(x, ids, weights)
             caller, comm = self._fork(previous_event)
-            for t in (x, ids32, weights):
+            for t in (x, ids, weights):
                 t.record_stream(comm)
+            with torch.cuda.stream(comm if own else caller):
+                x, ids32, weights = self._prepare(x, ids, weights) if own else (x, ids, weights)
+                if mode == "low_latency":
+                    recv_x, counts, offsets, src, pos = self.ll.dispatch(x, ids32, comm)
             if mode == "low_latency":
-                recv_x, counts, offsets, src, pos = self.ll.dispatch(x, ids32, comm)
                 handle = DispatchHandle(self, mode, T, recv_x.shape[0], ids32, weights, counts,
                                         offsets, pos, src)
             else:
                 with torch.cuda.stream(comm):
                     recv_x, counts, h = self.ht.dispatch(x, ids32)
-                for t in (recv_x, counts):
-                    t.record_stream(caller)
                 handle = DispatchHandle(self, mode, T, recv_x.shape[0], ids32, weights, counts,
                                         ht=h)
+            for t in (recv_x, counts):
+                t.record_stream(caller)
             event = self._join(caller, comm, async_finish)
         return recv_x, counts, handle, event
 
@@ -485,14 +499,22 @@ class Buffer:
                   TypeError)
         mode = self._mode(handle.mode)
         self._tensor("combine", "y", y, (handle.rows, self.hidden), (self.dtype,))
-        y = _align.aligned_input(y.contiguous())
         with nvtx_range(f"fusedist.ep.combine.{mode}"):
             if self.device.type == "cpu":
+                y = _align.aligned_input(y.contiguous())
                 return self.ht.combine(y, handle, handle.weights), EventOverlap()
+            own = self._own_allocations(previous_event)
+            if not own:          # the copy on the caller's stream, before the fork
+                y = _align.aligned_input(y.contiguous())
             caller, comm = self._fork(previous_event)
+            y.record_stream(comm)
+            with torch.cuda.stream(comm if own else caller):
+                if own:
+                    y = _align.aligned_input(y.contiguous())
+                if mode == "low_latency":
+                    out = torch.empty(handle.tokens, self.hidden, dtype=self.dtype,
+                                      device=self.device)
             if mode == "low_latency":
-                out = torch.empty(handle.tokens, self.hidden, dtype=self.dtype,
-                                  device=self.device)
                 for t in (y, out, handle.ids, handle.weights, handle.send_pos, handle.recv_src,
                           handle.recv_offsets):
                     t.record_stream(comm)
@@ -501,7 +523,7 @@ class Buffer:
                 y.record_stream(comm)
                 with torch.cuda.stream(comm):
                     out = self.ht.combine(y, handle, handle.weights)
-                out.record_stream(caller)
+            out.record_stream(caller)
             event = self._join(caller, comm, async_finish)
         return out, event
 
@@ -516,6 +538,18 @@ class Buffer:
         else:
             self.stream.wait_stream(caller)
         return caller, self.stream
+
+    @staticmethod
+    def _own_allocations(previous_event: Optional[EventOverlap]) -> bool:
+        """Whether a call's input copies and outputs come from the buffer's stream. The
+        caching allocator hands a stream the blocks freed on it, whose last users on that
+        stream may still be queued. Without previous_event the buffer's stream waits for the
+        caller's, so the copies are made on the caller's stream before that wait and the
+        outputs taken from its blocks are safe to write; with previous_event it does not wait
+        for the caller's stream (the event stands for the inputs), so the copies and outputs
+        are made on the buffer's stream, after the event, and handed to the caller's stream
+        with record_stream."""
+        return previous_event is not None and previous_event.event is not None
 
     def _join(self, caller, comm, async_finish: bool) -> EventOverlap:
         done = torch.cuda.Event()
