@@ -82,17 +82,25 @@ def bench_low_latency(rt, buf, x, ids, w, ops: int, reps: int, emulated: bool):
     buf.combine(y, h)
     sync()
     rt.world.barrier()
-    mode = "thread_local" if emulated else "global"
     gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gd, stream=torch.cuda.Stream(dev), capture_error_mode=mode):
+    if emulated:      # ranks as threads of one process capture together (capture_graph)
+        from fusedist.testing.emulated import capture_graph
+    else:
+        def capture_graph(graph, body, device):
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device)):
+                body()
+
+    def dispatches():
         for _ in range(ops):
             buf.dispatch(x, ids, w)
-    # Entering a capture synchronizes the device: no rank may be inside one then (ranks
-    # emulated as threads of one process share the device).
-    rt.world.barrier()
-    with torch.cuda.graph(gc, stream=torch.cuda.Stream(dev), capture_error_mode=mode):
+
+    def combines():
         for _ in range(ops):
             buf.combine(y, h)
+
+    capture_graph(gd, dispatches, dev)
+    rt.world.barrier()
+    capture_graph(gc, combines, dev)
     rt.world.barrier()
     for g in (gd, gc):
         g.replay()

@@ -2,7 +2,7 @@
 nothing in fusedist imports it."""
 
 from .emulated import (EmulatedGroup, EmulatedNccl, EmulatedSymmetricMemory, EmulationError,
-                       EmulationTimeoutError, RankError, run_ranks)
+                       EmulationTimeoutError, RankError, capture_graph, run_ranks)
 
 __all__ = ["run_ranks", "EmulatedGroup", "EmulatedSymmetricMemory", "EmulatedNccl",
-           "EmulationError", "EmulationTimeoutError", "RankError"]
+           "EmulationError", "EmulationTimeoutError", "RankError", "capture_graph"]

@@ -25,8 +25,10 @@ What runs, and what cannot (docs/design/allreduce.md, "Emulated ranks"):
 * cannot run: kernels that hold the GPU while they wait for a peer. The fused Hopper ag_gemm
   and gemm_rs are persistent GEMMs with a CTA on every SM whose tiles wait for the peers'
   rows: one rank's GEMM holds every SM, so the peer's work it waits for never starts, and the
-  wait times out. CUDA-graph capture: torch captures in the global mode, in which the other
-  rank threads' CUDA calls invalidate the capture.
+  wait times out. CUDA-graph capture through torch.cuda.graph in its default global mode:
+  the other rank threads' CUDA calls invalidate the capture, and its entry synchronizes the
+  device, which a peer's ongoing capture refuses; capture_graph captures each rank's graph
+  in thread-local mode without that synchronize.
 
 Co-residency: a kernel that waits for its peers progresses only while the peers' kernels run
 beside it, on the same GPU here, and nothing between GPUs prepares for that. So:
@@ -312,6 +314,24 @@ def synchronize_rank(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
     for i in range(streams.POOL_SIZE):
         streams.comm_stream(device, i).synchronize()
+
+
+def capture_graph(graph: "torch.cuda.CUDAGraph", body: Callable[[], None],
+                  device: torch.device) -> None:
+    """Capture body() into graph on a side stream of the calling rank, in thread-local mode,
+    without what torch.cuda.graph does on entry (a device-wide synchronize and empty_cache):
+    those are not permitted while a peer rank's thread is capturing, and the ranks capture
+    together (a kernel's launch meets its peers' launches, EmulatedSymmetricMemory)."""
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            body()
+        finally:
+            graph.capture_end()
+    caller.wait_stream(side)
 
 
 class _World:
