@@ -1,7 +1,7 @@
 """Code in the docs runs as written, on the CPU: each snippet is taken from its markdown file
 and run (a checkpoint path it names replaced by a tiny checkpoint's). The FP8 docs' block-scaled
-GEMM (fp8_gemm(..., block=True)), the Python API's "Below LLM" snippet, the README's attention
-snippet; and the configuration table is the registry's output, unedited."""
+GEMM (fp8_gemm(..., block=True)), the Python API's "Below LLM" snippet, the attention
+design's TPAttention snippet; and the configuration table is the registry's output, unedited."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_python_api_below_llm(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_readme_attention(tmp_path):
-    code = python_block("README.md", "### Attention")
+def test_attention_design_tpattention(tmp_path):
+    code = python_block("docs/design/attention.md", "## TPAttention")
     out = run(tmp_path, code + "\nassert y.shape == (1, 4096) and torch.isfinite(y).all()\n")
     assert "snippet done" in out

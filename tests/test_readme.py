@@ -1,7 +1,6 @@
 """The README's Python examples run as written on a CPU machine: the usage block and the
 torch.distributed block on 2 gloo ranks under torchrun, the model API block on a tiny
-checkpoint (its path put in place of the example's). The attention block runs in
-tests/test_doc_snippets.py with the other docs' snippets."""
+checkpoint (its path put in place of the example's)."""
 
 from __future__ import annotations
 
