@@ -264,14 +264,7 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
     if args.json:
         print(json.dumps(summary), flush=True)
         return
-    print(f"model {summary['model']} ({cfg.num_params() / 1e6:.1f} M params), tp {rt.tp.size}, "
-          f"{summary['dtype']}, batch {len(prompts)}, prompt {len(prompts[0])} tokens"
-          + (f" after {args.context_fill} cached" if args.context_fill else "")
-          + f", {args.max_new_tokens} new")
-    w = summary["weights"]
-    if w["format"] == "fp8":
-        print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
-              f"{w['source']})")
+    generate.print_run_header(summary, cfg, args, rt.tp.size)
     if "text" in summary and not fd.get("streamed"):
         print(f"text: {summary['text'][0]!r}")
     elif "ids" in fd:

@@ -488,6 +488,19 @@ def _text_printer(tok):
     return lambda t: print(text.push(t), end="", flush=True)
 
 
+def print_run_header(summary: dict, cfg, args, tp: int) -> None:
+    """The text report's first lines: the model, the run's shape, the weights' format (the
+    CLI's and benchmarks/model.py's reports share them)."""
+    print(f"model {summary['model']} ({cfg.num_params() / 1e6:.1f} M params), tp {tp}, "
+          f"{summary['dtype']}, batch {summary['batch']}, prompt {summary['prompt_len']} tokens"
+          + (f" after {args.context_fill} cached" if args.context_fill else "")
+          + f", {args.max_new_tokens} new")
+    w = summary["weights"]
+    if w["format"] == "fp8":
+        print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
+              f"{w['source']})")
+
+
 def weight_format(quant, dtype) -> dict:
     """The report's "weights": the projections' format (FP8: dtype, scales, where from)."""
     if quant is None:
@@ -677,14 +690,7 @@ def report(job: Job, res, runner, streamed: bool) -> None:
     if args.json:
         print(json.dumps(summary), flush=True)
         return
-    print(f"model {summary['model']} ({cfg.num_params() / 1e6:.1f} M params), tp {rt.tp.size}, "
-          f"{summary['dtype']}, batch {len(job.prompts)}, prompt {len(job.prompts[0])} tokens"
-          + (f" after {args.context_fill} cached" if args.context_fill else "")
-          + f", {args.max_new_tokens} new")
-    w = summary["weights"]
-    if w["format"] == "fp8":
-        print(f"weights: q/k/v/o, gate/up, down in FP8 (e4m3, {w['scales']} scales, "
-              f"{w['source']})")
+    print_run_header(summary, cfg, args, rt.tp.size)
     if "text" in summary and not streamed:
         print(f"text: {summary['text'][0]!r}")
     elif "text" not in summary:
