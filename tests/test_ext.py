@@ -16,6 +16,7 @@ from fusedist import _ext
 from fusedist.errors import ExtensionMismatchError
 
 PKG = pathlib.Path(fusedist.__file__).parent
+REPO = pathlib.Path(__file__).resolve().parents[1]   # the checkout (fusedist may be installed)
 
 
 def _fake_c(**attrs):
@@ -97,7 +98,9 @@ def test_a_stale_extension_is_one_clear_error(fake_build, version, abi, what):
 def test_every_kernel_symbol_is_a_binding_name():
     """KERNELS names _C symbols that the bindings define (m.def / m.attr), so a renamed
     binding cannot silently turn a kernel off."""
-    text = "\n".join(p.read_text() for p in (PKG.parent / "csrc" / "bindings").glob("*.cpp"))
+    sources = sorted((REPO / "csrc" / "bindings").glob("*.cpp"))
+    assert sources, f"no binding sources under {REPO / 'csrc' / 'bindings'}"
+    text = "\n".join(p.read_text() for p in sources)
     for name, k in _ext.KERNELS.items():
         if name.startswith(("moe_", "ep_")) and f'"{k.symbol}"' not in text:
             continue   # kernel families whose bindings a build may not have yet

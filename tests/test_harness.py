@@ -132,10 +132,13 @@ def test_ranks_rendezvous_on_a_bound_port():
     """torchrun-form runs on the pool: every rank joins the store this process holds (its
     port bound before any rank starts), sees torchrun's environment, and the first failing
     rank's status is the run's."""
+    # One write per rank: the ranks share the pipe, and print() writes the text and the
+    # newline apart, so lines of ranks that print at once could interleave.
     code = ("import os, fusedist, torch; rt = fusedist.init(backend='gloo'); "
             "x = fusedist.all_reduce(torch.ones(2) * (rt.rank + 1)); "
-            "print('rank', rt.rank, 'of', rt.world_size, 'sum', x.tolist(), "
-            "os.environ['TORCHELASTIC_USE_AGENT_STORE'], flush=True); fusedist.shutdown(); "
+            "line = f'rank {rt.rank} of {rt.world_size} sum {x.tolist()} ' "
+            "+ os.environ['TORCHELASTIC_USE_AGENT_STORE'] + chr(10); "
+            "os.write(1, line.encode()); fusedist.shutdown(); "
             "raise SystemExit(5 if rt.rank == 2 and os.environ.get('FAIL') else 0)")
     script = Path(launch.tempfile.mkdtemp()) / "ranks.py"
     script.write_text(code)
