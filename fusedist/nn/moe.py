@@ -370,6 +370,10 @@ class MoE(torch.nn.Module):
             _fail(f"ep must be True or False, got {ep!r}", TypeError)
         device = torch.device(device) if device is not None else default_device
         dtype = dtype if dtype is not None else torch.get_default_dtype()
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            _fail(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (the "
+                  f"activations' and bf16 experts' dtype; FP8 experts: fp8_layout=), got "
+                  f"{dtype!r}", TypeError)
         for name, v, lo in (("hidden_size", hidden_size, 1), ("num_experts", num_experts, 1),
                             ("intermediate_size", intermediate_size, 1),
                             ("shared_intermediate_size", shared_intermediate_size, 0)):

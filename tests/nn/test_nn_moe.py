@@ -243,6 +243,8 @@ def _tp2():
     (dict(intermediate_size=384, fp8_layout="block", group="tp2"), ValueError,
      r"intermediate_size / tp = 384 / 2 = 192 is not a multiple of 128"),
     (dict(hidden_size=0), ValueError, r"hidden_size must be an int >= 1"),
+    (dict(dtype=torch.int32), TypeError, r"dtype must be torch\.bfloat16, torch\.float16 or "
+                                         r"torch\.float32 .*got torch\.int32"),
 ])
 def test_bad_configuration(kw, exc, match):
     if kw.get("fp8_layout") and FP8 is None:
@@ -254,7 +256,7 @@ def test_bad_configuration(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         MoE(args.pop("hidden_size"), args.pop("num_experts"), args.pop("intermediate_size"),
-            args.pop("router"), dtype=torch.float32, **args)
+            args.pop("router"), dtype=args.pop("dtype", torch.float32), **args)
 
 
 def test_bad_loads_and_inputs():
