@@ -55,13 +55,13 @@ HEADLINE = ("fd_auto", "auto", "fd_fused", "fusedist")
 BASELINE_PREFIXES = ("nccl", "symm_", "torch", "unfused", "sdpa", "cudnn", "flash", "cublas",
                      "flex", "compile", "bf16", "scaled_mm")
 # The columns that name a case (its shape, dtype, world, variant), in the order keys show them.
-KEY_FIELDS = ("section", "kind", "group", "module", "scaling", "collective", "op", "model",
-              "proj", "mode", "routing", "experts", "top_k", "form",
-              "shape", "layout", "format", "algo", "placement", "redop", "type", "config",
-              "ranks", "nodes", "bytes", "size", "tokens", "new_tokens", "prompt_len",
-              "context_fill", "hidden", "inter", "in_features", "out_features", "M", "m", "N",
-              "K", "batch", "context", "q_heads", "kv_heads", "head_dim", "page_size", "waves",
-              "pieces", "dtype", "kv_dtype", "world", "world_size")
+KEY_FIELDS = ("section", "kind", "group", "module", "scaling", "collective", "op", "model", "proj",
+              "mode", "routing", "experts", "top_k", "form", "workload", "rate", "prefix_len",
+              "shape", "layout", "format", "algo", "placement", "redop", "type", "config", "ranks",
+              "nodes", "bytes", "size", "tokens", "new_tokens", "prompt_len", "context_fill",
+              "hidden", "inter", "in_features", "out_features", "M", "m", "N", "K", "batch",
+              "context", "q_heads", "kv_heads", "head_dim", "page_size", "waves", "pieces", "dtype",
+              "kv_dtype", "world", "world_size")
 # Tables of rows some benchmarks write beside "rows" (benchmarks/scaling.py).
 TABLES = ("rows", "linear_rows", "decode_rows")
 BETTER = ("higher", "lower")

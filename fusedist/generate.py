@@ -18,7 +18,8 @@ the first sequence's text as it decodes (with a tokenizer), then a report; one J
 
 This module runs the model and reports what it generated. Measuring it beside baselines
 (--baseline torch / torch-compile, --profile, --prefill-reps, --compile-backend) is the model
-benchmark's harness, benchmarks/_model_run.py of a fusedist checkout: given one of those flags
+benchmark's harness, benchmarks/_model_run.py of a fusedist checkout (the one this package was
+imported from, else the one in the working directory): given one of those flags
 (or no model at all: the embedded default runs beside plain torch) this CLI hands the whole run
 to it, where it is present, with the same flags (docs/design/model.md describes what it
 measures); without it, one line says where to run it.
@@ -57,8 +58,21 @@ QUANTIZE_CHOICES = ("fp8", "fp8-channel", "fp8-tensor", "fp8-block")   # models.
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 BASELINES = ("torch", "torch-compile")
+
+
+def _find_harness() -> Path:
+    """benchmarks/_model_run.py of the checkout this package was imported from, else of the
+    checkout in the working directory (an installed fusedist run from a checkout)."""
+    here = Path(__file__).resolve().parent.parent / "benchmarks" / "_model_run.py"
+    try:
+        there = Path.cwd() / "benchmarks" / "_model_run.py"
+    except OSError:          # the working directory is gone
+        return here
+    return there if not here.is_file() and there.is_file() else here
+
+
 # The model benchmark's harness (a checkout's benchmarks/): the flags it takes beyond these.
-HARNESS = Path(__file__).resolve().parent.parent / "benchmarks" / "_model_run.py"
+HARNESS = _find_harness()
 BENCHMARK_FLAGS = ("--baseline", "--compile-backend", "--profile", "--prefill-reps")
 # Flags whose value may differ between ranks (what a rank prints, not what it computes).
 RANK_LOCAL_FLAGS = ("json", "quiet")
@@ -714,9 +728,9 @@ def _run_harness(argv) -> int:
     """The model benchmark's harness (benchmarks/_model_run.py) on these flags."""
     if not HARNESS.is_file():
         _fail(f"{', '.join(BENCHMARK_FLAGS)} run the model benchmark's harness, "
-              "benchmarks/_model_run.py of a fusedist checkout, which this installation does "
-              "not have: run it from a checkout (python benchmarks/_model_run.py ...) or drop "
-              "those flags")
+              "benchmarks/_model_run.py of a fusedist checkout, which neither this "
+              "installation nor the working directory has: run it from a checkout (python "
+              "benchmarks/_model_run.py ...) or drop those flags")
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("fusedist_model_run", HARNESS)

@@ -59,11 +59,12 @@ def test_seed_differs_per_test_and_not_per_order():
 PROBE = """
 import atexit, json, os, sys, threading
 atexit.register(lambda: print("atexit ran", flush=True))
-threading.Thread(target=lambda: print("thread joined", flush=True)).start()
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
                   "env": os.environ.get("PROBE_VALUE"), "cuda": os.environ.get(
                   "CUDA_VISIBLE_DEVICES"), "stdin": sys.stdin.read(),
-                  "torch": "torch" in sys.modules, "pid": os.getpid()}))
+                  "torch": "torch" in sys.modules, "pid": os.getpid()}), flush=True)
+# Started after the JSON line: a print from the thread could otherwise land inside it.
+threading.Thread(target=lambda: print("thread joined", flush=True)).start()
 print("to stderr", file=sys.stderr)
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """

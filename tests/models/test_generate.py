@@ -87,6 +87,22 @@ def test_cli_fp8_kv_cache():
     assert t["kv_dtype"] == "float8_e4m3fn" and t["decode_steps"] == 6
 
 
+def test_harness_of_an_installed_package_is_the_working_directory_checkouts(monkeypatch, tmp_path):
+    """An installed fusedist (no benchmarks/ beside the package) run from a checkout finds the
+    checkout's harness; run elsewhere, none (and the package's own checkout wins when it has
+    one)."""
+    import fusedist.generate as g
+
+    assert g._find_harness() == ROOT / "benchmarks" / "_model_run.py"   # this checkout's
+    site = tmp_path / "site-packages" / "fusedist"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(g, "__file__", str(site / "generate.py"))
+    monkeypatch.chdir(ROOT)
+    assert g._find_harness() == ROOT / "benchmarks" / "_model_run.py"
+    monkeypatch.chdir(tmp_path)
+    assert not g._find_harness().is_file()
+
+
 def test_benchmark_flags_without_the_harness(monkeypatch):
     """An installation without benchmarks/: a benchmark flag is one line saying where to run
     it; the embedded default runs alone."""
@@ -256,7 +272,7 @@ def test_memory_estimate_matches_the_model(rt):
 
 # ---- flags that reach the run -----------------------------------------------------------------
 FLAGS = ["--config", "tiny", "--random-weights", "--batch", "2", "--prompt-ids", "3,1,4,1,5",
-         "--max-new-tokens", "8", "--prefill-reps", "1"]
+         "--max-new-tokens", "8"]
 
 
 def test_cli_seed_drives_sampling():

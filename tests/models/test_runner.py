@@ -233,7 +233,7 @@ def test_time_step(rt, monkeypatch):
     assert r.time_step(1, iters=2) > 0 and calls == [1, 1]
     monkeypatch.undo()
     assert r.generate(prompts, 6).ids == want
-    with pytest.raises(ValueError, match="batch 5 exceeds max_batch 4"):
+    with pytest.raises(ValueError, match="a batch of 5 prompts exceeds max_batch 4"):
         r.time_step(5)
 
 
