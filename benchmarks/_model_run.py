@@ -15,7 +15,8 @@ torch.compile(fullgraph=True, dynamic=False) before capture (its prefill runs ea
 Timings per backend (docs/design/model.md has the table): prefill_ms, the median of
 --prefill-reps warm prefills of the prompts (synchronized, apart from the generate loop);
 ms_per_token, the generate loop; step_ms, graph replays back to back; --profile, one decode
-step and one prefill under torch.profiler. Results to stdout on rank 0 (one JSON object with
+step and one prefill under torch.profiler, and on a GPU the timeline of five steps as
+step_ms runs them (timeline_us: wall, busy and idle device time per step). Results to stdout on rank 0 (one JSON object with
 --json). On one process a backend's failure is reported in its timings (a failed CUDA-graph
 run retried eagerly) and the others still run; the exit status is then 1.
 """
@@ -191,6 +192,14 @@ def _run_backend(backend, args, cfg, src, prompts, rt, dtype, device, prog, max_
                     out[key] = _round(what())
                 except Exception as e:  # noqa: BLE001 - the timings stand without it
                     out[key.replace("_us", "_error")] = f"{type(e).__name__}: {e}"
+            if device.type == "cuda":   # the step's bubbles: the steps of time_step, profiled
+                try:
+                    tl = runner.profile_timeline(len(prompts))
+                    out["timeline_us"] = {k: (round(v, 2) if isinstance(v, float) else v)
+                                          for k, v in tl.items() if k != "gaps"}
+                    out["timeline_gaps_us"] = [[round(g[0], 2), g[1], g[2]] for g in tl["gaps"]]
+                except Exception as e:  # noqa: BLE001 - the timings stand without it
+                    out["timeline_error"] = f"{type(e).__name__}: {e}"
         if getattr(model, "ep", False):
             out["ep"] = True
             model.close()   # the expert-parallel Buffers (collective)
@@ -216,7 +225,7 @@ def failures(results: dict) -> list[str]:
         if "graph_error" in r:
             out.append(f"{name}: CUDA-graph decode failed, ran eagerly instead: "
                        f"{r['graph_error']}")
-        for key in ("profile_error", "prefill_profile_error"):
+        for key in ("profile_error", "prefill_profile_error", "timeline_error"):
             if key in r:
                 out.append(f"{name}: --profile failed ({key}): {r[key]}")
     return out
@@ -302,6 +311,11 @@ def report(args, cfg, rt, dtype, prompts, results, tok):
                       ", ".join(f"{k} {p[k]}" for k in classes) +
                       (f"; {p['kernels']} kernels, {p['wall_us']} us wall (profiled)"
                        if key == "prefill_profile_us" else ""))
+        if "timeline_us" in r:
+            t = r["timeline_us"]
+            print(f"{name} decode step timeline ({'graph replays' if t['graphs'] else 'eager'}): "
+                  f"{t['wall_us']} us wall, {t['busy_us']} us with a kernel running, "
+                  f"{t['bubble_us']} us idle ({t['bubble_pct']}%), {t['kernels']} kernels")
 
 
 if __name__ == "__main__":

@@ -167,11 +167,16 @@ def _ms(us) -> str:
     return "-" if us is None else f"{us / 1e3:.2f}"
 
 
+def _bubbles(t) -> str:
+    """The step's idle device time: the profiled steps' wall minus the time a kernel runs."""
+    return "-" if not t else f"{t['bubble_us']} ({t['bubble_pct']:.1f}%)"
+
+
 def markdown(rows: list[dict], bases: list[str]) -> str:
     step = ["| batch | context | backend | prefill ms | prefill TFLOP/s/GPU | step ms | ms/token "
             "| tokens/s | " + " | ".join(f"fusedist vs {b}" for b in bases) +
-            " | target step ms | decode GEMM / attn / comm / other us |",
-            "|---" * (10 + len(bases)) + "|"]
+            " | target step ms | decode GEMM / attn / comm / other us | step bubbles us (%) |",
+            "|---" * (11 + len(bases)) + "|"]
     pre = ["| batch | context | backend | prefill ms | kernels ms | GEMM / attn / comm / other ms "
            "| kernels | top kernels (ms) |", "|---" * 8 + "|"]
     for r in rows:
@@ -187,7 +192,8 @@ def markdown(rows: list[dict], bases: list[str]) -> str:
             f"{r['prefill_tflops_per_gpu']} | {r['step_ms']} | {r['ms_per_token']} | "
             f"{r['tokens_per_s']} | " + " | ".join(str(sv.get(b, "")) for b in bases) +
             f" | {r['target_step_ms'] or ''} | "
-            + " / ".join(str(prof.get(k, "-")) for k in CLASSES) + " |")
+            + " / ".join(str(prof.get(k, "-")) for k in CLASSES) + " | "
+            + _bubbles(r.get("timeline_us")) + " |")
         top = "; ".join(f"{n[:60]} {v / 1e3:.2f}" for n, v in (r["prefill_top_kernels_us"]
                                                               or [])[:3])
         pre.append(f"| {r['batch']} | {ctx} | {r['backend']} | {r['prefill_ms']} | "

@@ -1,5 +1,6 @@
 """Where a step's time goes: one call under torch.profiler, its kernels classed as GEMM /
-attention / communication / other by name (the same classes for fusedist and the baselines)."""
+attention / communication / other by name (the same classes for fusedist and the baselines);
+and the timeline of graph replays: how much of the wall time no kernel runs (the bubbles)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,62 @@ def classify_kernel(name: str) -> str:
         if any(k in low for k in keys):
             return cls
     return "other"
+
+
+def profile_timeline(fn, device: torch.device, reps: int = 5, top: int = 5) -> dict:
+    """fn() `reps` times back to back under torch.profiler (CUDA only; fn is meant to be a
+    graph replay): timeline() of the device activity, per call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if device.type != "cuda":
+        raise ValueError(f"profile_timeline: needs a CUDA device (kernel start and end times), "
+                         f"got {device}")
+    if reps < 1:
+        raise ValueError(f"profile_timeline: reps must be >= 1, got {reps}")
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+    spans = [(e.name, float(e.time_range.start), float(e.time_range.end))
+             for e in prof.events() if "CUDA" in str(getattr(e, "device_type", ""))]
+    if not spans:
+        raise RuntimeError("profile_timeline: the profiler recorded no device activity (CUPTI "
+                           "unavailable, or fn launched nothing)")
+    return timeline(spans, calls=reps, top=top)
+
+
+def timeline(spans, calls: int = 1, top: int = 5) -> dict:
+    """The device timeline of `calls` back-to-back calls, from (name, start_us, end_us) spans
+    of their kernels (and copies): per call, "wall_us" (first start to last end), "busy_us"
+    (the union of the spans: time at least one kernel runs; overlapping kernels, as with
+    programmatic dependent launch, count once), "kernel_us" (the spans' sum), "bubble_us"
+    (wall - busy: the device idle between kernels: launch latency, host work, dependency
+    waits), "bubble_pct" of wall, "kernels" per call, and "gaps": the `top` largest idle
+    gaps over all calls as (us, kernel before, kernel after)."""
+    if calls < 1:
+        raise ValueError(f"timeline: calls must be >= 1, got {calls}")
+    spans = sorted((float(s), float(e), str(n)) for n, s, e in spans)
+    if not spans:
+        raise ValueError("timeline: no spans")
+    if any(e < s for s, e, _ in spans):
+        raise ValueError("timeline: a span ends before it starts")
+    wall = max(e for _, e, _ in spans) - spans[0][0]
+    busy = kernel = 0.0
+    gaps = []
+    cur_s, cur_e, cur_n = spans[0]
+    for s, e, n in spans[1:]:
+        if s > cur_e:                 # idle from cur_e to s
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_n[:80], n[:80]))
+            cur_s, cur_e, cur_n = s, e, n
+        elif e > cur_e:
+            cur_e, cur_n = e, n
+    busy += cur_e - cur_s
+    kernel = sum(e - s for s, e, _ in spans)
+    gaps.sort(key=lambda g: -g[0])
+    return {"wall_us": wall / calls, "busy_us": busy / calls, "kernel_us": kernel / calls,
+            "bubble_us": (wall - busy) / calls,
+            "bubble_pct": 100.0 * (wall - busy) / wall if wall > 0 else 0.0,
+            "kernels": len(spans) / calls, "gaps": gaps[:top]}

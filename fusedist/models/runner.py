@@ -87,7 +87,7 @@ from ..errors import NonFiniteError, RequestMismatchError
 from ..nn.attention import AttentionMetadata
 from ..ops.attention import _prefill
 from ..ops.device_errors import check_device_errors
-from .profiling import profile
+from .profiling import profile, profile_timeline
 from .sampling import SamplingParams, nan_rows, sample
 
 
@@ -878,6 +878,19 @@ class Runner:
         b = self.bucket(n)
         self._body(b)
         return profile(lambda: self._body(b), self.device, top)
+
+    @torch.no_grad()
+    def profile_timeline(self, n: int, reps: int = 5, top: int = 5) -> dict:
+        """The device timeline of `reps` decode steps of batch n back to back, as time_step
+        runs them (the bucket's graph replay where captured; CUDA only): per step its wall
+        time, the time some kernel runs ("busy_us"), the idle rest ("bubble_us",
+        "bubble_pct"), the kernel count and the largest gaps (profiling.timeline), plus
+        "graphs", whether the steps were graph replays. Call after generate(), as time_step."""
+        b = self.bucket(n)
+        self.decode_step(b)
+        out = profile_timeline(lambda: self.decode_step(b), self.device, reps, top)
+        out["graphs"] = b in self.graphs
+        return out
 
     @torch.no_grad()
     def profile_prefill(self, prompts: Sequence[Sequence[int]], start: int = 0,

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusedist  # noqa: E402
 from fusedist.models import LlamaConfig, Runner, build_model  # noqa: E402
 from fusedist.models.llama import RandomWeights  # noqa: E402
-from fusedist.models.profiling import kernel_breakdown  # noqa: E402
+from fusedist.models.profiling import kernel_breakdown, timeline  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 from tolerances import GEMM_REL, gemm_rel_err  # noqa: E402
 from launch import assert_passed, real_ranks, torchrun  # noqa: E402
@@ -294,6 +294,39 @@ def test_kernel_breakdown():
     assert (cpu["gemm"], cpu["attention"], cpu["kernels"]) == (8.0, 3.0, 2)
 
 
+def test_timeline():
+    """Two calls' spans: overlapping kernels (programmatic dependent launch) count once in the
+    busy time, a kernel inside another adds nothing, the idle gaps are the bubbles (the one
+    between the calls included), and the largest gap names its neighbours."""
+    spans = [("a", 0.0, 10.0), ("b", 8.0, 20.0),      # b starts before a ends: 0-20 busy
+             ("c", 25.0, 30.0), ("d", 26.0, 28.0),    # 5 idle; d inside c
+             ("a", 40.0, 50.0), ("b", 50.0, 60.0),    # 10 idle between the calls
+             ("c", 61.0, 66.0), ("d", 66.5, 70.0)]    # 1 and 0.5 idle
+    t = timeline(spans, calls=2, top=2)
+    assert t["wall_us"] == 35.0                       # 70 us over two calls
+    assert t["busy_us"] == (20 + 5 + 20 + 5 + 3.5) / 2
+    assert t["kernel_us"] == (10 + 12 + 5 + 2 + 10 + 10 + 5 + 3.5) / 2
+    assert t["bubble_us"] == (5 + 10 + 1 + 0.5) / 2
+    assert t["bubble_pct"] == pytest.approx(100 * 16.5 / 70)
+    assert t["kernels"] == 4
+    assert t["gaps"] == [(10.0, "c", "a"), (5.0, "b", "c")]   # d ends inside c
+    # Spans in any order; one kernel alone has no bubble.
+    assert timeline(list(reversed(spans)), calls=2) == timeline(spans, calls=2, top=5)
+    assert timeline([("k", 3.0, 4.0)])["bubble_us"] == 0.0
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        timeline(spans, calls=0)
+    with pytest.raises(ValueError, match="ends before it starts"):
+        timeline([("k", 4.0, 3.0)])
+
+
+def test_profile_timeline_needs_cuda(rt):
+    m = _tiny("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=64)
+    r.generate(_prompts(m.cfg.vocab_size, (5, 6), 2), 2)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        r.profile_timeline(2)
+
+
 # ---- GPU tier -------------------------------------------------------------------------------
 def _gpu_model(backend):
     cfg = LlamaConfig.named("tiny").replace(hidden_size=512, num_heads=4, num_kv_heads=2,
@@ -310,6 +343,24 @@ def gpu_rt():
     fusedist.init(backend="nccl", rank=0, world_size=1, local_rank=0, local_world_size=1)
     yield
     fusedist.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_profile_timeline(gpu_rt):
+    """The timeline of graph replays: every replay's kernels recorded (the same count per
+    step as the eager step's profile), idle time between 0 and the wall time, and the ids of
+    a generate after it unchanged."""
+    m = _gpu_model("fusedist")
+    r = Runner(m, max_batch=2, max_seq_len=256)
+    prompts = _prompts(m.cfg.vocab_size, (40, 77), 5)
+    want = r.generate(prompts, 8).ids
+    t = r.profile_timeline(2, reps=4)
+    assert t["graphs"] is True
+    assert t["kernels"] == r.profile_step(2)["kernels"]
+    assert 0.0 <= t["bubble_us"] < t["wall_us"]
+    assert t["busy_us"] <= t["kernel_us"] + 1e-6
+    assert t["wall_us"] == pytest.approx(t["busy_us"] + t["bubble_us"])
+    assert r.generate(prompts, 8).ids == want
 
 
 @pytest.mark.gpu
