@@ -33,6 +33,12 @@ void register_rope(py::module_& m) {
       .def_readwrite("v_stride", &RopeAppendArgs::v_stride)
       .def_readwrite("positions_int64", &RopeAppendArgs::positions_int64)
       .def_readwrite("style", &RopeAppendArgs::style)
+      .def_readwrite("q_norm", &RopeAppendArgs::q_norm)
+      .def_readwrite("k_norm", &RopeAppendArgs::k_norm)
+      .def_readwrite("norm_eps", &RopeAppendArgs::norm_eps)
+      .def_property(
+          "norm_dtype", [](const RopeAppendArgs& a) { return int(a.norm_dtype); },
+          [](RopeAppendArgs& a, int v) { a.norm_dtype = DType(v); })
       .def_property(
           "dtype", [](const RopeAppendArgs& a) { return int(a.dtype); },
           [](RopeAppendArgs& a, int v) { a.dtype = DType(v); })

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
 from ..comm.communicator import Communicator, GroupLike, get_communicator, resolve_group
 from ..ops.attention import DecodePlan, PrefillPlan, decode, prefill, rope_append, rope_cos_sin
@@ -353,12 +352,12 @@ class TPAttention(torch.nn.Module):
         q = qkv[:, :hq * D].view(T, hq, D)
         k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
         v = qkv[:, (hq + hk) * D:].view(T, hk, D)
-        if self.q_norm is not None:
-            q = F.rms_norm(q.float(), (D,), self.q_norm.float(), self.qk_norm_eps).to(q.dtype)
-            k = F.rms_norm(k.float(), (D,), self.k_norm.float(), self.qk_norm_eps).to(k.dtype)
         k_cache, v_cache, k_scale, v_scale = cache.layer(layer)
+        # q / k head norms (qk_norm) in rope_append's kernel: normalized, rounded, rotated in
+        # place in qkv's q and k
         rope_append(q, k, v, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
-                    style=self.rope_style, k_scale=k_scale, v_scale=v_scale)
+                    style=self.rope_style, k_scale=k_scale, v_scale=v_scale,
+                    q_norm=self.q_norm, k_norm=self.k_norm, norm_eps=self.qk_norm_eps)
         if meta.mode == "decode":
             o = decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.plan,
                        scale=self.scale, k_scale=k_scale, v_scale=v_scale)

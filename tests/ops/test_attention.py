@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tolerances import GEMM_REL, count_bad  # noqa: E402
+from tolerances import GEMM_REL, TOL, count_bad  # noqa: E402
 
 import fusedist  # noqa: E402
 from fusedist.ops import attention as A  # noqa: E402
@@ -166,16 +166,30 @@ def test_rope_cos_sin_layout():
     assert torch.allclose(cs[:, 32:].double(), ang.sin(), atol=1e-7)
 
 
+def _fused_qkv(T, Hq, Hkv, D, dtype, device, gen, scale=1.0):
+    """q, k, v as slices of one fused [T, (Hq + 2 Hkv) D] projection output."""
+    qkv = _randn((T, (Hq + 2 * Hkv) * D), dtype, device, gen, scale)
+    return (qkv[:, :Hq * D].view(T, Hq, D), qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D),
+            qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D))
+
+
+def _poisoned_cache(pages, page_size, Hkv, D, cache_dtype, device):
+    """NaN-filled k / v caches (and, for FP8, NaN scales: else None)."""
+    kc = torch.full((pages, page_size, Hkv, D), float("nan"), device=device).to(cache_dtype)
+    vc = torch.full_like(kc, float("nan"))
+    fp8 = FP8 is not None and cache_dtype == FP8
+    ksc = torch.full((pages, page_size, Hkv), float("nan"), device=device) if fp8 else None
+    vsc = torch.full_like(ksc, float("nan")) if fp8 else None
+    return kc, vc, ksc, vsc
+
+
 def _rope_case(device, T, Hq, Hkv, D, style, scaling, dtype, cache_dtype, page_size, gen,
                rotary_dim=None, positions_dtype=torch.int64, pad_tokens=0, strided=False):
     max_pos = 9000
     cs = A.rope_cos_sin(D, max_pos, 500000.0, scaling, device=device, rotary_dim=rotary_dim)
     inv = A.rope_inv_freq(rotary_dim or D, 500000.0, scaling)
-    if strided:   # q, k, v as slices of one fused [T, (Hq + 2 Hkv) D] projection output
-        qkv = _randn((T, (Hq + 2 * Hkv) * D), dtype, device, gen)
-        q = qkv[:, :Hq * D].view(T, Hq, D)
-        k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
-        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    if strided:
+        q, k, v = _fused_qkv(T, Hq, Hkv, D, dtype, device, gen)
     else:
         q = _randn((T, Hq, D), dtype, device, gen)
         k = _randn((T, Hkv, D), dtype, device, gen)
@@ -186,11 +200,8 @@ def _rope_case(device, T, Hq, Hkv, D, style, scaling, dtype, cache_dtype, page_s
     slots = perm[:T].clone()
     if pad_tokens:
         slots[-pad_tokens:] = -1
-    kc = torch.full((num_pages, page_size, Hkv, D), float("nan"), device=device).to(cache_dtype)
-    vc = torch.full_like(kc, float("nan"))
-    fp8 = FP8 is not None and cache_dtype == FP8
-    ksc = torch.full((num_pages, page_size, Hkv), float("nan"), device=device) if fp8 else None
-    vsc = torch.full_like(ksc, float("nan")) if fp8 else None
+    kc, vc, ksc, vsc = _poisoned_cache(num_pages, page_size, Hkv, D, cache_dtype, device)
+    fp8 = ksc is not None
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     A.rope_append(q, k, v, pos, cs, kc, vc, slots, style=style, k_scale=ksc, v_scale=vsc)
     what = f"T={T} {Hq}/{Hkv}x{D} {style} {scaling and scaling['rope_type']} {dtype} {cache_dtype}"
@@ -250,6 +261,99 @@ def test_rope_append_fp8(device):
                                       (5, 16, 8, 256, 16)):
                 _rope_case(device, T, Hq, Hkv, D, style, LLAMA3, dtype, FP8, ps, gen,
                            pad_tokens=1 if T > 1 else 0)
+
+
+# Head norms (Qwen3's q_norm / k_norm) fused into rope_append. The op rounds the normalized
+# head to q's dtype before rotating it; the float64 reference does the same rounding, so the
+# two agree to TOL except where the op's float32 norm (sum of squares, rsqrt: ~2^-22 relative)
+# and the float64 one straddle a rounding boundary of the intermediate, which then differs by
+# one ulp (<= 2^-7 |n| in bf16, 2^-10 in fp16, 2^-23 in fp32). Such a flip moves a rotated
+# element by at most ulp(n_i) + ulp(n_partner) <= 2 ulp_rel max|n| over the head: every
+# element stays within TOL plus that, and flips are rare (probability ~ 2^-22 / ulp_rel per
+# element), so at most 0.1% of the elements may leave TOL alone.
+ULP_REL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}
+
+
+def _norm64(x, w, eps, dtype):
+    x = x.double()
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    return n.to(dtype)
+
+
+def _check_normed(got, ref, n, dtype, what):
+    rtol, atol = TOL[dtype]
+    g, r = got.double(), ref.double()
+    err = (g - r).abs()
+    strict = err <= atol + rtol * r.abs()
+    flip = 2 * ULP_REL[dtype] * n.double().abs().amax(-1, keepdim=True)
+    loose = err <= atol + rtol * r.abs() + flip
+    assert bool(torch.isfinite(g).all()), f"{what}: non-finite values"
+    assert bool(loose.all()), f"{what}: {int((~loose).sum())} elements past TOL + a flip"
+    assert int((~strict).sum()) <= 1e-3 * got.numel(), \
+        f"{what}: {int((~strict).sum())} of {got.numel()} elements outside TOL"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_append_head_norm(device):
+    """rope_append with q_norm / k_norm against float64 (normalize, round, rotate): strided
+    q / k / v of one fused QKV output as the attention module passes them, float32 and
+    model-dtype weights, partial rotary (the unrotated tail is normalized too), bf16 and FP8
+    caches holding the normalized, rotated keys."""
+    gen = _gen(device)
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if device == "cpu" else ())
+    cases = ((1, 32, 4, 128, None), (19, 8, 2, 64, None), (7, 16, 8, 256, None),
+             (33, 8, 2, 128, 64))
+    caches = [None] + ([FP8] if FP8 is not None else [])
+    for dtype in dtypes:
+        for (T, Hq, Hkv, D, rd), cache_dtype, w_dtype in zip(
+                cases, caches * 2, (torch.float32, dtype, torch.float32, dtype)):
+            if cache_dtype is not None and dtype == torch.float32:
+                cache_dtype = None
+            cache_dtype = cache_dtype or dtype
+            eps = 1e-6
+            cs = A.rope_cos_sin(D, 4096, 1e6, None, device=device, rotary_dim=rd)
+            inv = A.rope_inv_freq(rd or D, 1e6, None)
+            q, k, v = _fused_qkv(T, Hq, Hkv, D, dtype, device, gen, scale=3.0)
+            qw = (torch.rand(D, generator=gen, device=device) + 0.5).to(w_dtype)
+            kw = (torch.rand(D, generator=gen, device=device) + 0.5).to(w_dtype)
+            pos = torch.randint(0, 4096, (T,), generator=gen, device=device)
+            ps = 16
+            pages = -(-T // ps) + 1
+            slots = torch.randperm(pages * ps, generator=gen, device=device)[:T].clone()
+            kc, vc, ksc, vsc = _poisoned_cache(pages, ps, Hkv, D, cache_dtype, device)
+            fp8 = ksc is not None
+            q0, k0, v0 = q.clone(), k.clone(), v.clone()
+            A.rope_append(q, k, v, pos, cs, kc, vc, slots, k_scale=ksc, v_scale=vsc,
+                          q_norm=qw, k_norm=kw, norm_eps=eps)
+            what = f"T={T} {Hq}/{Hkv}x{D} rot {rd or D} {dtype} w {w_dtype} cache {cache_dtype}"
+            for name, x0, w, got in (("q", q0, qw, q), ("k", k0, kw, k)):
+                n = _norm64(x0.cpu(), w.cpu(), eps, dtype)
+                ref = _rope64(n, pos.cpu(), inv, "neox")
+                _check_normed(got.cpu(), ref, n, dtype, f"{what} {name}")
+            assert torch.equal(v, v0), f"{what}: v changed"
+            fk = kc.view(-1, Hkv, D)[slots]
+            if fp8:
+                deq = fk.double() * ksc.view(-1, Hkv)[slots].double()[..., None]
+                ok = (deq - k.double()).abs() <= 0.0625 * k.double().abs() + 1e-3
+                assert bool(ok.all()), f"{what}: fp8 k cache != the normalized, rotated k"
+            else:
+                assert torch.equal(fk, k), f"{what}: k cache != the normalized, rotated k"
+
+
+def test_rope_append_head_norm_bad_inputs():
+    q, k = torch.zeros(3, 4, 64), torch.zeros(3, 2, 64)
+    cs = A.rope_cos_sin(64, 100)
+    kc = torch.zeros(4, 16, 2, 64)
+    pos = slots = torch.zeros(3, dtype=torch.int64)
+    w = torch.ones(64)
+    cases = ((dict(q_norm=w), "both head-norm weights or neither"),
+             (dict(q_norm=w, k_norm=torch.ones(32)), r"k_norm must be a \[64\]"),
+             (dict(q_norm=w, k_norm=w.double()), "float32 or q's dtype"),
+             (dict(q_norm=w, k_norm=w, norm_eps=0.0), "norm_eps must be a finite number > 0"),
+             (dict(q_norm=w, k_norm=w, norm_eps=float("nan")), "norm_eps"))
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            A.rope_append(q, k, k.clone(), pos, cs, kc, kc.clone(), slots, **kw)
 
 
 def test_rope_append_bad_inputs():

@@ -4,6 +4,7 @@
 
 #include "fusedist/attention/api.h"
 #include "fusedist/attention/rope_append.cuh"
+#include "fusedist/common/launch.h"
 
 namespace fusedist {
 namespace {
@@ -16,9 +17,8 @@ void launch(const RopeAppendParams& p, cudaStream_t stream) {
   const int64_t warps = p.tokens * (p.q_heads + 2 * p.kv_heads);
   const int64_t blocks = (warps + attention::kRopeWarpsPerBlock - 1) / attention::kRopeWarpsPerBlock;
   FUSEDIST_CHECK_ARG(blocks <= 0x7fffffff, "rope_append: too many tokens x heads for one grid");
-  attention::rope_append_kernel<T, CT, S>
-      <<<dim3(unsigned(blocks)), attention::kRopeWarpsPerBlock * 32, 0, stream>>>(p);
-  FUSEDIST_LAUNCH_CHECK("rope_append_kernel");
+  launch_kernel("rope_append_kernel", attention::rope_append_kernel<T, CT, S>,
+                dim3(unsigned(blocks)), dim3(attention::kRopeWarpsPerBlock * 32), stream, p);
 }
 
 template <typename T, typename CT>
@@ -66,6 +66,16 @@ void rope_append(const RopeAppendArgs& a, uintptr_t stream) {
                      w + "q, k, v, cos_sin, k_cache and v_cache must be 16-byte aligned");
   FUSEDIST_CHECK_ARG(a.q_stride % 8 == 0 && a.k_stride % 8 == 0 && a.v_stride % 8 == 0,
                      w + "token strides of q, k, v must be multiples of 8 elements");
+  FUSEDIST_CHECK_ARG((a.q_norm == 0) == (a.k_norm == 0),
+                     w + "q_norm and k_norm come together (both or neither)");
+  if (a.q_norm) {
+    FUSEDIST_CHECK_ARG(a.norm_dtype == DType::kFloat32 || a.norm_dtype == a.dtype,
+                       w + "q_norm / k_norm must be float32 or q's dtype, got " +
+                           dtype_name(a.norm_dtype));
+    FUSEDIST_CHECK_ARG(a.norm_eps > 0.f, w + "norm_eps must be > 0");
+    FUSEDIST_CHECK_ARG(aligned16(a.q_norm) && aligned16(a.k_norm),
+                       w + "q_norm and k_norm must be 16-byte aligned");
+  }
   if (a.tokens == 0) return;
   RopeAppendParams p{};
   p.q = reinterpret_cast<void*>(a.q);
@@ -85,6 +95,10 @@ void rope_append(const RopeAppendArgs& a, uintptr_t stream) {
   p.err = reinterpret_cast<OpErrorRecord*>(a.err);
   p.q_stride = a.q_stride, p.k_stride = a.k_stride, p.v_stride = a.v_stride;
   p.positions_int64 = a.positions_int64;
+  p.q_norm = reinterpret_cast<const void*>(a.q_norm);
+  p.k_norm = reinterpret_cast<const void*>(a.k_norm);
+  p.norm_eps = a.norm_eps;
+  p.norm_w_fp32 = a.norm_dtype == DType::kFloat32;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (a.dtype == DType::kBFloat16) by_cache<__nv_bfloat16>(p, a.cache_dtype, a.style, s);
   else by_cache<__half>(p, a.cache_dtype, a.style, s);

@@ -8,6 +8,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ... import _align, _dtypes, _ext
 from .._plan import KernelPlan, kernel_plan
@@ -80,22 +81,48 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: to
                 cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, *, style: str = "neox",
                 k_scale: Optional[torch.Tensor] = None,
-                v_scale: Optional[torch.Tensor] = None) -> None:
+                v_scale: Optional[torch.Tensor] = None,
+                q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                norm_eps: float = 1e-6) -> None:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (first cos_sin.shape[1] features of each
     head) and writes the rotated k and v into the cache at slot_mapping [T] (negative: skipped).
-    FP8 caches get per token-head scales amax / 448 of the rotated (rounded) k and of v."""
+    FP8 caches get per token-head scales amax / 448 of the rotated (rounded) k and of v.
+    q_norm, k_norm ([D], float32 or q's dtype; both or neither): each q and k head is first
+    RMS-normalized over D with them (Qwen3's head norms; head_norm_reference), in float32 and
+    rounded to q's dtype, in the same kernel."""
     _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-                   k_scale, v_scale)
+                   k_scale, v_scale, q_norm, k_norm, norm_eps)
     if torch.compiler.is_compiling():
         torch.ops.fusedist.rope_append(q, k, v, positions, cos_sin, k_cache, v_cache,
-                                       slot_mapping, style, k_scale, v_scale)
+                                       slot_mapping, style, k_scale, v_scale, q_norm, k_norm,
+                                       float(norm_eps))
     else:
         _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-                          k_scale, v_scale)
+                          k_scale, v_scale, q_norm, k_norm, norm_eps)
+
+
+def _validate_norms(q, q_norm, k_norm, norm_eps) -> None:
+    op = "rope_append"
+    if (q_norm is None) != (k_norm is None):
+        _fail(op, "q_norm and k_norm come together: pass both head-norm weights or neither")
+    if q_norm is None:
+        return
+    D = q.shape[-1]
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if not isinstance(w, torch.Tensor) or w.shape != (D,) or \
+                w.dtype not in (torch.float32, q.dtype):
+            _fail(op, f"{name} must be a [{D}] (head_dim) tensor of float32 or q's dtype "
+                      f"{q.dtype}, got {getattr(w, 'dtype', type(w).__name__)} "
+                      f"{tuple(getattr(w, 'shape', ()))}")
+        if w.device != q.device:
+            _fail(op, f"{name} is on {w.device}; it must be on q's device {q.device}")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or \
+            not math.isfinite(norm_eps) or norm_eps <= 0:
+        _fail(op, f"norm_eps must be a finite number > 0, got {norm_eps!r}")
 
 
 def _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-                   k_scale, v_scale):
+                   k_scale, v_scale, q_norm=None, k_norm=None, norm_eps=1e-6):
     op = "rope_append"
     if style not in ROPE_STYLES:
         _fail(op, f"style must be one of {ROPE_STYLES}, got {style!r}")
@@ -134,6 +161,7 @@ def _validate_rope(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, 
         if t.device != k_cache.device:
             _fail(op, f"{name} is on {t.device}; it must be on the cache's device "
                       f"{k_cache.device}")
+    _validate_norms(q, q_norm, k_norm, norm_eps)
 
 
 def available(device) -> bool:
@@ -141,7 +169,8 @@ def available(device) -> bool:
     return _ext.kernel_runs("rope_append", device)
 
 
-def why_not(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> str:
+def why_not(q, k, v, positions, cos_sin, k_cache, slot_mapping, q_norm=None,
+            k_norm=None) -> str:
     """Why csrc/ops/attention/rope_append.cu does not serve this (valid) call ("" when it
     does); such calls take the plain-torch path."""
     why = _ext.why_not("rope_append", q.device)
@@ -153,12 +182,16 @@ def why_not(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> str:
             and _align.is_aligned(k_cache) and all(_rows_ok(t) for t in (q, k, v))
             and positions.is_contiguous() and slot_mapping.is_contiguous()):
         return "a dtype, head_dim, layout or alignment the kernel does not serve"
+    if q_norm is not None and not all(w.is_contiguous() and _align.is_aligned(w)
+                                      for w in (q_norm, k_norm)):
+        return "head-norm weights that are not contiguous and 16-byte aligned"
     return ""
 
 
-def plan(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> KernelPlan:
+def plan(q, k, v, positions, cos_sin, k_cache, slot_mapping, q_norm=None,
+         k_norm=None) -> KernelPlan:
     return kernel_plan("rope_append", why_not(q, k, v, positions, cos_sin, k_cache,
-                                              slot_mapping))
+                                              slot_mapping, q_norm, k_norm))
 
 
 def _rope_kernel_ok(q, k, v, positions, cos_sin, k_cache, slot_mapping) -> bool:
@@ -173,15 +206,16 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 
 def _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-                      k_scale, v_scale) -> None:
+                      k_scale, v_scale, q_norm=None, k_norm=None, norm_eps=1e-6) -> None:
     if q.shape[0] == 0:
         return
-    run(plan(q, k, v, positions, cos_sin, k_cache, slot_mapping), q, k, v, positions, cos_sin,
-        k_cache, v_cache, slot_mapping, style, k_scale, v_scale)
+    run(plan(q, k, v, positions, cos_sin, k_cache, slot_mapping, q_norm, k_norm), q, k, v,
+        positions, cos_sin, k_cache, v_cache, slot_mapping, style, k_scale, v_scale, q_norm,
+        k_norm, norm_eps)
 
 
 def run(p: KernelPlan, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-        k_scale, v_scale) -> None:
+        k_scale, v_scale, q_norm=None, k_norm=None, norm_eps=1e-6) -> None:
     """Execute p on validated, non-empty arguments."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if p.kernel:
@@ -202,13 +236,17 @@ def run(p: KernelPlan, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
         a.positions_int64 = positions.dtype == torch.int64
         a.style = ROPE_STYLES.index(style)
         a.dtype, a.cache_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
+        if q_norm is not None:
+            a.q_norm, a.k_norm = q_norm.data_ptr(), k_norm.data_ptr()
+            a.norm_eps, a.norm_dtype = float(norm_eps), _dtypes.code(q_norm.dtype)
         C.rope_append(a, torch.cuda.current_stream(q.device).cuda_stream)
         return
     p.warn_if_reference(q.device)
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         check_rope_host(positions, slot_mapping, cos_sin.shape[0], num_slots)
     rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                          style=style, k_scale=k_scale, v_scale=v_scale)
+                          style=style, k_scale=k_scale, v_scale=v_scale, q_norm=q_norm,
+                          k_norm=k_norm, norm_eps=norm_eps)
 
 
 def check_rope_host(positions: torch.Tensor, slot_mapping: torch.Tensor, max_position: int,
@@ -254,9 +292,19 @@ def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return (xf * inv[..., None]).to(FP8), scale
 
 
+def head_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] RMS-normalized over D with weight w [D], in float32, rounded to x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
 def rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, *,
-                          style="neox", k_scale=None, v_scale=None) -> None:
-    """Plain-torch rope_append (fp32 rotation, one rounding to q's dtype)."""
+                          style="neox", k_scale=None, v_scale=None, q_norm=None, k_norm=None,
+                          norm_eps=1e-6) -> None:
+    """Plain-torch rope_append (fp32 rotation, one rounding to q's dtype; with q_norm / k_norm
+    the heads are normalized first: head_norm_reference)."""
+    if q_norm is not None:
+        q.copy_(head_norm_reference(q, q_norm, norm_eps))
+        k.copy_(head_norm_reference(k, k_norm, norm_eps))
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     pos = positions.clamp(0, cos_sin.shape[0] - 1)   # callers check; never index past the table
     q.copy_(apply_rope_reference(q, pos, cos_sin, style).to(q.dtype))
@@ -283,13 +331,15 @@ def rope_append_reference(q, k, v, positions, cos_sin, k_cache, v_cache, slot_ma
 def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, style: str, k_scale: Optional[torch.Tensor],
-                    v_scale: Optional[torch.Tensor]) -> None:
+                    v_scale: Optional[torch.Tensor], q_norm: Optional[torch.Tensor],
+                    k_norm: Optional[torch.Tensor], norm_eps: float) -> None:
     _rope_append_impl(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style,
-                      k_scale, v_scale)
+                      k_scale, v_scale, q_norm, k_norm, norm_eps)
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style, k_scale, v_scale):
+def _(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, style, k_scale, v_scale,
+      q_norm, k_norm, norm_eps):
     return None
 
 

@@ -105,6 +105,11 @@ struct RopeAppendArgs {
   bool positions_int64 = true;
   int style = 0;   // 0 neox, 1 gptj
   DType dtype = DType::kBFloat16, cache_dtype = DType::kBFloat16;
+  // Head norm before the rotation (rope_append.cuh): [head_dim] weights of norm_dtype
+  // (float32 or dtype), both or neither.
+  uintptr_t q_norm = 0, k_norm = 0;
+  float norm_eps = 0.f;
+  DType norm_dtype = DType::kFloat32;
 };
 
 void rope_append(const RopeAppendArgs& args, uintptr_t stream);

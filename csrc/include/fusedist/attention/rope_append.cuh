@@ -12,6 +12,11 @@
 // the input dtype; the cache receives exactly the rounded k (and v) values. FP8 caches
 // (e4m3): per (token, head) scale = amax / 448 of those values (a warp max), stored in the
 // float32 scale array; element = satfinite_rn(x * (1 / scale)) (scale 0: zeros).
+// Head norm (Qwen3's q_norm / k_norm; q_norm non-null): before the rotation each q and k head
+// is RMS-normalized over head_dim, x * rsqrt(mean(x^2) + eps) * w (fp32, w of float32 or q's
+// dtype), and rounded to the input dtype; the rotation reads the rounded values, and features
+// past rot are written back normalized. The same math as a float32 F.rms_norm rounded to q's
+// dtype before the rotation, up to the order of the sum of squares.
 // Slots: slot_mapping[t] = page * page_size + offset; a negative slot writes nothing (q and k are
 // still rotated: padding tokens of a CUDA-graph batch). Bad metadata (op_error.h): a slot >=
 // num_slots or a position outside [0, max_position) is recorded in p.err, the token's q and k
@@ -28,6 +33,7 @@
 #include <cstdint>
 
 #include "fusedist/common/op_error.h"
+#include "fusedist/common/signals.cuh"  // pdl_wait / pdl_trigger
 #include "fusedist/common/vec.cuh"
 
 namespace fusedist {
@@ -52,6 +58,10 @@ struct RopeAppendParams {
   int64_t tokens;
   int64_t num_slots;         // num_pages * page_size
   OpErrorRecord* err;        // bad slots / positions are recorded here (null: not recorded)
+  const void* q_norm;        // [head_dim] head-norm weights, or null (no head norm)
+  const void* k_norm;
+  float norm_eps;
+  bool norm_w_fp32;          // the weights are float32 (else q's dtype)
   int q_heads, kv_heads, head_dim, rot, max_position;
   int64_t q_stride, k_stride, v_stride;   // elements between tokens
   bool positions_int64;
@@ -108,6 +118,40 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The head norm of this lane's 8 values x (vector j of the head; lanes past the head hold
+// zeros), in place: x * rsqrt(sum(x^2) / head_dim + eps) * w[8 j .. 8 j + 8), then rounded to T
+// (raw receives the rounded vector). Every lane of the warp takes part (the sum).
+template <typename T>
+__device__ __forceinline__ void head_norm(float* x, Vec16& raw, bool live, int j,
+                                          const void* w, bool w_fp32, int head_dim,
+                                          float eps) {
+  float ss = 0.f;
+  if (live) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(x[i], x[i], ss);
+  }
+  ss = warp_sum(ss);
+  const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, float(head_dim)), eps));
+  if (!live) return;
+  float wf[8];
+  if (w_fp32) {
+    *reinterpret_cast<float4*>(wf) = ld_float4(reinterpret_cast<const float*>(w) + 8 * j);
+    *reinterpret_cast<float4*>(wf + 4) = ld_float4(reinterpret_cast<const float*>(w) + 8 * j + 4);
+  } else {
+    unpack8<T>(*reinterpret_cast<const Vec16*>(reinterpret_cast<const T*>(w) + 8 * j), wf);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), wf[i]);
+  raw = vec_from_floats<T>(x);
+  unpack8<T>(raw, x);
+}
+
 // Store 8 values (already representable in T) to the cache: T as one 16-byte vector, e4m3 as
 // 8 bytes with the head's scale (lane 0 writes the scale).
 template <typename T, typename CT>
@@ -140,6 +184,8 @@ __device__ __forceinline__ void store_cache(const float* x, bool lane_live, CT* 
 template <typename T, typename CT, RopeStyle S>
 __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
     rope_append_kernel(const RopeAppendParams p) {
+  pdl_wait();   // q, k, v, the positions and the slots may be the previous kernel's output
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int tasks = p.q_heads + 2 * p.kv_heads;
   const int64_t id = int64_t(blockIdx.x) * kRopeWarpsPerBlock + (threadIdx.x >> 5);
@@ -177,7 +223,11 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
   float x[8];
   unpack8<T>(raw, x);
   const bool rotated = live && !is_v && 8 * lane < p.rot;
+  const bool normed = !is_v && p.q_norm != nullptr;   // warp-uniform
   if (!is_v) {   // warp-uniform branch: every lane takes part in the shuffles
+    if (normed)
+      head_norm<T>(x, raw, live, j, is_q ? p.q_norm : p.k_norm, p.norm_w_fp32, p.head_dim,
+                   p.norm_eps);
     float partner[8] = {};
     if constexpr (S == RopeStyle::kNeox) {
       const int half_vecs = p.rot / 16;
@@ -197,6 +247,8 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock * 32)
       const Vec16 out = vec_from_floats<T>(x);
       *reinterpret_cast<Vec16*>(src + 8 * j) = out;
       unpack8<T>(out, x);   // the cache gets the rounded values
+    } else if (normed && live) {   // past rot: normalized, not rotated
+      *reinterpret_cast<Vec16*>(src + 8 * j) = raw;
     }
   }
   if (is_q) return;
