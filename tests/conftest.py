@@ -35,6 +35,9 @@ def _session_seed() -> int:
 
 
 SESSION_SEED = _session_seed()
+# pytest-xdist's workers (started after this module loads in the controller) and every other
+# child process read the same session seed: the one the header prints.
+os.environ["FUSEDIST_TEST_SEED"] = str(SESSION_SEED)
 
 
 def test_seed(nodeid: str) -> int:

@@ -10,6 +10,9 @@
 # unset: build on a GPU host, or when CI=true. Without a build the tests import fusedist from
 # this checkout and whatever needs _C skips (FUSEDIST_REQUIRE_EXT=1 makes that a failure).
 # Offline hosts install from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh).
+# FUSEDIST_TEST_JOBS: pytest-xdist processes (default: one per core for the whole suite on a
+# host without GPUs, where most of a test's time is its worker processes starting and waiting;
+# 1 on GPU hosts, whose tests share the GPUs, and for a chosen subset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launchers/setup.sh
@@ -19,7 +22,7 @@ fd_python
 fd_gpus
 [[ ${FUSEDIST_DEVICE:-} == cpu ]] && export CUDA_VISIBLE_DEVICES=""   # the GPU tiers skip
 fd_torch
-fd_install numpy pytest timeout mpi hf lint serve openai
+fd_install numpy pytest timeout xdist mpi hf lint serve openai
 build=${FUSEDIST_BUILD:-}
 if [[ -z $build || $build == auto ]]; then
   build=0
@@ -42,9 +45,16 @@ fi
 export PYTHONUNBUFFERED=1
 echo "   setup took $((SECONDS - t_start)) s"
 
-echo "== tests: $PY -P -m pytest -q ${*:-tests}"
+jobs=${FUSEDIST_TEST_JOBS:-}
+if [[ -z $jobs ]]; then
+  jobs=1
+  (( NGPU == 0 && $# == 0 )) && jobs=$(nproc)
+fi
+xdist=()
+(( jobs > 1 )) && xdist=(-n "$jobs" --dist worksteal)
+echo "== tests: $PY -P -m pytest -q ${xdist[*]} ${*:-tests}"
 set +e
-"$PY" -P -m pytest -q -p no:cacheprovider "${@:-tests}"
+"$PY" -P -m pytest -q -p no:cacheprovider "${xdist[@]}" "${@:-tests}"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then fd_die "pytest collected no tests"; fi

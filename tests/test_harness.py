@@ -48,6 +48,26 @@ def test_seed_printed_with_a_failure_and_reproducible(tmp_path):
     assert len(fresh) == 2, fresh
 
 
+def test_seed_shared_by_xdist_workers(tmp_path):
+    """Under pytest-xdist (tests/run.sh runs the CPU suite on one worker per core) the seed
+    the header prints is the one every worker's failures name: the controller hands its
+    session seed to the workers."""
+    import re
+
+    pytest.importorskip("xdist")
+    t = tmp_path / "test_two.py"
+    t.write_text("def test_a():\n    assert False\n\n\ndef test_b():\n    assert False\n")
+    env = dict(os.environ, FUSEDIST_TEST_SEED="", **CPU,
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    p = launch.python(["-P", "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest",
+                       "-n", "2", str(t)], env=env, cwd=tmp_path, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:]
+    header = re.search(r"fusedist: FUSEDIST_TEST_SEED=(\d+)", p.stdout)
+    assert header, p.stdout[-3000:]
+    named = re.findall(r"rerun: FUSEDIST_TEST_SEED=(\d+) ", p.stdout)
+    assert named == [header[1]] * 2, (header[1], named, p.stdout[-3000:])
+
+
 def test_seed_differs_per_test_and_not_per_order():
     import conftest
 
