@@ -271,16 +271,57 @@ def warp(lg: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     return torch.empty_like(s).scatter_(1, order, srt)
 
 
+class Sampled:
+    """Sampled ids on the device (`ids`, int64 [n]) on their way to the host: result() waits
+    for their copy only (not for work queued after them on the stream) and returns
+    sample_rows' (ids, logprobs)."""
+
+    def __init__(self, ids: torch.Tensor, rows: Sequence[SampleRow], want: list,
+                 mine: Optional[torch.Tensor] = None, top=None):
+        self.ids, self._n, self._want = ids, len(rows), want
+        self._ks = [rows[i].params.logprobs for i in want]
+        parts = [ids] + ([mine] if mine is not None else []) + \
+            ([top.values, top.indices] if top is not None else [])
+        cuda = ids.is_cuda
+        # to("cpu", non_blocking=True) lands in pinned memory; the event marks the copies
+        self._host = [t.to("cpu", non_blocking=cuda) for t in parts]
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(ids.device))
+
+    def result(self) -> tuple[list, list]:
+        if self._event is not None:
+            self._event.synchronize()
+        host_ids = self._host[0].tolist()
+        if not self._want:
+            return host_ids, [None] * self._n
+        mine_h = self._host[1].tolist()
+        top_v = self._host[2].tolist() if len(self._host) > 2 else None
+        top_i = self._host[3].tolist() if len(self._host) > 2 else None
+        out: list = [None] * self._n
+        for j, (i, k) in enumerate(zip(self._want, self._ks)):
+            out[i] = (mine_h[j], list(zip(top_i[j][:k], top_v[j][:k])) if k else [])
+        return host_ids, out
+
+
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list, list]:
     """Next ids (a host list of ints) for logits [len(rows), vocab], and per row None or
     (the sampled id's logprob, [(id, logprob) of the top N]) when its params ask for
     logprobs. One device-to-host copy."""
+    return sample_rows_async(logits, rows).result()
+
+
+def sample_rows_async(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Sampled:
+    """sample_rows with the device work queued and the host copies started, not waited for:
+    Sampled.result() gives what sample_rows returns; Sampled.ids stays on the device (the
+    next decode step's input tokens)."""
     n, V = logits.shape
     if n != len(rows):
         raise ValueError(f"sample_rows: logits has {n} rows for {len(rows)} sample rows")
-    if n == 0:
-        return [], []
     dev = logits.device
+    if n == 0:
+        return Sampled(torch.zeros(0, dtype=torch.int64, device=dev), rows, [])
     lg = process_logits(logits, rows)
     ids = lg.argmax(dim=-1)
     samp = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -294,22 +335,14 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list, 
         ids = ids.index_copy(0, sel, race.argmax(-1))
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
-        return ids.tolist(), [None] * n
+        return Sampled(ids, rows, want)
     sel = torch.tensor(want, dtype=torch.int64, device=dev)
     raw = logits.index_select(0, sel).float().log_softmax(-1)
     mine = raw.gather(1, ids.index_select(0, sel)[:, None]).squeeze(1)
     top_n = max(rows[i].params.logprobs for i in want)
     top = raw.topk(top_n, dim=-1) if top_n else None
-    host_ids = ids.tolist()
-    mine_h = mine.tolist()
-    top_v = top.values.tolist() if top is not None else None
-    top_i = top.indices.tolist() if top is not None else None
-    out: list = [None] * n
-    for j, i in enumerate(want):
-        k = rows[i].params.logprobs
-        out[i] = (mine_h[j], list(zip(top_i[j][:k], top_v[j][:k])) if k else [])
-    return host_ids, out
+    return Sampled(ids, rows, want, mine, top)
 
 
-__all__ = ["GenerationParams", "ParamError", "SampleRow", "sample_rows", "process_logits", "warp",
-           "exponential_noise", "row_key"]
+__all__ = ["GenerationParams", "ParamError", "SampleRow", "Sampled", "sample_rows",
+           "sample_rows_async", "process_logits", "warp", "exponential_noise", "row_key"]

@@ -66,7 +66,7 @@ from .detokenize import IncrementalDetokenizer, TextAssembler
 from .prefix_cache import PagePool, page_hashes
 from .runner import PREFILL_GRAPH_TOKENS, Runner
 from .runner import buckets_for as _buckets
-from .sampler import GenerationParams, ParamError, SampleRow, sample_rows
+from .sampler import GenerationParams, ParamError, SampleRow, sample_rows_async
 
 
 class QueueFull(RuntimeError):
@@ -143,6 +143,8 @@ class EngineStats:
     prompt_tokens: int = 0          # prompt tokens of admitted requests
     generation_tokens: int = 0
     preemptions: int = 0
+    overlapped_steps: int = 0       # decode steps launched before the previous one's tokens
+    overlap_dropped: int = 0        # their rows of sequences that had ended (tokens dropped)
     requests_added: int = 0
     finished: dict = field(default_factory=dict)     # finish reason -> requests
     ttft: Histogram = field(default_factory=lambda: Histogram(_latency_buckets()))
@@ -188,6 +190,14 @@ class _Seq:
         return 1 if self.forked else self.req.params.n
 
 
+class _Step:
+    """A forward whose sampling is queued: its sequences, the choices that sample (owners,
+    one per row of sampled.ids), and whether it decoded one token of each sequence."""
+
+    def __init__(self, seqs: list, owners: list, sampled, decode: bool):
+        self.seqs, self.owners, self.sampled, self.decode = seqs, owners, sampled, decode
+
+
 class Engine:
     """Continuous batching over a fusedist model (the module docstring). model: a
     fusedist.models Transformer (the fusedist backend: a paged KV cache); tokenizer: a
@@ -208,8 +218,10 @@ class Engine:
                  num_pages: Optional[int] = None, prefix_caching: bool = True,
                  max_waiting: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
-                 kv_dtype: Optional[torch.dtype] = None):
+                 kv_dtype: Optional[torch.dtype] = None, overlap: bool = False):
         where = "fusedist.models.Engine"
+        if not isinstance(overlap, bool):
+            raise ValueError(f"{where}: overlap must be True or False, got {overlap!r}")
         if getattr(model, "backend", "fusedist") != "fusedist":
             raise ValueError(f"{where}: the model's backend is {model.backend!r}; continuous "
                              "batching needs the paged KV cache of the fusedist backend")
@@ -274,6 +286,8 @@ class Engine:
         self._inbox: list = []              # events not applied yet
         self._queued: set = set()           # request ids added, not admitted yet
         self._copies: list = []             # (src, dst) pages to copy before the forward
+        self.overlap = overlap
+        self._ahead: Optional[_Step] = None  # a launched step whose tokens are not out yet
         self._capture()
 
     @classmethod
@@ -440,12 +454,19 @@ class Engine:
 
     @torch.no_grad()
     def run_step(self) -> list:
-        """One scheduled forward and its sampling (events already applied)."""
-        items = self._schedule()
-        if not items:
-            return []
-        logits = self._forward(items)
-        return self._sample_and_emit(items, logits)
+        """One scheduled forward and its sampling (events already applied); with overlap,
+        the next decode step is launched before this one's tokens are handed out."""
+        step, self._ahead = self._ahead, None
+        if step is not None and all(s.finish_reason is not None for s in step.owners):
+            step = None                     # launched for sequences that all ended since
+        if step is None:
+            items = self._schedule()
+            if not items:
+                return []
+            step = self._launch_sampling(items, self._forward(items))
+        if self.overlap:
+            self._ahead = self._launch_next(step)
+        return self._emit(step)
 
     # ---- scheduling ----------------------------------------------------------------------
     def _schedule(self) -> list:
@@ -534,8 +555,12 @@ class Engine:
         P = self.page_size
         start = seq.computed
         first = start // P
-        cow = first < len(seq.pages) and self.pool.shared(seq.pages[first])
-        new = max(0, -(-(start + n) // P) - len(seq.pages))
+        held = len(seq.pages)
+        cow = first < held and self.pool.shared(seq.pages[first])
+        new = -(-(start + n) // P) - held
+        if new <= 0 and not cow:        # the tokens fit the pages held (a decode, mostly)
+            return True
+        new = max(0, new)
         got = self.pool.allocate(new + cow)
         if got is None:
             return False
@@ -646,14 +671,73 @@ class Engine:
         lens = lens + [1] * pad
         return r._prefill_graphed(toks, pos, cu, lens, list(range(Bp)))
 
+    # ---- overlap -------------------------------------------------------------------------
+    def _next_decode(self, step: "_Step") -> Optional[list]:
+        """The sequences of the decode step after `step`, when it can be launched before
+        step's tokens reach the host (None otherwise): step decoded every running sequence,
+        in order; no waiting sequence could be admitted; no row applies penalties (they read
+        the previous tokens on the host). Sequences that step ends by length are left out;
+        one that ends by EOS or a stop string takes its row once more, its token dropped.
+        Every decision reads state all ranks share (never the queue of new events)."""
+        live = [s for s in step.owners if s.finish_reason is None]
+        if not step.decode or len(live) != len(self.running) or \
+                any(a is not b for a, b in zip(live, self.running)):
+            return None
+        if self.waiting:
+            seats = sum(s.seats for s in self.running)
+            if seats + self.waiting[0].seats <= self.max_seqs and self._free_rows:
+                return None                 # the next step admits (and prefills)
+        nxt = []
+        for seq in live:
+            p = seq.req.params
+            if p.penalized:
+                return None
+            if len(seq.output) + 1 >= p.max_tokens or len(seq.ids) + 1 >= self.max_model_len:
+                continue                    # step's token ends it
+            nxt.append(seq)
+        if not nxt or not all(self._reserve(seq, 1) for seq in nxt):
+            return None                     # (pages reserved so far are the next step's too)
+        return nxt
+
+    def _launch_next(self, step: "_Step") -> Optional["_Step"]:
+        """Launch the decode step after `step` with step's tokens read on the device (the
+        overlap: the host hands out step's tokens while this step runs)."""
+        nxt = self._next_decode(step)
+        if nxt is None:
+            return None
+        self._do_copies()
+        r, dev = self.runner, self.device
+        self.stats.steps += 1
+        self.stats.decode_steps += 1
+        self.stats.overlapped_steps += 1
+        row_of = {id(s): i for i, s in enumerate(step.owners)}
+        src = torch.tensor([row_of[id(s)] for s in nxt], dtype=torch.int64, device=dev)
+        B = len(nxt)
+        b = r.bucket(B)
+        bt = torch.full((b, r.pages_per_seq), self.scratch, dtype=torch.int32)
+        bt[:B] = self.table.index_select(0, torch.tensor([s.row for s in nxt],
+                                                         dtype=torch.int64))
+        lens = torch.ones(b, dtype=torch.int64)
+        lens[:B] = torch.tensor([s.computed + 1 for s in nxt])
+        r.bt[:b].copy_(bt.to(dev))
+        r.seq_lens[:b].copy_(lens.to(dev))
+        r.tokens[B:b].fill_(1)
+        r.tokens[:B].copy_(step.sampled.ids.index_select(0, src))
+        logits = r.decode_step(b)[:B]
+        # Rows at step's tokens + 1: sampling steps are known before the tokens are.
+        return self._launch_sampling([(s, 1) for s in nxt], logits, ahead=1)
+
     # ---- sampling and outputs ------------------------------------------------------------
-    def _sample_and_emit(self, items: list, logits: torch.Tensor) -> list:
-        now = time.monotonic()
+    def _launch_sampling(self, items: list, logits: torch.Tensor, ahead: int = 0) -> "_Step":
+        """Queue the sampling of a forward's logits (items: [(seq, tokens)]); its tokens are
+        handed out by _emit. ahead: tokens each sequence has sampled that _emit has not
+        appended yet (1 for a step launched by _launch_next)."""
         done_rows, sample_rows_, owners = [], [], []
         for i, (seq, n) in enumerate(items):
             seq.computed += n
-            self._register(seq)
-            if seq.computed < len(seq.ids):
+            if not ahead:
+                self._register(seq)         # (a step launched ahead registers in _emit)
+            if seq.computed < len(seq.ids) + ahead:
                 continue                    # a prompt chunk: no token yet
             req = seq.req
             if not seq.forked:              # n > 1: the prompt's logits sample every choice
@@ -664,14 +748,33 @@ class Engine:
             for s in seqs:
                 done_rows.append(i)
                 owners.append(s)
-                sample_rows_.append(SampleRow(req.params, req.seed, s.choice, len(s.output),
-                                              req.prompt, s.output, req.eos_ids))
-        if not owners:
+                sample_rows_.append(SampleRow(req.params, req.seed, s.choice,
+                                              len(s.output) + ahead, req.prompt, s.output,
+                                              req.eos_ids))
+        sampled = None
+        if owners:
+            idx = torch.tensor(done_rows, dtype=torch.int64, device=logits.device)
+            sampled = sample_rows_async(logits.index_select(0, idx), sample_rows_)
+        return _Step([s for s, _ in items], owners, sampled,
+                     all(n == 1 for _, n in items) and len(owners) == len(items))
+
+    def _emit(self, step: "_Step") -> list:
+        """Hand out a launched step's tokens: wait for them, append them (stops, lengths,
+        text), register the pages they filled. A sequence that ended meanwhile (a token of
+        the step before, an abort) drops its token."""
+        if step.sampled is None:
+            for seq in step.seqs:
+                self._register(seq)
             return []
-        idx = torch.tensor(done_rows, dtype=torch.int64, device=logits.device)
-        ids, lps = sample_rows(logits.index_select(0, idx), sample_rows_)
+        ids, lps = step.sampled.result()
+        now = time.monotonic()
+        for seq in step.seqs:               # before the tokens end any sequence
+            self._register(seq)
         changed: dict = {}
-        for s, t, lp in zip(owners, ids, lps):
+        for s, t, lp in zip(step.owners, ids, lps):
+            if s.finish_reason is not None:
+                self.stats.overlap_dropped += 1
+                continue
             c = self._append(s, t, lp, now)
             changed.setdefault(s.req.id, []).append(c)
         outs = []
@@ -698,10 +801,12 @@ class Engine:
         return child
 
     def _register(self, seq: _Seq) -> None:
-        """Register the sequence's pages that are now full in the prefix cache."""
+        """Register the sequence's pages that are now full in the prefix cache (of tokens the
+        host holds: a step launched ahead counts a token in `computed` before it is in
+        `ids`)."""
         if not self.pool.caching:
             return
-        full = seq.computed // self.page_size
+        full = min(seq.computed, len(seq.ids)) // self.page_size
         if full <= seq.registered:
             return
         seq.hashes = page_hashes(seq.ids[:full * self.page_size], self.page_size,

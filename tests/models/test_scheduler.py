@@ -68,12 +68,14 @@ def assert_no_leak(eng):
     eng.pool.check()
 
 
-def test_greedy_ids_equal_the_static_runner(llm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_greedy_ids_equal_the_static_runner(llm, overlap):
     """Odd prompt lengths, a budget that splits prompts into chunks beside decodes, and a pool
     too small for all of them at once (preemption by recompute)."""
     prompts = [prompt(n, 100 + n) for n in (1, 7, 16, 17, 33, 50)]
     news = [9, 5, 12, 7, 10, 6]
-    with Engine.from_llm(llm, max_seqs=3, max_num_batched_tokens=13, num_pages=6) as eng:
+    with Engine.from_llm(llm, max_seqs=3, max_num_batched_tokens=13, num_pages=6,
+                         overlap=overlap) as eng:
         outs = eng.generate(prompts, [GREEDY.replace(max_tokens=k) for k in news])
         for p, k, o in zip(prompts, news, outs):
             assert o.finished and o.choices[0].ids == ref(llm, p, k)
@@ -83,10 +85,14 @@ def test_greedy_ids_equal_the_static_runner(llm):
         assert_no_leak(eng)
 
 
-def test_random_arrival_trace_completes_without_leaks(llm):
+def _run_trace(llm, overlap: bool, max_seqs: int = 4, num_pages: int = 8):
+    """A random arrival trace (half the prompts share a prefix; greedy and seeded sampled
+    requests, n up to 3, stop ids, aborts 3 steps after arrival) through an engine; returns
+    (engine, trace, results by request id, index of each id in trace, aborted ids)."""
     rng = random.Random(7)
     base = prompt(40, 1)
-    eng = Engine.from_llm(llm, max_seqs=4, max_num_batched_tokens=19, num_pages=8)
+    eng = Engine.from_llm(llm, max_seqs=max_seqs, max_num_batched_tokens=19,
+                          num_pages=num_pages, overlap=overlap)
     trace = []
     for i in range(16):
         shared = rng.random() < 0.5                      # half share a prefix
@@ -117,6 +123,12 @@ def test_random_arrival_trace_completes_without_leaks(llm):
         step += 1
         assert step < 2000, "the trace does not finish"
         eng.pool.check()
+    return eng, trace, results, rid_of, aborted
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_random_arrival_trace_completes_without_leaks(llm, overlap):
+    eng, trace, results, rid_of, aborted = _run_trace(llm, overlap)
     assert set(results) == set(rid_of)
     for rid, out in results.items():
         p, gp = trace[rid_of[rid]][1], trace[rid_of[rid]][2]
@@ -134,13 +146,80 @@ def test_random_arrival_trace_completes_without_leaks(llm):
             if gp.greedy:
                 assert c.ids == ref(llm, p, gp.max_tokens), rid
     assert eng.stats.preemptions > 0 and eng.pool.hit_tokens > 0
+    assert (eng.stats.overlapped_steps > 0) == overlap
     assert_no_leak(eng)
     eng.close()
 
 
-def test_prefix_hits_copy_the_page_they_write(llm):
+def _steady(llm, overlap: bool):
+    """Eight requests decoding together (seeded draws that stop on any of 16 ids, a greedy
+    one with logprobs, an abort at step 10): step by step outputs and the engine."""
+    stops = tuple(range(40, 56))
+    params = [GenerationParams(max_tokens=40, temperature=1.0, seed=i, stop_token_ids=stops,
+                               ignore_eos=True) for i in range(7)]
+    params.append(GREEDY.replace(max_tokens=40, logprobs=2))
+    eng = Engine.from_llm(llm, max_seqs=8, num_pages=64, overlap=overlap)
+    rids = [eng.add_request(f"s{i}", prompt(5 + i, 700 + i), sp) for i, sp in enumerate(params)]
+    steps, k = [], 0
+    while eng.has_work():
+        if k == 10:
+            eng.abort(rids[2])
+        steps.append(sorted((o.request_id, [(c.index, c.ids, c.text, c.finish_reason,
+                                              c.logprobs) for c in o.choices], o.finished)
+                            for o in eng.step()))
+        k += 1
+    return steps, eng
+
+
+def test_overlap_steady_decode_same_steps(llm):
+    """Requests decoding together, some ending on stop ids, one aborted: with overlap every
+    step hands out exactly what it hands out without (ids, text, finish reasons, logprobs),
+    nearly every decode step overlaps, and the rows of sequences that ended are dropped."""
+    want, plain = _steady(llm, False)
+    got, over = _steady(llm, True)
+    assert got == want
+    assert any(f for s in want for _, ch, f in s for c in ch if c[3] == "stop")
+    assert over.stats.overlapped_steps >= over.stats.decode_steps - 3 > 20, over.stats
+    assert over.stats.overlap_dropped > 0 and plain.stats.overlapped_steps == 0
+    # Ends by length are known ahead: those rows are left out, not dropped.
+    dropped, steps = over.stats.overlap_dropped, over.stats.overlapped_steps
+    ps = [prompt(n, 800 + n) for n in (3, 11, 6, 20)]
+    outs = over.generate(ps, [GREEDY.replace(max_tokens=k) for k in (3, 9, 17, 30)])
+    for p, k, o in zip(ps, (3, 9, 17, 30), outs):
+        assert o.choices[0].ids == ref(llm, p, k)
+    assert over.stats.overlap_dropped == dropped and over.stats.overlapped_steps > steps + 20
+    for eng in (plain, over):
+        assert_no_leak(eng)
+        eng.close()
+
+
+def test_overlap_hands_out_the_same_tokens(llm):
+    """The engine with overlap (each decode step launched before the previous step's tokens
+    reach the host, a sequence's row kept one step past a stop) gives every request that was
+    not aborted the same choices, token by token, as without: ids, text, finish reasons (a
+    seeded draw depends on the request's seed, its choice and its step only). Most decode
+    steps overlap, at a pool large enough not to preempt and with one too small."""
+    for max_seqs, num_pages in ((8, 64), (4, 8)):
+        runs = [_run_trace(llm, ov, max_seqs, num_pages) for ov in (False, True)]
+        (plain, _, want, _, ab0), (over, _, got, _, ab1) = runs
+        assert set(want) == set(got)
+        for rid in set(want) - ab0 - ab1:
+            a = [(c.index, c.ids, c.text, c.finish_reason) for c in want[rid].choices]
+            b = [(c.index, c.ids, c.text, c.finish_reason) for c in got[rid].choices]
+            assert a == b, rid
+        assert over.stats.overlapped_steps > 0.3 * over.stats.decode_steps, \
+            (over.stats.overlapped_steps, over.stats.decode_steps)
+        assert over.stats.generation_tokens >= plain.stats.generation_tokens - 64
+        for eng in (plain, over):
+            assert_no_leak(eng)
+            eng.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_prefix_hits_copy_the_page_they_write(llm, overlap):
     p = prompt(32, 5)                                   # two whole pages of 16
-    with Engine.from_llm(llm, max_seqs=2, max_num_batched_tokens=64, num_pages=20) as eng:
+    with Engine.from_llm(llm, max_seqs=2, max_num_batched_tokens=64, num_pages=20,
+                         overlap=overlap) as eng:
         first = eng.generate([p], GREEDY)[0]
         assert first.cached_tokens == 0 and first.choices[0].ids == ref(llm, p, 8)
         again = eng.generate([p], GREEDY)[0]
@@ -158,10 +237,12 @@ def test_prefix_hits_copy_the_page_they_write(llm):
         assert_no_leak(eng)
 
 
-def test_n_choices_share_the_prompt_pages(llm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_n_choices_share_the_prompt_pages(llm, overlap):
     p = prompt(21, 8)
     sp = GenerationParams(max_tokens=6, temperature=1.0, seed=42, n=3, ignore_eos=True)
-    with Engine.from_llm(llm, max_seqs=4, max_num_batched_tokens=64, num_pages=30) as eng:
+    with Engine.from_llm(llm, max_seqs=4, max_num_batched_tokens=64, num_pages=30,
+                         overlap=overlap) as eng:
         rid = eng.add_request(None, p, sp)
         out, = eng.step()                               # the prefill, then the fork
         req = eng.requests[rid]
@@ -191,9 +272,10 @@ def _texts(llm, p, ids) -> list:
     return out
 
 
-def test_stop_strings_across_token_boundaries(llm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_stop_strings_across_token_boundaries(llm, overlap):
     p = prompt(9, 9)
-    with Engine.from_llm(llm, max_seqs=2, num_pages=20) as eng:
+    with Engine.from_llm(llm, max_seqs=2, num_pages=20, overlap=overlap) as eng:
         free = eng.generate([p], GREEDY.replace(max_tokens=10))[0].choices[0]
         texts = _texts(llm, p, free.ids)
         assert texts[-1] == free.text
@@ -228,7 +310,8 @@ def test_stop_strings_across_token_boundaries(llm):
         assert_no_leak(eng)
 
 
-def test_eos_ends_a_choice(llm, ckpt, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_eos_ends_a_choice(llm, ckpt, tmp_path, overlap):
     p = prompt(6, 10)
     free = ref(llm, p, 10)
     d = tmp_path / "eos"
@@ -238,7 +321,7 @@ def test_eos_ends_a_choice(llm, ckpt, tmp_path):
             os.symlink(os.path.join(ckpt, f), d / f)
     write_generation_config(str(d), eos_token_id=[free[3]], do_sample=False)
     with LLM(str(d), max_batch=1, max_seq_len=96) as m, \
-            Engine.from_llm(m, max_seqs=2, num_pages=12) as eng:
+            Engine.from_llm(m, max_seqs=2, num_pages=12, overlap=overlap) as eng:
         c = eng.generate([p], GenerationParams(max_tokens=10, temperature=0))[0].choices[0]
         assert c.ids == free[:free.index(free[3]) + 1] and c.finish_reason == "stop"
         c = eng.generate([p], GenerationParams(max_tokens=10, temperature=0,
@@ -310,7 +393,8 @@ def test_bad_requests_and_the_queue_bound(llm):
         assert_no_leak(eng)
 
 
-def test_async_streams(llm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_async_streams(llm, overlap):
     prompts = [prompt(n, 400 + n) for n in (5, 19, 11)]
 
     async def main(ae):
@@ -327,7 +411,8 @@ def test_async_streams(llm):
         await agen.aclose()
         return got
 
-    with Engine.from_llm(llm, max_seqs=2, max_num_batched_tokens=16, num_pages=16) as eng:
+    with Engine.from_llm(llm, max_seqs=2, max_num_batched_tokens=16, num_pages=16,
+                         overlap=overlap) as eng:
         want = eng.generate(prompts, GREEDY.replace(max_tokens=9))
         ae = AsyncEngine(eng).start()
         try:
