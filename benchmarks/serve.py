@@ -19,7 +19,9 @@ p50 / p99 (the gaps between consecutive tokens of a request, as the client sees 
 p50, prefix hit rate, preemptions. The steady-state row ("step") compares the engine's decode
 step at --step-batch sequences (scheduling, tables, graph replay, sampling, detokenization) with
 the static Runner's generate loop at the same batch (ms/step, sampling included) and with the
-bare graph replay (Runner.time_step).
+bare graph replay (Runner.time_step); "step_overlap" is the same with the engine's overlap on
+(each decode step launched before the previous one's tokens reach the host; --overlap turns it
+on for the load workloads too).
 
 Targets (one H200, Llama-3-8B shape, FP8 weights, TP 1): the engine's step within 10% of the
 static step; batch64 >= 5000 output tokens/s with ITL p99 <= 15 ms; ttft warm <= 0.3 x cold.
@@ -103,8 +105,10 @@ def snapshot(eng) -> dict:
     return {"q": eng.pool.query_tokens, "h": eng.pool.hit_tokens, "p": eng.stats.preemptions}
 
 
-def step_row(llm, eng, B, prompt_len, new, vocab, seed) -> dict:
-    """The engine's steady-state decode step at B sequences beside the static Runner's."""
+def step_rows(llm, eng, B, prompt_len, new, vocab, seed) -> list:
+    """The engine's steady-state decode step at B sequences beside the static Runner's:
+    without overlap ("step") and with it ("step_overlap": each decode step launched before
+    the previous one's tokens reach the host), one window each over the same sequences."""
     from fusedist.models import GenerationParams, Runner
 
     g = torch.Generator().manual_seed(seed)
@@ -115,15 +119,20 @@ def step_row(llm, eng, B, prompt_len, new, vocab, seed) -> dict:
     while eng.waiting or eng._inbox or any(len(s.ids) - s.computed > 1 for s in eng.running):
         eng.step()
     sync = (lambda: torch.cuda.synchronize()) if eng.device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        eng.step()
-    steps = max(4, min(32, new // 2))
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    sync()
-    engine_ms = (time.perf_counter() - t0) * 1e3 / steps
+    steps = max(4, min(32, (new - 8) // 2))
+    engine_ms = {}
+    keep = eng.overlap
+    for overlap in (False, True):
+        eng.overlap = overlap
+        for _ in range(3):
+            eng.step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        engine_ms[overlap] = (time.perf_counter() - t0) * 1e3 / steps
+    eng.overlap = keep
     replay_ms = eng.runner.time_step(B, iters=steps)
     while eng.has_work():
         eng.step()
@@ -131,9 +140,10 @@ def step_row(llm, eng, B, prompt_len, new, vocab, seed) -> dict:
                 page_size=eng.page_size) as r:
         r.generate(prompts, 8)                          # warm-up (captures)
         static_ms = r.generate(prompts, new).ms_per_step
-    return {"op": "serve", "workload": "step", "batch": B, "engine_step_ms": round(engine_ms, 3),
-            "static_step_ms": round(static_ms, 3), "replay_ms": round(replay_ms, 3),
-            "ratio": round(engine_ms / static_ms, 3), "time_us": round(engine_ms * 1e3, 1)}
+    return [{"op": "serve", "workload": "step_overlap" if overlap else "step", "batch": B,
+             "engine_step_ms": round(ms, 3), "static_step_ms": round(static_ms, 3),
+             "replay_ms": round(replay_ms, 3), "ratio": round(ms / static_ms, 3),
+             "time_us": round(ms * 1e3, 1)} for overlap, ms in engine_ms.items()]
 
 
 def main() -> None:
@@ -155,6 +165,9 @@ def main() -> None:
     ap.add_argument("--step-batch", type=int, default=None)
     ap.add_argument("--workloads", default="step,random,prefix,batch64,ttft")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overlap", action="store_true",
+                    help="the engine's overlap for the load workloads (the step workload "
+                         "measures both)")
     args = ap.parse_args()
 
     import fusedist
@@ -184,7 +197,7 @@ def main() -> None:
     rt = fusedist.get_runtime()
     vocab = llm.cfg.vocab_size
     eng = Engine.from_llm(llm, max_seqs=args.max_seqs, max_num_batched_tokens=2048
-                          if gpu else 64, max_waiting=None)
+                          if gpu else 64, max_waiting=None, overlap=args.overlap)
     rows = []
     leader = rt.tp.rank == 0
 
@@ -194,8 +207,9 @@ def main() -> None:
         rows.append(row)
 
     if "step" in work:
-        show(step_row(llm, eng, args.step_batch, args.prompt_len, args.output_len, vocab,
-                      args.seed))
+        for row in step_rows(llm, eng, args.step_batch, args.prompt_len, args.output_len,
+                             vocab, args.seed):
+            show(row)
         eng.pool.reset_cache()
     rng = random.Random(args.seed)
 
@@ -269,10 +283,12 @@ def main() -> None:
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in load]
     for r in rows:
-        if r["workload"] == "step":
-            md.append(f"\nDecode step at batch {r['batch']}: engine {r['engine_step_ms']} ms, "
-                      f"static Runner {r['static_step_ms']} ms (ratio {r['ratio']}, target <= "
-                      f"{TARGETS['step_ratio']}), graph replay alone {r['replay_ms']} ms.")
+        if r["workload"] in ("step", "step_overlap"):
+            what = "with overlap" if r["workload"] == "step_overlap" else "without overlap"
+            md.append(f"\nDecode step at batch {r['batch']}, {what}: engine "
+                      f"{r['engine_step_ms']} ms, static Runner {r['static_step_ms']} ms (ratio "
+                      f"{r['ratio']}, target <= {TARGETS['step_ratio']}), graph replay alone "
+                      f"{r['replay_ms']} ms.")
         if r["workload"] == "ttft":
             md.append(f"\nTime to first token behind a {r['prefix_len']}-token prefix: cold "
                       f"{r['cold_ms']} ms, cached {r['warm_ms']} ms (ratio {r['ratio']}, "

@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for admission before new ones get 503")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--overlap", action="store_true",
+                   help="launch each decode step before the previous one's tokens reach the "
+                        "host (the engine's host work overlaps the GPU; docs/design/serving.md)")
     p.add_argument("--prefill-graph-tokens", type=int, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds requests in flight get to finish at shutdown")
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
         prefix_caching=not args.no_prefix_caching, max_waiting=args.max_queue,
         cuda_graphs=False if args.no_cuda_graphs else None,
         prefill_graph_tokens=PREFILL_GRAPH_TOKENS if args.prefill_graph_tokens is None
-        else args.prefill_graph_tokens, kv_dtype=kv)
+        else args.prefill_graph_tokens, kv_dtype=kv, overlap=args.overlap)
     ae = AsyncEngine(engine)
     try:
         if not ae.leader:

@@ -100,9 +100,10 @@ class Server:
         self.engine.close()
 
 
-@pytest.fixture(scope="module")
-def srv(llm):
-    s = Server(llm, max_seqs=4, max_num_batched_tokens=32, num_pages=48, max_waiting=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def srv(llm, request):
+    s = Server(llm, max_seqs=4, max_num_batched_tokens=32, num_pages=48, max_waiting=64,
+               overlap=request.param)
     yield s
     s.close()
 
@@ -326,7 +327,7 @@ def test_cli_serves_and_shuts_down_gracefully(ckpt):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-P", "-m", "fusedist.serve", ckpt, "--port", "0",
                           "--served-model-name", NAME, "--max-seqs", "2", "--log-level",
-                          "warning"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          "warning", "--overlap"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     try:
         url = None
