@@ -11,8 +11,8 @@
 # this checkout and whatever needs _C skips (FUSEDIST_REQUIRE_EXT=1 makes that a failure).
 # Offline hosts install from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh).
 # FUSEDIST_TEST_JOBS: pytest-xdist processes (default: one per core for the whole suite on a
-# host without GPUs, where most of a test's time is its worker processes starting and waiting;
-# 1 on GPU hosts, whose tests share the GPUs, and for a chosen subset).
+# host without GPUs, where a second test fills the time ranks spend waiting; 1 on GPU hosts,
+# whose tests share the GPUs, and for a chosen subset). docs/testing.md has what it gains.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launchers/setup.sh
