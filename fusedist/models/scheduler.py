@@ -190,6 +190,13 @@ class _Seq:
         return 1 if self.forked else self.req.params.n
 
 
+def _async_h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`; to a GPU through pinned memory without waiting for the stream."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _Step:
     """A forward whose sampling is queued: its sequences, the choices that sample (owners,
     one per row of sampled.ids), and whether it decoded one token of each sequence."""
@@ -711,7 +718,9 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.overlapped_steps += 1
         row_of = {id(s): i for i, s in enumerate(step.owners)}
-        src = torch.tensor([row_of[id(s)] for s in nxt], dtype=torch.int64, device=dev)
+        # Every host-to-device copy here is from pinned memory and asynchronous: a plain one
+        # waits for the stream (the previous step), which is what this launch must not do.
+        src = _async_h2d(torch.tensor([row_of[id(s)] for s in nxt], dtype=torch.int64), dev)
         B = len(nxt)
         b = r.bucket(B)
         bt = torch.full((b, r.pages_per_seq), self.scratch, dtype=torch.int32)
@@ -719,8 +728,8 @@ class Engine:
                                                          dtype=torch.int64))
         lens = torch.ones(b, dtype=torch.int64)
         lens[:B] = torch.tensor([s.computed + 1 for s in nxt])
-        r.bt[:b].copy_(bt.to(dev))
-        r.seq_lens[:b].copy_(lens.to(dev))
+        r.bt[:b].copy_(_async_h2d(bt, dev))
+        r.seq_lens[:b].copy_(_async_h2d(lens, dev))
         r.tokens[B:b].fill_(1)
         r.tokens[:B].copy_(step.sampled.ids.index_select(0, src))
         logits = r.decode_step(b)[:B]
@@ -753,8 +762,10 @@ class Engine:
                                               req.eos_ids))
         sampled = None
         if owners:
-            idx = torch.tensor(done_rows, dtype=torch.int64, device=logits.device)
-            sampled = sample_rows_async(logits.index_select(0, idx), sample_rows_)
+            if done_rows != list(range(logits.shape[0])):
+                idx = _async_h2d(torch.tensor(done_rows, dtype=torch.int64), logits.device)
+                logits = logits.index_select(0, idx)
+            sampled = sample_rows_async(logits, sample_rows_)
         return _Step([s for s, _ in items], owners, sampled,
                      all(n == 1 for _, n in items) and len(owners) == len(items))
 
