@@ -124,7 +124,7 @@ def timeline(spans, calls: int = 1, top: int = 5) -> dict:
     if any(e < s for s, e, _ in spans):
         raise ValueError("timeline: a span ends before it starts")
     wall = max(e for _, e, _ in spans) - spans[0][0]
-    busy = kernel = 0.0
+    busy = 0.0
     gaps = []
     cur_s, cur_e, cur_n = spans[0]
     for s, e, n in spans[1:]:
