@@ -91,11 +91,26 @@ def row_experts(buf: ep.Buffer, counts: torch.Tensor, rows: int) -> torch.Tensor
     return local.clamp_max(L - 1) + buf.group.rank * L
 
 
+def recorded(buf) -> str:
+    """What the buffer's device records say after the calls so far (a failed wait leaves the
+    outputs unwritten: the error names why), for a failure message."""
+    if buf.device.type == "cuda":   # this rank's streams only (emulated peers may still wait)
+        torch.cuda.current_stream(buf.device).synchronize()
+        if buf.stream is not None:
+            buf.stream.synchronize()
+    try:
+        buf.check()
+    except Exception as e:  # noqa: BLE001 - reported, not handled
+        return f"{type(e).__name__}: {e}"
+    return "nothing"
+
+
 def check_dispatch(buf, recv_x, counts, ref, what, fp8_ref=None):
     n = int(counts.sum())
     assert counts.dtype == torch.int32 and counts.shape == (buf.local_experts,), what
-    assert torch.equal(counts.cpu(), ref.counts), f"{what}: counts {counts.tolist()} vs " \
-        f"{ref.counts.tolist()}"
+    if not torch.equal(counts.cpu(), ref.counts):
+        raise AssertionError(f"{what}: counts {counts.tolist()} vs {ref.counts.tolist()}; "
+                             f"the buffer recorded: {recorded(buf)}")
     assert recv_x.shape[0] >= n and recv_x.shape[1] == buf.hidden, what
     want = ref.recv_x if fp8_ref is None else fp8_ref
     got = recv_x[:n].cpu()
