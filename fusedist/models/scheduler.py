@@ -217,7 +217,9 @@ class Engine:
     max_seqs x max_model_len tokens, or num_pages pages (the cache then holds num_pages + 1:
     the scratch page)); prefix_caching: keep and reuse full pages by their tokens' hash chain;
     max_waiting: the bound on requests not yet admitted (add_request raises QueueFull past
-    it; None: unbounded). cuda_graphs, prefill_graph_tokens, kv_dtype: the Runner's."""
+    it; None: unbounded). cuda_graphs, prefill_graph_tokens, kv_dtype: the Runner's.
+    overlap: launch each decode step from the sampled ids on the device before the host hands
+    out the previous step's tokens (the same outputs; None: on for GPUs, off on the CPU)."""
 
     def __init__(self, model, tokenizer=None, defaults=None, *, max_seqs: int = 8,
                  max_model_len: Optional[int] = None, max_num_batched_tokens: int = 2048,
@@ -225,10 +227,11 @@ class Engine:
                  num_pages: Optional[int] = None, prefix_caching: bool = True,
                  max_waiting: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS,
-                 kv_dtype: Optional[torch.dtype] = None, overlap: bool = False):
+                 kv_dtype: Optional[torch.dtype] = None, overlap: Optional[bool] = None):
         where = "fusedist.models.Engine"
-        if not isinstance(overlap, bool):
-            raise ValueError(f"{where}: overlap must be True or False, got {overlap!r}")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ValueError(f"{where}: overlap must be None (on for GPUs), True or False, got "
+                             f"{overlap!r}")
         if getattr(model, "backend", "fusedist") != "fusedist":
             raise ValueError(f"{where}: the model's backend is {model.backend!r}; continuous "
                              "batching needs the paged KV cache of the fusedist backend")
@@ -293,7 +296,9 @@ class Engine:
         self._inbox: list = []              # events not applied yet
         self._queued: set = set()           # request ids added, not admitted yet
         self._copies: list = []             # (src, dst) pages to copy before the forward
-        self.overlap = overlap
+        # On a GPU the launched-ahead step hides the host's work (benchmarks/serve.py "step" vs
+        # "step_overlap"); on the CPU the forward runs on the host itself, nothing to hide.
+        self.overlap = overlap if overlap is not None else self.device.type == "cuda"
         self._ahead: Optional[_Step] = None  # a launched step whose tokens are not out yet
         self._capture()
 

@@ -40,9 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for admission before new ones get 503")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--overlap", action="store_true",
-                   help="launch each decode step before the previous one's tokens reach the "
-                        "host (the engine's host work overlaps the GPU; docs/design/serving.md)")
+    ov = p.add_mutually_exclusive_group()
+    ov.add_argument("--overlap", dest="overlap", action="store_true", default=None,
+                    help="launch each decode step before the previous one's tokens reach the "
+                         "host (the engine's host work overlaps the GPU; docs/design/serving.md); "
+                         "the default on GPUs")
+    ov.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="wait for each step's tokens before launching the next")
     p.add_argument("--prefill-graph-tokens", type=int, default=None)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds requests in flight get to finish at shutdown")

@@ -368,6 +368,15 @@ def test_generation_config_is_honoured_field_by_field(ckpt, tmp_path, rt):  # no
         assert got != plain and len(set(got)) > len(set(plain))
 
 
+def test_overlap_default_follows_the_device(llm):
+    """overlap=None: on for GPUs, off on the CPU (the forward runs on the host there); a value
+    that is not None or a bool is named."""
+    with Engine.from_llm(llm, max_seqs=2, num_pages=6) as eng:
+        assert eng.overlap == (eng.device.type == "cuda")
+    with pytest.raises(ValueError, match="overlap must be None"):
+        Engine.from_llm(llm, max_seqs=2, num_pages=6, overlap="yes")
+
+
 def test_bad_requests_and_the_queue_bound(llm):
     with Engine.from_llm(llm, max_seqs=2, num_pages=6, max_waiting=2) as eng:
         for ids, sp, field in (([], GREEDY, "prompt"), ([1, 2, 999], GREEDY, "prompt"),

@@ -349,3 +349,14 @@ def test_cli_serves_and_shuts_down_gracefully(ckpt):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_cli_overlap_flags():
+    """--overlap / --no-overlap set the engine's overlap; neither leaves it to the device."""
+    from fusedist.serve.__main__ import parse_args
+    base = ["--config", "tiny", "--random-weights"]
+    assert parse_args(base).overlap is None
+    assert parse_args(base + ["--overlap"]).overlap is True
+    assert parse_args(base + ["--no-overlap"]).overlap is False
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--overlap", "--no-overlap"])
