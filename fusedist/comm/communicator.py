@@ -362,6 +362,12 @@ class Communicator:
             self.symm.before_launch()
         return stream
 
+    def launched(self) -> None:
+        """After the kernel launch_stream() was called for (SymmetricMemory.after_launch:
+        emulated ranks go on when every peer has launched too)."""
+        if self.symm is not None:
+            self.symm.after_launch()
+
     def order_after_pending(self, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait for this communicator's pending async call, if any.
 
@@ -396,6 +402,7 @@ class Communicator:
         self.check_open()
         stream = self.launch_stream()
         _ext.load().call_check(self.symm.handle, tuple(desc), stream.cuda_stream)
+        self.launched()
 
     def check_nccl_call(self, collective: str, dtype: torch.dtype, numel: int,
                         calls: int = 1) -> None:
@@ -417,6 +424,7 @@ class Communicator:
             src, dst = _align.aligned_input(x), _align.aligned_output(out)
             C.allreduce(self.symm.handle, src.data_ptr(), dst.data_ptr(), x.numel(),
                         _dtypes.code(x.dtype), _ALGO_CODE[algo], stream.cuda_stream)
+            self.launched()
             if dst is not out:
                 out.copy_(dst)
             return out

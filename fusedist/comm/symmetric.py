@@ -343,6 +343,10 @@ class SymmetricMemory:
         (Communicator.launch_stream). Nothing to do between GPUs; emulated ranks, which share
         one, launch in step (fusedist.testing)."""
 
+    def after_launch(self) -> None:
+        """Called on this rank right after such a launch (the other half of launching in
+        step, for emulated ranks)."""
+
     def staging(self, dtype: torch.dtype, shape: tuple, offset: int = 0) -> torch.Tensor:
         """This rank's staging as a tensor: `shape` of `dtype` from byte `offset` (a view that
         owns nothing; valid until close()). Peers read the same bytes at

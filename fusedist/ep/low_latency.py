@@ -209,6 +209,7 @@ class LowLatency:
             t.record_stream(stream)
         self.symm.before_launch()
         C.ep_dispatch(self.symm.handle, self.cfg, a, stream.cuda_stream)
+        self.symm.after_launch()
         return outs
 
     def combine(self, y: torch.Tensor, handle, out: torch.Tensor,
@@ -221,6 +222,7 @@ class LowLatency:
             out.data_ptr()
         self.symm.before_launch()
         C.ep_combine(self.symm.handle, self.cfg, a, stream.cuda_stream)
+        self.symm.after_launch()
         return out
 
     def call_check(self, op: int, stream: torch.cuda.Stream) -> None:
@@ -228,6 +230,7 @@ class LowLatency:
         peer's kernel or call check on the same epoch."""
         self.symm.before_launch()
         self._C.call_check(self.symm.handle, self.desc(op), stream.cuda_stream)
+        self.symm.after_launch()
 
     def close(self) -> None:
         try:

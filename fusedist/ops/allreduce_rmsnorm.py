@@ -260,6 +260,7 @@ def _fused(comm, x, residual, weight, eps, fp8):
                         scale.data_ptr() if fp8 else 0, tokens, hidden, float(eps),
                         _dtypes.code(x.dtype), _dtypes.FLOAT8_E4M3 if fp8 else _dtypes.code(x.dtype),
                         stream.cuda_stream)
+    comm.launched()
     return (normed, res_out, scale) if fp8 else (normed, res_out)
 
 

@@ -105,6 +105,8 @@ def launch_decode(comm, x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
     C.gemm_ar_fused(None if comm is None else comm.symm.handle, xa.data_ptr(), xa.stride(0),
                     w.data_ptr(), ldw, w_nk, b, dst.data_ptr(), x.shape[0], w.shape[1],
                     x.shape[1], _dtypes.code(x.dtype), stream.cuda_stream)
+    if comm is not None:
+        comm.launched()
     if dst is not out:
         out.copy_(dst)
     return out

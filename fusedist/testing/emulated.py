@@ -39,10 +39,13 @@ beside it, on the same GPU here, and nothing between GPUs prepares for that. So:
   kernel's successor, scheduled early, holds its SMs while it waits for the kernel, and a
   large one (add_rmsnorm after an all-reduce: a row per block) leaves a peer's kernel no room;
 * the ranks launch in step: before launching a waiting kernel (Communicator.launch_stream) a
-  rank waits, a few seconds at most, until its peers have come as far. Otherwise one rank's
-  kernel waits while a peer does something that waits for the whole GPU context, and both
-  wait until the kernel times out: on an H200, a rank's cuBLAS GEMM (the copy-engine
-  pipelines' first GEMM of a shape) stalled so beside a peer's waiting call check;
+  rank waits, a few seconds at most, until its peers have come as far, and after launching
+  it (Communicator.launched, the expert-parallel kernels) until they have launched too.
+  Otherwise one rank's kernel waits while a peer does something that waits for the whole GPU
+  context, and both wait until the kernel times out: on an H200, a rank's cuBLAS GEMM (the
+  copy-engine pipelines' first GEMM of a shape) stalled so beside a peer's waiting call
+  check, and at 8 ranks the expert-parallel kernels timed out waiting for a peer that had
+  come to its launch but not made it before a faster rank went on;
 * CUDA_MODULE_LOADING=EAGER, set before CUDA initializes: with lazy loading every kernel's
   first launch may wait for the context (CUDA's lazy-loading guide);
 * no cudaFree while the ranks run (it waits for the whole GPU): the emulated buffers are freed
@@ -121,7 +124,8 @@ class _Exchange:
         self._done: dict[int, list] = {}      # round -> [payloads, readers still to read]
         self._broken: Optional[EmulationError] = None
         self._ended = False
-        self._launches = [0] * size
+        self._launches = [0] * size       # launches each member has come to
+        self._launched = [0] * size       # launches each member has made
 
     def all_gather(self, index: int, obj) -> list:
         payload = pickle.dumps(obj)  # an object torch.distributed could not send fails here too
@@ -158,17 +162,18 @@ class _Exchange:
             payloads = entry[0]
         return [pickle.loads(p) for p in payloads]
 
-    def meet(self, index: int, patience: float) -> None:
-        """Member `index` is about to launch a kernel that waits for its peers: wait until
-        every member has come as far (its as many launches), for at most `patience` seconds,
-        then go on regardless (ranks that call differently launch different numbers of
-        kernels, and the kernels themselves report that)."""
+    def meet(self, index: int, patience: float, launched: bool = False) -> None:
+        """Member `index` is about to launch a kernel that waits for its peers (launched: has
+        just launched it): wait until every member has come as far (its as many launches),
+        for at most `patience` seconds, then go on regardless (ranks that call differently
+        launch different numbers of kernels, and the kernels themselves report that)."""
+        counts = self._launched if launched else self._launches
         with self._cond:
-            self._launches[index] += 1
-            k = self._launches[index]
+            counts[index] += 1
+            k = counts[index]
             self._cond.notify_all()
             end = time.monotonic() + patience
-            while min(self._launches) < k and self._broken is None and not self._ended:
+            while min(counts) < k and self._broken is None and not self._ended:
                 left = end - time.monotonic()
                 if left <= 0:
                     return
@@ -233,6 +238,13 @@ class EmulatedSymmetricMemory(SymmetricMemory):
         # synchronizes the GPU context (cuBLAS loads a kernel at its first use, for one) and
         # so would wait for that kernel until it times out.
         self.group._exchange.meet(self.group.rank, min(5.0, self.timeout_s / 2))
+
+    def after_launch(self) -> None:
+        # ... and go on only when every peer has launched too: a rank that went ahead could
+        # otherwise reach a call that waits for the whole GPU context while a peer, not yet
+        # launched, waits for it to launch (its launch needs that context), and the kernels
+        # waiting for that peer hold the GPU until they time out.
+        self.group._exchange.meet(self.group.rank, min(5.0, self.timeout_s / 2), launched=True)
 
     def _free(self) -> None:
         self._staging_u8 = None

@@ -267,6 +267,34 @@ def test_launches_meet_in_step_but_never_wait_past_their_patience():
     assert 0.2 <= time.monotonic() - t0 < 2
 
 
+def test_after_launching_a_rank_waits_until_its_peers_launched():
+    """The after-launch meet counts launches made, apart from launches come to: a rank that
+    launched waits for a peer that came to the launch but has not made it yet."""
+    ex = _Exchange(2, "g", time.monotonic() + 30)
+    went = {}
+
+    def rank(i, delay):
+        ex.meet(i, patience=5.0)                    # both come to the launch
+        time.sleep(delay)                           # rank 1 is slow to make it
+        ex.meet(i, patience=5.0, launched=True)
+        went[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(0, 0.0)),
+               threading.Thread(target=rank, args=(1, 0.3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert went[0] - t0 >= 0.3, "rank 0 went on before rank 1 had launched"
+    # The two counts are apart: a peer's launch made does not stand for its next launch come to.
+    ex = _Exchange(2, "g", time.monotonic() + 30)
+    ex.meet(1, patience=0.0, launched=True)
+    t0 = time.monotonic()
+    ex.meet(0, patience=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2, "a launched meet let a before-launch meet through"
+
+
 def test_the_environment_it_needs_is_checked(monkeypatch):
     from fusedist.testing.emulated import _check_environment
 
