@@ -142,12 +142,16 @@ def test_gemm_check_catches_one_stale_vector():
     out = (x.float() @ w.float()).to(dt)
     assert gemm_err(out, ref) < GEMM_REL[dt] and count_bad_gemm(out, ref) == 0
     stale = out.clone()
-    # One 16-byte vector never stored (left from a zeroed buffer): one of median norm in its
-    # row, a typical vector. Its share of the Frobenius norm is ~sqrt(8 / (258 x 776)) = 0.006
-    # for such a vector; an outlier vector (chi-square tail) could reach the 1e-2 bound.
-    blocks = ref[100].view(-1, 8).norm(dim=1)
-    j = int(blocks.argsort()[len(blocks) // 2])
-    stale[100, 8 * j:8 * j + 8] = 0
+    # One 16-byte vector never stored (left from a zeroed buffer): the vector of median norm
+    # among all the output's, a typical one. Its share of the Frobenius norm is then
+    # ~sqrt(8 / (258 x 776)) = 0.006, beside the bf16 rounding's ~2^-9 rms (0.002): ~0.0063 in
+    # all, under the 1e-2 bound whatever the draw (the median of the output's 25k vector norms
+    # moves little). A vector of median norm within one row could reach the bound: the row's
+    # own norm varies from draw to draw.
+    blocks = ref.view(-1, 8).norm(dim=1)
+    flat = int(blocks.argsort()[len(blocks) // 2])
+    i, j = divmod(flat, 776 // 8)
+    stale[i, 8 * j:8 * j + 8] = 0
     assert gemm_rel_err(stale, ref) < GEMM_REL[dt]  # what the old check saw
     assert count_bad_gemm(stale, ref) > 0 and gemm_err(stale, ref) == float("inf")
     nan = out.clone()
