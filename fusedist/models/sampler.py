@@ -208,11 +208,24 @@ def _token_counts(lists: Sequence[Sequence[int]], vocab: int, device) -> torch.T
         if x:
             idx[i, :len(x)] = torch.as_tensor(list(x), dtype=torch.int64)
             w[i, :len(x)] = 1.0
-    return out.scatter_add_(1, idx.to(device), w.to(device))
+    return out.scatter_add_(1, to_device(idx, out.device), to_device(w, out.device))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor t on `device`; to a GPU through pinned memory, without waiting for the
+    stream (a copy from pageable memory waits for the work queued before it, which the
+    engine's launched-ahead step must not: fusedist.models.Engine's overlap)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor(values, device, dtype) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), torch.device(device))
 
 
 def _column(values, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+    return _tensor(values, device, dtype)[:, None]
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -222,7 +235,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     dev = lg.device
     pen = [i for i, r in enumerate(rows) if r.params.penalized]
     if pen:
-        sel = torch.tensor(pen, dtype=torch.int64, device=dev)
+        sel = _tensor(pen, dev, torch.int64)
         part = lg.index_select(0, sel)
         rp = [rows[i].params.repetition_penalty for i in pen]
         if any(p != 1 for p in rp):
@@ -241,7 +254,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
              (set() if r.params.ignore_eos else set(r.eos_ids)) if 0 <= t < V]
     if early:
         ri, ti = zip(*early)
-        lg[torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)] = float("-inf")
+        lg[_tensor(ri, dev, torch.int64), _tensor(ti, dev, torch.int64)] = float("-inf")
     return lg
 
 
@@ -326,17 +339,17 @@ def sample_rows_async(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Sample
     ids = lg.argmax(dim=-1)
     samp = [i for i, r in enumerate(rows) if not r.params.greedy]
     if samp:
-        sel = torch.tensor(samp, dtype=torch.int64, device=dev)
+        sel = _tensor(samp, dev, torch.int64)
         scores = warp(lg.index_select(0, sel), [rows[i] for i in samp])
-        keys = torch.tensor([row_key(rows[i].seed, rows[i].choice, rows[i].step)
-                             for i in samp], dtype=torch.int64, device=dev)
+        keys = _tensor([row_key(rows[i].seed, rows[i].choice, rows[i].step) for i in samp],
+                       dev, torch.int64)
         # the exponential race: argmax p / E == argmax log p - log E
         race = scores.log_softmax(-1) - exponential_noise(keys, V).log()
         ids = ids.index_copy(0, sel, race.argmax(-1))
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return Sampled(ids, rows, want)
-    sel = torch.tensor(want, dtype=torch.int64, device=dev)
+    sel = _tensor(want, dev, torch.int64)
     raw = logits.index_select(0, sel).float().log_softmax(-1)
     mine = raw.gather(1, ids.index_select(0, sel)[:, None]).squeeze(1)
     top_n = max(rows[i].params.logprobs for i in want)
@@ -345,4 +358,5 @@ def sample_rows_async(logits: torch.Tensor, rows: Sequence[SampleRow]) -> Sample
 
 
 __all__ = ["GenerationParams", "ParamError", "SampleRow", "Sampled", "sample_rows",
-           "sample_rows_async", "process_logits", "warp", "exponential_noise", "row_key"]
+           "sample_rows_async", "process_logits", "warp", "exponential_noise", "row_key",
+           "to_device"]

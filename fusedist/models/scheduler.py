@@ -66,7 +66,7 @@ from .detokenize import IncrementalDetokenizer, TextAssembler
 from .prefix_cache import PagePool, page_hashes
 from .runner import PREFILL_GRAPH_TOKENS, Runner
 from .runner import buckets_for as _buckets
-from .sampler import GenerationParams, ParamError, SampleRow, sample_rows_async
+from .sampler import GenerationParams, ParamError, SampleRow, sample_rows_async, to_device
 
 
 class QueueFull(RuntimeError):
@@ -188,13 +188,6 @@ class _Seq:
     @property
     def seats(self) -> int:
         return 1 if self.forked else self.req.params.n
-
-
-def _async_h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t on `device`; to a GPU through pinned memory without waiting for the stream."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class _Step:
@@ -725,7 +718,7 @@ class Engine:
         row_of = {id(s): i for i, s in enumerate(step.owners)}
         # Every host-to-device copy here is from pinned memory and asynchronous: a plain one
         # waits for the stream (the previous step), which is what this launch must not do.
-        src = _async_h2d(torch.tensor([row_of[id(s)] for s in nxt], dtype=torch.int64), dev)
+        src = to_device(torch.tensor([row_of[id(s)] for s in nxt], dtype=torch.int64), dev)
         B = len(nxt)
         b = r.bucket(B)
         bt = torch.full((b, r.pages_per_seq), self.scratch, dtype=torch.int32)
@@ -733,8 +726,8 @@ class Engine:
                                                          dtype=torch.int64))
         lens = torch.ones(b, dtype=torch.int64)
         lens[:B] = torch.tensor([s.computed + 1 for s in nxt])
-        r.bt[:b].copy_(_async_h2d(bt, dev))
-        r.seq_lens[:b].copy_(_async_h2d(lens, dev))
+        r.bt[:b].copy_(to_device(bt, dev))
+        r.seq_lens[:b].copy_(to_device(lens, dev))
         r.tokens[B:b].fill_(1)
         r.tokens[:B].copy_(step.sampled.ids.index_select(0, src))
         logits = r.decode_step(b)[:B]
@@ -768,7 +761,7 @@ class Engine:
         sampled = None
         if owners:
             if done_rows != list(range(logits.shape[0])):
-                idx = _async_h2d(torch.tensor(done_rows, dtype=torch.int64), logits.device)
+                idx = to_device(torch.tensor(done_rows, dtype=torch.int64), logits.device)
                 logits = logits.index_select(0, idx)
             sampled = sample_rows_async(logits, sample_rows_)
         return _Step([s for s, _ in items], owners, sampled,

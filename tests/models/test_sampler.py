@@ -169,3 +169,34 @@ def test_bad_parameters_name_the_field(kw, field):
     with pytest.raises(ParamError) as e:
         GenerationParams(**kw)
     assert e.value.param == field and field in str(e.value)
+
+
+@pytest.mark.gpu
+def test_sampling_on_a_gpu_waits_for_nothing_queued_before_it():
+    """sample_rows_async queues its work behind a busy stream without waiting for it (the
+    engine's launched-ahead step samples so): every host-to-device column goes through pinned
+    memory. The ids and logprobs equal the CPU's (the same counter-based noise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from fusedist.models.sampler import sample_rows_async
+    lg = _logits(5, 11)
+    rows = [_row(seed=3, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, logprobs=2),
+            _row(seed=4, temperature=0.0, logprobs=1),
+            _row(seed=5, step=1, temperature=1.1, min_tokens=3, eos=(7,)),
+            _row(seed=6, temperature=0.7, top_k=5),
+            _row(seed=7, temperature=0.0)]
+    want = sample_rows(lg, rows)
+    dev = torch.device("cuda")
+    lg_d = lg.to(dev)
+    stream = torch.cuda.current_stream(dev)
+    stream.synchronize()
+    torch.cuda._sleep(1 << 28)           # ~0.1-0.2 s of GPU cycles ahead of the sampling
+    s = sample_rows_async(lg_d, rows)
+    assert not stream.query(), "sample_rows_async waited for the work queued before it"
+    ids, lps = s.result()
+    assert ids == want[0]
+    for got, ref in zip(lps, want[1]):
+        assert (got is None) == (ref is None)
+        if got is not None:   # float32 log_softmax on two devices: a few ulps apart
+            assert math.isclose(got[0], ref[0], rel_tol=1e-5, abs_tol=1e-5)
+            assert [i for i, _ in got[1]] == [i for i, _ in ref[1]]
