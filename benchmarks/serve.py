@@ -21,7 +21,9 @@ step at --step-batch sequences (scheduling, tables, graph replay, sampling, deto
 the static Runner's generate loop at the same batch (ms/step, sampling included) and with the
 bare graph replay (Runner.time_step); "step_overlap" is the same with the engine's overlap on
 (each decode step launched before the previous one's tokens reach the host: the engine's
-default on GPUs, used by the load workloads too; --no-overlap turns it off there).
+default on GPUs, used by the load workloads too; --no-overlap turns it off there). The
+"step_sampled" workload (not in the default set) is the same with every row sampled
+(temperature 0.8, top-p 0.95): the sampler's share of the engine's step.
 
 Targets (one H200, Llama-3-8B shape, FP8 weights, TP 1): the engine's step within 10% of the
 static step; batch64 >= 5000 output tokens/s with ITL p99 <= 15 ms; ttft warm <= 0.3 x cold.
@@ -105,21 +107,28 @@ def snapshot(eng) -> dict:
     return {"q": eng.pool.query_tokens, "h": eng.pool.hit_tokens, "p": eng.stats.preemptions}
 
 
-def step_rows(llm, eng, B, prompt_len, new, vocab, seed) -> list:
+def step_rows(llm, eng, B, prompt_len, new, vocab, seed, sampled: bool = False) -> list:
     """The engine's steady-state decode step at B sequences beside the static Runner's:
     without overlap ("step") and with it ("step_overlap": each decode step launched before
-    the previous one's tokens reach the host), one window each over the same sequences."""
+    the previous one's tokens reach the host), one window each over the same sequences.
+    sampled: every sequence samples (temperature 0.8, top-p 0.95; rows "step_sampled",
+    "step_sampled_overlap"; the static Runner's step stays greedy)."""
     from fusedist.models import GenerationParams, Runner
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, vocab, (prompt_len,), generator=g).tolist() for _ in range(B)]
-    sp = GenerationParams(max_tokens=new, temperature=0, ignore_eos=True)
+    steps = max(4, min(32, (new - 8) // 2))
+    # both windows (3 warm-up steps and `steps` timed, twice) decode every sequence, whatever
+    # it decoded while the others prefilled
+    sp = GenerationParams(max_tokens=new + 2 * (3 + steps),
+                          temperature=0.8 if sampled else 0,
+                          top_p=0.95 if sampled else 1.0, seed=seed if sampled else None,
+                          ignore_eos=True)
     for p in prompts:
         eng.add_request(None, p, sp)
     while eng.waiting or eng._inbox or any(len(s.ids) - s.computed > 1 for s in eng.running):
         eng.step()
     sync = (lambda: torch.cuda.synchronize()) if eng.device.type == "cuda" else (lambda: None)
-    steps = max(4, min(32, (new - 8) // 2))
     engine_ms = {}
     keep = eng.overlap
     for overlap in (False, True):
@@ -132,6 +141,9 @@ def step_rows(llm, eng, B, prompt_len, new, vocab, seed) -> list:
             eng.step()
         sync()
         engine_ms[overlap] = (time.perf_counter() - t0) * 1e3 / steps
+        if len(eng.running) != B:
+            raise RuntimeError(f"serve.py: {B - len(eng.running)} of the {B} sequences ended "
+                               "inside the step window")
     eng.overlap = keep
     replay_ms = eng.runner.time_step(B, iters=steps)
     while eng.has_work():
@@ -140,7 +152,8 @@ def step_rows(llm, eng, B, prompt_len, new, vocab, seed) -> list:
                 page_size=eng.page_size) as r:
         r.generate(prompts, 8)                          # warm-up (captures)
         static_ms = r.generate(prompts, new).ms_per_step
-    return [{"op": "serve", "workload": "step_overlap" if overlap else "step", "batch": B,
+    name = "step_sampled" if sampled else "step"
+    return [{"op": "serve", "workload": name + ("_overlap" if overlap else ""), "batch": B,
              "engine_step_ms": round(ms, 3), "static_step_ms": round(static_ms, 3),
              "replay_ms": round(replay_ms, 3), "ratio": round(ms / static_ms, 3),
              "time_us": round(ms * 1e3, 1)} for overlap, ms in engine_ms.items()]
@@ -208,11 +221,12 @@ def main() -> None:
             print(" ".join(f"{k}={v}" for k, v in row.items() if k != "op"), flush=True)
         rows.append(row)
 
-    if "step" in work:
-        for row in step_rows(llm, eng, args.step_batch, args.prompt_len, args.output_len,
-                             vocab, args.seed):
-            show(row)
-        eng.pool.reset_cache()
+    for w in ("step", "step_sampled"):
+        if w in work:
+            for row in step_rows(llm, eng, args.step_batch, args.prompt_len, args.output_len,
+                                 vocab, args.seed, sampled=w == "step_sampled"):
+                show(row)
+            eng.pool.reset_cache()
     rng = random.Random(args.seed)
 
     def rand_ids(n):
@@ -285,8 +299,10 @@ def main() -> None:
     md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in load]
     for r in rows:
-        if r["workload"] in ("step", "step_overlap"):
-            what = "with overlap" if r["workload"] == "step_overlap" else "without overlap"
+        if r["workload"].startswith("step"):
+            what = "with overlap" if r["workload"].endswith("_overlap") else "without overlap"
+            if r["workload"].startswith("step_sampled"):
+                what += ", every row sampled (temperature 0.8, top-p 0.95)"
             md.append(f"\nDecode step at batch {r['batch']}, {what}: engine "
                       f"{r['engine_step_ms']} ms, static Runner {r['static_step_ms']} ms (ratio "
                       f"{r['ratio']}, target <= {TARGETS['step_ratio']}), graph replay alone "
