@@ -244,23 +244,33 @@ def test_the_emulated_transports():
     assert symm._max_blocks(132) == 33 and symm._max_blocks(3) == 1
 
 
-def test_launches_meet_in_step_but_never_wait_past_their_patience():
-    ex = _Exchange(2, "g", time.monotonic() + 30)
+def _when_rank0_went_on(rank) -> float:
+    """Run rank(0, 0.0) and rank(1, 0.3) on two threads: seconds until rank 0 went on (rank
+    returns when it goes on)."""
     went = {}
 
-    def rank(i, delay):
-        time.sleep(delay)
-        ex.meet(i, patience=5.0)
+    def body(i, delay):
+        rank(i, delay)
         went[i] = time.monotonic()
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=rank, args=(0, 0.0)),
-               threading.Thread(target=rank, args=(1, 0.3))]
+    threads = [threading.Thread(target=body, args=(0, 0.0)),
+               threading.Thread(target=body, args=(1, 0.3))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
-    assert went[0] - t0 >= 0.3, "rank 0 launched before rank 1 came"
+    return went[0] - t0
+
+
+def test_launches_meet_in_step_but_never_wait_past_their_patience():
+    ex = _Exchange(2, "g", time.monotonic() + 30)
+
+    def rank(i, delay):
+        time.sleep(delay)
+        ex.meet(i, patience=5.0)
+
+    assert _when_rank0_went_on(rank) >= 0.3, "rank 0 launched before rank 1 came"
     # A peer that never makes this launch (it called something else): go on after the patience.
     t0 = time.monotonic()
     ex.meet(0, patience=0.2)
@@ -271,22 +281,13 @@ def test_after_launching_a_rank_waits_until_its_peers_launched():
     """The after-launch meet counts launches made, apart from launches come to: a rank that
     launched waits for a peer that came to the launch but has not made it yet."""
     ex = _Exchange(2, "g", time.monotonic() + 30)
-    went = {}
 
     def rank(i, delay):
         ex.meet(i, patience=5.0)                    # both come to the launch
         time.sleep(delay)                           # rank 1 is slow to make it
         ex.meet(i, patience=5.0, launched=True)
-        went[i] = time.monotonic()
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=rank, args=(0, 0.0)),
-               threading.Thread(target=rank, args=(1, 0.3))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert went[0] - t0 >= 0.3, "rank 0 went on before rank 1 had launched"
+    assert _when_rank0_went_on(rank) >= 0.3, "rank 0 went on before rank 1 had launched"
     # The two counts are apart: a peer's launch made does not stand for its next launch come to.
     ex = _Exchange(2, "g", time.monotonic() + 30)
     ex.meet(1, patience=0.0, launched=True)
