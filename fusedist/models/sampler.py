@@ -254,7 +254,10 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
              (set() if r.params.ignore_eos else set(r.eos_ids)) if 0 <= t < V]
     if early:
         ri, ti = zip(*early)
-        lg[_tensor(ri, dev, torch.int64), _tensor(ti, dev, torch.int64)] = float("-inf")
+        # the fill value made on the device: a Python number would be copied from pageable
+        # host memory, which waits for the stream
+        lg.index_put_((_tensor(ri, dev, torch.int64), _tensor(ti, dev, torch.int64)),
+                      lg.new_full((len(ri),), float("-inf")))
     return lg
 
 
