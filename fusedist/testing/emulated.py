@@ -44,8 +44,8 @@ beside it, on the same GPU here, and nothing between GPUs prepares for that. So:
   Otherwise one rank's kernel waits while a peer does something that waits for the whole GPU
   context, and both wait until the kernel times out: on an H200, a rank's cuBLAS GEMM (the
   copy-engine pipelines' first GEMM of a shape) stalled so beside a peer's waiting call
-  check, and at 8 ranks the expert-parallel kernels timed out waiting for a peer that had
-  come to its launch but not made it before a faster rank went on;
+  check, and at 8 ranks the expert-parallel kernels timed out waiting for a peer's launch
+  (docs/design/allreduce.md, "Emulated ranks");
 * CUDA_MODULE_LOADING=EAGER, set before CUDA initializes: with lazy loading every kernel's
   first launch may wait for the context (CUDA's lazy-loading guide);
 * no cudaFree while the ranks run (it waits for the whole GPU): the emulated buffers are freed
