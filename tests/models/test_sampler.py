@@ -194,7 +194,12 @@ def test_sampling_on_a_gpu_waits_for_nothing_queued_before_it():
     sample_rows_async(lg_d, rows).result()
     stream.synchronize()
     torch.cuda._sleep(1 << 28)           # ~0.1-0.2 s of GPU cycles ahead of the sampling
-    s = sample_rows_async(lg_d, rows)
+    # torch names any synchronizing call it makes (a copy from pageable memory, .item())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        s = sample_rows_async(lg_d, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert not stream.query(), "sample_rows_async waited for the work queued before it"
     ids, lps = s.result()
     assert ids == want[0]
