@@ -159,6 +159,23 @@ def test_concurrent_streaming_clients(srv):
 
 
 def test_a_client_that_disconnects_frees_its_pages(srv):
+    # Each step takes >= 20 ms here, so a 100-token request runs >= 2 s: longer than the
+    # server takes to see the client gone (a failed write; the 0.2 s disconnect poll), on a
+    # loaded machine too (the tiny model's own steps, ~ms, let a request finish first there).
+    eng = srv.engine
+
+    def slow_step():
+        time.sleep(0.02)
+        return type(eng).run_step(eng)
+
+    eng.run_step = slow_step
+    try:
+        _disconnects(srv)
+    finally:
+        del eng.run_step
+
+
+def _disconnects(srv):
     before = srv.engine.stats.finished.get("abort", 0)
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     c.request("POST", "/v1/completions", json.dumps(
