@@ -20,7 +20,7 @@ from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from ..models.async_engine import AsyncEngine, EngineDeadError
 from ..models.sampler import ParamError
@@ -193,12 +193,20 @@ def build_app(engine: AsyncEngine, model_name: str, *, disconnect_poll_s: float 
             return StreamingResponse(stream_body(request, ctx, q), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(watch(request, rids))
+        collector = asyncio.create_task(collect(ctx, q))
         try:
-            results = await collect(ctx, q)
+            # An aborted request sends nothing more to its queue: when the client goes first,
+            # stop collecting (else this handler would wait for ever).
+            await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+            if not collector.done():
+                collector.cancel()
+                return Response(status_code=499)    # nobody is there to read it
+            results = collector.result()
         except EngineDeadError as e:
             return reject(_error(503, str(e), None, "server_error"))
         finally:
             watcher.cancel()
+            collector.cancel()
             for rid in ctx.pending:
                 engine.abort(rid)
         return JSONResponse(ctx.response(results))

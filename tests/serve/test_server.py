@@ -202,6 +202,12 @@ def _disconnects(srv):
     c.close()
     assert srv.idle(), "the request was not aborted, or its pages not released"
     assert srv.engine.stats.finished.get("abort", 0) == before + 2
+    # ... and its handler ended (an aborted request sends nothing more to its queue)
+    end = time.monotonic() + 10
+    while srv.server.server_state.tasks:
+        assert time.monotonic() < end, f"request handlers left running: " \
+            f"{srv.server.server_state.tasks}"
+        time.sleep(0.02)
     srv.engine.pool.check()
 
 
