@@ -5,6 +5,7 @@ communicator (get_communicator)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Optional, Union
@@ -93,9 +94,17 @@ def _eager_under_compile(fn):
     graph (torch._dynamo.assume_constant_result) instead of tracing into it: get_communicator
     called in a compiled function then makes and registers the communicator for real, so the
     op it feeds (torch.ops.fusedist.*, which take the communicator's name) finds it when the
-    graph runs, also when the compiled call is the group's first use. Eager calls are fn's."""
-    mark = getattr(getattr(torch, "_dynamo", None), "assume_constant_result", None)
-    return mark(fn) if mark is not None else fn
+    graph runs, also when the compiled call is the group's first use. Eager calls are fn's.
+
+    torch._dynamo is not imported for it: that import costs ~2 s of CPU, more than fusedist's
+    own, in every process that never compiles (torch imports it lazily on first use). Until
+    then fn gets the mark assume_constant_result sets (tests/comm/test_compile.py checks that
+    the two agree)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return dynamo.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 @_eager_under_compile
