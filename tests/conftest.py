@@ -40,6 +40,20 @@ SESSION_SEED = _session_seed()
 os.environ["FUSEDIST_TEST_SEED"] = str(SESSION_SEED)
 
 
+def _share_cores() -> None:
+    """pytest-xdist's workers share the machine's cores: each computes on its share of them.
+    torch's default, an intra-op thread per core in every worker, oversubscribes the cores
+    (on 2 cores, 2 workers ran 4 OpenMP threads that spun waiting on each other)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if workers.isdigit() and int(workers) > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
+_share_cores()
+
+
 def test_seed(nodeid: str) -> int:
     """The seed of one test: from the session's and the test's name, so a test reruns with
     the same inputs alone or in any order."""
