@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import python
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_INIT_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
@@ -30,8 +32,8 @@ def python_block(doc: str, heading: str) -> str:
 def run(tmp_path, code: str, timeout: int = 300) -> str:
     script = tmp_path / "snippet.py"
     script.write_text(code + "\nprint('\\nsnippet done', flush=True)\n")
-    p = subprocess.run([sys.executable, "-P", str(script)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=timeout, env=dict(os.environ, **CPU_ENV))
+    p = python(["-P", str(script)], env=dict(os.environ, **CPU_ENV), timeout=timeout,
+               cwd=tmp_path)
     assert p.returncode == 0 and "snippet done" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
     return p.stdout
 

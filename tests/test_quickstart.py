@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -114,9 +116,8 @@ def test_the_cpu_reference_check_passes_over_gloo():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "2", str(ROOT / "launchers" / "reference_check.py")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    r = python(["-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(ROOT / "launchers" / "reference_check.py")], env=env, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert len(rows) >= 10, r.stdout

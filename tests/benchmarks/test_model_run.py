@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from statistics import median
 
 import pytest
 import torch
+
+from launch import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
@@ -39,9 +39,8 @@ def test_speedups():
 
 def _cli(args, json_out=True, timeout=240):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **CPU_ENV)
-    p = subprocess.run([sys.executable, "-P", "-m", "fusedist.generate", *args, "--quiet",
-                        "--device", "cpu"] + (["--json"] if json_out else []), env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = python(["-P", "-m", "fusedist.generate", *args, "--quiet", "--device", "cpu"]
+               + (["--json"] if json_out else []), env=env, timeout=timeout, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1]) if json_out else p.stdout
 
@@ -103,16 +102,10 @@ def test_cli_compile_baseline_alone_and_text():
 def _run(args, code=None, timeout=240):
     """The CLI in a subprocess (or `python -c code` with these arguments), its address space
     capped at 8 GiB so that a run that would allocate too much fails instead of swapping."""
-    import resource
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
-
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **CPU_ENV)
     head = ["-c", code] if code is not None else ["-m", "fusedist.generate"]
-    return subprocess.run([sys.executable, "-P", *head, *args, "--quiet", "--device", "cpu"],
-                          env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          preexec_fn=cap)
+    return python(["-P", *head, *args, "--quiet", "--device", "cpu"], env=env, timeout=timeout,
+                  cwd=ROOT, rlimit_as=8 << 30)
 
 
 FAIL_FUSEDIST = """

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from launch import python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,10 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_serve_benchmark_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                FUSEDIST_RESULTS_DIR=str(tmp_path))
-    p = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "serve.py"), "--config",
-                        "tiny", "--rates", "8", "--num-requests", "4", "--prefixes", "1",
-                        "--workloads", "step,step_sampled,random,prefix,batch64,ttft"], env=env,
-                       capture_output=True, text=True, timeout=280)
+    p = python(["-P", str(ROOT / "benchmarks" / "serve.py"), "--config", "tiny", "--rates", "8",
+                "--num-requests", "4", "--prefixes", "1", "--workloads",
+                "step,step_sampled,random,prefix,batch64,ttft"], env=env, timeout=280)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads((tmp_path / "cpu-w1" / "serve.json").read_text())
     rows = {r["workload"]: r for r in data["rows"]}

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -716,9 +715,8 @@ def test_cli_refuses_nan_fp8_scale(rt, ckpts, tmp_path):
     path = write_fp8_checkpoint(ckpts["bf16"], str(tmp_path / "nan"), "compressed-tensors",
                                 "channel", edit=_poke(name, (3, 0), math.nan))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    p = subprocess.run([sys.executable, "-P", "-m", "fusedist.generate", "--model", path,
-                        "--device", "cpu", "--max-new-tokens", "2", "--prompt-ids", "1,2"],
-                       env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    p = python(["-P", "-m", "fusedist.generate", "--model", path, "--device", "cpu",
+                "--max-new-tokens", "2", "--prompt-ids", "1,2"], env=env, timeout=120, cwd=ROOT)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert f"fusedist.generate: tensor '{name}'" in p.stderr and "holds NaN" in p.stderr
 

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fusedist import tuning
+from launch import python
 from fusedist.ops import explain as E
 
 # Every op module of fusedist.ops: available / why_not / plan / run / reference.
@@ -89,11 +88,9 @@ def test_explain_rejects_bad_shapes(shape, match):
 
 
 def test_the_command_line():
-    r = subprocess.run([sys.executable, "-m", "fusedist.tuning", "--explain",
-                        "fp8_linear m=1 n=4096 k=4096", "--caps"], capture_output=True,
-                       text=True, timeout=120)
+    r = python(["-m", "fusedist.tuning", "--explain", "fp8_linear m=1 n=4096 k=4096", "--caps"],
+               timeout=120)
     assert r.returncode == 0, r.stderr
     assert "path: gemv" in r.stdout and "fusedist._C" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "fusedist.tuning", "--explain", "bad"],
-                       capture_output=True, text=True, timeout=120)
+    r = python(["-m", "fusedist.tuning", "--explain", "bad"], timeout=120)
     assert r.returncode == 2 and "start with one of" in r.stdout
