@@ -115,6 +115,27 @@ def test_pooled_python_runs_as_python_would(tmp_path):
     assert r.returncode == 1 and "ValueError: boom" in r.stderr
 
 
+def test_real_ranks_finalize_as_python_does():
+    """real_ranks' CPU ranks, forked from the pre-imported zygote, end as `python worker`
+    does: the non-daemon thread joined, atexit run, then the interpreter finalized (an object
+    held in sys.modules collected while finalizing, which os._exit never does); each rank
+    its own process; sys.exit's status and an uncaught exception's 1 reach the caller; a rank
+    that hangs is killed at the timeout."""
+    p = launch.real_ranks("worker_finalize.py", 2, CPU, timeout=120, args=("ok",))
+    assert p.returncode == 0, p.stdout
+    for r in (0, 1):
+        lines = [ln.split(": ", 1)[1] for ln in p.stdout.splitlines()
+                 if ln.startswith(f"rank {r}: ")]
+        assert lines == ["all checks passed", "thread joined", "atexit ran",
+                         "collected while finalizing: True"], p.stdout
+    assert launch.real_ranks("worker_finalize.py", 2, CPU, 120, ("exit3",)).returncode == 3
+    p = launch.real_ranks("worker_finalize.py", 2, CPU, 120, ("raise",))
+    assert p.returncode == 1 and "ValueError: rank 0: boom" in p.stdout
+    with pytest.raises(AssertionError, match="timed out after 3s"):
+        launch.real_ranks("worker_finalize.py", 2, CPU, 3, ("hang",))
+    assert launch.real_ranks("worker_finalize.py", 1, CPU, 120, ("ok",)).returncode == 0
+
+
 def test_pooled_python_times_out_and_kills(tmp_path):
     env = dict(os.environ, **CPU)
     with pytest.raises(subprocess.TimeoutExpired) as e:
