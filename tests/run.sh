@@ -43,6 +43,9 @@ if [[ $(id -u) == 0 ]]; then             # Open MPI refuses root without these
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
 export PYTHONUNBUFFERED=1
+# pytest keeps its assertion-rewritten test modules in __pycache__ only where Python may write
+# bytecode: without it every pytest worker rewrites and compiles every test file again.
+unset PYTHONDONTWRITEBYTECODE
 echo "   setup took $((SECONDS - t_start)) s"
 
 jobs=${FUSEDIST_TEST_JOBS:-}
