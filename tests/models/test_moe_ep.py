@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -32,7 +31,7 @@ from fusedist.nn import MoE  # noqa: E402
 from fusedist.nn.moe import token_share  # noqa: E402
 from fusedist.nn.quant import FP8  # noqa: E402
 from fusedist.ops.moe import RouterSpec  # noqa: E402
-from launch import ROOT, assert_passed, emulate, free_port, torchrun  # noqa: E402
+from launch import ROOT, assert_passed, emulate, python, torchrun  # noqa: E402
 from model_fixtures import rt  # noqa: E402,F401 - the shared runtime fixture
 
 CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "FUSEDIST_INIT_TIMEOUT_S": "60"}
@@ -126,11 +125,10 @@ def test_token_shares():
 # ---- the CLI -------------------------------------------------------------------------------
 def _generate(args, nproc=1, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node",
-           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = ["-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "fusedist.generate"]
-    return subprocess.run(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return python(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env,
+                  timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -372,14 +371,13 @@ def test_tp2_gloo_matches_hf(ckpts, fp8_ckpts):
 
 
 def _cli(args, nproc=1, timeout=300):
-    from launch import ROOT, free_port
+    from launch import ROOT, python
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **CPU_ENV)
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node",
-           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = ["-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "fusedist.generate"]
-    p = subprocess.run(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env,
-                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = python(cmd + args + ["--json", "--quiet", "--device", "cpu"], env=env, timeout=timeout,
+               cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
