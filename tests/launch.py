@@ -620,7 +620,10 @@ def _zygote_run(specs: list, timeout: float) -> list:
     for spec in specs:
         spec["sys_path"] = _clean_sys_path()
     z.stdin.write(json.dumps(specs).encode() + b"\n")
-    pids = _zygote_reply(z, 120)["pids"]
+    started = _zygote_reply(z, 120)
+    if started is None:
+        raise RuntimeError("the test zygote did not fork the ranks within 120 s")
+    pids = started["pids"]
     reply = _zygote_reply(z, timeout)
     if reply is not None:
         return reply["codes"]
