@@ -17,7 +17,8 @@ Run under pytest (one test per case, each asserting "clear"), or as a script for
 
 Multi-rank cases run in processes forked from one driver process (tests/test_bad_inputs.py
 --dist-driver, which imports fusedist once and runs nothing before it forks): 2 ranks over
-gloo each, their rendezvous on a fresh port, killed at the case's deadline.
+gloo each, their rendezvous a TCP store that the test process holds on a port bound for it,
+killed at the case's deadline.
 """
 
 from __future__ import annotations
@@ -2071,47 +2072,40 @@ def run_dist(c: Case, port: int) -> tuple[str, str]:
     return worst[0], " || ".join(d for _, d in outcomes)
 
 
-def dist_driver(names: list[str], out: str, base_port: int) -> None:
+def dist_driver(names: list[str], out: str, ports: list[int]) -> None:
     """Run the named multi-rank cases (forking ranks from this process, which has run no torch
-    op), writing {name: [outcome, detail]} to `out`."""
+    op), writing {name: [outcome, detail]} to `out`. Case i's ranks meet at the TCP store that
+    the calling process holds on ports[i] (TORCHELASTIC_USE_AGENT_STORE: they join it as
+    clients, so no rank binds a port)."""
     import fusedist  # noqa: F401 - imported once, before the forks
     fixtures()
     results = {}
-    for i, c in enumerate(c for c in CASES if c.ranks and c.name in names):
-        results[c.name] = run_dist(c, base_port + i)
+    for port, c in zip(ports, (c for c in CASES if c.ranks and c.name in names)):
+        results[c.name] = run_dist(c, port)
         with open(out, "w") as f:
             json.dump(results, f)
 
 
-def _free_port_block(n: int) -> int:
-    import random
-    import socket
-    for _ in range(50):
-        base = random.randint(20000, 60000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free block of ports")
-
-
 def run_all_dist(names: list[str]) -> dict:
-    """The multi-rank cases in one driver process (python this_file --dist-driver)."""
+    """The multi-rank cases in one driver process (python this_file --dist-driver). Each case's
+    rendezvous is a TCP store held here on a port the kernel picked (launch.RendezvousStore):
+    bound before any rank starts, never guessed free."""
     if not names:
         return {}
+    from launch import RendezvousStore
     out = tempfile.mktemp(suffix=".json")
+    stores = [RendezvousStore(timeout_s=DIST_DEADLINE_S * 2) for _ in names]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(ROOT), FUSEDIST_BAD_INPUT_DIR=fixtures()["dir"])
+               PYTHONPATH=str(ROOT), FUSEDIST_BAD_INPUT_DIR=fixtures()["dir"],
+               **stores[0].env())
     cmd = [sys.executable, str(Path(__file__)), "--dist-driver", out,
-           str(_free_port_block(len(names))), *names]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                       timeout=DIST_DEADLINE_S * (len(names) + 2))
+           ",".join(str(s.port) for s in stores), *names]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                           timeout=DIST_DEADLINE_S * (len(names) + 2))
+    finally:
+        for st in stores:
+            st.close()
     res = json.load(open(out)) if os.path.exists(out) else {}
     for n in names:
         if n not in res:
@@ -2181,7 +2175,7 @@ if pytest is not None and __name__ != "__main__":
 if __name__ == "__main__":
     import argparse
     if len(sys.argv) > 1 and sys.argv[1] == "--dist-driver":
-        dist_driver(sys.argv[4:], sys.argv[2], int(sys.argv[3]))
+        dist_driver(sys.argv[4:], sys.argv[2], [int(x) for x in sys.argv[3].split(",")])
         sys.exit(0)
     ap = argparse.ArgumentParser()
     ap.add_argument("--area")
