@@ -352,10 +352,14 @@ def test_gpu_capture_refused_on_the_reference_path(monkeypatch):
     """Where the grouped GEMM runs its plain-torch reference (it reads the routing on the
     host), capturing the layer raises, saying why, before anything is launched into the
     graph."""
-    from fusedist.ops.moe.grouped_gemm import GroupedGemmPlan
+    from fusedist import _ext
 
-    monkeypatch.setattr(nn_moe, "gemm_plan",
-                        lambda *a, **k: GroupedGemmPlan("reference", "forced by the test"))
+    # A build (or GPU) without the grouped kernels: the capability table says neither runs,
+    # so the tuning table's pick and the op's plan both come to the reference.
+    why_not = _ext.why_not
+    monkeypatch.setattr(_ext, "why_not", lambda kernel, device: (
+        "not in this build (forced by the test)" if kernel.startswith("moe_grouped")
+        else why_not(kernel, device)))
     g = _gen()
     m = _layer(_weights(g, h=64, i=32, s=0), RouterSpec(top_k=2), torch.bfloat16,
                device="cuda")
