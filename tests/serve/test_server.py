@@ -24,6 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+# The serving extra and the client (pip install "fusedist[serve]" openai; tests/run.sh and
+# CI install them): a host without them (an offline GPU host) skips this file, naming them.
+for _dep in ("fastapi", "uvicorn", "openai"):
+    pytest.importorskip(_dep, reason='pip install "fusedist[serve]" openai')
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
