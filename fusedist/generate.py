@@ -71,8 +71,8 @@ def _find_harness() -> Path:
     return there if not here.is_file() and there.is_file() else here
 
 
-# The model benchmark's harness (a checkout's benchmarks/): the flags it takes beyond these.
-HARNESS = _find_harness()
+# The flags the model benchmark's harness (_find_harness(): a checkout's benchmarks/, looked up
+# when a run asks, so a process that changed its working directory finds that one's) takes.
 BENCHMARK_FLAGS = ("--baseline", "--compile-backend", "--profile", "--prefill-reps")
 # Flags whose value may differ between ranks (what a rank prints, not what it computes).
 RANK_LOCAL_FLAGS = ("json", "quiet")
@@ -256,7 +256,7 @@ def _defaults(args, cuda: bool, harness: Optional[bool] = None):
         raise SystemExit("fusedist.generate: --config needs --random-weights (named configs ship "
                          "without weights); pass --model DIR for a checkpoint")
     if args.baseline is None:
-        harness = HARNESS.is_file() if harness is None else harness
+        harness = _find_harness().is_file() if harness is None else harness
         args.baseline = "torch" if embedded and harness else "none"
     args.baselines = parse_baselines(args.baseline)
     if args.max_new_tokens is None:
@@ -721,19 +721,20 @@ def _uses_harness(argv, args) -> bool:
     if args.baseline is not None:
         given = given and args.baseline.strip() != "none"
     embedded = args.model is None and args.config is None and args.baseline is None
-    return given or (embedded and HARNESS.is_file())
+    return given or (embedded and _find_harness().is_file())
 
 
 def _run_harness(argv) -> int:
     """The model benchmark's harness (benchmarks/_model_run.py) on these flags."""
-    if not HARNESS.is_file():
+    harness = _find_harness()
+    if not harness.is_file():
         _fail(f"{', '.join(BENCHMARK_FLAGS)} run the model benchmark's harness, "
               "benchmarks/_model_run.py of a fusedist checkout, which neither this "
               "installation nor the working directory has: run it from a checkout (python "
               "benchmarks/_model_run.py ...) or drop those flags")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fusedist_model_run", HARNESS)
+    spec = importlib.util.spec_from_file_location("fusedist_model_run", harness)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main(argv)

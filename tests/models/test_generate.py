@@ -93,22 +93,29 @@ def test_harness_of_an_installed_package_is_the_working_directory_checkouts(monk
     one)."""
     import fusedist.generate as g
 
-    assert g._find_harness() == ROOT / "benchmarks" / "_model_run.py"   # this checkout's
+    checkout = ROOT / "benchmarks" / "_model_run.py"
+    monkeypatch.setattr(g, "__file__", str(ROOT / "fusedist" / "generate.py"))  # imported here
+    monkeypatch.chdir(tmp_path)
+    assert g._find_harness() == checkout          # the package's own checkout, from anywhere
     site = tmp_path / "site-packages" / "fusedist"
     site.mkdir(parents=True)
-    monkeypatch.setattr(g, "__file__", str(site / "generate.py"))
+    monkeypatch.setattr(g, "__file__", str(site / "generate.py"))                # installed
     monkeypatch.chdir(ROOT)
-    assert g._find_harness() == ROOT / "benchmarks" / "_model_run.py"
+    assert g._find_harness() == checkout
     monkeypatch.chdir(tmp_path)
     assert not g._find_harness().is_file()
 
 
-def test_benchmark_flags_without_the_harness(monkeypatch):
-    """An installation without benchmarks/: a benchmark flag is one line saying where to run
-    it; the embedded default runs alone."""
+def test_benchmark_flags_without_the_harness(monkeypatch, tmp_path):
+    """An installation without benchmarks/, run outside a checkout: a benchmark flag is one
+    line saying where to run it; the embedded default runs alone. The lookup is the run's,
+    not the import's: this process imported fusedist.generate where a harness was found."""
     import fusedist.generate as g
 
-    monkeypatch.setattr(g, "HARNESS", g.HARNESS.with_name("missing.py"))
+    site = tmp_path / "site-packages" / "fusedist"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(g, "__file__", str(site / "generate.py"))
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match="--baseline, --compile-backend, --profile, "
                                          "--prefill-reps run the model benchmark's harness"):
         g.main(["--baseline", "torch", "--device", "cpu"])
