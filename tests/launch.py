@@ -203,14 +203,14 @@ def _exit_code(code) -> int:
     return 1
 
 
-def _child(spec: dict) -> None:
-    """A pooled process: become `python [-P] (script | -m module | -c code) args` with the
-    spec's environment and files, run, and exit as that interpreter would."""
-    import atexit
+def _become(spec: dict) -> None:
+    """Make this forked process the one the spec describes, as `python` would start it: its
+    own process group, environment, working directory, stdin / stdout / stderr files, address
+    space limit, torch's thread count from OMP_NUM_THREADS (torch is imported already, so it
+    would not read it), sys.path (the script's directory or the working directory first unless
+    safe_path, then PYTHONPATH, then the interpreter's own) and argv. The pool's children
+    (_child) and the zygote's both start here."""
     import io
-    import runpy
-    import threading
-    import traceback
 
     os.setsid()                      # its own process group: a timeout kills its children too
     os.environ.clear()
@@ -229,13 +229,23 @@ def _child(spec: dict) -> None:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (spec["rlimit_as"], spec["rlimit_as"]))
     threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        import torch
-        torch.set_num_threads(int(threads))
+    if threads and threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     first = [] if spec["safe_path"] else [spec["path0"]]
     sys.path[:] = first + extra + [p for p in spec["sys_path"] if p not in extra]
     sys.argv = list(spec["argv"])
+
+
+def _child(spec: dict) -> None:
+    """A pooled process: become `python [-P] (script | -m module | -c code) args` with the
+    spec's environment and files, run, and exit as that interpreter would."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    _become(spec)
     code = 0
     try:
         kind, target = spec["kind"], spec["target"]
@@ -560,23 +570,10 @@ def _serve():
 
 
 _spec = _serve()
-os.setsid()                          # its own process group: a timeout kills its children too
-os.environ.clear()
-os.environ.update(_spec["env"])
-os.chdir(_spec["cwd"])
-for _fd, _path in ((0, os.devnull), (1, _spec["log"]), (2, _spec["log"])):
-    _f = os.open(_path, os.O_RDONLY if _fd == 0 else os.O_WRONLY | os.O_APPEND)
-    os.dup2(_f, _fd)
-    os.close(_f)
-import io
-sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-_extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-sys.path[:] = ([os.path.dirname(os.path.abspath(_spec["argv"][0]))] + _extra
-               + [p for p in _spec["sys_path"] if p not in _extra])
-sys.argv = list(_spec["argv"])
-del replies, _serve, _f, _fd, _path, _extra
+sys.path.insert(0, _spec["tests_dir"])
+from launch import _become           # the pool's children start the same way
+_become(_spec)
+del replies, _serve, _become
 import runpy
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -618,7 +615,10 @@ def _zygote_run(specs: list, timeout: float) -> list:
     (negative: the signal), or None for every one at the timeout (all killed)."""
     z = _zygote()
     for spec in specs:
-        spec["sys_path"] = _clean_sys_path()
+        spec.update(sys_path=_clean_sys_path(), tests_dir=str(Path(__file__).resolve().parent),
+                    stdin=(os.devnull, "r"), stdout=(spec["log"], "w"),
+                    stderr=(spec["log"], "w"), safe_path=False,
+                    path0=os.path.dirname(os.path.abspath(spec["argv"][0])))
     z.stdin.write(json.dumps(specs).encode() + b"\n")
     started = _zygote_reply(z, 120)
     if started is None:
