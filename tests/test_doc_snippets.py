@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,9 +43,9 @@ def test_fp8_doc_block_scaled_gemm(tmp_path):
 
 
 def test_configuration_table_is_the_registry_output():
-    out = subprocess.run([sys.executable, "-m", "fusedist.envs", "--markdown"], cwd=ROOT,
-                         capture_output=True, text=True, check=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+    run = python(["-m", "fusedist.envs", "--markdown"], env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     doc = (ROOT / "docs" / "configuration.md").read_text()
     marker = "<!-- made by `python -m fusedist.envs --markdown` -->\n"
     assert marker in doc

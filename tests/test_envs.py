@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fusedist import envs
+from launch import python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,8 +80,8 @@ def test_unregistered_name_raises():
 
 
 def test_markdown_table_has_every_variable():
-    run = subprocess.run([sys.executable, "-m", "fusedist.envs", "--markdown"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+    run = python(["-m", "fusedist.envs", "--markdown"])   # from the test pool: `python -m`
+    assert run.returncode == 0, run.stderr
     assert "Warning" not in run.stderr, run.stderr   # runpy's re-execution warning, for one
     out = run.stdout
     lines = out.strip().splitlines()
