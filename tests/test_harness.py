@@ -2,7 +2,8 @@
 header and with every failure, each test's generators seeded from it and the test's name),
 and tests/launch.py's pool (processes forked from a pre-imported forkserver run as `python`
 would run them: argv, environment, sys.path, files, exit status, atexit; timeouts; ranks
-joining a store on a bound port)."""
+joining a store on a bound port); the tests' own references to the library (every name they
+read from fusedist exists, GPU tests included)."""
 
 from __future__ import annotations
 
@@ -191,3 +192,79 @@ def test_ranks_rendezvous_on_a_bound_port():
         assert f"rank {r} of 3 sum [6.0, 6.0] True" in p.stdout, p.stdout[-3000:]
     p = launch._run([sys.executable, *args], launch._env(dict(CPU, FAIL="1")), 120)
     assert p.returncode == 5, p.stdout[-3000:]
+
+
+def _library_references(source: str) -> set:
+    """(line, module, attribute) for every `alias.name` in a test's source whose alias is a
+    fusedist module it imported (`import fusedist.x as a`, `from fusedist.x import m [as a]`,
+    `import fusedist`), following submodules (fusedist.ops.attention.plan_kernel)."""
+    import ast
+    import importlib
+
+    tree = ast.parse(source)
+    alias = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "fusedist":
+                    alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else "fusedist"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                (node.module or "").split(".")[0] == "fusedist":
+            for a in node.names:
+                try:
+                    importlib.import_module(f"{node.module}.{a.name}")
+                except ImportError:
+                    continue            # a function or class, not a submodule
+                alias[a.asname or a.name] = f"{node.module}.{a.name}"
+    refs = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
+            continue
+        chain, base = [], node
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in alias:
+            refs.add((node.lineno, alias[base.id], tuple(chain)))
+    return refs
+
+
+def _missing(module: str, chain: tuple) -> str:
+    """The first name of chain that module (and the submodules along it) lacks, or ""."""
+    import importlib
+    import types
+
+    obj = importlib.import_module(module)
+    for name in chain:
+        if not isinstance(obj, types.ModuleType) or obj.__name__.endswith("._C"):
+            return ""                   # past the modules (or the extension's bindings)
+        if not hasattr(obj, name):
+            try:
+                obj = importlib.import_module(f"{obj.__name__}.{name}")
+                continue
+            except ImportError:
+                return f"{obj.__name__}.{name}"
+        obj = getattr(obj, name)
+    return ""
+
+
+def test_tests_name_only_what_the_library_has():
+    """Every `module.name` a test reads from fusedist exists, GPU tests included: a renamed or
+    removed switch fails here on the CPU instead of erroring only where a GPU runs the test
+    (a decode test once read a removed fusedist.ops.attention._decode.CLUSTER_MERGE)."""
+    gone = []
+    for f in sorted(TESTS.rglob("*.py")):
+        for line, module, chain in sorted(_library_references(f.read_text())):
+            name = _missing(module, chain)
+            if name:
+                gone.append(f"{f.relative_to(ROOT)}:{line}: {name}")
+    assert not gone, "tests read names the library does not have:\n" + "\n".join(gone)
+
+
+def test_library_references_see_a_removed_name():
+    src = ("from fusedist.ops.attention import _decode as ad\nimport fusedist\n"
+           "x = ad.CLUSTER_MERGE\ny = fusedist.ops.attention._decode.plan_kernel\n"
+           "z = fusedist.no_such_thing\n")
+    missing = {_missing(m, c) for _, m, c in _library_references(src)} - {""}
+    assert missing == {"fusedist.ops.attention._decode.CLUSTER_MERGE",
+                       "fusedist.no_such_thing"}
