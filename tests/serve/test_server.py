@@ -163,13 +163,15 @@ def test_concurrent_streaming_clients(srv):
 
 
 def test_a_client_that_disconnects_frees_its_pages(srv):
-    # Each step takes >= 20 ms here, so a 100-token request runs >= 2 s: longer than the
+    # Each step takes >= 50 ms here, so a 100-token request runs >= 5 s: longer than the
     # server takes to see the client gone (a failed write; the 0.2 s disconnect poll), on a
-    # loaded machine too (the tiny model's own steps, ~ms, let a request finish first there).
+    # loaded machine too (the tiny model's own steps, ~ms, let a request finish first there;
+    # with 20 ms steps, 2 s, a non-streaming request once ran to its end in a full suite run
+    # on the 2-core machine).
     eng = srv.engine
 
     def slow_step():
-        time.sleep(0.02)
+        time.sleep(0.05)
         return type(eng).run_step(eng)
 
     eng.run_step = slow_step
