@@ -231,6 +231,19 @@ def record_failure(failures: list, rank: int, name: str, e: Exception,
           flush=True)
 
 
+def selected(select: str | None = None) -> list:
+    """The checks this run does, in order: those whose name contains `select` (else
+    FUSEDIST_TEST_ONLY) if given, less those FUSEDIST_TEST_SKIP names (comma-separated, whole
+    names: a run whose launcher is what it tests leaves out a check another run covers)."""
+    only = select or os.environ.get("FUSEDIST_TEST_ONLY")
+    skip = {n.strip() for n in os.environ.get("FUSEDIST_TEST_SKIP", "").split(",") if n.strip()}
+    unknown = skip - {fn.__name__ for fn in CHECKS}
+    if unknown:
+        raise SystemExit(f"FUSEDIST_TEST_SKIP names no check of this worker: {sorted(unknown)}")
+    return [fn for fn in CHECKS
+            if (not only or only in fn.__name__) and fn.__name__ not in skip]
+
+
 def main(select: str | None = None, **init_kwargs) -> None:
     """Every check on this rank after fusedist.init(**init_kwargs), failures gathered."""
     rt = fusedist.init(**init_kwargs)
@@ -239,10 +252,7 @@ def main(select: str | None = None, **init_kwargs) -> None:
     run_id = rt.world.all_gather_object(run_seed())[0]
     if rt.rank == 0:
         print(f"checks on {rt.world_size} ranks, {_rerun(run_id)}", flush=True)
-    only = select or os.environ.get("FUSEDIST_TEST_ONLY")
-    for fn in CHECKS:
-        if only and only not in fn.__name__:
-            continue
+    for fn in selected(select):
         t0 = time.time()
         reason = ""
         try:
@@ -298,13 +308,10 @@ def emulated_main(world: int, select: str | None = None) -> None:
     from fusedist.testing import RankError, run_ranks
 
     seed = run_seed()
-    only = select or os.environ.get("FUSEDIST_TEST_ONLY")
     failures, statuses = [], []
     print(f"emulated ranks: {world} on {torch.cuda.get_device_name()} (seed {seed})", flush=True)
-    for fn in CHECKS:
+    for fn in selected(select):
         name = fn.__name__
-        if only and only not in name:
-            continue
         t0 = time.time()
         reason = ""
         if name not in EMULATION:

@@ -26,7 +26,11 @@ def test_gemm_comm_cpu_torchrun_3_ranks():
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not mpirun_available(), reason="mpirun not installed")
 def test_gemm_comm_cpu_mpirun_3_ranks():
-    assert_passed(mpirun("worker_gemm_comm.py", 3, CPU_ENV), 3)
+    """The 3-rank checks through mpirun's bootstrap (mpi4py), less the torch.compile one: what
+    dynamo traces does not depend on the launcher, and the torchrun test above runs it at the
+    same world size (it was a third of this run's CPU time)."""
+    assert_passed(mpirun("worker_gemm_comm.py", 3,
+                         {**CPU_ENV, "FUSEDIST_TEST_SKIP": "every_op_under_torch_compile"}), 3)
 
 
 @pytest.mark.gpu2
