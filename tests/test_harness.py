@@ -268,3 +268,27 @@ def test_library_references_see_a_removed_name():
     missing = {_missing(m, c) for _, m, c in _library_references(src)} - {""}
     assert missing == {"fusedist.ops.attention._decode.CLUSTER_MERGE",
                        "fusedist.no_such_thing"}
+
+
+def test_rare_count_bound_is_the_binomial_tail():
+    """tolerances.rare_count_bound against the binomial tail summed exactly (fractions): the
+    smallest k with P(X > k) < tail, for small and large n."""
+    import math
+    from fractions import Fraction
+
+    from tolerances import rare_count_bound
+
+    def exact(n, p, tail):
+        p = Fraction(p)
+        cdf = Fraction(0)
+        for k in range(n + 1):
+            cdf += math.comb(n, k) * p ** k * (1 - p) ** (n - k)
+            if 1 - cdf < tail:
+                return k
+        return n
+
+    for n, p, tail in ((512, 1e-3, 1e-6), (100, 0.05, 1e-3), (7, 0.5, 0.01), (1, 1e-3, 1e-6),
+                       (3000, 1e-3, 1e-6)):
+        assert rare_count_bound(n, p, tail) == exact(n, p, tail), (n, p, tail)
+    assert rare_count_bound(10**6, 1e-3) > 1000     # no underflow to "every element"
+    assert rare_count_bound(10**6, 1e-3) < 1200

@@ -7,6 +7,8 @@ leaves headroom for fp32 accumulation of up to 8 ranks and the RMSNorm epilogue.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 TOL = {
@@ -30,6 +32,19 @@ def count_bad(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, table=TO
     ok = (o - r).abs() <= atol + rtol * r.abs()
     ok &= torch.isfinite(o)
     return int((~ok).sum())
+
+
+def rare_count_bound(n: int, p: float, tail: float = 1e-6) -> int:
+    """The most elements of n that an event of per-element probability at most p (a rounding
+    flip) may hit: the smallest k with P(Binomial(n, p) > k) < tail. A fixed fraction p * n
+    allows none on a small tensor, where one flip is as likely as on any other."""
+    k, log_pmf = 0, n * math.log1p(-p)     # in logs: (1 - p)^n underflows for large n
+    cdf = math.exp(log_pmf)
+    while 1.0 - cdf >= tail and k < n:
+        log_pmf += math.log((n - k) / (k + 1) * p / (1.0 - p))
+        k += 1
+        cdf += math.exp(log_pmf)
+    return k
 
 
 # GEMM outputs: ||out - ref|| / ||ref|| (elementwise tolerances do not fit sums of K products,
