@@ -292,3 +292,35 @@ def test_rare_count_bound_is_the_binomial_tail():
         assert rare_count_bound(n, p, tail) == exact(n, p, tail), (n, p, tail)
     assert rare_count_bound(10**6, 1e-3) > 1000     # no underflow to "every element"
     assert rare_count_bound(10**6, 1e-3) < 1200
+
+
+def test_worker_check_selection_refuses_typos(monkeypatch):
+    """tests/dist/_checks.selected: FUSEDIST_TEST_ONLY picks the checks whose name contains it
+    and FUSEDIST_TEST_SKIP leaves whole names out; a selection that matches nothing, or a
+    skipped name no check has, stops the worker (a typo must not make a run that checks
+    nothing and passes)."""
+    monkeypatch.syspath_prepend(str(TESTS / "dist"))
+    import _checks
+
+    def alpha():
+        pass
+
+    def beta_fused():
+        pass
+
+    monkeypatch.setattr(_checks, "CHECKS", [alpha, beta_fused])
+    monkeypatch.delenv("FUSEDIST_TEST_ONLY", raising=False)
+    monkeypatch.delenv("FUSEDIST_TEST_SKIP", raising=False)
+    assert _checks.selected() == [alpha, beta_fused]
+    monkeypatch.setenv("FUSEDIST_TEST_ONLY", "fused")
+    assert _checks.selected() == [beta_fused]
+    assert _checks.selected("alp") == [alpha]  # the argument wins over the environment
+    monkeypatch.setenv("FUSEDIST_TEST_ONLY", "fsued")
+    with pytest.raises(SystemExit, match="FUSEDIST_TEST_ONLY='fsued' matches no check"):
+        _checks.selected()
+    monkeypatch.delenv("FUSEDIST_TEST_ONLY")
+    monkeypatch.setenv("FUSEDIST_TEST_SKIP", "alpha, beta")
+    with pytest.raises(SystemExit, match=r"FUSEDIST_TEST_SKIP names no check.*'beta'"):
+        _checks.selected()
+    monkeypatch.setenv("FUSEDIST_TEST_SKIP", "alpha")
+    assert _checks.selected() == [beta_fused]

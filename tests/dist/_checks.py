@@ -234,14 +234,18 @@ def record_failure(failures: list, rank: int, name: str, e: Exception,
 def selected(select: str | None = None) -> list:
     """The checks this run does, in order: those whose name contains `select` (else
     FUSEDIST_TEST_ONLY) if given, less those FUSEDIST_TEST_SKIP names (comma-separated, whole
-    names: a run whose launcher is what it tests leaves out a check another run covers)."""
+    names: a run whose launcher is what it tests leaves out a check another run covers). A
+    selection that matches no check, or a skipped name no check has, is an error: a typo
+    must not make a run that checks nothing and passes."""
     only = select or os.environ.get("FUSEDIST_TEST_ONLY")
     skip = {n.strip() for n in os.environ.get("FUSEDIST_TEST_SKIP", "").split(",") if n.strip()}
     unknown = skip - {fn.__name__ for fn in CHECKS}
     if unknown:
         raise SystemExit(f"FUSEDIST_TEST_SKIP names no check of this worker: {sorted(unknown)}")
-    return [fn for fn in CHECKS
-            if (not only or only in fn.__name__) and fn.__name__ not in skip]
+    chosen = [fn for fn in CHECKS if not only or only in fn.__name__]
+    if not chosen:  # a mistyped selection would otherwise run nothing and pass
+        raise SystemExit(f"FUSEDIST_TEST_ONLY={only!r} matches no check of this worker")
+    return [fn for fn in chosen if fn.__name__ not in skip]
 
 
 def main(select: str | None = None, **init_kwargs) -> None:
