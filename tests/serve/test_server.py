@@ -163,26 +163,42 @@ def test_concurrent_streaming_clients(srv):
 
 
 def test_a_client_that_disconnects_frees_its_pages(srv):
-    # Each step takes >= 50 ms here, so a 100-token request runs >= 5 s: longer than the
-    # server takes to see the client gone (a failed write; the 0.2 s disconnect poll), on a
-    # loaded machine too (the tiny model's own steps, ~ms, let a request finish first there;
-    # with 20 ms steps, 2 s, a non-streaming request once ran to its end in a full suite run
-    # on the 2-core machine).
+    # The request must still be running when the server sees its client gone, however slow
+    # the machine: once the request has its first token, no step runs until its abort is
+    # queued (at most HOLD_S; a server that never sees the disconnect then lets the request
+    # run to its end, and the abort counts below fail).
     eng = srv.engine
+    hold = {"base": None}    # generation_tokens when the request was sent; None: no hold
 
-    def slow_step():
-        time.sleep(0.05)
+    def held_step():
+        base = hold["base"]
+        if base is not None and eng.stats.generation_tokens > base:
+            end = time.monotonic() + HOLD_S
+            while not _abort_queued(eng):
+                if time.monotonic() > end:
+                    hold["base"] = None
+                    break
+                time.sleep(0.005)
         return type(eng).run_step(eng)
 
-    eng.run_step = slow_step
+    eng.run_step = held_step
     try:
-        _disconnects(srv)
+        _disconnects(srv, hold)
     finally:
         del eng.run_step
 
 
-def _disconnects(srv):
+HOLD_S = 30.0
+
+
+def _abort_queued(eng) -> bool:
+    with eng._lock:
+        return any(e[0] == "abort" for e in eng._inbox)
+
+
+def _disconnects(srv, hold):
     before = srv.engine.stats.finished.get("abort", 0)
+    hold["base"] = srv.engine.stats.generation_tokens
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     c.request("POST", "/v1/completions", json.dumps(
         {"model": NAME, "prompt": _prompt(20, 1), "max_tokens": 100, "temperature": 0,
@@ -196,13 +212,14 @@ def _disconnects(srv):
     assert srv.idle(), "the request was not aborted, or its pages not released"
     assert srv.engine.stats.finished.get("abort", 0) == before + 1
     # a non-streaming request whose client gives up
+    hold["base"] = srv.engine.stats.generation_tokens
     c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     c.request("POST", "/v1/completions", json.dumps(
         {"model": NAME, "prompt": _prompt(20, 2), "max_tokens": 100, "temperature": 0,
          "ignore_eos": True}), {"Content-Type": "application/json"})
     end = time.monotonic() + 30
-    while srv.engine.stats.generation_tokens == 0 or not srv.engine.running:
-        assert time.monotonic() < end, "the request never started"
+    while srv.engine.stats.generation_tokens <= hold["base"] or not srv.engine.running:
+        assert time.monotonic() < end, "the request never started decoding"
         time.sleep(0.005)
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
