@@ -74,6 +74,63 @@ def test_rows_without_recorded_rounds_use_the_unspread_band():
         != verdicts(ar_doc(10.0, 20.0), ar_doc(11.0, 20.0), noise_unspread=0.05)[0]
 
 
+def test_a_metric_with_noise_on_one_side_only():
+    """One file records a metric's noise and the other does not: the band is the larger of
+    the recorded noise and the unspread band (never narrower than either file allows)."""
+    def doc(noise):
+        return {"metrics": [compare.metric("case: fusedist vs torch", 1.0, "higher", noise)]}
+    for old, new in ((0.3, None), (None, 0.3)):
+        rows, _ = compare.compare(doc(old), doc(new))
+        assert rows[0]["band"] == pytest.approx(0.3)
+    rows, _ = compare.compare(doc(0.01), doc(None))
+    assert rows[0]["band"] == compare.NOISE_UNSPREAD
+
+
+def prefill_row(fd_eager, fd_graph, cudnn_eager, cudnn_graph, flops=1e9) -> dict:
+    """An attention_prefill row: eager and CUDA-graph times of fusedist and cuDNN."""
+    tf = {k: flops / (t * 1e-6) / 1e12 for k, t in (("fusedist", fd_eager),
+                                                    ("fusedist_graph", fd_graph),
+                                                    ("sdpa_cudnn", cudnn_eager),
+                                                    ("sdpa_cudnn_graph", cudnn_graph))}
+    return {"section": "prefill", "new_tokens": 1024, "context": 1024,
+            "fusedist_us": fd_eager, "fusedist_graph_us": fd_graph,
+            "sdpa_cudnn_us": cudnn_eager, "sdpa_cudnn_graph_us": cudnn_graph,
+            "best_peer": "sdpa_cudnn", "best_peer_graph": "sdpa_cudnn",
+            "vs_best": tf["fusedist"] / tf["sdpa_cudnn"],
+            "vs_cudnn": tf["fusedist"] / tf["sdpa_cudnn"],
+            "vs_best_graph": tf["fusedist_graph"] / tf["sdpa_cudnn_graph"]}
+
+
+def test_eager_ratios_carry_their_host_share():
+    """A row timed eagerly and in CUDA graphs: an eager ratio's noise is the host share of its
+    two eager times (1 - graph / eager each, summed), at most HOST_NOISE_MAX, when over the
+    unspread band; the graph ratio, and a GPU-bound row's eager ratio, record none. Measured
+    on one H100, two runs: cuDNN's eager time 44 -> 54 us at a graph time of 31 -> 31.5 us
+    moved the eager ratio 17%, a regression under the plain band; within the host share's."""
+    def noise(row):
+        return {m["key"].split(": ")[1]: m["noise"] for m in compare.metrics({"rows": [row]})}
+
+    got = noise(prefill_row(86.8, 71.5, 44.1, 30.8))
+    share = (1 - 71.5 / 86.8) + (1 - 30.8 / 44.1)        # 0.18 + 0.30
+    assert got["fusedist vs best"] == pytest.approx(min(share, compare.HOST_NOISE_MAX))
+    assert got["fusedist vs cudnn"] == got["fusedist vs best"]
+    assert got["fusedist vs best_graph"] is None
+    gpu_bound = noise(prefill_row(1000.0, 990.0, 1010.0, 1000.0))
+    assert gpu_bound["fusedist vs best"] is None
+    assert noise(prefill_row(100.0, 30.0, 100.0, 30.0))["fusedist vs best"] == \
+        compare.HOST_NOISE_MAX                            # 0.7 + 0.7, clipped
+    # The measured pair: the eager ratios move 17% within their band; the same 17% in the
+    # graph ratio is a regression.
+    old = {"rows": [prefill_row(88.9, 72.2, 54.3, 31.5)]}
+    new = {"rows": [prefill_row(86.8, 71.5, 44.1, 30.8)]}
+    v, _ = verdicts(old, new)
+    assert {k.split(": ")[1]: x for k, x in v.items()} == {
+        "fusedist vs best": "same", "fusedist vs cudnn": "same", "fusedist vs best_graph": "same"}
+    slow_kernel = {"rows": [prefill_row(86.8, 71.5 * 1.2, 44.1, 30.8)]}
+    v, _ = verdicts(old, slow_kernel)
+    assert v[next(k for k in v if k.endswith("vs best_graph"))] == "regressed"
+
+
 def test_rows_that_did_not_run_are_not_compared():
     assert verdicts(ar_doc(10.0, 20.0), ar_doc(30.0, 20.0, status="n/a (ValueError)"))[1] == 0
 
