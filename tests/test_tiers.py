@@ -63,6 +63,29 @@ def test_gpu_run_exit_status_is_the_worst_stage(tmp_path):
     assert text.rstrip().endswith('exit "$WORST"'), "tests/gpu/run.sh must end in exit $WORST"
 
 
+def test_gpu_run_gate_set_reruns_committed_results():
+    """tests/gpu/run.sh's one-GPU `gate` stage runs each benchmark with the arguments a
+    committed result file of each single-GPU machine records (one H200, one H100), so
+    compare.py pairs every file it writes with a committed one there."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text, _ = _gpu_run_stage_block()
+    m = re.search(r'GATE_SET=\$\{FUSEDIST_GATE_SET:-"([^"]+)"\}', text)
+    assert m, "tests/gpu/run.sh has no default GATE_SET"
+    gate = [" ".join(c.split()) for c in m[1].split("|")]
+    assert len(gate) >= 8
+    for machine in ("h200-w1", "h100_80gb_hbm3-w1"):
+        recorded = set()
+        for f in (root / "benchmarks" / "results" / machine).glob("*.json"):
+            words = json.loads(f.read_text())["meta"]["command"].split()
+            recorded.add(" ".join(w for w in words[1:] if w != "-P").removeprefix("benchmarks/"))
+        missing = [c for c in gate if c not in recorded]
+        assert not missing, f"{machine}: no committed result was run as {missing}"
+
+
 # ---- tests/conftest.py's rule for a kernel a test needs ---------------------------------------
 def _caps(monkeypatch, built=True, kernels=(), archs=("90a",), cc=(9, 0)):
     from fusedist import _ext

@@ -8,8 +8,10 @@
 #   FUSEDIST_GPU_STAGES="build tests bench" bash tests/gpu/run.sh   # a subset
 #
 # Stages (FUSEDIST_GPU_STAGES; default: build tests sanitizer bench gemm compare with two or
-# more GPUs, build tests sanitizer gemm_only compare with one): build, tests, sanitizer,
-# bench (all-reduce), gemm (GEMM + collective), gemm_only (fusedist.gemm, one GPU), attn
+# more GPUs, build tests sanitizer gate compare with one): build, tests, sanitizer,
+# bench (all-reduce), gemm (GEMM + collective), gate (one GPU: the quick benchmarks whose
+# results are committed for one H200 and one H100, each run as its committed file records;
+# FUSEDIST_GATE_SET, '|'-separated, replaces the set), gemm_only (fusedist.gemm, one GPU), attn
 # (decode attention, --quick), model (the Llama-3-8B step beside torch and torch.compile),
 # quickstart (launchers/quickstart.sh), compare, waves, trace, ncu. Offline hosts install the wheels they lack (nccl4py, the CUTLASS headers)
 # from ./.whl or $FUSEDIST_WHEELS (launchers/download-wheels.sh makes it).
@@ -39,7 +41,7 @@ fd_cutlass
 if (( NGPU >= 2 )); then
   STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer bench gemm compare"}
 else
-  STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer gemm_only compare"}
+  STAGES=${FUSEDIST_GPU_STAGES:-"build tests sanitizer gate compare"}
 fi
 export FUSEDIST_COMMIT=${FUSEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 RESULTS="$OUT/results"   # <gpu>-w<N>/<bench>.{json,md,png}, as benchmarks/results
@@ -140,6 +142,15 @@ fi
 if want gemm && [[ $NGPU -ge 2 ]]; then
   FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_gemm "${FUSEDIST_BENCH_TIMEOUT:-900}" python3 -m torch.distributed.run \
     --nproc-per-node "$NGPU" benchmarks/gemm_comm.py ${FUSEDIST_GEMM_ARGS:---quick}
+fi
+if want gate; then  # one GPU: the quick benchmarks with committed results, as those were run
+  GATE_SET=${FUSEDIST_GATE_SET:-"add_rmsnorm.py --quick|silu_mul.py --quick|attention.py --quick --no-flashinfer|attention_prefill.py --quick --no-flashinfer|moe.py --quick --what gating,permute|moe_gemm.py --quick --no-compile|gemv.py --ms 1,16 --stages 2,3|model.py --quantize fp8 --baselines torch"}
+  IFS='|' read -ra gate_cmds <<< "$GATE_SET"
+  for cmd in "${gate_cmds[@]}"; do
+    # shellcheck disable=SC2086 - the command's words
+    FUSEDIST_RESULTS_DIR="$RESULTS" stage "bench_${cmd%%.py*}" "${FUSEDIST_BENCH_TIMEOUT:-900}" \
+      python3 -P benchmarks/$cmd
+  done
 fi
 if want gemm_only; then  # one GPU: fusedist's GEMMs (every Hopper tile) against torch.matmul
   FUSEDIST_RESULTS_DIR="$RESULTS" stage bench_gemm_only "${FUSEDIST_BENCH_TIMEOUT:-900}" \
