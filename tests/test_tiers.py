@@ -86,6 +86,39 @@ def test_gpu_run_gate_set_reruns_committed_results():
         assert not missing, f"{machine}: no committed result was run as {missing}"
 
 
+def test_gpu_run_gate_stage_runs_each_command_into_the_results(tmp_path):
+    """The gate stage's bash, run with a stand-in python3: one stage per benchmark, each
+    command's words as separate arguments, FUSEDIST_RESULTS_DIR pointing at the run's
+    results; a failing benchmark fails the run and the rest still run."""
+    import re
+    import subprocess
+
+    text, block = _gpu_run_stage_block()
+    gate = re.search(r"\nif want gate; then.*?\nfi\n", text, re.S)
+    assert gate, "tests/gpu/run.sh has no gate stage"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "python3"
+    fake.write_text('#!/bin/bash\nprintf "%s|" "$FUSEDIST_RESULTS_DIR" "$@" >> "$CALLS"\n'
+                    'echo >> "$CALLS"\n[[ $* == *silu_mul* ]] && exit 3\nexit 0\n')
+    fake.chmod(0o755)
+    script = block + "\nwant() { true; }\nRESULTS=$OUT/results\n" + gate[0] + \
+        'echo "status=$WORST failed=$FAILED"'
+    calls = tmp_path / "calls.txt"
+    out = subprocess.run(["bash", "-c", "set -uo pipefail\n" + script], capture_output=True,
+                         text=True, timeout=60,
+                         env={"PATH": f"{bindir}:/usr/bin:/bin", "OUT": str(tmp_path),
+                              "LOGS": str(tmp_path), "CALLS": str(calls)}).stdout
+    assert "status=3 failed= bench_silu_mul" in out, out
+    got = [line.split("|")[:-1] for line in calls.read_text().splitlines()]
+    results = str(tmp_path / "results")
+    assert got[0] == [results, "-P", "benchmarks/add_rmsnorm.py", "--quick"]
+    assert [results, "-P", "benchmarks/gemv.py", "--ms", "1,16", "--stages", "2,3"] in got
+    assert len(got) == len(re.search(r'GATE_SET=\$\{FUSEDIST_GATE_SET:-"([^"]+)"',
+                                     text)[1].split("|"))
+    assert (tmp_path / "summary.txt").read_text().count("bench_") == len(got)
+
+
 # ---- tests/conftest.py's rule for a kernel a test needs ---------------------------------------
 def _caps(monkeypatch, built=True, kernels=(), archs=("90a",), cc=(9, 0)):
     from fusedist import _ext
