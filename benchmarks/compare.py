@@ -24,7 +24,8 @@ baseline are compared as raw times (lower is better), which needs the same kind 
 
 Noise: a metric regresses when it gets worse by more than its band (higher-is-better:
 new / old < 1 - band; lower-is-better: old / new < 1 - band). band = max(--noise, the old and
-new metrics' own noise in quadrature, a metric with none recorded counting as --noise-unspread).
+new metrics' own noise in quadrature); a metric with no noise recorded in either file gets
+--noise-unspread, one with noise in one file only the larger of that noise and --noise-unspread.
 An eager ratio whose row also timed both sides in CUDA graphs (attention_prefill) records as
 noise the host share of the two eager times when it exceeds --noise-unspread's default: the
 part of an eager time the GPU does not set moves with the host between runs.
@@ -311,8 +312,8 @@ def compare(old: dict, new: dict, noise: float = NOISE, fusedist: Optional[str] 
         if mo["better"] != mn["better"]:
             raise ValueError(f"{k}: better is {mo['better']!r} in the old file and "
                              f"{mn['better']!r} in the new one")
-        # A metric with no recorded noise counts as noise_unspread; recorded ones add in
-        # quadrature.
+        # Recorded noises add in quadrature; a side with none recorded puts noise_unspread
+        # under the band.
         recorded = [m["noise"] for m in (mo, mn) if m["noise"] is not None]
         band = max(noise, math.hypot(*recorded) if recorded else 0.0,
                    noise_unspread if len(recorded) < 2 else 0.0)
