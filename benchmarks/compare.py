@@ -210,12 +210,9 @@ def _eager_ratio_noise(row: dict, baseline: str) -> Optional[float]:
     names = [row.get("best_peer")] if baseline == "best" else \
         [k[:-3] for k in row if k.endswith("_us") and not k.endswith("_graph_us")
          and (k[:-3] == baseline or k[:-3].endswith("_" + baseline))]
-    fd = _host_share(row, "fusedist")
     base = [h for h in (_host_share(row, n) for n in names if isinstance(n, str)) if h is not None]
-    if fd is None or not base:
-        return None
-    share = fd + max(base)
-    return min(share, HOST_NOISE_MAX) if share > NOISE_UNSPREAD else None
+    share = _ratio_noise(_host_share(row, "fusedist"), max(base) if base else None)
+    return None if share is None or share <= NOISE_UNSPREAD else min(share, HOST_NOISE_MAX)
 
 
 def _column_row(row: dict) -> list:
