@@ -156,17 +156,27 @@ fd_nvcc() {  # the nvcc the build uses (CUDACXX, PATH, $CUDA_HOME/bin), >= 12.4
   export CUDACXX=$nvcc
 }
 
+fd_cores() {  # the cores this process may run on. `nproc` alone obeys OMP_NUM_THREADS, which
+  # torchrun and the test scripts set to 1 for their workers: under them a build (or a
+  # process pool) sized by it would run one job at a time.
+  env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc
+}
+
+fd_build_jobs() {  # the build's jobs: every core, but no more than memory for them
+  # (one CUTLASS instantiation peaks ~3.4 GB)
+  local cores mem_gb jobs
+  cores=$(fd_cores)
+  mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 0)
+  jobs=$cores
+  (( mem_gb > 0 && mem_gb / 4 < jobs )) && jobs=$(( mem_gb / 4 > 0 ? mem_gb / 4 : 1 ))
+  echo "$jobs"
+}
+
 fd_build() {  # compile every CUDA source and install fusedist with its _C (incremental)
   fd_nvcc
   fd_install pybind11 skbuild ninja cmake numpy
   fd_cutlass
-  # Every core, but no more jobs than memory for them: one CUTLASS instantiation peaks ~3.4 GB.
-  local cores mem_gb jobs
-  cores=$(nproc)
-  mem_gb=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 0)
-  jobs=$cores
-  (( mem_gb > 0 && mem_gb / 4 < jobs )) && jobs=$(( mem_gb / 4 > 0 ? mem_gb / 4 : 1 ))
-  export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$jobs}
+  export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(fd_build_jobs)}
   local log=${FUSEDIST_BUILD_LOG:-${TMPDIR:-/tmp}/fusedist-build-$(id -u).log}
   local t0=$SECONDS
   echo "== build fusedist._C with $CMAKE_BUILD_PARALLEL_LEVEL jobs ($CUDACXX; log: $log)"

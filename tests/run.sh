@@ -51,7 +51,7 @@ echo "   setup took $((SECONDS - t_start)) s"
 jobs=${FUSEDIST_TEST_JOBS:-}
 if [[ -z $jobs ]]; then
   jobs=1
-  (( NGPU == 0 && $# == 0 )) && jobs=$(nproc)
+  (( NGPU == 0 && $# == 0 )) && jobs=$(fd_cores)
 fi
 xdist=()
 (( jobs > 1 )) && xdist=(-n "$jobs" --dist worksteal)

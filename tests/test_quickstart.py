@@ -93,6 +93,25 @@ def test_no_nvcc_and_an_old_nvcc_stop(tmp_path):
     assert r.returncode == 0 and f"found {new / 'nvcc'}" in r.stdout
 
 
+def test_build_jobs_ignore_the_workers_thread_limit():
+    """fd_build compiles with every core the memory allows, also under OMP_NUM_THREADS=1 (set
+    by torchrun and by tests/gpu/run.sh for their workers), which `nproc` alone obeys: sized
+    by it, tests/gpu/run.sh's build stage compiles one file at a time on a 16-core host."""
+    r = setup_sh("fd_build_jobs; OMP_NUM_THREADS=1 OMP_THREAD_LIMIT=1 fd_build_jobs",
+                 OMP_NUM_THREADS=None, OMP_THREAD_LIMIT=None)
+    assert r.returncode == 0, r.stderr
+    free, limited = (int(x) for x in r.stdout.split())
+    assert limited == free, (limited, free)
+    cores = len(os.sched_getaffinity(0))
+    mem_gb = int(next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
+                      if ln.startswith("MemAvailable:"))) // 1048576
+    # One job per 4 GB of free memory at most (a CUTLASS instantiation peaks ~3.4 GB); with
+    # two cores and 8 GB free there are at least two.
+    assert 1 <= free <= cores
+    if cores >= 2 and mem_gb >= 9:
+        assert free >= 2
+
+
 def test_an_uninstallable_package_names_itself_and_the_wheel_directory(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
