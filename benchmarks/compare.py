@@ -7,7 +7,10 @@ One schema for every result file: a list of metrics, each
     {"key": str, "value": float, "better": "higher" | "lower", "noise": float or null}
 `key` names what was measured (the case's shape and, for a ratio, "<path> vs <baseline>"),
 unique within a file; `value` the measurement; `better` its direction; `noise` the relative
-spread of its rounds when the benchmark recorded rounds (null: none recorded).
+spread of its rounds when the benchmark recorded rounds (null: none recorded). A ratio may
+carry "parts": {path: time, baseline: time}, the two times it divides; the gate does not read
+them, the report does: a ratio that left its band is printed with each side's move, so a
+fusedist path that got slower reads apart from a baseline that got faster.
 benchmarks/_harness.py's write_results stores them in the JSON as "metrics"; `metrics(doc)`
 derives them from the "rows" (and row tables) of files written before, in every form the
 benchmarks write: one row per backend (allreduce, gemm_comm, model), one row per case with
@@ -115,9 +118,13 @@ def case_key(row: dict, leave_out=()) -> str:
                     isinstance(row.get(k), (str, int, float)) and not isinstance(row[k], bool))
 
 
-def metric(key: str, value: float, better: str, noise: Optional[float] = None) -> dict:
-    return {"key": key, "value": float(value), "better": better,
-            "noise": None if noise is None else float(noise)}
+def metric(key: str, value: float, better: str, noise: Optional[float] = None,
+           parts: Optional[dict] = None) -> dict:
+    m = {"key": key, "value": float(value), "better": better,
+         "noise": None if noise is None else float(noise)}
+    if parts:   # the two times a ratio divides: {headline: t, baseline: t}
+        m["parts"] = {str(k): float(v) for k, v in parts.items()}
+    return m
 
 
 def _ratio_noise(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -148,12 +155,14 @@ def _backend_rows(rows: list, fusedist: Optional[str]) -> list:
             if not is_baseline(name):
                 continue
             out.append(metric(f"{case}: {fd} vs {name}", b["time_us"] / f["time_us"], "higher",
-                              _ratio_noise(_row_spread(f), _row_spread(b))))
+                              _ratio_noise(_row_spread(f), _row_spread(b)),
+                              {fd: f["time_us"], name: b["time_us"]}))
             pf, pb = _num(f.get("prefill_ms")), _num(b.get("prefill_ms"))
             if pf and pb:
                 out.append(metric(f"{case}: {fd} vs {name} prefill", pb / pf, "higher",
                                   _ratio_noise(_spread(f.get("prefill_ms_reps")),
-                                               _spread(b.get("prefill_ms_reps")))))
+                                               _spread(b.get("prefill_ms_reps"))),
+                                  {fd: pf, name: pb}))
     return out
 
 
@@ -184,7 +193,7 @@ def _dict_row(row: dict, fusedist: Optional[str]) -> list:
                 # (gemv) against the other
                 noise = _spread(rounds.get(fd)) if fd in rounds else _spread(rounds.get(base))
                 out.append(metric(f"{case}: {fd} vs {base}", times[base] / times[fd], "higher",
-                                  noise))
+                                  noise, {fd: times[fd], base: times[base]}))
     return out
 
 
@@ -221,8 +230,13 @@ def _column_row(row: dict) -> list:
     itself where no baseline ran. An eager ratio whose row has graph times too carries its
     host share as noise (_eager_ratio_noise)."""
     case = case_key(row)
+
+    def parts(base: str) -> Optional[dict]:   # the times, where the row has both columns
+        f, b = _num(row.get("fusedist_us")), _num(row.get(f"{base}_us"))
+        return {"fusedist": f, base: b} if f is not None and b is not None else None
+
     out = [metric(f"{case}: fusedist vs {k[3:]}", row[k], "higher",
-                  _eager_ratio_noise(row, k[3:])) for k in sorted(row)
+                  _eager_ratio_noise(row, k[3:]), parts(k[3:])) for k in sorted(row)
            if k.startswith("vs_") and _num(row[k]) is not None]
     if not out and _num(row.get("fusedist_us")) is not None:
         out.append(metric(f"{case}: fusedist_us", row["fusedist_us"], "lower"))
@@ -285,6 +299,11 @@ def check_metrics(metrics: list, where: str = "metrics") -> list:
                               or not 0 <= n < 10):
             raise ValueError(f"{where}[{i}] ({m['key']}): noise must be null or a relative "
                              f"spread >= 0, got {n!r}")
+        p = m.get("parts")
+        if p is not None and not (isinstance(p, dict) and len(p) == 2 and all(
+                isinstance(k, str) and _num(v) is not None for k, v in p.items())):
+            raise ValueError(f"{where}[{i}] ({m['key']}): parts must be null or the ratio's two "
+                             f"times, {{path: time, baseline: time}}, got {p!r:.120}")
     return metrics
 
 
@@ -303,6 +322,7 @@ def compare(old: dict, new: dict, noise: float = NOISE, fusedist: Optional[str] 
     better, whatever the direction) and how many metrics the two files share."""
     a = {m["key"]: m for m in metrics(old, fusedist)}
     b = {m["key"]: m for m in metrics(new, fusedist)}
+    pa, pb = _parts(old, fusedist), _parts(new, fusedist)
     rows = []
     for k in sorted(set(a) & set(b)):
         mo, mn = a[k], b[k]
@@ -317,9 +337,25 @@ def compare(old: dict, new: dict, noise: float = NOISE, fusedist: Optional[str] 
         change = mn["value"] / mo["value"] if mo["better"] == "higher" else \
             mo["value"] / mn["value"]
         verdict = "regressed" if change < 1 - band else "improved" if change > 1 + band else "same"
-        rows.append({"case": k, "better": mo["better"], "old": mo["value"], "new": mn["value"],
-                     "change": change, "band": band, "verdict": verdict})
+        row = {"case": k, "better": mo["better"], "old": mo["value"], "new": mn["value"],
+               "change": change, "band": band, "verdict": verdict}
+        if k in pa and k in pb and pa[k].keys() == pb[k].keys():
+            row["parts"] = {name: (pa[k][name], pb[k][name]) for name in pa[k]}
+        rows.append(row)
     return rows, len(rows)
+
+
+def _parts(doc: dict, fusedist: Optional[str] = None) -> dict:
+    """{metric key: its parts} of a file: from its metrics, else from its rows (files whose
+    metrics were written without parts)."""
+    got = {m["key"]: m["parts"] for m in metrics(doc, fusedist) if m.get("parts")}
+    try:
+        for m in derive(doc, fusedist):
+            if m.get("parts"):
+                got.setdefault(m["key"], m["parts"])
+    except ValueError:      # NotAResult included: a metrics-only file has no rows to read
+        pass
+    return got
 
 
 def _load(path: Path) -> dict:
@@ -334,9 +370,13 @@ def _fmt(r: dict) -> str:
         old, new = f"{r['old']:.3f}x", f"{r['new']:.3f}x"
     else:                            # times
         old, new = f"{r['old']:.4g}", f"{r['new']:.4g}"
-    return (f"  {r['verdict']:9s} {r['case']}: {old} -> {new} "
+    line = (f"  {r['verdict']:9s} {r['case']}: {old} -> {new} "
             f"({r['change'] - 1:+.1%} {'better' if r['change'] >= 1 else 'worse'}, band "
             f"{r['band']:.1%})")
+    if r.get("parts"):  # which side of the ratio moved: each time, old -> new
+        line += "; times " + ", ".join(f"{name} {a:.4g} -> {b:.4g} ({b / a - 1:+.1%})"
+                                       for name, (a, b) in r["parts"].items())
+    return line
 
 
 def pairs(old: Path, new: Path) -> list[tuple[Path, Path]]:

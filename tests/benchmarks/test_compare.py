@@ -131,6 +131,48 @@ def test_eager_ratios_carry_their_host_share():
     assert v[next(k for k in v if k.endswith("vs best_graph"))] == "regressed"
 
 
+def gemv_row(fd_us: float, base_us: float, rounds: list) -> dict:
+    """benchmarks/gemv.py's form: every kernel's time in a dict, `vs` naming the baselines,
+    each round's ratio in ratio_rounds (its spread is the metric's noise)."""
+    return {"shape": "70b/tp2/down", "K": 14336, "N": 8192, "M": 1, "format": "fp8_block",
+            "bytes": 117469184, "time_us": {"fusedist": fd_us, "scaled_mm_rowwise": base_us},
+            "vs": {"scaled_mm_rowwise": base_us / fd_us},
+            "ratio_rounds": {"scaled_mm_rowwise": rounds}}
+
+
+def test_a_changed_ratio_is_reported_with_each_sides_move(tmp_path, capsys):
+    """A ratio that left its band is printed with the two times it divides, old -> new, so a
+    baseline that got faster reads apart from a fusedist path that got slower; the verdict is
+    the ratio's either way. The measured pair: one H200 against the committed H200 file,
+    fusedist's FP8 GEMV at 38.24 -> 39.34 us while torch._scaled_mm went 74.57 -> 69.83 us."""
+    old = {"meta": {}, "rows": [gemv_row(38.24, 74.57, [1.958, 1.982, 1.925])]}
+    new = {"meta": {}, "rows": [gemv_row(39.34, 69.83, [1.779, 1.765, 1.777])]}
+    rows, n = compare.compare(old, new)
+    assert n == 1 and rows[0]["verdict"] == "regressed" and rows[0]["band"] == compare.NOISE
+    assert rows[0]["parts"] == {"fusedist": (38.24, 39.34), "scaled_mm_rowwise": (74.57, 69.83)}
+    line = compare._fmt(rows[0])
+    assert "times fusedist 38.24 -> 39.34 (+2.9%), scaled_mm_rowwise 74.57 -> 69.83 (-6.4%)" \
+        in line, line
+    # A file that stores its metrics (with their parts) reads the same; one whose metrics
+    # predate parts gets them from its rows.
+    written = {"meta": {}, "metrics": compare.metrics(new), "rows": new["rows"]}
+    assert written["metrics"][0]["parts"] == {"fusedist": 39.34, "scaled_mm_rowwise": 69.83}
+    bare = {"meta": {}, "metrics": [{k: v for k, v in m.items() if k != "parts"}
+                                    for m in compare.metrics(old)], "rows": old["rows"]}
+    assert compare.compare(bare, written)[0][0]["parts"] == rows[0]["parts"]
+    assert compare.main([str(write(tmp_path / "o.json", bare)),
+                         str(write(tmp_path / "n.json", written))]) == 1
+    assert "scaled_mm_rowwise 74.57 -> 69.83 (-6.4%)" in capsys.readouterr().out
+    # A ratio whose row has no times (a bare metric) is printed without them.
+    plain = compare._fmt(compare.compare(
+        {"metrics": [compare.metric("c: fusedist vs torch", 2.0, "higher")]},
+        {"metrics": [compare.metric("c: fusedist vs torch", 1.0, "higher")]})[0][0])
+    assert "times" not in plain and "2.000x -> 1.000x" in plain
+    with pytest.raises(ValueError, match="parts must be"):
+        compare.metrics({"metrics": [dict(compare.metric("c: a vs b", 1.0, "higher"),
+                                          parts={"a": 1.0})]})
+
+
 def test_rows_that_did_not_run_are_not_compared():
     assert verdicts(ar_doc(10.0, 20.0), ar_doc(30.0, 20.0, status="n/a (ValueError)"))[1] == 0
 
