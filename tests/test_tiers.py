@@ -53,13 +53,29 @@ def test_gpu_run_exit_status_is_the_worst_stage(tmp_path):
         "stage compare 30 bash -c 'exit 2'",
         "stage hung 1 sleep 30",
         "stage last 30 true",
+        "stage pytest 30 echo '== 3 failed, 765 passed, 14 skipped in 178.70s =='",
+        "stage bench 30 echo '  Case(proj=down) fp8 scaled_mm_loop: rel err RuntimeError: "
+        "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED; not timed'",
+        "stage crash 30 bash -c 'echo Traceback; echo \"  File x\"; "
+        "echo \"ValueError: x must be bfloat16\"; exit 1'",
+        "stage build 30 bash -c 'echo \"csrc/x.cu(12): error: identifier y is undefined\"; "
+        "echo \"ninja: build stopped\"; exit 1'",
         'echo "status=$WORST failed=$FAILED"'])
     out = subprocess.run(["bash", "-c", "set -uo pipefail\n" + script], capture_output=True,
                          text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path),
                               "LOGS": str(tmp_path)}).stdout
-    assert "status=124 failed= tests compare hung" in out, out
-    assert (tmp_path / "summary.txt").read_text().count("\n") == 5
+    assert "status=124 failed= tests compare hung crash build" in out, out
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert len(summary) == 9
+    # Each line quotes the log's outcome: pytest's counts, an uncaught exception; a benchmark
+    # row that records a baseline's error as text is not one.
+    line = {s.split()[0]: s for s in summary}
+    assert line["pytest"].endswith("3 failed, 765 passed, 14 skipped in 178.70s =="), summary
+    assert line["bench"].rstrip().endswith("s"), summary
+    assert "CUDA error" not in line["bench"], summary
+    assert line["crash"].endswith("ValueError: x must be bfloat16"), summary
+    assert line["build"].endswith("csrc/x.cu(12): error: identifier y is undefined"), summary
     assert text.rstrip().endswith('exit "$WORST"'), "tests/gpu/run.sh must end in exit $WORST"
 
 

@@ -48,6 +48,10 @@ RESULTS="$OUT/results"   # <gpu>-w<N>/<bench>.{json,md,png}, as benchmarks/resul
 
 WORST=0     # the exit status of the run: the largest of the stages'
 FAILED=""   # the stages that exited non-zero
+# The line of a stage's log its summary quotes: pytest's counts, the sanitizer's summary, a
+# compiler's or CMake's error, an uncaught exception (not a benchmark's row that records a
+# baseline's error as text).
+SUMMARY_LINE='[0-9]+ (passed|failed|errors?)\b|ERROR SUMMARY|: error:|^CMake Error|^[A-Za-z_.]*(Error|Exception):'
 stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -58,7 +62,7 @@ stage() {  # stage NAME TIMEOUT_S CMD...: log to $LOGS/NAME.log, one summary lin
     (( rc > WORST )) && WORST=$rc
   fi
   printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$LOGS/$name.log" | tail -1 | cut -c1-90)" \
+    "$(grep -E "$SUMMARY_LINE" "$LOGS/$name.log" | tail -1 | cut -c1-90)" \
     >> "$OUT/summary.txt"
   return $rc
 }
