@@ -15,6 +15,12 @@ import types
 RANK = os.environ.get("RANK", "?")
 
 
+def say(what: str) -> None:
+    """One line in one write(2): the ranks share one stdout pipe, and under PYTHONUNBUFFERED
+    print() writes the text and its newline apart, so two ranks' lines could interleave."""
+    os.write(1, f"rank {RANK}: {what}\n".encode())
+
+
 class Last:
     def __del__(self, write=os.write, finalizing=sys.is_finalizing):
         write(1, f"rank {RANK}: collected while finalizing: {finalizing()}\n".encode())
@@ -25,9 +31,8 @@ holder.last = Last()
 sys.modules[holder.__name__] = holder
 del holder
 
-threading.Thread(target=lambda: (time.sleep(0.3), print(f"rank {RANK}: thread joined",
-                                                        flush=True))).start()
-atexit.register(lambda: print(f"rank {RANK}: atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), say("thread joined"))).start()
+atexit.register(lambda: say("atexit ran"))
 
 mode = sys.argv[1]
 if mode == "exit3":
@@ -36,4 +41,4 @@ if mode == "raise":
     raise ValueError(f"rank {RANK}: boom")
 if mode == "hang":
     time.sleep(600)
-print(f"rank {RANK}: all checks passed", flush=True)
+say("all checks passed")
