@@ -235,11 +235,16 @@ def _baselines(c: Case, fmt, ins, wts, args) -> dict:
         yd = torch.empty(ins[0].pairs, c.n, dtype=torch.bfloat16, device="cuda")
         steps["dense"] = lambda i: torch.matmul(xd, w[0].t(), out=yd)
     elif fmt == "fp8":
+        # cuBLASLt's row-wise (outer-vector) scales must start 16-byte aligned: a view
+        # I.sx[o:o + n] at a row offset o that is not a multiple of 4 is refused
+        # (CUBLAS_STATUS_NOT_SUPPORTED), so each segment's scales get their own buffer here,
+        # once, outside the timing, as a user keeping per-expert scales would hold them.
+        seg_sx = [[I.sx[o:o + n, None].clone() for _, o, n in I.segments] for I in ins]
+
         def smm(i, ins=ins):
-            I = ins[i % len(ins)]
-            for e, o, n in I.segments:
-                I.out[o:o + n] = torch._scaled_mm(I.x[o:o + n], w[e].t(),
-                                                  scale_a=I.sx[o:o + n, None],
+            I, sxs = ins[i % len(ins)], seg_sx[i % len(ins)]
+            for (e, o, n), sx in zip(I.segments, sxs):
+                I.out[o:o + n] = torch._scaled_mm(I.x[o:o + n], w[e].t(), scale_a=sx,
                                                   scale_b=s[e][None, :],
                                                   out_dtype=torch.bfloat16)
         steps["scaled_mm_loop"] = smm
