@@ -173,6 +173,70 @@ def test_a_changed_ratio_is_reported_with_each_sides_move(tmp_path, capsys):
                                           parts={"a": 1.0})]})
 
 
+def gemv_doc(times: list) -> dict:
+    """A gemv file of len(times) shapes, each (fusedist us, baseline us) with steady rounds."""
+    rows = []
+    for i, (fd, base) in enumerate(times):
+        r = gemv_row(fd, base, [base / fd] * 3)
+        rows.append(dict(r, N=1024 * (i + 1), bytes=r["bytes"] + i))
+    return {"meta": {}, "rows": rows}
+
+
+# Ten shapes, fusedist and its baseline at steady times; the first is the measured pair of a
+# third H200 against the committed H200 file: fusedist 38.24 -> 37.28 us, torch._scaled_mm
+# row-wise 74.57 -> 65.90 us (the ratio 1.950x -> 1.768x, -9.4%).
+TEN = [(38.24, 74.57)] + [(10.0 + i, 12.0 + 2 * i) for i in range(9)]
+
+
+def test_a_baseline_that_got_faster_is_not_a_fusedist_regression(tmp_path, capsys):
+    """A ratio that regressed because its baseline got faster while fusedist's time held (the
+    machine's move, the baselines' median, is ~0 here) gets the verdict "baseline": printed and
+    counted, exit 0; --strict fails on it."""
+    new = [(37.28, 65.90)] + TEN[1:]
+    rows, _ = compare.compare(gemv_doc(TEN), gemv_doc(new))
+    assert [r["verdict"] for r in rows if r["verdict"] != "same"] == ["baseline"]
+    assert compare.machine_move(rows) == (1.0, 10)
+    old_p, new_p = write(tmp_path / "o.json", gemv_doc(TEN)), write(tmp_path / "n.json",
+                                                                   gemv_doc(new))
+    assert compare.main([str(old_p), str(new_p)]) == 0
+    out = capsys.readouterr().out
+    assert "0 regressed, 1 baseline moved" in out and "machine move +0.0%, the median of 10" \
+        in out and "  baseline  " in out, out
+    assert compare.main([str(old_p), str(new_p), "--strict"]) == 1
+    # The same baseline move with fusedist 8% slower (past the 6% band) is a regression.
+    slow = [(38.24 * 1.08, 65.90)] + TEN[1:]
+    rows, _ = compare.compare(gemv_doc(TEN), gemv_doc(slow))
+    assert [r["verdict"] for r in rows if r["verdict"] != "same"] == ["regressed"]
+    assert compare.main([str(old_p), str(write(tmp_path / "s.json", gemv_doc(slow)))]) == 1
+
+
+def test_fusedist_that_did_not_follow_a_faster_machine_regresses():
+    """Every baseline 10% faster (a faster machine) while fusedist's times stayed put: each
+    ratio is 10% worse and fusedist's time is 11% slower than the machine predicts, so every
+    ratio regresses; fusedist 10% faster with it is no change."""
+    still = [(fd, base * 0.9) for fd, base in TEN]
+    rows, _ = compare.compare(gemv_doc(TEN), gemv_doc(still))
+    assert compare.machine_move(rows)[0] == pytest.approx(0.9)
+    assert {r["verdict"] for r in rows} == {"regressed"}
+    along = [(fd * 0.9, base * 0.9) for fd, base in TEN]
+    assert {r["verdict"] for r in compare.compare(gemv_doc(TEN), gemv_doc(along))[0]} == {"same"}
+
+
+def test_too_few_baseline_times_keep_the_ratios_verdict():
+    """Under MIN_PEER_TIMES distinct baseline times there is no machine move to judge
+    fusedist's time against: the ratio's verdict stands. Parts that do not divide to their
+    ratio (a synthetic or edited file) are not evidence either."""
+    few = TEN[:compare.MIN_PEER_TIMES - 1]
+    rows, _ = compare.compare(gemv_doc(few), gemv_doc([(37.28, 65.90)] + few[1:]))
+    assert compare.machine_move(rows) == (None, compare.MIN_PEER_TIMES - 1)
+    assert [r["verdict"] for r in rows if r["verdict"] != "same"] == ["regressed"]
+    old = gemv_doc(TEN)
+    new = {"metrics": compare.metrics(old)}
+    new["metrics"][0] = dict(new["metrics"][0], value=new["metrics"][0]["value"] * 0.8)
+    rows, _ = compare.compare(old, new)
+    assert [r["verdict"] for r in rows if r["verdict"] != "same"] == ["regressed"]
+
+
 def test_rows_that_did_not_run_are_not_compared():
     assert verdicts(ar_doc(10.0, 20.0), ar_doc(30.0, 20.0, status="n/a (ValueError)"))[1] == 0
 
@@ -263,10 +327,21 @@ def test_every_committed_result_reads_through_the_schema():
     assert any(m["key"].endswith("fusedist vs torch prefill") for m in ttft)
 
 
+def slower(m: dict, by: float) -> dict:
+    """Metric m with fusedist `by` slower: a ratio `by` lower and, where it carries its parts,
+    the headline's time 1 / (1 - by) longer (the baseline's unchanged); a time `by` longer."""
+    if m["better"] == "lower":
+        return dict(m, value=m["value"] / (1 - by))
+    out = dict(m, value=m["value"] * (1 - by))
+    if m.get("parts"):
+        (fd, t), (base, tb) = m["parts"].items()
+        out["parts"] = {fd: t / (1 - by), base: tb}
+    return out
+
+
 def degrade(ms: list, by: float) -> list:
-    """The metrics `by` worse (a ratio `by` lower, a time `by` longer), in the schema's form."""
-    return [dict(m, value=m["value"] * (1 - by) if m["better"] == "higher"
-                 else m["value"] / (1 - by)) for m in ms]
+    """The metrics with fusedist `by` slower (slower), in the schema's form."""
+    return [slower(m, by) for m in ms]
 
 
 @pytest.mark.parametrize("path", [p for p, _ in committed()], ids=lambda p: p.stem)
@@ -280,10 +355,8 @@ def test_a_synthetic_regression_of_every_committed_file_fails(path):
     assert ms and n == len(ms)
     for r in rows:
         assert r["verdict"] == ("regressed" if r["band"] < 0.10 - 1e-9 else "same"), r
-    past = [dict(m, value=m["value"] * (1 - b) if m["better"] == "higher"
-                 else m["value"] / (1 - b))
-            for m, b in zip(sorted(ms, key=lambda m: m["key"]),
-                            [r["band"] + 0.01 for r in rows])]
+    past = [slower(m, b) for m, b in zip(sorted(ms, key=lambda m: m["key"]),
+                                         [r["band"] + 0.01 for r in rows])]
     rows, _ = compare.compare(doc, {"metrics": past})
     assert all(r["verdict"] == "regressed" for r in rows)
     rows, _ = compare.compare(doc, {"metrics": [dict(m) for m in ms]})
