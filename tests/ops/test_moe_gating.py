@@ -207,22 +207,28 @@ def test_route_reference_against_float64_loop(scheme, T, E, k, dtype):
     spec = _spec(scheme, E, k)
     x = _logits(T, E, dtype, "cpu", gen)
     bias = _bias(E, "cpu", gen) if _has_bias(scheme) else None
+    bs = bias.double().tolist() if bias is not None else None
+    # A token whose deciding scores lie within 1e-4 (relative) of each other is routed by
+    # fp32 rounding in an order float64 does not share: not comparable. Such tokens (about 3%
+    # under DeepSeek-V3's and 1% under sigmoid_bias's scheme, none under the others) get fresh
+    # logits, so every one of the T tokens is compared; exact ties have their own test.
+    for t in range(T):
+        for _ in range(50):
+            if hf_route_token(x[t].double().tolist(), spec, bs)[2] >= 1e-4:
+                break
+            x[t] = _logits(1, E, dtype, "cpu", gen)[0]
+        else:
+            raise AssertionError(f"token {t}: 50 draws of logits, each a near tie")
     ids, w = route_reference(x, spec, bias)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert ids.shape == (T, k) and w.shape == (T, k)
     xs = x.double().tolist()
-    bs = bias.double().tolist() if bias is not None else None
-    skipped = 0
     for t in range(T):
-        want_ids, want_w, margin = hf_route_token(xs[t], spec, bs)
-        if margin < 1e-4:   # within fp32 rounding of a different order: not comparable
-            skipped += 1
-            continue
+        want_ids, want_w, _ = hf_route_token(xs[t], spec, bs)
         assert ids[t].tolist() == want_ids, f"token {t}: {ids[t].tolist()} != {want_ids}"
         err = (w[t].double() - torch.tensor(want_w)).abs()
         assert bool((err <= w_rtol(spec, E) / 2 * torch.tensor(want_w).abs()).all()), \
             f"token {t}: weights {w[t].tolist()} vs {want_w}"
-    assert skipped <= T // 4, f"{skipped} of {T} tokens were near ties"
 
 
 def test_route_reference_ties_go_to_the_lower_index():
