@@ -211,6 +211,12 @@ def device_capability(device) -> tuple:
     return _device_cc(idx)
 
 
+# why_not's answers for CUDA devices, (kernel, device index, compute capability) -> (the
+# capability table asked, the answer): the ops ask on every call, and the answer only changes
+# with the table or the device (a test that stands in another gets its own answers).
+_why_not_seen: dict = {}
+
+
 def why_not(kernel: str, device) -> str:
     """Why `kernel` cannot run on `device` ("" when it can): the device is not CUDA, _C is
     absent, the build lacks the kernel, no built architecture runs on the device, or the
@@ -228,6 +234,16 @@ def why_not(kernel: str, device) -> str:
     if kernel not in caps.kernels:
         return f"fusedist._C was built without the {kernel} kernel"
     cc = device_capability(device)
+    key = (kernel, device.index, cc)
+    seen = _why_not_seen.get(key)
+    if seen is not None and seen[0] is caps:
+        return seen[1]
+    why = _why_not_cc(kernel, k, device, caps, cc)
+    _why_not_seen[key] = (caps, why)
+    return why
+
+
+def _why_not_cc(kernel: str, k: "Kernel", device, caps: Capabilities, cc: tuple) -> str:
     if cc < k.min_cc:
         return (f"the {kernel} kernel needs compute capability >= {k.min_cc[0]}.{k.min_cc[1]}; "
                 f"{device} is {cc[0]}.{cc[1]}")
@@ -243,14 +259,12 @@ def kernel_runs(kernel: str, device) -> bool:
     return not why_not(kernel, device)
 
 
-_warned: set = set()
-
-
-def warn_reference(op: str, why: str) -> None:
-    """Once per process and reason: CUDA tensors are taking the plain-torch reference path
-    (correct, but far slower than the kernel)."""
-    if (op, why) in _warned:
-        return
-    _warned.add((op, why))
-    warnings.warn(f"fusedist.{op}: CUDA tensors run the plain-torch reference path ({why})",
-                  RuntimeWarning, stacklevel=4)
+def stream(device) -> int:
+    """The raw handle (cudaStream_t) of the current stream of CUDA `device` (a torch.device),
+    which the launchers take, read without building a torch.cuda.Stream object on every
+    launch. Another device type (a test's stand-in for one) asks torch.cuda.current_stream."""
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None or device.type != "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return raw(device.index if device.index is not None else torch.cuda.current_device())

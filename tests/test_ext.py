@@ -10,6 +10,7 @@ import pathlib
 import types
 
 import pytest
+import torch
 
 import fusedist
 from fusedist import _ext
@@ -66,6 +67,30 @@ def test_why_not_names_the_reason(fake_build, monkeypatch):
     why = _ext.why_not("silu_mul", "cuda:0")
     assert "built for 90a" in why and "FUSEDIST_CUDA_ARCHS=80" in why
     assert "needs compute capability >= 9.0" in _ext.why_not("gemv", "cuda:0")
+
+
+def test_why_not_answers_follow_the_capability_table(fake_build, monkeypatch):
+    """why_not remembers its answer per kernel and device: a new capability table (another
+    build) or another device must not get the old answer."""
+    monkeypatch.setattr(_ext, "device_capability", lambda d: (9, 0))
+    fake_build("gemv", "silu_mul")
+    assert _ext.why_not("silu_mul", "cuda:0") == ""
+    fake_build("gemv", "silu_mul", CUDA_ARCHS="80")   # another build of the same kernels
+    assert "built for 80" in _ext.why_not("silu_mul", "cuda:0")
+    fake_build("gemv", "silu_mul")
+    assert _ext.why_not("silu_mul", "cuda:0") == ""
+    monkeypatch.setattr(_ext, "device_capability", lambda d: (8, 0))   # another device
+    assert "built for 90a" in _ext.why_not("silu_mul", "cuda:0")
+    assert "cuda:1" in _ext.why_not("silu_mul", "cuda:1")
+
+
+def test_stream_of_a_stand_in_device_asks_torch(monkeypatch):
+    """_ext.stream reads the raw handle for CUDA devices; any other device goes through
+    torch.cuda.current_stream, which the tests' stand-in devices replace."""
+    import types
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=1234))
+    assert _ext.stream(torch.device("cpu")) == 1234
 
 
 def test_arch_strings():

@@ -571,3 +571,24 @@ def test_knobs_come_from_a_tuning_file(clean_env, monkeypatch, tmp_path):
             tuning.knobs("nope")
     finally:
         tuning.clear_cache()
+
+
+def test_gpu_table_is_read_once_per_device_and_cleared(clean_env, monkeypatch):
+    """gpu_table remembers each CUDA device's table (the ops ask on every call) until
+    clear_cache(), after which a changed FUSEDIST_TUNING_FILE is read."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "_gpu_name", lambda index: "NVIDIA H200")
+    tuning.clear_cache()
+    try:
+        first = tuning.gpu_table(torch.device("cuda", 0))
+        assert tuning.gpu_table(torch.device("cuda", 0)) is first
+        path = clean_env / "table.json"
+        path.write_text(json.dumps({"prefill": {"paged_fresh_max_tokens": 77}}))
+        monkeypatch.setenv("FUSEDIST_TUNING_FILE", str(path))
+        assert tuning.knobs("prefill", torch.device("cuda", 0))["paged_fresh_max_tokens"] != 77
+        tuning.clear_cache()
+        assert tuning.knobs("prefill", torch.device("cuda", 0))["paged_fresh_max_tokens"] == 77
+    finally:
+        monkeypatch.delenv("FUSEDIST_TUNING_FILE")
+        tuning.clear_cache()

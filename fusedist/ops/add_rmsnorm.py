@@ -212,7 +212,7 @@ def run(p: KernelPlan, out, x, residual, weight, eps, vectors_per_thread: int = 
     a.vectors_per_thread = vectors_per_thread
     if fp8:
         a.fp8_out, a.scale = True, scale.data_ptr()
-    C.add_rmsnorm(a, torch.cuda.current_stream(x.device).cuda_stream)
+    C.add_rmsnorm(a, _ext.stream(x.device))
     if r_copy:
         residual.copy_(rs.view(residual.shape))
     if o_copy:

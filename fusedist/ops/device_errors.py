@@ -38,6 +38,7 @@ class _Record(ctypes.Structure):
 
 
 _records: dict[int, tuple[int, int]] = {}   # device index -> (host pointer, device pointer)
+_views: dict[int, _Record] = {}              # device index -> the record, read in place
 
 
 def _index(device) -> int:
@@ -61,6 +62,7 @@ def record_ptr(device, allocate: bool = True) -> int:
             ctypes.memset(host, 0, ctypes.sizeof(_Record))
             rec = (host, C.host_mapped_device_ptr(host))
         _records[idx] = rec
+        _views[idx] = _Record.from_address(host)
     return rec[1]
 
 
@@ -101,13 +103,10 @@ def check_device_errors(device=None) -> None:
         for idx in list(_records):
             check_device_errors(idx)
         return
-    if not torch.cuda.is_available():
+    if not _records:   # no record exists before a kernel got one (nor without CUDA)
         return
-    rec = _records.get(_index(device))
-    if rec is None:
-        return
-    r = _Record.from_address(rec[0])
-    if r.state != 1:
+    r = _views.get(_index(device))
+    if r is None or r.state != 1:
         return
     fix = ("the routing (the ids passed to sort_by_expert, or the MoeLayout passed on)"
            if r.op in _MOE_OPS else

@@ -163,7 +163,7 @@ def _launch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     a.in_stride, a.out_stride = x2.stride(0), k
     a.dtype = _dtypes.code(x.dtype)
     a.group = group
-    C.quantize_rows(a, torch.cuda.current_stream(x.device).cuda_stream)
+    C.quantize_rows(a, _ext.stream(x.device))
     return q, scale
 
 

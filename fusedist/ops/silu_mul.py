@@ -151,7 +151,7 @@ def run(p: KernelPlan, out: torch.Tensor, gate_up: torch.Tensor,
     a.dtype = _dtypes.code(gate_up.dtype)
     if fp8:
         a.fp8_out, a.scale = True, scale.data_ptr()
-    C.silu_mul(a, torch.cuda.current_stream(gate_up.device).cuda_stream)
+    C.silu_mul(a, _ext.stream(gate_up.device))
     if o_copy:
         out.copy_(o2.view(out.shape))
 

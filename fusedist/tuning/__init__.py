@@ -510,6 +510,11 @@ def _table_for_gpu(gpu_name: str) -> dict:
     return load_table(gpu_name, 1)
 
 
+# gpu_table's answers by CUDA device index (the ops ask on every call): cleared with the
+# tables by clear_cache().
+_by_index: dict = {}
+
+
 def gpu_table(device=None) -> dict:
     """The single-GPU table (shipped default, overlaid by FUSEDIST_TUNING_FILE) for a CUDA
     device's model, read once per model and process; for None or a CPU device (or a machine
@@ -517,9 +522,16 @@ def gpu_table(device=None) -> dict:
     if device is not None:
         import torch
         device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.is_available():
-            return _table_for_gpu(_gpu_name(device.index if device.index is not None
-                                            else torch.cuda.current_device()))
+        if device.type == "cuda":
+            hit = _by_index.get(device.index)
+            if hit is not None:
+                return hit
+            if torch.cuda.is_available():
+                table = _table_for_gpu(_gpu_name(device.index if device.index is not None
+                                                 else torch.cuda.current_device()))
+                if device.index is not None:
+                    _by_index[device.index] = table
+                return table
     return _table_for_gpu("")
 
 
@@ -542,6 +554,7 @@ def knobs(section: str, device=None) -> dict:
 def clear_cache() -> None:
     """Forget the tables read so far (tests change FUSEDIST_TUNING_FILE)."""
     _table_for_gpu.cache_clear()
+    _by_index.clear()
 
 
 # ---- the decode attention planner (fusedist.ops.attention._decode) ---------------------------

@@ -498,7 +498,7 @@ def run_kernel(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor,
     a.err = device_errors.record_ptr(q.device)
     a.scale = plan.head_dim ** -0.5 if scale is None else float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(plan.dtype), _dtypes.code(plan.kv_dtype)
-    C.attention_decode(a, torch.cuda.current_stream(q.device).cuda_stream)
+    C.attention_decode(a, _ext.stream(q.device))
     return out
 
 

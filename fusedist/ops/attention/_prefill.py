@@ -431,7 +431,7 @@ def run_paged(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     a.err = device_errors.record_ptr(dev)
     a.scale = float(scale)
     a.q_dtype, a.kv_dtype = _dtypes.code(q.dtype), _dtypes.code(k_cache.dtype)
-    C.attention_prefill(a, torch.cuda.current_stream(dev).cuda_stream)
+    C.attention_prefill(a, _ext.stream(dev))
     return out
 
 

@@ -164,7 +164,7 @@ def check_pages_device(op: str, block_table: torch.Tensor, seq_lens: torch.Tenso
     a.rows, a.cols, a.bt_stride = rows, bt.shape[1], bt.stride(0)
     a.page_size, a.num_pages = page_size, num_pages
     a.op = {"decode": 1, "prefill": 3}[op]
-    C.paged_check(a, torch.cuda.current_stream(seq_lens.device).cuda_stream)
+    C.paged_check(a, _ext.stream(seq_lens.device))
     return bad.view(torch.bool)   # the kernel writes 0 / 1: a bool view, no conversion
 
 
@@ -198,7 +198,7 @@ def poison_rows(out: torch.Tensor, bad: torch.Tensor, tokens: int) -> None:
         a.token_stride, a.row_bytes = out.stride(0) * out.element_size(), row * out.element_size()
         a.seqs, a.tokens, a.elem_bytes = seqs, tokens, out.element_size()
         a.nan_bits = _NAN_BITS[out.dtype]
-        C.poison_rows(a, torch.cuda.current_stream(out.device).cuda_stream)
+        C.poison_rows(a, _ext.stream(out.device))
         return
     mask = bad[:, None].expand(seqs, tokens).reshape(-1)
     out.masked_fill_(mask.view(-1, *([1] * (out.dim() - 1))), float("nan"))

@@ -239,7 +239,7 @@ def run(p: KernelPlan, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
         if q_norm is not None:
             a.q_norm, a.k_norm = q_norm.data_ptr(), k_norm.data_ptr()
             a.norm_eps, a.norm_dtype = float(norm_eps), _dtypes.code(q_norm.dtype)
-        C.rope_append(a, torch.cuda.current_stream(q.device).cuda_stream)
+        C.rope_append(a, _ext.stream(q.device))
         return
     p.warn_if_reference(q.device)
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):

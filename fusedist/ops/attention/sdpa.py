@@ -4,6 +4,7 @@ chunk beside it (_reference_chunk)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -71,24 +72,37 @@ def sdpa_priority(device, order: Sequence[str] = SDPA_NAMES):
     on other devices or inside torch.compile, where the caller sets it around the compiled
     call, and when torch's state already is that: the prefill's order is torch's own default
     on Hopper). Leaving it restores torch's own default order (_init_sdpa_default)."""
-    import contextlib
     device = torch.device(device)
     if device.type != "cuda" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    bad = [n for n in order if n not in names]
-    if bad:
-        _fail("sdpa_priority", f"unknown SDPA backends {bad}; use names of {SDPA_NAMES}")
+    order = tuple(order)
+    backends = _priorities.get(order)
+    if backends is None:
+        bad = [n for n in order if n not in SDPA_NAMES]
+        if bad:
+            _fail("sdpa_priority", f"unknown SDPA backends {bad}; use names of {SDPA_NAMES}")
+        names = _backends()
+        backends = _priorities[order] = (
+            [names[n] for n in order] + [b for n, b in names.items() if n not in order],
+            [names[n] for n in order])
     _init_sdpa_default(device)
-    backends = [names[n] for n in order] + [b for n, b in names.items() if n not in order]
-    if _state_is(backends):
+    if _state_is(backends[0]):
         return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
     try:
-        return sdpa_kernel(backends, set_priority=True)
+        return sdpa_kernel(backends[0], set_priority=True)
     except TypeError:   # torch without set_priority: the allowed set only
-        return sdpa_kernel([names[n] for n in order])
+        return sdpa_kernel(backends[1])
+
+
+# sdpa_priority's backend lists by order: (the full priority list, the named ones)
+_priorities: dict = {}
+
+
+def _backends() -> dict:
+    from torch.nn.attention import SDPBackend
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 def _sdpa_context(device):

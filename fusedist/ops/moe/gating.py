@@ -341,7 +341,7 @@ def _route_kernel(logits, spec, bias, out=None):
         torch.empty(T, k, dtype=torch.float32, device=logits.device))
     C = _ext.load()
     a, _keep = _gating_args(C, logits, spec, bias, ids, weights)
-    C.moe_gating(a, torch.cuda.current_stream(logits.device).cuda_stream)
+    C.moe_gating(a, _ext.stream(logits.device))
     return ids, weights
 
 
@@ -440,7 +440,7 @@ def _sort_kernel(ids, num_experts, align, rows, chunk_pairs, out=None):
         ws = torch.empty(C.moe_sort_workspace_ints(T * k, num_experts, chunk_pairs),
                          dtype=torch.int32, device=dev)
         a.workspace, a.chunk_pairs = ws.data_ptr(), chunk_pairs
-    C.moe_sort(a, torch.cuda.current_stream(dev).cuda_stream)
+    C.moe_sort(a, _ext.stream(dev))
     return lay
 
 
@@ -491,7 +491,7 @@ def _route_sort_impl(logits, spec, bias, align, rows, fused: Optional[bool] = No
     device_errors.check_before_launch(logits)
     g, _keep = _gating_args(C, logits, spec, bias, ids, w)
     a = _sort_args(C, T, k, E, align, rows, lay, dev)
-    C.moe_route_sort(g, a, torch.cuda.current_stream(dev).cuda_stream)
+    C.moe_route_sort(g, a, _ext.stream(dev))
     return (ids, w, *lay)
 
 

@@ -219,7 +219,7 @@ def _permute_impl(x, src_index, top_k, quant, p: Optional[PermutePlan] = None, o
     a.quant = QUANTS.index(quant)
     a.dtype = _dtypes.code(x.dtype)
     a.err = device_errors.record_ptr(dev)
-    C.moe_permute(a, torch.cuda.current_stream(dev).cuda_stream)
+    C.moe_permute(a, _ext.stream(dev))
     return out
 
 
@@ -259,7 +259,7 @@ def _unpermute_impl(y_perm, dest_index, weights, residual, out=None,
     a.tokens, a.rows, a.top_k, a.hidden = T, y_perm.shape[0], k, H
     a.dtype = _dtypes.code(y_perm.dtype)
     a.err = device_errors.record_ptr(dev)
-    C.moe_unpermute(a, torch.cuda.current_stream(dev).cuda_stream)
+    C.moe_unpermute(a, _ext.stream(dev))
     return out if ov is not None else o
 
 
