@@ -10,9 +10,10 @@ distinct input buffers and cache regions; GB/s = bytes moved (q and k read + wri
 k and v cache rows written, cos/sin rows read) / time.
 prefill: fusedist.ops.prefill over a paged cache (page 16, shuffled pages), batch 1, fresh
 prompts (1K, 4K, 8K) and chunked prefill (512 new tokens behind 3584 cached, 128 behind 4000).
-The headline is backend "auto" as TPAttention calls it (lengths on the host, out=None, the
-keys and values just appended passed as k_new / v_new, which a prompt without a prefix reads
-instead of its pages); every other backend of PREFILL_BACKENDS but "reference" is timed as a
+The headline is backend "auto" as TPAttention calls it (lengths on the host, the step's
+PrefillPlan made once outside the timing as the runner makes it once for all layers, out=None,
+the keys and values just appended passed as k_new / v_new, which a prompt without a prefix
+reads instead of its pages); every other backend of PREFILL_BACKENDS but "reference" is timed as a
 diagnostic (a backend that cannot take a case leaves a note). Peers on the same keys and
 values: torch SDPA on contiguous [1, heads, S, 128] copies (cuDNN and flash, is_causal or
 lower-right causal; GQA native and expanded; cuDNN on BSHD views) and, when `import
@@ -277,10 +278,15 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
     row = dict(section="prefill", q_heads=hq, kv_heads=hkv, new_tokens=n, context=L,
                page_size=ps, head_dim=D, tflops_counted=fl / 1e12, notes=[])
 
+    # the step's plan, made once for every layer as the runner makes it (FlashInfer's wrapper
+    # below is planned once too)
+    plan = A.prefill_plan(bt, sl, cu, tokens=n, page_size=ps, num_pages=kc.shape[0],
+                          seq_lens_host=[L], cu_seqlens_q_host=[0, n])
+
     def call(backend="auto", fresh=True):
         kw = dict(k_new=k_new, v_new=v_new) if fresh else {}
         return lambda: A.prefill(q, kc, vc, bt, sl, cu, seq_lens_host=[L],
-                                 cu_seqlens_q_host=[0, n], backend=backend, **kw)
+                                 cu_seqlens_q_host=[0, n], backend=backend, plan=plan, **kw)
 
     ref = call("reference", fresh=False)()
     # the headline: what TPAttention runs (auto; fresh K/V when there is no prefix)
@@ -400,8 +406,8 @@ def markdown(rows, meta=None) -> str:
     pdl = {True: "on", False: "off", None: "?"}[meta.get("flashinfer_pdl")]
     g = lambda r, k: fmt(r.get(f"{k}_tflops"), 0)  # noqa: E731
     out += ["## Prefill (bf16, head_dim 128, batch 1, page 16; TFLOP/s of the causal half)", "",
-            "fusedist = `prefill(backend=\"auto\")` as TPAttention calls it (fresh K/V when there "
-            "is no prefix); eager: median of 7 x 5 calls, graph: CUDA graphs of 10 calls (auto "
+            "fusedist = `prefill(backend=\"auto\")` as TPAttention calls it (the step's plan "
+            "made once, fresh K/V when there is no prefix); eager: median of 7 x 5 calls, graph: CUDA graphs of 10 calls (auto "
             "decides inside the capture, which may pick another backend than eager calls). "
             "vs best = fusedist / the fastest peer whose output matched the fp32 reference "
             "(SDPA cuDNN and flash on contiguous copies of the same keys and values, plain, "
