@@ -268,3 +268,16 @@ def stream(device) -> int:
     if raw is None or device.type != "cuda":
         return torch.cuda.current_stream(device).cuda_stream
     return raw(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_warned: set = set()
+
+
+def warn_reference(op: str, why: str) -> None:
+    """Once per process and reason: CUDA tensors are taking the plain-torch reference path
+    (correct, but far slower than the kernel)."""
+    if (op, why) in _warned:
+        return
+    _warned.add((op, why))
+    warnings.warn(f"fusedist.{op}: CUDA tensors run the plain-torch reference path ({why})",
+                  RuntimeWarning, stacklevel=4)

@@ -93,6 +93,21 @@ def test_stream_of_a_stand_in_device_asks_torch(monkeypatch):
     assert _ext.stream(torch.device("cpu")) == 1234
 
 
+def test_reference_fallback_warns_once_per_op_and_reason(monkeypatch):
+    """The ops on CUDA tensors that fall back to the plain-torch path say so, once per op and
+    reason (the GPU tests reach it only when a kernel is missing from the build)."""
+    monkeypatch.setattr(_ext, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"fusedist.gemv: CUDA tensors run the plain-torch "
+                                            r"reference path \(no kernel\)"):
+        _ext.warn_reference("gemv", "no kernel")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _ext.warn_reference("gemv", "no kernel")          # said once already
+    with pytest.warns(RuntimeWarning, match="fusedist.gemv.*other reason"):
+        _ext.warn_reference("gemv", "other reason")
+
+
 def test_arch_strings():
     caps = _ext.Capabilities(built=True, cuda_archs=("90a", "100a", "80"))
     assert caps.runs_on((9, 0)) and caps.runs_on((10, 0)) and caps.runs_on((8, 6))
