@@ -857,6 +857,23 @@ def test_prefill_auto_rule(monkeypatch):
     # a table's section moves the crossover
     near = dict(kn, paged_fresh_max_tokens=big - 1)
     assert not rule(2 * big - 2, [big - 1] * 2, [0, big - 1, 2 * big - 2], new, hd, knobs=near)
+    # the plan's step_shape, made once per step, gives every layer the same choice
+    for T, lens, cu, kv, w in [(2 * big, [big, big], [0, big, 2 * big], new, True),
+                               (2 * big - 2, [big - 1] * 2, [0, big - 1, 2 * big - 2], new, True),
+                               (big + 1, [big, 1], [0, big, big + 1], new, True),
+                               (4096, [8096], [0, 4096], None, True),
+                               (8 * 256, [4096] * 8, list(range(0, 2049, 256)), None, False),
+                               (2 * small, [small] * 2, [0, small, 2 * small], new, False)]:
+        shape = P.step_shape(cu, lens)
+        assert rule(T, None, None, kv, hd, wgmma=w, shape=shape) == rule(T, lens, cu, kv, hd,
+                                                                          wgmma=w)
+    assert P.step_shape([0, 3, 10], [3, 12]) == (3 * 4 // 2 + 7 * 5 + 7 * 8 // 2, False, 3)
+    assert P.step_shape([0, 4, 8], [4, 4]) == (20, True, 4)
+    pl = A.prefill_plan(torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 12]),
+                        torch.tensor([0, 3, 10]), tokens=10, page_size=16, num_pages=1,
+                        seq_lens_host=[3, 12], cu_seqlens_q_host=[0, 3, 10])
+    assert pl.shape == P.step_shape([0, 3, 10], [3, 12])
+    assert (pl.max_q_len, pl.max_keys) == (7, 12)
 
 
 def test_prefill_split_plan():

@@ -146,8 +146,10 @@ class PrefillPlan:
     """One prefill step's metadata, checked once and shared by every layer's prefill() call
     (prefill_plan() builds it; TPAttention takes it from AttentionMetadata.plan): the host
     lengths, the SDPA runs and their page indices, the rows whose metadata is bad (on CUDA a
-    device mask from one check kernel: those rows come out NaN), and the paged kernel's grid
-    bounds. Valid for the block_table tensor it was made for and that step's values."""
+    device mask from one check kernel: those rows come out NaN), the paged kernel's grid
+    bounds and what auto's choice reads of the lengths (step_shape), so a layer's call does
+    no pass over the sequences. Valid for the block_table tensor it was made for and that
+    step's values."""
     tokens: int
     cu: list
     lens: list
@@ -158,6 +160,7 @@ class PrefillPlan:
     bad: Optional[torch.Tensor] = None
     max_q_len: int = 0
     max_keys: int = 0
+    shape: Optional[tuple] = None   # step_shape(cu, lens): what auto's choice reads
     _pages: dict = field(default_factory=dict)
 
     def pages(self, i: int) -> torch.Tensor:
@@ -196,7 +199,7 @@ def prefill_plan(block_table: torch.Tensor, seq_lens: torch.Tensor,
     return PrefillPlan(tokens=tokens, cu=cu, lens=lens, page_size=page_size,
                        num_pages=num_pages, block_table=block_table, runs=prefill_runs(cu, lens),
                        bad=bad, max_q_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
-                       max_keys=max(lens, default=0))
+                       max_keys=max(lens, default=0), shape=step_shape(cu, lens))
 
 
 def _check_plan(plan: PrefillPlan, T, block_table, k_cache):
@@ -229,11 +232,14 @@ def _prefill_impl(out, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
         if not why and (backend == "paged" or _auto_paged(
                 T, lens, cu, k_new, q.shape[1] * q.shape[2], fp8=k_scale is not None,
                 wgmma=q.shape[2] == 128 and capability(q.device) == (9, 0),
-                knobs=tuning.knobs("prefill", q.device))):
+                knobs=tuning.knobs("prefill", q.device),
+                shape=plan.shape if plan is not None else None)):
             if plan is None and lens is not None and cu is not None:
                 cu, lens = _prefill_bounds("prefill", cu_seqlens_q, seq_lens, T, block_table,
                                            ps, lens, cu)
-            if cu is not None:
+            if plan is not None:
+                mq, max_keys = plan.max_q_len, plan.max_keys
+            elif cu is not None:
                 mq = max(b - a for a, b in zip(cu, cu[1:]))
                 max_keys = max(lens, default=0)
             else:   # lengths only on the device: the grid covers every token
@@ -307,28 +313,39 @@ def paged_why_not(q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return ""
 
 
+def step_shape(cu: Sequence[int], lens: Sequence[int]) -> tuple:
+    """What auto's choice reads of a step's lengths, (query-key pairs of the causal attention,
+    every sequence fresh (no cached prefix), the fewest new tokens of a sequence): a pass
+    over the sequences, made once per step by prefill_plan (not per layer)."""
+    ns = [b - a for a, b in zip(cu, cu[1:])]
+    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(ns, lens))
+    return pairs, all(n == L for n, L in zip(ns, lens)), min(ns, default=0)
+
+
 def _auto_paged(T, lens, cu, k_new, heads_x_dim: int = 0, fp8: bool = False,
-                wgmma: bool = True, knobs: Optional[dict] = None) -> bool:
+                wgmma: bool = True, knobs: Optional[dict] = None,
+                shape: Optional[tuple] = None) -> bool:
     """auto's choice on CUDA when the kernel can take the call (PREFILL_BACKENDS' comment);
     heads_x_dim = q_heads * head_dim prices the step's FLOPs; fp8: the cache is FP8; wgmma:
     the kernel runs its wgmma mainloop (else the mma.sync thresholds apply); knobs: the
-    tuning table's "prefill" section (None: the shipped values)."""
+    tuning table's "prefill" section (None: the shipped values); shape: step_shape(cu, lens)
+    when the plan has it (else computed from lens and cu)."""
     kn = tuning.section_values({}, "prefill") if knobs is None else knobs
     if fp8 or torch.cuda.is_current_stream_capturing():
         return True
     if not kn["auto_paged"]:
         return False
-    if lens is None or cu is None:
-        return True
-    ns = [b - a for a, b in zip(cu, cu[1:])]
-    pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(ns, lens))
+    if shape is None:
+        if lens is None or cu is None:
+            return True
+        shape = step_shape(cu, lens)
+    pairs, fresh, min_new = shape
     if 4 * heads_x_dim * pairs > (kn["paged_max_flops"] if wgmma else kn["mma_max_flops"]):
         return False
     if k_new is None and not wgmma:
         return True
-    fresh = all(n == L for n, L in zip(ns, lens))
-    return not (fresh and min(ns, default=0) >= (kn["paged_fresh_max_tokens"] if wgmma else
-                                                 kn["mma_fresh_max_tokens"]))
+    return not (fresh and min_new >= (kn["paged_fresh_max_tokens"] if wgmma else
+                                      kn["mma_fresh_max_tokens"]))
 
 
 def plan_splits(q_tiles: int, kv_heads: int, batch: int, max_keys: int, sms: int,
