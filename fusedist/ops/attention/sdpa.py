@@ -90,9 +90,9 @@ def sdpa_priority(device, order: Sequence[str] = SDPA_NAMES):
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
     try:
-        return sdpa_kernel(backends[0], set_priority=True)
+        return sdpa_kernel(list(backends[0]), set_priority=True)   # copies: torch's own
     except TypeError:   # torch without set_priority: the allowed set only
-        return sdpa_kernel(backends[1])
+        return sdpa_kernel(list(backends[1]))
 
 
 # sdpa_priority's backend lists by order: (the full priority list, the named ones)
