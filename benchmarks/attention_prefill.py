@@ -246,21 +246,27 @@ def _best(row, keys, suffix="") -> tuple:
 
 
 def prefill_rows(quick: bool, fi=None) -> list[dict]:
-    rows = []
+    rows, later = [], []
     for hq, hkv, n, L in prefill_cases(quick):
-        rows.append(_prefill_case(hq, hkv, n, L, fi))
+        rows.append(_prefill_case(hq, hkv, n, L, fi, later))
         r = rows[-1]
         print(f"prefill {hq}/{hkv} {n}/{L}: " + ", ".join(
             f"{k[:-7]} {v:.0f}" for k, v in r.items() if k.endswith("_tflops")) + " TFLOP/s",
             flush=True)
         for note in r["notes"]:
             print(f"  note: {note}", flush=True)
+    # The kernels' names come from the profiler, after every timing: a profiler session can
+    # leave CUPTI attached to the process (torch does not always tear it down), which slows
+    # the eager launches timed after it.
+    for r, fn in later:
+        r["fusedist_kernels"] = _kernel_names(fn)
     return rows
 
 
-def _prefill_case(hq, hkv, n, L, fi) -> dict:
+def _prefill_case(hq, hkv, n, L, fi, later: list) -> dict:
     """One prefill case: every fusedist backend, the SDPA and FlashInfer peers on the same
-    cache contents, each checked against the fp32 reference, eager and in graphs."""
+    cache contents, each checked against the fp32 reference, eager and in graphs; (row, the
+    headline's call) goes to `later` for its kernel names."""
     ps = 16
     pages = math.ceil(L / ps)
     kc = torch.randn((pages + 8, ps, hkv, D), device=DEV, dtype=torch.bfloat16)
@@ -291,7 +297,7 @@ def _prefill_case(hq, hkv, n, L, fi) -> dict:
     ref = call("reference", fresh=False)()
     # the headline: what TPAttention runs (auto; fresh K/V when there is no prefix)
     if _time(row, "fusedist", call(), fl, ref):
-        row["fusedist_kernels"] = _kernel_names(call())
+        later.append((row, call()))   # its kernels are listed after every case's timing
     if n == L:   # auto reading the pages back (with a prefix it is the headline's call)
         _time(row, "fusedist_pages", call(fresh=False), fl, ref)
     for b in prefill_backends():
