@@ -89,7 +89,7 @@ if want tests; then
   rm -rf "$LOGS/workers"
   FUSEDIST_WORKER_LOG_DIR="$LOGS/workers" stage tests "${FUSEDIST_TESTS_TIMEOUT:-1500}" \
     python3 -P -m pytest -q -rs -m "gpu or gpu2 or gpu4 or gpu8" ${FUSEDIST_TESTS:-tests} \
-    -p no:cacheprovider \
+    -p no:cacheprovider --durations=20 \
     || for f in "$LOGS"/workers/*.log; do
          [[ -e $f ]] && { echo "== tail of $(basename "$f")"; tail -5 "$f"; } >> "$OUT/summary.txt.head"
        done
