@@ -12,18 +12,17 @@ prefill: fusedist.ops.prefill over a paged cache (page 16, shuffled pages), batc
 prompts (1K, 4K, 8K) and chunked prefill (512 new tokens behind 3584 cached, 128 behind 4000).
 The headline is backend "auto" as TPAttention calls it (lengths on the host, the step's
 PrefillPlan made once outside the timing as the runner makes it once for all layers, out=None,
-the keys and values just appended passed as k_new / v_new, which a prompt without a prefix
-reads instead of its pages); every other backend of PREFILL_BACKENDS but "reference" is timed as a
-diagnostic (a backend that cannot take a case leaves a note). Peers on the same keys and
-values: torch SDPA on contiguous [1, heads, S, 128] copies (cuDNN and flash, is_causal or
-lower-right causal; GQA native and expanded; cuDNN on BSHD views) and, when `import
-flashinfer` works, FlashInfer's BatchPrefillWithPagedKVCacheWrapper (causal) on the same
-paged cache (fa3 and fa2; the faster is its figure). Every output is checked against the fp32
-reference path before it is timed (each head vector within 1% relative L2, the tests' bound
-for bf16); a peer whose output misses is not counted. Times: eager
-calls (median of 7 x 5) and, where the call can be captured, CUDA graphs of 10 calls (a
-failed capture leaves a note). TFLOP/s counts the causal half: 4 * q_heads * head_dim * sum
-over queries of the keys each sees.
+the keys and values just appended passed as k_new / v_new, which a prompt without a prefix reads
+instead of its pages); every other backend of PREFILL_BACKENDS but "reference" is timed as a
+diagnostic (a backend that cannot take a case leaves a note). Peers on the same keys and values:
+torch SDPA on contiguous [1, heads, S, 128] copies (cuDNN and flash, is_causal or lower-right
+causal; GQA native and expanded; cuDNN on BSHD views) and, when `import flashinfer` works,
+FlashInfer's BatchPrefillWithPagedKVCacheWrapper (causal) on the same paged cache (fa3 and fa2;
+the faster is its figure). Every output is checked against the fp32 reference path before it is
+timed (each head vector within 1% relative L2, the tests' bound for bf16); a peer whose output
+misses is not counted. Times: eager calls (median of 7 x 5) and, where the call can be captured,
+CUDA graphs of 10 calls (a failed capture leaves a note). TFLOP/s counts the causal half: 4 *
+q_heads * head_dim * sum over queries of the keys each sees.
 Results: benchmarks/results/<gpu>-w1/attention_prefill.{json,md}.
 """
 
@@ -413,8 +412,9 @@ def markdown(rows, meta=None) -> str:
     g = lambda r, k: fmt(r.get(f"{k}_tflops"), 0)  # noqa: E731
     out += ["## Prefill (bf16, head_dim 128, batch 1, page 16; TFLOP/s of the causal half)", "",
             "fusedist = `prefill(backend=\"auto\")` as TPAttention calls it (the step's plan "
-            "made once, fresh K/V when there is no prefix); eager: median of 7 x 5 calls, graph: CUDA graphs of 10 calls (auto "
-            "decides inside the capture, which may pick another backend than eager calls). "
+            "made once, fresh K/V when there is no prefix); eager: median of 7 x 5 calls, "
+            "graph: CUDA graphs of 10 calls (auto decides inside the capture, which may pick "
+            "another backend than eager calls). "
             "vs best = fusedist / the fastest peer whose output matched the fp32 reference "
             "(SDPA cuDNN and flash on contiguous copies of the same keys and values, plain, "
             "expanded GQA and BSHD views; FlashInfer). " + (
