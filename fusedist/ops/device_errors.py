@@ -44,6 +44,8 @@ _views: dict[int, _Record] = {}              # device index -> the record, read 
 def _index(device) -> int:
     if device is None:
         return torch.cuda.current_device()
+    if isinstance(device, int):   # a device index (the records are kept by index)
+        return device
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()
 

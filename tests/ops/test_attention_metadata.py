@@ -202,6 +202,28 @@ def test_check_device_errors_is_a_no_op_without_a_record():
     fusedist.clear_device_errors()
 
 
+def test_check_device_errors_reads_a_record_in_place(monkeypatch):
+    """The host side of the record, on the CPU: a record in host memory stands in for the
+    host-mapped one a kernel writes; check_device_errors reads it where it lies (raising with
+    the kernel's description), clear_device_errors resets it."""
+    import ctypes
+
+    from fusedist.ops import device_errors as DE
+    rec = DE._Record()
+    monkeypatch.setattr(DE, "_records", {0: (ctypes.addressof(rec), 0)})
+    monkeypatch.setattr(DE, "_views", {0: DE._Record.from_address(ctypes.addressof(rec))})
+    fusedist.check_device_errors("cuda:0")                # state 0: nothing recorded
+    rec.state, rec.op, rec.what, rec.row, rec.value, rec.limit = 1, 3, 2, 5, 900, 64
+    with pytest.raises(MetadataError, match=r"fusedist.prefill: seq_lens\[5\] = 900 is outside "
+                                            r"\[0, 64\]"):
+        fusedist.check_device_errors("cuda:0")
+    with pytest.raises(MetadataError):
+        fusedist.check_device_errors("all")
+    fusedist.clear_device_errors("cuda:0")
+    assert rec.state == 0
+    fusedist.check_device_errors("cuda:0")
+
+
 # ---- GPU: record, poison, never leave the tensors --------------------------------------------
 def _expect_recorded(match):
     torch.cuda.synchronize()
