@@ -84,13 +84,19 @@ def test_why_not_answers_follow_the_capability_table(fake_build, monkeypatch):
     assert "cuda:1" in _ext.why_not("silu_mul", "cuda:1")
 
 
-def test_stream_of_a_stand_in_device_asks_torch(monkeypatch):
-    """_ext.stream reads the raw handle for CUDA devices; any other device goes through
-    torch.cuda.current_stream, which the tests' stand-in devices replace."""
+def test_stream_reads_the_raw_handle_of_the_device(monkeypatch):
+    """_ext.stream reads the raw handle for CUDA devices (the current device's for "cuda"); any
+    other device goes through torch.cuda.current_stream, which the tests' stand-ins replace."""
     import types
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(cuda_stream=1234))
     assert _ext.stream(torch.device("cpu")) == 1234
+    # a CUDA device: torch's raw handle of that device's current stream, no Stream object
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index,
+                        raising=False)
+    assert _ext.stream(torch.device("cuda", 3)) == 1003
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert _ext.stream(torch.device("cuda")) == 1002
 
 
 def test_reference_fallback_warns_once_per_op_and_reason(monkeypatch):
